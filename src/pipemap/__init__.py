@@ -1,0 +1,35 @@
+"""pipemap: place a multi-model pipeline across every GPU and the CPU RAM of a machine, and run it there."""
+
+from .dispatch import dispatch, reset
+from .errors import (
+    ArgumentConflictError,
+    CheckpointError,
+    DispatchError,
+    DoesNotFitError,
+    HardwareSpecError,
+    MemorySpecError,
+    NotAPipelineError,
+    PipelineMappedError,
+    PipemapError,
+    PlanMismatchError,
+    UnknownComponentError,
+    UnknownDeviceError,
+    UnknownDtypeError,
+    UnknownStrategyError,
+)
+from .hardware import Device, Hardware, normalize_device
+from .inventory import Component, Inventory, inspect
+from .loading import load
+from .plan import DeviceUse, Placement, Plan
+from .planner import STRATEGIES, plan
+from .units import format_bytes, parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentConflictError", "CheckpointError", "Component", "Device", "DeviceUse", "DispatchError",
+    "DoesNotFitError", "Hardware", "HardwareSpecError", "Inventory", "MemorySpecError", "NotAPipelineError",
+    "PipelineMappedError", "PipemapError", "Placement", "Plan", "PlanMismatchError", "STRATEGIES",
+    "UnknownComponentError", "UnknownDeviceError", "UnknownDtypeError", "UnknownStrategyError", "__version__",
+    "dispatch", "format_bytes", "inspect", "load", "normalize_device", "parse_bytes", "plan", "reset",
+]

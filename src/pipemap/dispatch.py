@@ -1,0 +1,211 @@
+"""Apply a plan to a pipeline in memory, and undo it.
+
+One accelerate hook at the root of each component moves its inputs to the component's device and its outputs to
+the pipeline's execution device, so the pipeline's own ``__call__`` runs unchanged. ``dispatch`` is atomic: if
+placing any component fails, every component is put back where it was and the error says which one failed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+from diffusers.utils.accelerate_utils import apply_forward_hook
+
+from .errors import DispatchError, PipelineMappedError, PlanMismatchError
+from .plan import Plan
+from .transfer import move, move_tensor
+
+# diffusers' VAEs run `encode`/`decode` through `apply_forward_hook`, which calls `pre_forward(module)` with no
+# arguments, so inputs would stay where they are; those methods get a wrapper of their own (found by this code).
+_FORWARD_HOOK_CODE = apply_forward_hook(lambda self: None).__code__
+_GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload",
+            "reset_device_map")
+
+
+class PlacementHook(ModelHook):
+    """Inputs to ``device``; outputs to the pipeline's execution device.
+
+    ``execution_device`` is the attribute diffusers' ``DiffusionPipeline._execution_device`` reads from the first
+    hooked component: it names the pipeline's execution device (where latents and embeddings live), which is why
+    every pipemap hook carries that one, and the component's own device is ``device``.
+    """
+
+    def __init__(self, component: str, device: str, execution_device: str):
+        self.component = component
+        self.device = torch.device(device)
+        self.execution_device = torch.device(execution_device)
+
+    def pre_forward(self, module, *args, **kwargs):
+        return move(args, self.device), move(kwargs, self.device)
+
+    def post_forward(self, module, output):
+        return move(output, self.execution_device)
+
+    def __repr__(self) -> str:
+        return f"PlacementHook({self.component!r}, device={self.device}, execution_device={self.execution_device})"
+
+
+@dataclass
+class _Saved:
+    """What dispatch changed on one component, to put back on failure or reset."""
+
+    devices: dict[str, torch.device]
+
+
+def dispatch(pipe, plan: Plan) -> None:
+    """Place and hook every component of ``pipe`` as ``plan`` says; the pipeline's own call then runs unchanged.
+
+    >>> pipe = DiffusionPipeline.from_pretrained("path/to/sdxl")                  # doctest: +SKIP
+    >>> plan = pipemap.plan(pipe, hardware="2x24GiB")                             # doctest: +SKIP
+    >>> pipemap.dispatch(pipe, plan); pipe.hf_device_map                          # doctest: +SKIP
+    {'text_encoder': 'cuda:1', 'text_encoder_2': 'cuda:1', 'unet': 'cuda:0', 'vae': 'cuda:1'}
+    """
+    modules = _check(pipe, plan)
+    saved: dict[str, _Saved] = {}
+    for placement in plan.components:
+        module = modules[placement.component]
+        saved[placement.component] = _Saved(_tensor_devices(module))
+        try:
+            place_module(module, placement.device)
+            hook_component(module, PlacementHook(placement.component, placement.device, plan.execution_device))
+        except Exception as err:
+            _undo(modules, saved)
+            raise DispatchError(placement.component, placement.device, err) from err
+    _mark(pipe, plan)
+
+
+def reset(pipe) -> None:
+    """Remove every pipemap hook and bring every component back to the CPU, as before ``dispatch``.
+
+    >>> pipemap.reset(pipe); pipe.hf_device_map is None                           # doctest: +SKIP
+    True
+    """
+    for module in _modules(pipe).values():
+        unhook_component(module)
+        place_module(module, "cpu")
+    for name in _GUARDED:
+        pipe.__dict__.pop(name, None)
+    pipe.__dict__.pop("_pipemap_plan", None)
+    pipe.hf_device_map = None
+
+
+def planned(pipe) -> Plan | None:
+    """The plan a pipeline was dispatched with, or None."""
+    return pipe.__dict__.get("_pipemap_plan")
+
+
+def place_module(module: torch.nn.Module, device: str | torch.device) -> None:
+    """Move every parameter and buffer not yet on ``device`` there, through the one transfer function.
+
+    ``module.to`` would do for real tensors, but it reassigns every tensor even when already in place (which fake
+    weights of a dry run refuse) and bypasses pipemap's safe-copy routing.
+    """
+    target = torch.device(device)
+    for sub in module.modules():
+        for key, param in sub._parameters.items():
+            if param is not None and param.device != target:
+                param.data = move_tensor(param.data, target)
+        for key, buffer in sub._buffers.items():
+            if buffer is not None and buffer.device != target:
+                sub._buffers[key] = move_tensor(buffer, target)
+
+
+def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
+    """Attach ``hook`` at the component's root, and to the methods diffusers routes through ``apply_forward_hook``."""
+    add_hook_to_module(module, hook)
+    for name in _hooked_methods(module):
+        module.__dict__[name] = _wrap_method(module, getattr(type(module), name).__get__(module), hook)
+
+
+def unhook_component(module: torch.nn.Module) -> None:
+    """Remove what ``hook_component`` added, leaving no trace in the module's ``__dict__``."""
+    if isinstance(getattr(module, "_hf_hook", None), ModelHook):
+        remove_hook_from_module(module)
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__func__", None) is type(module).forward:
+            del module.__dict__["forward"]
+    for name in _hooked_methods(module):
+        module.__dict__.pop(name, None)
+
+
+def _hooked_methods(module: torch.nn.Module) -> list[str]:
+    names = []
+    for name in ("encode", "decode", "tiled_encode", "tiled_decode"):
+        function = getattr(type(module), name, None)
+        if getattr(function, "__code__", None) is _FORWARD_HOOK_CODE:
+            names.append(name)
+    return names
+
+
+def _wrap_method(module, method, hook: ModelHook):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        args, kwargs = hook.pre_forward(module, *args, **kwargs)
+        return hook.post_forward(module, method(*args, **kwargs))
+
+    return wrapper
+
+
+def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
+    if planned(pipe) is not None:
+        raise PipelineMappedError("dispatching a pipeline that pipemap already placed")
+    modules = _modules(pipe)
+    for name, module in modules.items():
+        if getattr(module, "_hf_hook", None) is not None:
+            raise PlanMismatchError(name, f"it already carries the hook {type(module._hf_hook).__name__} (from "
+                                    "enable_model_cpu_offload or a device_map); call pipe.remove_all_hooks() first")
+    planned_names = {p.component for p in plan.components}
+    for name in modules:
+        if name not in planned_names:
+            raise PlanMismatchError(name, "the pipeline has this model but the plan does not place it; re-plan from "
+                                    "this pipeline (pipemap.plan(pipe, ...)) or add it to the device map")
+    for name in planned_names:
+        if name not in modules:
+            raise PlanMismatchError(name, f"the plan places it but the pipeline has no such model (it has: "
+                                    f"{', '.join(modules)})")
+    return modules
+
+
+def _modules(pipe) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+
+
+def _tensor_devices(module: torch.nn.Module) -> dict[str, torch.device]:
+    devices = {f"p:{k}": v.device for k, v in module.named_parameters(remove_duplicate=False)}
+    devices.update({f"b:{k}": v.device for k, v in module.named_buffers(remove_duplicate=False)})
+    return devices
+
+
+def _undo(modules: dict[str, torch.nn.Module], saved: dict[str, _Saved]) -> None:
+    for name, state in saved.items():
+        module = modules[name]
+        unhook_component(module)
+        for key, device in state.devices.items():
+            kind, _, path = key.partition(":")
+            owner_path, _, attr = path.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            tensor = getattr(owner, attr)
+            if tensor.device == device:
+                continue
+            if kind == "p":
+                tensor.data = move_tensor(tensor.data, device)
+            else:
+                owner._buffers[attr] = move_tensor(tensor, device)
+
+
+def _mark(pipe, plan: Plan) -> None:
+    pipe.hf_device_map = plan.device_map
+    pipe.__dict__["_pipemap_plan"] = plan
+    for name in _GUARDED:
+        pipe.__dict__[name] = _refuse(f"pipe.{name}()")
+    pipe.__dict__["reset_device_map"] = functools.partial(reset, pipe)  # diffusers' own undo does ours
+
+
+def _refuse(operation: str):
+    def refuse(*args, **kwargs):
+        raise PipelineMappedError(operation)
+
+    return refuse

@@ -1,0 +1,160 @@
+"""Every error pipemap raises. Each carries its data as attributes and its message says what to do.
+
+Errors in what the user gave (a map, a memory string, a folder) also derive from ``ValueError``, so code that
+already catches diffusers' ``ValueError`` for a bad ``device_map`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class PipemapError(Exception):
+    """The base of every pipemap error."""
+
+
+class MemorySpecError(PipemapError, ValueError):
+    """A memory size that is not an integer or a string like ``"24GiB"``."""
+
+    def __init__(self, text: object):
+        self.text = text
+        super().__init__(
+            f"cannot read {text!r} as a memory size: write an integer number of bytes or a string such as "
+            "'512MB', '24GiB' or '1.5TB' (KB/MB/GB are powers of 1000, KiB/MiB/GiB powers of 1024)"
+        )
+
+
+class HardwareSpecError(PipemapError, ValueError):
+    """A hardware profile string that cannot be read."""
+
+    def __init__(self, spec: str, part: str, reason: str):
+        self.spec, self.part, self.reason = spec, part, reason
+        super().__init__(
+            f"cannot read {part!r} in the hardware spec {spec!r}: {reason}. Write devices as "
+            "'cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB' or the shorthand '2x24GiB,cpu=64GiB'"
+        )
+
+
+class UnknownDeviceError(PipemapError, ValueError):
+    """A device that this machine or the hardware profile lacks."""
+
+    def __init__(self, device: object, available: tuple[str, ...]):
+        self.device, self.available = device, tuple(available)
+        super().__init__(
+            f"device {device!r} is not on this machine or in the hardware profile; the devices are "
+            f"{', '.join(self.available) or 'none'}. Use one of them, or describe the target machine with "
+            "hardware='cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB'"
+        )
+
+
+class UnknownComponentError(PipemapError, ValueError):
+    """A component named in a device map that the pipeline does not have."""
+
+    def __init__(self, component: str, known: tuple[str, ...]):
+        self.component, self.known = component, tuple(known)
+        super().__init__(
+            f"the pipeline has no component {component!r} with weights; its components are: "
+            f"{', '.join(self.known)}. Fix the name in the device map"
+        )
+
+
+class UnknownStrategyError(PipemapError, ValueError):
+    """A strategy name pipemap does not know."""
+
+    def __init__(self, strategy: object, known: tuple[str, ...]):
+        self.strategy, self.known = strategy, tuple(known)
+        super().__init__(
+            f"unknown strategy {strategy!r}: use one of {', '.join(self.known)}, or a dict "
+            "{component: device}"
+        )
+
+
+class DoesNotFitError(PipemapError, ValueError):
+    """A component that fits no device its strategy may use."""
+
+    def __init__(self, component: str, bytes: int, largest_room: int, strategy: str, strategies: tuple[str, ...],
+                 device: str | None = None):
+        self.component, self.bytes, self.largest_room = component, bytes, largest_room
+        self.strategy, self.strategies, self.device = strategy, tuple(strategies), device
+        where = f"on {device}" if device else "on any GPU"
+        fix = (f"strategies that would work: {', '.join(self.strategies)}" if self.strategies
+               else "no strategy fits it on these devices")
+        super().__init__(
+            f"{component!r} needs {_fmt(bytes)} but the largest room left {where} is {_fmt(largest_room)} under "
+            f"strategy {strategy!r}; {fix}; or give more memory (max_memory=), a smaller dtype, or map it to "
+            "'cpu' in a dict device_map"
+        )
+
+
+class NotAPipelineError(PipemapError, ValueError):
+    """A path that is not a diffusers pipeline folder."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(
+            f"{path!r} is not a diffusers pipeline folder: {reason}. Give a folder with model_index.json and "
+            "one subfolder per component, as written by DiffusionPipeline.save_pretrained"
+        )
+
+
+class CheckpointError(PipemapError, ValueError):
+    """A missing or corrupt safetensors file or header."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(
+            f"cannot read the safetensors header of {path!r}: {reason}. Re-download or re-save the component"
+        )
+
+
+class ArgumentConflictError(PipemapError, ValueError):
+    """Two arguments that say different things (``dtype`` and ``torch_dtype``, ``strategy`` and ``device_map``)."""
+
+    def __init__(self, first: str, first_value: object, second: str, second_value: object):
+        self.first, self.first_value, self.second, self.second_value = first, first_value, second, second_value
+        super().__init__(
+            f"{first}={first_value!r} and {second}={second_value!r} disagree; they are two names for the same "
+            f"setting: pass only one"
+        )
+
+
+class PipelineMappedError(PipemapError, RuntimeError):
+    """An operation that a pipemap-mapped pipeline does not allow (``pipe.to``, diffusers' own offload)."""
+
+    def __init__(self, operation: str):
+        self.operation = operation
+        super().__init__(
+            f"{operation} is not allowed on a pipeline placed by pipemap: call pipemap.reset(pipe) first, "
+            "which removes pipemap's hooks and brings every component back to the CPU"
+        )
+
+
+class DispatchError(PipemapError, RuntimeError):
+    """Applying a plan failed; the pipeline was left exactly as it was."""
+
+    def __init__(self, component: str, device: str, cause: BaseException):
+        self.component, self.device, self.cause = component, device, cause
+        super().__init__(
+            f"placing {component!r} on {device} failed ({type(cause).__name__}: {cause}); the pipeline was "
+            "restored as it was before dispatch. Check the device and its free memory, or re-plan"
+        )
+
+
+def _fmt(n: int) -> str:
+    from .units import format_bytes
+
+    return format_bytes(n)
+
+
+class UnknownDtypeError(PipemapError, ValueError):
+    """A dtype name torch does not know."""
+
+    def __init__(self, dtype: object):
+        self.dtype = dtype
+        super().__init__(f"unknown dtype {dtype!r}: use a torch dtype such as torch.float16, or 'float16'/'bfloat16'")
+
+
+class PlanMismatchError(PipemapError, ValueError):
+    """A plan that does not match the pipeline it is applied to."""
+
+    def __init__(self, component: str, reason: str):
+        self.component, self.reason = component, reason
+        super().__init__(f"cannot dispatch {component!r}: {reason}")

@@ -1,0 +1,155 @@
+"""The machine a plan is made for: its devices and how much memory each offers.
+
+Devices are canonical strings everywhere in pipemap (``"cuda:0"``, ``"cpu"``, ``"meta:1"`` for a stand-in GPU);
+``normalize_device`` is the one place that turns ``0``, ``"cuda"`` or ``torch.device("cuda", 1)`` into them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import psutil
+import torch
+
+from .errors import HardwareSpecError, UnknownDeviceError
+from .units import format_bytes, parse_bytes
+
+_DEVICE = re.compile(r"^(cuda|cpu|meta|mps|xpu|npu)(?::(\d+))?$")
+_SHORTHAND = re.compile(r"^(\d+)\s*x\s*(.+)$")
+
+
+def normalize_device(device: int | str | torch.device) -> str:
+    """The canonical name of a device: ``0`` -> ``"cuda:0"``, ``"cuda"`` -> ``"cuda:0"``, ``"cpu:0"`` -> ``"cpu"``."""
+    if isinstance(device, bool):
+        raise UnknownDeviceError(device, ())
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    text = str(device).strip().lower()
+    match = _DEVICE.match(text)
+    if not match:
+        raise UnknownDeviceError(device, ())
+    kind, index = match.groups()
+    if kind == "cpu":
+        return "cpu"
+    return f"{kind}:{index or 0}"
+
+
+def is_accelerator(device: str) -> bool:
+    """True for a GPU or a stand-in for one (``meta:N``), False for the CPU."""
+    return device != "cpu"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device and the memory it offers to the plan (free memory when detected, the given figure otherwise)."""
+
+    name: str
+    memory: int
+
+    def __str__(self) -> str:
+        return f"{self.name}={format_bytes(self.memory)}"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The devices of a machine, GPUs first in index order, then the CPU.
+
+    >>> hw = Hardware.parse("2x24GiB,cpu=64GiB")
+    >>> [d.name for d in hw.devices]
+    ['cuda:0', 'cuda:1', 'cpu']
+    """
+
+    devices: tuple[Device, ...]
+    detected: bool = False
+
+    @classmethod
+    def detect(cls) -> Hardware:
+        """The real machine: each CUDA GPU with its free memory, and the CPU with its available RAM."""
+        gpus = []
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                free, _total = torch.cuda.mem_get_info(index)
+                gpus.append(Device(f"cuda:{index}", int(free)))
+        return cls(tuple(gpus) + (Device("cpu", int(psutil.virtual_memory().available)),), detected=True)
+
+    @classmethod
+    def parse(cls, spec: str) -> Hardware:
+        """A profile from text: ``"cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB"`` or ``"2x24GiB,cpu=64GiB"``.
+
+        A profile without ``cpu`` gets this machine's available RAM as its CPU memory.
+        """
+        devices: dict[str, int] = {}
+        for part in (p.strip() for p in spec.split(",")):
+            if not part:
+                continue
+            for name, memory in _parse_part(spec, part, gpus=sum(is_accelerator(d) for d in devices)):
+                if name in devices:
+                    raise HardwareSpecError(spec, part, f"{name} is given twice")
+                devices[name] = memory
+        if not devices:
+            raise HardwareSpecError(spec, spec, "no device is given")
+        if "cpu" not in devices:
+            devices["cpu"] = int(psutil.virtual_memory().available)
+        return cls(_ordered(devices))
+
+    def with_max_memory(self, max_memory: Mapping[int | str, int | str]) -> Hardware:
+        """This machine restricted to the devices of a diffusers/accelerate ``max_memory`` dict, with its figures.
+
+        As in accelerate, GPUs left out of ``max_memory`` are not used; the CPU keeps its figure unless given.
+        """
+        given = {normalize_device(k): parse_bytes(v) for k, v in max_memory.items()}
+        for name in given:
+            if name not in self.names and not name.startswith("meta:"):
+                raise UnknownDeviceError(name, self.names)
+        memory = {d.name: d.memory for d in self.devices if d.name == "cpu"}
+        memory.update(given)
+        return replace(self, devices=_ordered(memory))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.devices)
+
+    @property
+    def gpus(self) -> tuple[Device, ...]:
+        return tuple(d for d in self.devices if is_accelerator(d.name))
+
+    def memory(self, device: str) -> int:
+        for d in self.devices:
+            if d.name == device:
+                return d.memory
+        raise UnknownDeviceError(device, self.names)
+
+    def __str__(self) -> str:
+        return ",".join(str(d) for d in self.devices)
+
+
+def _parse_part(spec: str, part: str, gpus: int) -> list[tuple[str, int]]:
+    shorthand = _SHORTHAND.match(part)
+    if shorthand:
+        count, size = int(shorthand.group(1)), _size(spec, part, shorthand.group(2))
+        return [(f"cuda:{gpus + i}", size) for i in range(count)]
+    if "=" not in part:
+        raise HardwareSpecError(spec, part, "each device is NAME=SIZE, or COUNTxSIZE for identical GPUs")
+    name, size = part.split("=", 1)
+    try:
+        device = normalize_device(name.strip())
+    except UnknownDeviceError as err:
+        raise HardwareSpecError(spec, part, f"{name.strip()!r} is not a device name") from err
+    return [(device, _size(spec, part, size))]
+
+
+def _size(spec: str, part: str, text: str) -> int:
+    try:
+        return parse_bytes(text.strip())
+    except ValueError as err:
+        raise HardwareSpecError(spec, part, str(err)) from err
+
+
+def _ordered(memory: Mapping[str, int]) -> tuple[Device, ...]:
+    def key(name: str) -> tuple[int, str, int]:
+        kind, _, index = name.partition(":")
+        return (name == "cpu", kind, int(index or 0))
+
+    return tuple(Device(name, memory[name]) for name in sorted(memory, key=key))

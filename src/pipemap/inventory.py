@@ -1,0 +1,269 @@
+"""What a pipeline is made of, and how many bytes each component will take on its device.
+
+From a folder nothing but ``model_index.json`` and the safetensors headers is read; from a loaded pipeline the
+sizes come from its modules. Either way the bytes are those of the dtype the component will have once loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ArgumentConflictError, CheckpointError, NotAPipelineError, UnknownDtypeError
+
+# safetensors dtype codes -> bytes per element
+_ELEMENT_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+_FLOATING = {"F64", "F32", "F16", "BF16"}
+_SHARD = re.compile(r"-\d{5}-of-\d{5}$")
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Component:
+    """One entry of a pipeline: a model with weights (``bytes`` > 0) or a weightless part (tokenizer, scheduler)."""
+
+    name: str
+    library: str | None
+    class_name: str | None
+    bytes: int = 0
+    has_weights: bool = False
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """A pipeline's components, sized at the dtype they will be loaded in.
+
+    >>> inv = inspect("path/to/sdxl")                     # doctest: +SKIP
+    >>> {c.name: c.bytes for c in inv.models}             # doctest: +SKIP
+    {'text_encoder': 492265168, 'text_encoder_2': 2778702264, 'unet': 10270077736, 'vae': 334643268}
+    """
+
+    source: str
+    pipeline_class: str
+    components: tuple[Component, ...]
+    dtype: str | None = None
+    variant: str | None = None
+
+    @property
+    def models(self) -> tuple[Component, ...]:
+        """The components that have weights, in pipeline order."""
+        return tuple(c for c in self.components if c.has_weights)
+
+    def __getitem__(self, name: str) -> Component:
+        for component in self.components:
+            if component.name == name:
+                return component
+        raise KeyError(name)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The one dtype asked for: ``dtype`` (diffusers 0.42, transformers 5) or its older name ``torch_dtype``."""
+    dtype, torch_dtype = _as_dtype(dtype), _as_dtype(torch_dtype)
+    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+        raise ArgumentConflictError("dtype", dtype, "torch_dtype", torch_dtype)
+    return dtype if dtype is not None else torch_dtype
+
+
+def inspect(source, dtype: torch.dtype | str | None = None, variant: str | None = None, *,
+            torch_dtype: torch.dtype | str | None = None) -> Inventory:
+    """The components of a pipeline folder (headers only, no weight read) or of a loaded pipeline.
+
+    >>> inv = pipemap.inspect("path/to/sdxl", dtype=torch.float16, variant="fp16")   # doctest: +SKIP
+    >>> [(c.name, c.bytes) for c in inv.models]                                      # doctest: +SKIP
+    """
+    target = resolve_dtype(dtype, torch_dtype)
+    if isinstance(source, Inventory):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return _inspect_folder(Path(source), target, variant)
+    if hasattr(source, "components") and hasattr(source, "config"):
+        return _inspect_pipeline(source, target)
+    raise NotAPipelineError(repr(source), "expected a folder path, an Inventory or a loaded DiffusionPipeline")
+
+
+# ---- folders -----------------------------------------------------------------------------------------------------
+
+
+def read_model_index(folder: Path) -> dict:
+    """The parsed ``model_index.json`` of a pipeline folder, or a NotAPipelineError that says what is wrong."""
+    index = folder / "model_index.json"
+    if not folder.is_dir():
+        raise NotAPipelineError(str(folder), "no such folder")
+    if not index.is_file():
+        raise NotAPipelineError(str(folder), "it has no model_index.json")
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise NotAPipelineError(str(folder), f"model_index.json is not valid JSON ({err})") from err
+    if not isinstance(data, dict) or "_class_name" not in data:
+        raise NotAPipelineError(str(folder), "model_index.json has no _class_name")
+    return data
+
+
+def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None) -> Inventory:
+    index = read_model_index(folder)
+    components = []
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
+            continue
+        library, class_name = entry
+        files = weight_files(folder / name, variant) if library is not None else []
+        if not files:
+            components.append(Component(name, library, class_name))
+            continue
+        keep = _keep_in_fp32(library, class_name, dtype)
+        size = sum(_tensor_bytes(meta, key, dtype, keep) for f in files for key, meta in read_header(f).items())
+        components.append(Component(name, library, class_name, size, True))
+    return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
+
+
+def weight_files(subfolder: Path, variant: str | None) -> list[Path]:
+    """The safetensors files a component loads from: its shard index if any, the ``variant``'s files if present.
+
+    As diffusers does, a component without files of the asked variant falls back to its plain files.
+    """
+    if not subfolder.is_dir():
+        return []
+    by_variant: dict[str | None, list[Path]] = {}
+    for path in sorted(subfolder.iterdir()):
+        if path.name.endswith(".safetensors"):
+            stem = _SHARD.sub("", path.name[: -len(".safetensors")])
+            by_variant.setdefault(stem.rpartition(".")[2] if "." in stem else None, []).append(path)
+    indexed = _indexed_files(subfolder, variant)
+    if indexed:
+        return indexed
+    if not by_variant and any(p.suffix == ".bin" for p in subfolder.iterdir()):
+        raise CheckpointError(str(subfolder), "it has only .bin weights; pipemap sizes components from safetensors "
+                              "headers: re-save it with safe_serialization=True")
+    return by_variant.get(variant) or by_variant.get(None) or []
+
+
+def _indexed_files(subfolder: Path, variant: str | None) -> list[Path]:
+    for suffix in ([f".safetensors.index.{variant}.json"] if variant else []) + [".safetensors.index.json"]:
+        for index in sorted(subfolder.glob(f"*{suffix}")):
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(str(index), f"the shard index is unreadable ({err})") from err
+            files = [subfolder / f for f in sorted(set(weight_map.values()))]
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(str(index), f"shards listed in the index are missing: {', '.join(missing)}")
+            return files
+    return []
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The tensor table of a safetensors file: ``{name: {"dtype": "F16", "shape": [..], ...}}``.
+
+    Reads the 8-byte length and the JSON header and nothing else. safetensors' own ``safe_open`` memory-maps the
+    whole file; reading the header with two plain reads keeps "no weight byte is read" checkable (``/proc``
+    read counters) and is the format's documented layout.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(str(path), "the file is shorter than the 8-byte header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(_MAX_HEADER, os.path.getsize(path) - 8):
+                raise CheckpointError(str(path), f"the header length {length} is larger than the file allows")
+            header = json.loads(f.read(length))
+    except OSError as err:
+        raise CheckpointError(str(path), str(err)) from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(str(path), f"the header is not valid JSON ({err})") from err
+    header.pop("__metadata__", None)
+    for key, meta in header.items():
+        if not isinstance(meta, dict) or meta.get("dtype") not in _ELEMENT_BYTES or "shape" not in meta:
+            raise CheckpointError(str(path), f"the entry for tensor {key!r} is malformed: {meta!r}")
+    return header
+
+
+def _tensor_bytes(meta: Mapping, key: str, dtype: torch.dtype | None, keep_fp32: tuple[str, ...]) -> int:
+    numel = 1
+    for dim in meta["shape"]:
+        numel *= int(dim)
+    code = meta["dtype"]
+    if code not in _FLOATING:
+        return numel * _ELEMENT_BYTES[code]
+    if any(m in key.split(".") for m in keep_fp32):
+        return numel * 4
+    return numel * (torch.empty((), dtype=dtype).element_size() if dtype is not None else 4)
+
+
+def _keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> tuple[str, ...]:
+    """The module names the model class keeps in float32 at ``dtype``, as its library's loader decides."""
+    if dtype is None or dtype == torch.float32:
+        return ()
+    try:
+        cls = getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError):
+        return ()
+    keep = list(getattr(cls, "_keep_in_fp32_modules_strict", None) or []) if dtype in (
+        torch.float16, torch.bfloat16) else []
+    if library == "diffusers" or dtype == torch.float16:  # transformers upcasts the plain list for fp16 only
+        keep += list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    return tuple(keep)
+
+
+# ---- loaded pipelines --------------------------------------------------------------------------------------------
+
+
+def _inspect_pipeline(pipe, dtype: torch.dtype | None) -> Inventory:
+    components = []
+    for name, value in pipe.components.items():
+        library, class_name = _origin(value)
+        if isinstance(value, torch.nn.Module):
+            keep = _keep_in_fp32(library, class_name, dtype) if library else ()
+            size = module_bytes(value, dtype, keep)
+            components.append(Component(name, library, class_name, size, True))
+        else:
+            components.append(Component(name, library, class_name))
+    source = str(getattr(pipe.config, "_name_or_path", "") or type(pipe).__name__)
+    return Inventory(source, type(pipe).__name__, tuple(components), _dtype_name(dtype), None)
+
+
+def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep_fp32: Iterable[str] = ()) -> int:
+    """Bytes of a module's parameters and persistent buffers (shared tensors once), at ``dtype`` if given."""
+    keep, seen, total = tuple(keep_fp32), set(), 0
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if tensor is None or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        element = tensor.element_size()
+        if dtype is not None and tensor.is_floating_point():
+            element = 4 if any(m in key.split(".") for m in keep) else torch.empty((), dtype=dtype).element_size()
+        total += tensor.numel() * element
+    return total
+
+
+def _origin(value) -> tuple[str | None, str | None]:
+    if value is None:
+        return None, None
+    return type(value).__module__.split(".")[0], type(value).__name__
+
+
+def _as_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    candidate = getattr(torch, name, None)
+    if not isinstance(candidate, torch.dtype):
+        raise UnknownDtypeError(value)
+    return candidate
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")

@@ -1,0 +1,38 @@
+"""Memory sizes: parse ``"24GiB"``/``"500MB"``/``1024`` to bytes, and print bytes back for people."""
+
+from __future__ import annotations
+
+import re
+
+from .errors import MemorySpecError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str) -> int:
+    """Bytes from an integer or a string: ``parse_bytes("1.5GiB") == 1610612736``; KB/MB/GB are powers of 1000."""
+    if isinstance(value, bool):
+        raise MemorySpecError(value)
+    if isinstance(value, int):
+        if value < 0:
+            raise MemorySpecError(value)
+        return value
+    if not isinstance(value, str):
+        raise MemorySpecError(value)
+    match = _SIZE.match(value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise MemorySpecError(value)
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: int) -> str:
+    """A short human figure in powers of 1024: ``format_bytes(3 * 2**30) == "3.00 GiB"``."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny pipelines built in code, saved once per session with save_pretrained."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from diffusers import DiffusionPipeline  # noqa: E402
+from diffusers.utils import logging as diffusers_logging  # noqa: E402
+from transformers.utils import logging as transformers_logging  # noqa: E402
+
+from pipemap import tiny  # noqa: E402
+
+torch.set_num_threads(1)
+diffusers_logging.set_verbosity_error()
+diffusers_logging.disable_progress_bar()
+transformers_logging.set_verbosity_error()
+transformers_logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session")
+def tiny_folders(tmp_path_factory) -> dict[str, str]:
+    """``{kind: folder}`` for each tiny pipeline kind, each with fp32 weights and an fp16 variant."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: str(tiny.save(kind, root / kind)) for kind in tiny.KINDS}
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(tiny_folders) -> dict[str, torch.Tensor]:
+    """The plain diffusers output of each tiny pipeline's default call: what every mapped run must equal."""
+    outputs = {}
+    for kind, folder in tiny_folders.items():
+        pipe = plain_pipeline(folder)
+        outputs[kind] = torch.as_tensor(pipe(**tiny.default_call(pipe, kind)).images)
+    return outputs
+
+
+def plain_pipeline(folder: str, **kwargs):
+    pipe = DiffusionPipeline.from_pretrained(folder, **kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run(pipe, kind: str) -> torch.Tensor:
+    pipe.set_progress_bar_config(disable=True)
+    return torch.as_tensor(pipe(**tiny.default_call(pipe, kind)).images)
