@@ -89,7 +89,7 @@ def reset(pipe) -> None:
     for name in _GUARDED:
         pipe.__dict__.pop(name, None)
     pipe.__dict__.pop("_pipemap_plan", None)
-    pipe.hf_device_map = None
+    pipe.__dict__.pop("hf_device_map", None)  # back to the class's None, as before dispatch
 
 
 def planned(pipe) -> Plan | None:
@@ -105,7 +105,7 @@ def place_module(module: torch.nn.Module, device: str | torch.device) -> None:
     """
     target = torch.device(device)
     for sub in module.modules():
-        for key, param in sub._parameters.items():
+        for param in sub._parameters.values():
             if param is not None and param.device != target:
                 param.data = move_tensor(param.data, target)
         for key, buffer in sub._buffers.items():

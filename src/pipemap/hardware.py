@@ -25,6 +25,8 @@ def normalize_device(device: int | str | torch.device) -> str:
     if isinstance(device, bool):
         raise UnknownDeviceError(device, ())
     if isinstance(device, int):
+        if device < 0:
+            raise UnknownDeviceError(device, ())
         return f"cuda:{device}"
     text = str(device).strip().lower()
     match = _DEVICE.match(text)

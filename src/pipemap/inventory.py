@@ -122,10 +122,25 @@ def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None
         if not files:
             components.append(Component(name, library, class_name))
             continue
-        keep = _keep_in_fp32(library, class_name, dtype)
-        size = sum(_tensor_bytes(meta, key, dtype, keep) for f in files for key, meta in read_header(f).items())
+        at = dtype if dtype is not None else default_dtype(folder / name, library)
+        keep = _keep_in_fp32(library, class_name, at)
+        size = sum(_tensor_bytes(meta, key, at, keep) for f in files for key, meta in read_header(f).items())
         components.append(Component(name, library, class_name, size, True))
     return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
+
+
+def default_dtype(subfolder: Path, library: str) -> torch.dtype:
+    """The dtype a component loads in when none is asked for: diffusers models load as float32, transformers
+    models in the dtype their config.json names (so a folder saved in fp16 loads its text encoders in fp16)."""
+    if library != "transformers":
+        return torch.float32
+    try:
+        config = json.loads((subfolder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return torch.float32
+    name = config.get("dtype") or config.get("torch_dtype")
+    candidate = getattr(torch, str(name), None) if name else None
+    return candidate if isinstance(candidate, torch.dtype) else torch.float32
 
 
 def weight_files(subfolder: Path, variant: str | None) -> list[Path]:

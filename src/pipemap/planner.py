@@ -9,8 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .errors import ArgumentConflictError, DoesNotFitError, UnknownComponentError, UnknownDeviceError, \
-    UnknownStrategyError
+from .errors import (
+    ArgumentConflictError,
+    DoesNotFitError,
+    UnknownComponentError,
+    UnknownDeviceError,
+    UnknownStrategyError,
+)
 from .hardware import Hardware, is_accelerator, normalize_device
 from .inventory import Inventory, inspect
 from .plan import DeviceUse, Placement, Plan
@@ -51,9 +56,11 @@ def _sequential(request: Request) -> dict[str, str]:
     rooms = dict(request.rooms)
     placed, current = {}, 0
     for name, size in request.components:
+        start = current
         while current < len(devices) and size > rooms[devices[current]]:
             current += 1
         if current == len(devices):
+            # the largest room among the GPUs this strategy may still use, not the ones it has already left
             raise DoesNotFitError(name, size, max(rooms.values()), request.strategy, ())
         rooms[devices[current]] -= size
         placed[name] = devices[current]
@@ -88,7 +95,7 @@ def resolve_strategy(strategy: str | Mapping | None, device_map: str | Mapping |
     chosen = strategy if strategy is not None else device_map if device_map is not None else "balanced"
     if isinstance(chosen, Mapping):
         return dict(chosen)
-    if chosen not in STRATEGIES:
+    if not isinstance(chosen, str) or chosen not in STRATEGIES:
         raise UnknownStrategyError(chosen, tuple(STRATEGIES) + ("a dict {component: device}",))
     return chosen
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from .errors import MemorySpecError
 
@@ -27,7 +28,8 @@ def parse_bytes(value: int | str) -> int:
     match = _SIZE.match(value)
     if not match or match.group(2).lower() not in _UNITS:
         raise MemorySpecError(value)
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    # Decimal, not float: float("2.01") * 1000 is 2009.999..., which int() would truncate to 2009.
+    return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def format_bytes(n: int) -> str:

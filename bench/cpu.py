@@ -1,0 +1,404 @@
+"""CPU benchmarks for pipemap: each figure is a ratio against its peer measured in the same run.
+
+    python bench/cpu.py --quick          # under a minute on 2 cores
+    python bench/cpu.py                  # a few minutes; mid-size pipeline at --scale 12 (about 1 s per call)
+    python bench/cpu.py --only hooks     # one section
+
+Sections (each one function ``bench_<name>(ctx) -> list[Row]``, registered in ``SECTIONS``):
+
+- ``plan``:  ``pipemap.plan(folder)`` reads headers only: bytes read (``rchar`` of ``/proc/self/io``) vs the
+  weight bytes in the folder, and the time one plan takes.
+- ``hooks``: one loaded pipeline called plain, dispatched on a CPU plan, and dispatched on a 2-GPU plan remapped to
+  the CPU; interleaved repeats, medians, ratio dispatched / plain.
+- ``load``:  ``pipemap.load`` vs ``DiffusionPipeline.from_pretrained``, each in a fresh child process (wall time and
+  peak RSS above the post-import baseline), alternating, medians, ratio pipemap / diffusers.
+
+The table is printed and appended to ``bench/RESULTS.md``; the last line printed is ``summary: name=value ...``.
+See bench/README.md for how to read each figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+TINY_KINDS = ("sd", "sdxl", "controlnet")
+PLAN_HARDWARE = "2x24GiB,cpu=64GiB"
+CPU_HARDWARE = "cpu=64GiB"
+
+
+# ---- what a section returns ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One figure: pipemap's value, its peer's, and their ratio (lower is better unless the target says otherwise)."""
+
+    section: str
+    pipeline: str
+    metric: str
+    ours: float
+    peer: float | None = None
+    unit: str = ""
+    target: str = ""
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        return self.ours / self.peer if self.peer else None
+
+
+@dataclass
+class Context:
+    """What every section shares: options, a scratch folder, saved pipelines (built once) and the summary."""
+
+    quick: bool
+    scale: int
+    repeats: int
+    load_repeats: int
+    work: Path
+    summary: dict[str, str] = field(default_factory=dict)
+    _folders: dict[tuple[str, int], Path] = field(default_factory=dict)
+
+    def folder(self, kind: str, scale: int = 1) -> Path:
+        """The tiny pipeline ``kind`` at ``scale`` saved under the scratch folder (fp32 files plus an fp16 variant)."""
+        key = (kind, scale)
+        if key not in self._folders:
+            from pipemap import tiny
+
+            path = self.work / f"{kind}-x{scale}"
+            with quiet():
+                tiny.save(kind, path, scale=scale)
+            self._folders[key] = path
+        return self._folders[key]
+
+    def pipelines(self) -> list[tuple[str, str, int]]:
+        """``(label, kind, scale)`` for the tiny pipelines and the mid-size one."""
+        return [(kind, kind, 1) for kind in TINY_KINDS] + [(f"sd x{self.scale}", "sd", self.scale)]
+
+
+# ---- section: planning reads headers only --------------------------------------------------------------------------
+
+
+def bench_plan(ctx: Context) -> list[Row]:
+    """Bytes read and time taken by ``pipemap.plan(folder)``, against the weight bytes in the folder."""
+    import pipemap
+
+    rows, worst = [], 0
+    for label, kind, scale in ctx.pipelines():
+        folder = ctx.folder(kind, scale)
+        pipemap.plan(folder, hardware=PLAN_HARDWARE)  # warm: lazy imports read .py files, which rchar would count
+        before = rchar()
+        pipemap.plan(folder, hardware=PLAN_HARDWARE)
+        read = rchar() - before
+        times = [timed(lambda f=folder: pipemap.plan(f, hardware=PLAN_HARDWARE)) for _ in range(ctx.repeats)]
+        weights = weight_bytes(folder)
+        worst = max(worst, read)
+        rows.append(Row("plan", label, "bytes read / weight bytes", read, weights, "B", "< 0.001",
+                        f"{read / 1024:.1f} KiB of {weights / 2**20:.1f} MiB"))
+        rows.append(Row("plan", label, "plan time", statistics.median(times) * 1e3, None, "ms"))
+    ctx.summary["plan_bytes_read"] = str(worst)
+    ctx.summary["plan_ms"] = f"{max(r.ours for r in rows if r.metric == 'plan time'):.1f}"
+    return rows
+
+
+def rchar() -> int:
+    """Bytes this process has passed through read()-like syscalls (page cache hits included; mmap faults not)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no rchar line")
+
+
+def weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+
+
+# ---- section: hook overhead ----------------------------------------------------------------------------------------
+
+
+def bench_hooks(ctx: Context) -> list[Row]:
+    """Call time of one loaded pipeline: plain, dispatched on a CPU plan, and on a remapped 2-GPU plan."""
+    rows = []
+    for label, kind, scale in ctx.pipelines():
+        repeats = ctx.repeats if scale == 1 else max(3, ctx.repeats // 3)
+        times = hook_times(ctx.folder(kind, scale), kind, repeats)
+        plain = statistics.median(times["plain"])
+        for variant, name in (("cpu", "dispatched (cpu plan) / plain"), ("remap", "dispatched (2x24GiB remapped)"
+                                                                                   " / plain")):
+            ours = statistics.median(times[variant])
+            rows.append(Row("hooks", label, name, ours * 1e3, plain * 1e3, "ms", "<= 1.02",
+                            f"{(ours - plain) * 1e3:+.2f} ms/call, n={repeats}"))
+    mid = [r for r in rows if r.pipeline.startswith("sd x")]
+    tiny = [r for r in rows if not r.pipeline.startswith("sd x")]
+    ctx.summary["hook_overhead"] = f"{mid[0].ratio:.3f}"
+    ctx.summary["hook_overhead_remap"] = f"{mid[1].ratio:.3f}"
+    ctx.summary["hook_overhead_tiny_max"] = f"{max(r.ratio for r in tiny):.3f}"
+    return rows
+
+
+def hook_times(folder: Path, kind: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call for each variant, interleaved (the order rotates each round) so drift hits all alike."""
+    import pipemap
+    from diffusers import DiffusionPipeline
+    from pipemap import tiny
+
+    with quiet():
+        pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    plans = {"plain": None, "cpu": pipemap.plan(pipe, hardware=CPU_HARDWARE),
+             "remap": pipemap.plan(pipe, hardware="2x24GiB").remap({"cuda:0": "cpu", "cuda:1": "cpu"})}
+    call = lambda: pipe(**tiny.default_call(pipe, kind))  # noqa: E731
+    call()  # warm: first-call allocations and lazy imports
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    names = list(plans)
+    for i in range(repeats):
+        for name in names[i % 3:] + names[: i % 3]:
+            if plans[name] is not None:
+                pipemap.dispatch(pipe, plans[name])
+            gc.collect()
+            times[name].append(timed(call))
+            if plans[name] is not None:
+                pipemap.reset(pipe)
+    return times
+
+
+# ---- section: load time and memory ---------------------------------------------------------------------------------
+
+
+LOADERS = ("pipemap", "diffusers")
+
+
+def bench_load(ctx: Context) -> list[Row]:
+    """``pipemap.load`` vs ``DiffusionPipeline.from_pretrained``, each in a fresh process, alternating."""
+    rows = []
+    for label, kind, scale, repeats in ((f"sd x{ctx.scale}", "sd", ctx.scale, ctx.load_repeats),
+                                        ("sd", "sd", 1, max(1, ctx.load_repeats - 2))):
+        folder = ctx.folder(kind, scale)
+        runs: dict[str, list[dict]] = {name: [] for name in LOADERS}
+        for i in range(repeats):  # ABBA order: neither loader always runs first
+            for name in LOADERS if i % 2 == 0 else LOADERS[::-1]:
+                runs[name].append(child_load(name, folder))
+        for metric, key, unit, scale_by in (("load time", "seconds", "s", 1), ("peak RSS above imports", "peak_rss",
+                                            "MiB", 2**-20), ("RSS held after load", "rss_after", "MiB", 2**-20)):
+            ours, peer = (statistics.median(r[key] for r in runs[n]) * scale_by for n in LOADERS)
+            rows.append(Row("load", label, metric, ours, peer, unit, "<= 1.0" if key != "rss_after" else "",
+                            f"n={repeats}, weights {weight_bytes(folder) / 2**20:.0f} MiB on disk (both variants)"))
+    ratios = {(r.pipeline, r.metric): r.ratio for r in rows}
+    mid, small = f"sd x{ctx.scale}", "sd"
+    ctx.summary["load_time_ratio"] = f"{ratios[mid, 'load time']:.2f}"
+    ctx.summary["load_rss_ratio"] = f"{ratios[mid, 'peak RSS above imports']:.2f}"
+    ctx.summary["load_time_ratio_tiny"] = f"{ratios[small, 'load time']:.2f}"
+    ctx.summary["load_rss_ratio_tiny"] = f"{ratios[small, 'peak RSS above imports']:.2f}"
+    return rows
+
+
+def child_load(loader: str, folder: Path) -> dict:
+    """Run ``--child-load`` in a fresh interpreter; its last stdout line is a JSON dict."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-load", loader, str(folder)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"child {loader} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child_main(loader: str, folder: str) -> None:
+    """In a fresh process: import everything the load needs, take the RSS baseline, load, report.
+
+    ``ru_maxrss`` is the process's peak so far, so after imports it is the baseline and after the load the peak;
+    a child is started by ``subprocess`` (fork + exec), and on Linux a fresh exec starts its own peak.
+    """
+    import psutil
+
+    import_everything(Path(folder))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_before = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    pipe = load_with(loader, folder)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_after = psutil.Process().memory_info().rss
+    assert pipe is not None
+    print(json.dumps({"seconds": seconds, "peak_rss": peak - base, "rss_after": rss_after - rss_before}))
+
+
+def import_everything(folder: Path) -> None:
+    """Import pipemap, diffusers, the pipeline class and every component class, so neither loader pays for it."""
+    import importlib
+
+    import diffusers
+    import pipemap  # noqa: F401
+
+    index = json.loads((folder / "model_index.json").read_text())
+    getattr(diffusers, index["_class_name"])
+    for name, entry in index.items():
+        if not name.startswith("_") and isinstance(entry, list) and entry[0]:
+            getattr(importlib.import_module(entry[0]), entry[1])
+
+
+def load_with(loader: str, folder: str):
+    with quiet():
+        if loader == "pipemap":
+            import pipemap
+
+            return pipemap.load(folder, hardware=CPU_HARDWARE, progress=False)
+        from diffusers import DiffusionPipeline
+
+        return DiffusionPipeline.from_pretrained(folder)
+
+
+# ---- running, printing, recording ----------------------------------------------------------------------------------
+
+
+SECTIONS: dict[str, Callable[[Context], list[Row]]] = {"plan": bench_plan, "hooks": bench_hooks, "load": bench_load}
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class quiet:
+    """Silence diffusers/transformers logging and progress bars (they would swamp the table)."""
+
+    def __enter__(self):
+        from diffusers.utils import logging as dlog
+        from transformers.utils import logging as tlog
+
+        self.levels = dlog.get_verbosity(), tlog.get_verbosity()
+        dlog.set_verbosity_error()
+        tlog.set_verbosity_error()
+        dlog.disable_progress_bar()
+        tlog.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        from diffusers.utils import logging as dlog
+        from transformers.utils import logging as tlog
+
+        dlog.set_verbosity(self.levels[0])
+        tlog.set_verbosity(self.levels[1])
+
+
+def fmt(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return ""
+    if unit == "B":
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+def table(rows: list[Row]):
+    from rich.table import Table
+
+    out = Table(title="pipemap CPU bench")
+    for column in ("section", "pipeline", "metric", "pipemap", "peer", "unit", "ratio", "target", "note"):
+        out.add_column(column, justify="right" if column in ("pipemap", "peer", "ratio") else "left")
+    for r in rows:
+        ratio = "" if r.ratio is None else f"{r.ratio:.4f}" if r.ratio < 0.01 else f"{r.ratio:.3f}"
+        out.add_row(r.section, r.pipeline, r.metric, fmt(r.ours, r.unit), fmt(r.peer, r.unit), r.unit, ratio,
+                    r.target, r.note)
+    return out
+
+
+def machine() -> str:
+    model = platform.processor() or "?"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    cores = len(os.sched_getaffinity(0))
+    return f"{model}, {cores} cores usable ({os.cpu_count()} online), OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+
+
+def versions() -> str:
+    import diffusers
+    import torch
+    import transformers
+
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=HERE, capture_output=True, text=True)
+    commit = rev.stdout.strip() + ("+dirty src" if dirty.stdout.strip() else "")
+    return (f"torch {torch.__version__}, diffusers {diffusers.__version__}, transformers {transformers.__version__}, "
+            f"python {platform.python_version()}, git {commit}")
+
+
+def record(rows: list[Row], summary: str, args: argparse.Namespace, seconds: float) -> None:
+    """Append the run to bench/RESULTS.md as a markdown section."""
+    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    lines = [f"\n## {stamp} — `bench/cpu.py {' '.join(sys.argv[1:])}`".rstrip(), "",
+             f"- machine: {machine()}", f"- versions: {versions()}",
+             f"- mid-size: sd x{args.scale}; repeats {args.repeats} (hooks), {args.load_repeats} (load); "
+             f"took {seconds:.0f} s", "",
+             "| section | pipeline | metric | pipemap | peer | unit | ratio | target | note |",
+             "| --- | --- | --- | ---: | ---: | --- | ---: | --- | --- |"]
+    for r in rows:
+        ratio = "" if r.ratio is None else f"{r.ratio:.4f}" if r.ratio < 0.01 else f"{r.ratio:.3f}"
+        lines.append(f"| {r.section} | {r.pipeline} | {r.metric} | {fmt(r.ours, r.unit)} | {fmt(r.peer, r.unit)} "
+                     f"| {r.unit} | {ratio} | {r.target} | {r.note} |")
+    lines += ["", "```", summary, "```", ""]
+    with RESULTS.open("a", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller mid-size pipeline and fewer repeats (< 60 s)")
+    parser.add_argument("--scale", type=int, help="mid-size pipeline scale (default 12, or 6 with --quick)")
+    parser.add_argument("--repeats", type=int, help="calls per variant in the hook section (default 15, quick 7)")
+    parser.add_argument("--load-repeats", type=int, help="child processes per loader (default 5, quick 2)")
+    parser.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections")
+    parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    parser.add_argument("--child-load", nargs=2, metavar=("LOADER", "FOLDER"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.scale = args.scale or (6 if args.quick else 12)
+    args.repeats = args.repeats or (7 if args.quick else 15)
+    args.load_repeats = args.load_repeats or (2 if args.quick else 5)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child_load:
+        child_main(*args.child_load)
+        return
+    from rich.console import Console
+
+    console = Console()
+    start = time.perf_counter()
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="pipemap-bench-") as work:
+        ctx = Context(args.quick, args.scale, args.repeats, args.load_repeats, Path(work))
+        for name in args.only or SECTIONS:
+            with console.status(f"bench: {name}"):
+                rows += SECTIONS[name](ctx)
+    seconds = time.perf_counter() - start
+    console.print(table(rows))
+    summary = "summary: " + " ".join(f"{k}={v}" for k, v in ctx.summary.items())
+    if not args.no_record:
+        record(rows, summary, args, seconds)
+    console.print(f"took {seconds:.0f} s" + ("" if args.no_record else f"; appended to {RESULTS}"))
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()

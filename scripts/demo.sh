@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set everything up, then run `pipemap demo` on the embedded tiny pipeline. Extra arguments go to the demo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1
+exec .venv/bin/pipemap demo "$@"

@@ -1,0 +1,78 @@
+"""The command line: ``pipemap plan | demo | doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import PipemapError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``pipemap`` command; returns the exit code (2 for bad input, with the error on stderr)."""
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    try:
+        return args.run(args)
+    except PipemapError as err:
+        print(f"pipemap: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipemap", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser("plan", help="print where each component of a pipeline folder would go")
+    plan.add_argument("path", help="a diffusers pipeline folder (model_index.json plus one folder per component)")
+    _plan_options(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    plan.set_defaults(run=_plan)
+    demo = commands.add_parser("demo", help="plan, load and run the embedded tiny pipeline end to end")
+    demo.add_argument("--hardware", help="plan for this profile; devices this machine lacks run on the CPU")
+    demo.add_argument("--strategy", default="balanced")
+    demo.add_argument("--output", default="pipemap-demo.png", help="where to save the image (PNG)")
+    demo.set_defaults(run=_demo)
+    doctor = commands.add_parser("doctor", help="devices, versions, and whether copies between GPUs arrive intact")
+    doctor.set_defaults(run=_doctor)
+    return parser
+
+
+def _plan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hardware", help="a profile such as 'cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB' or "
+                        "'2x24GiB,cpu=64GiB' (default: this machine)")
+    parser.add_argument("--strategy", default="balanced", help="balanced, sequential, or a JSON dict "
+                        "'{\"vae\": \"cuda:1\"}'")
+    parser.add_argument("--dtype", help="the dtype to load in, e.g. float16 or bfloat16")
+    parser.add_argument("--variant", help="the weights variant, e.g. fp16")
+    parser.add_argument("--headroom", type=float, help="fraction of each GPU kept for activations (default 0.1)")
+
+
+def _strategy(text: str):
+    return json.loads(text) if text.strip().startswith("{") else text
+
+
+def _plan(args) -> int:
+    from .planner import plan
+
+    result = plan(args.path, hardware=args.hardware, strategy=_strategy(args.strategy), dtype=args.dtype,
+                  variant=args.variant, headroom=args.headroom)
+    print(result.to_json() if args.json else result)
+    return 0
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    with tempfile.TemporaryDirectory(prefix="pipemap-demo-") as folder:
+        return run_demo(Path(folder), args.hardware, _strategy(args.strategy), Path(args.output))
+
+
+def _doctor(args) -> int:
+    from .doctor import run_doctor
+
+    return run_doctor()

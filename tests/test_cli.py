@@ -1,0 +1,55 @@
+"""The command line, run for real in a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from PIL import Image
+
+
+def pipemap_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "pipemap", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+def test_plan_prints_a_table(tiny_folders):
+    result = pipemap_cli("plan", tiny_folders["sdxl"], "--hardware", "2x5MiB,cpu=1GiB", "--headroom", "0")
+    assert result.returncode == 0, result.stderr
+    for word in ("unet", "text_encoder_2", "vae", "cuda:0", "cuda:1", "resident"):
+        assert word in result.stdout
+
+
+def test_plan_json_with_dtype_and_map(tiny_folders):
+    result = pipemap_cli("plan", tiny_folders["sd"], "--hardware", "2x24GiB", "--dtype", "float16", "--variant",
+                         "fp16", "--strategy", '{"vae": "cuda:1"}', "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["components"]["vae"]["device"] == "cuda:1" and data["dtype"] == "float16"
+    assert data["components"]["unet"]["mode"] == "resident"
+    assert set(data["devices"]) == {"cuda:0", "cuda:1", "cpu"}
+
+
+def test_plan_error_is_reported_with_exit_code_2(tiny_folders, tmp_path):
+    result = pipemap_cli("plan", str(tmp_path), "--hardware", "2x24GiB")
+    assert result.returncode == 2 and "model_index.json" in result.stderr
+    result = pipemap_cli("plan", tiny_folders["sd"], "--hardware", "2x24Gx")
+    assert result.returncode == 2 and "24Gx" in result.stderr
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    output = tmp_path / "demo.png"
+    result = pipemap_cli("demo", "--hardware", "2x5MiB,cpu=1GiB", "--output", str(output))
+    assert result.returncode == 0, result.stderr
+    assert "largest difference from an un-mapped run: 0" in result.stdout
+    assert "cuda:1" in result.stdout
+    assert Image.open(output).size == (32, 32)
+
+
+def test_demo_on_this_machine(tmp_path):
+    result = pipemap_cli("demo", "--output", "demo.png", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "demo.png").is_file()

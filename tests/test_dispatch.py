@@ -1,0 +1,119 @@
+"""dispatch()/reset() on a pipeline in memory: outputs unchanged, one hook per component, atomic, fully undone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+import pipemap
+from conftest import plain_pipeline, run
+from pipemap.dispatch import PlacementHook, planned
+from pipemap.plan import Placement
+
+TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny models: unet 3.0 MiB, vae 2.5, controlnet 1.6, text encoders 0.2
+ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
+
+
+def _models(pipe) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+
+
+def _state(pipe) -> dict:
+    """Everything dispatch may touch: devices, tensor identities, hooks, instance attributes."""
+    return {
+        name: (sorted(module.__dict__), [(id(p), p.device) for p in module.parameters()],
+               [m for m in module.modules() if hasattr(m, "_hf_hook")])
+        for name, module in _models(pipe).items()
+    } | {"pipe": sorted(pipe.__dict__), "map": pipe.hf_device_map}
+
+
+@pytest.mark.parametrize("kind", ["sd", "sdxl", "controlnet"])
+def test_dispatched_output_equals_plain(tiny_folders, reference_outputs, kind):
+    pipe = plain_pipeline(tiny_folders[kind])
+    plan = pipemap.plan(pipe, hardware=TWO_GPUS, headroom=0.0).remap(ON_CPU)
+    pipemap.dispatch(pipe, plan)
+    torch.testing.assert_close(run(pipe, kind), reference_outputs[kind], atol=1e-5, rtol=0)
+    assert pipe.hf_device_map == plan.device_map
+    assert planned(pipe) == plan
+
+
+def test_one_hook_per_component_at_its_root(tiny_folders):
+    pipe = plain_pipeline(tiny_folders["controlnet"])
+    plan = pipemap.plan(pipe, hardware=TWO_GPUS, headroom=0.0)
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
+    hooked = [m for module in _models(pipe).values() for m in module.modules() if hasattr(m, "_hf_hook")]
+    assert len(hooked) == len(_models(pipe))
+    for name, module in _models(pipe).items():
+        hook = module._hf_hook
+        assert isinstance(hook, PlacementHook) and hook.component == name
+        assert hook.execution_device == torch.device("cpu")
+
+
+def test_execution_device_is_the_denoisers(tiny_folders):
+    pipe = plain_pipeline(tiny_folders["sd"])
+    plan = pipemap.plan(pipe, hardware=TWO_GPUS, headroom=0.0)
+    assert plan.execution_device == plan.device_map["unet"] == "cuda:0"
+    assert plan.device_map["vae"] == "cuda:1"
+
+
+def test_mapped_pipeline_refuses_to_and_diffusers_offload(tiny_folders):
+    pipe = plain_pipeline(tiny_folders["sd"])
+    pipemap.dispatch(pipe, pipemap.plan(pipe, hardware="cpu=1GiB"))
+    for call in (lambda: pipe.to("cpu"), pipe.enable_model_cpu_offload, pipe.enable_sequential_cpu_offload):
+        with pytest.raises(pipemap.PipelineMappedError, match=r"pipemap\.reset\(pipe\)") as err:
+            call()
+        assert err.value.operation.startswith("pipe.")
+    pipe.reset_device_map()  # diffusers' own undo does pipemap's
+    assert planned(pipe) is None and pipe.to("cpu") is pipe
+
+
+def test_reset_leaves_no_trace(tiny_folders, reference_outputs):
+    pipe = plain_pipeline(tiny_folders["sdxl"])
+    before = _state(pipe)
+    pipemap.dispatch(pipe, pipemap.plan(pipe, hardware=TWO_GPUS, headroom=0.0).remap(ON_CPU))
+    assert "decode" in pipe.vae.__dict__
+    pipemap.reset(pipe)
+    assert _state(pipe) == before
+    torch.testing.assert_close(run(pipe, "sdxl"), reference_outputs["sdxl"], atol=1e-5, rtol=0)
+
+
+def test_failed_dispatch_restores_the_pipeline(tiny_folders):
+    pipe = plain_pipeline(tiny_folders["sd"])
+    before = _state(pipe)
+    good = pipemap.plan(pipe, hardware="cpu=1GiB")
+    # the last component goes to a device this machine cannot reach: the first two were already placed and hooked
+    last = good.components[-1].component
+    bad = pipemap.Plan(good.strategy, good.components[:-1] + (Placement(last, "cuda:5", 1),), good.devices, "cpu")
+    with pytest.raises(pipemap.DispatchError) as err:
+        pipemap.dispatch(pipe, bad)
+    assert (err.value.component, err.value.device) == (last, "cuda:5")
+    assert _state(pipe) == before
+
+
+def test_plan_that_leaves_out_a_component_is_refused(tiny_folders):
+    pipe = plain_pipeline(tiny_folders["controlnet"])
+    without = pipemap.plan(pipemap.inspect(tiny_folders["sd"]), hardware="cpu=1GiB")
+    before = _state(pipe)
+    with pytest.raises(pipemap.PlanMismatchError) as err:
+        pipemap.dispatch(pipe, without)
+    assert err.value.component == "controlnet"
+    assert _state(pipe) == before
+
+
+def test_foreign_hooks_are_refused(tiny_folders):
+    pipe = plain_pipeline(tiny_folders["sd"])
+    add_hook_to_module(pipe.vae, AlignDevicesHook(execution_device="cpu"))
+    with pytest.raises(pipemap.PlanMismatchError, match="remove_all_hooks") as err:
+        pipemap.dispatch(pipe, pipemap.plan(pipe, hardware="cpu=1GiB"))
+    assert err.value.component == "vae"
+
+
+def test_dispatch_twice_needs_reset(tiny_folders):
+    pipe = plain_pipeline(tiny_folders["sd"])
+    plan = pipemap.plan(pipe, hardware="cpu=1GiB")
+    pipemap.dispatch(pipe, plan)
+    with pytest.raises(pipemap.PipelineMappedError):
+        pipemap.dispatch(pipe, plan)
+    pipemap.reset(pipe)
+    pipemap.dispatch(pipe, plan)

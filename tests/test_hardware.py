@@ -1,0 +1,193 @@
+"""Devices and hardware profiles: one canonical device name, profiles parsed from text, detected, or restricted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipemap import Device, Hardware, HardwareSpecError, PipemapError, UnknownDeviceError, normalize_device
+
+GiB = 1024**3
+
+
+# ---- normalize_device --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (0, "cuda:0"),
+        (3, "cuda:3"),
+        ("cuda", "cuda:0"),
+        ("cuda:1", "cuda:1"),
+        (" CUDA:2 ", "cuda:2"),
+        ("cpu", "cpu"),
+        ("cpu:0", "cpu"),
+        ("meta:1", "meta:1"),
+        ("meta", "meta:0"),
+        (torch.device("cuda"), "cuda:0"),
+        (torch.device("cuda", 1), "cuda:1"),
+        (torch.device("cpu"), "cpu"),
+        (torch.device("meta", 2), "meta:2"),
+    ],
+)
+def test_normalize_device(given, expected):
+    assert normalize_device(given) == expected
+
+
+@pytest.mark.parametrize("given", ["gpu", "cuda:x", "cuda:-1", "", "cuda:0:1", "tpu:0", True, -1, None])
+def test_normalize_device_rejects_garbage(given):
+    with pytest.raises(UnknownDeviceError) as info:
+        normalize_device(given)
+    assert info.value.device is given
+    assert isinstance(info.value, ValueError) and isinstance(info.value, PipemapError)
+
+
+# ---- Hardware.parse ----------------------------------------------------------------------------------------------
+
+
+def test_parse_full_form():
+    hw = Hardware.parse("cuda:0=24GiB,cuda:1=16GiB,cpu=64GiB")
+    assert hw == Hardware((Device("cuda:0", 24 * GiB), Device("cuda:1", 16 * GiB), Device("cpu", 64 * GiB)))
+    assert hw.names == ("cuda:0", "cuda:1", "cpu")
+    assert [d.name for d in hw.gpus] == ["cuda:0", "cuda:1"]
+    assert hw.memory("cuda:1") == 16 * GiB
+    assert not hw.detected
+
+
+def test_parse_orders_gpus_by_index_then_cpu():
+    hw = Hardware.parse("cpu=1000, cuda:10=300, cuda:2=200, cuda=100")
+    assert hw.names == ("cuda:0", "cuda:2", "cuda:10", "cpu")
+    assert [d.memory for d in hw.devices] == [100, 200, 300, 1000]
+
+
+def test_parse_shorthand():
+    assert Hardware.parse("2x24GiB,cpu=64GiB") == Hardware(
+        (Device("cuda:0", 24 * GiB), Device("cuda:1", 24 * GiB), Device("cpu", 64 * GiB)))
+
+
+def test_parse_shorthand_mixed_with_named_gpu():
+    hw = Hardware.parse("2x24GiB,cuda:2=8GiB,cpu=64GiB")
+    assert hw.devices == (Device("cuda:0", 24 * GiB), Device("cuda:1", 24 * GiB), Device("cuda:2", 8 * GiB),
+                          Device("cpu", 64 * GiB))
+
+
+def test_parse_shorthand_after_named_gpu_continues_the_numbering():
+    hw = Hardware.parse("cuda:0=8GiB,2x24GiB,cpu=64GiB")
+    assert hw.names == ("cuda:0", "cuda:1", "cuda:2", "cpu")
+    assert hw.memory("cuda:0") == 8 * GiB and hw.memory("cuda:2") == 24 * GiB
+
+
+def test_parse_without_cpu_gets_this_machines_ram():
+    hw = Hardware.parse("cuda:0=1000")
+    assert hw.names == ("cuda:0", "cpu")
+    assert hw.memory("cpu") > 0
+
+
+def test_parse_cpu_only():
+    hw = Hardware.parse("cpu=64GiB")
+    assert hw.devices == (Device("cpu", 64 * GiB),)
+    assert hw.gpus == ()
+
+
+def test_str_lists_every_device():
+    assert str(Hardware.parse("2x24GiB,cpu=64GiB")) == "cuda:0=24.00 GiB,cuda:1=24.00 GiB,cpu=64.00 GiB"
+
+
+@pytest.mark.parametrize(
+    ("spec", "part"),
+    [
+        ("cuda:0=24GiB,gpu0=24GiB", "gpu0=24GiB"),    # not a device name
+        ("cuda:0=lots", "cuda:0=lots"),              # not a size
+        ("cuda:0", "cuda:0"),                        # no size
+        ("2xlots,cpu=64GiB", "2xlots"),              # shorthand with a bad size
+        ("", ""),                                    # nothing at all
+        (" , ", " , "),
+    ],
+)
+def test_parse_errors_carry_spec_part_and_reason(spec, part):
+    with pytest.raises(HardwareSpecError) as info:
+        Hardware.parse(spec)
+    err = info.value
+    assert (err.spec, err.part) == (spec, part)
+    assert err.reason
+    assert isinstance(err, ValueError) and isinstance(err, PipemapError)
+    assert "2x24GiB,cpu=64GiB" in str(err)  # the message shows the forms that work
+
+
+@pytest.mark.parametrize(
+    ("spec", "part"),
+    [
+        ("cuda:0=24GiB,cuda:0=16GiB", "cuda:0=16GiB"),
+        ("cuda=24GiB,cuda:0=16GiB", "cuda:0=16GiB"),  # two spellings of cuda:0
+        ("cpu=1GiB,cpu:0=2GiB", "cpu:0=2GiB"),
+        ("2x24GiB,cuda:1=8GiB", "cuda:1=8GiB"),      # the shorthand already made cuda:1
+    ],
+)
+def test_parse_duplicate_device(spec, part):
+    with pytest.raises(HardwareSpecError) as info:
+        Hardware.parse(spec)
+    assert info.value.part == part
+    assert "twice" in info.value.reason
+
+
+# ---- Hardware.detect ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+def test_detect_on_a_cpu_only_machine():
+    hw = Hardware.detect()
+    assert hw.detected
+    assert hw.names == ("cpu",)
+    assert hw.gpus == ()
+    assert hw.memory("cpu") > 0
+
+
+def test_detect_always_ends_with_the_cpu():
+    hw = Hardware.detect()
+    assert hw.names[-1] == "cpu"
+    assert all(name.startswith("cuda:") for name in hw.names[:-1])
+
+
+# ---- with_max_memory ---------------------------------------------------------------------------------------------
+
+TWO_GPUS = Hardware.parse("cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB")
+
+
+def test_with_max_memory_diffusers_keys_and_values():
+    hw = TWO_GPUS.with_max_memory({0: "20GiB", "cuda:1": 10 * GiB, "cpu": "32GiB"})
+    assert hw.devices == (Device("cuda:0", 20 * GiB), Device("cuda:1", 10 * GiB), Device("cpu", 32 * GiB))
+
+
+def test_with_max_memory_leaves_out_gpus_not_named_and_keeps_the_cpu():
+    hw = TWO_GPUS.with_max_memory({"cuda:1": "8GiB"})
+    assert hw.devices == (Device("cuda:1", 8 * GiB), Device("cpu", 64 * GiB))
+
+
+def test_with_max_memory_cpu_only():
+    assert TWO_GPUS.with_max_memory({"cpu": 1000}).devices == (Device("cpu", 1000),)
+
+
+def test_with_max_memory_keeps_the_detected_flag():
+    assert Hardware.detect().with_max_memory({"cpu": "1GiB"}).detected
+
+
+def test_with_max_memory_gpu_missing_from_the_machine():
+    with pytest.raises(UnknownDeviceError) as info:
+        TWO_GPUS.with_max_memory({0: "20GiB", 2: "20GiB"})
+    assert info.value.device == "cuda:2"
+    assert info.value.available == ("cuda:0", "cuda:1", "cpu")
+    assert "cuda:0, cuda:1, cpu" in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+def test_with_max_memory_gpu_on_the_detected_cpu_only_machine():
+    with pytest.raises(UnknownDeviceError) as info:
+        Hardware.detect().with_max_memory({0: "20GiB", "cpu": "32GiB"})
+    assert info.value.device == "cuda:0"
+    assert info.value.available == ("cpu",)
+
+
+def test_with_max_memory_bad_size():
+    with pytest.raises(ValueError):
+        TWO_GPUS.with_max_memory({0: "twenty"})

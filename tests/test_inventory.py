@@ -1,0 +1,144 @@
+"""inspect(): sizes from safetensors headers equal the loaded modules' bytes, at every dtype; bad folders fail typed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import pipemap
+from conftest import plain_pipeline
+from pipemap.inventory import module_bytes, read_header
+
+
+def _loaded_bytes(pipe) -> dict[str, int]:
+    return {n: module_bytes(m) for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+
+
+def _header_bytes(inventory) -> dict[str, int]:
+    return {c.name: c.bytes for c in inventory.models}
+
+
+@pytest.mark.parametrize("kind", ["sd", "sdxl", "controlnet"])
+def test_fp32_header_bytes_equal_loaded_bytes(tiny_folders, kind):
+    folder = tiny_folders[kind]
+    assert _header_bytes(pipemap.inspect(folder)) == _loaded_bytes(plain_pipeline(folder))
+
+
+def test_fp16_variant_without_dtype_loads_as_float32(tiny_folders):
+    # diffusers 0.42 upcasts a variant's fp16 files to float32 unless a dtype is asked for
+    folder = tiny_folders["sdxl"]
+    pipe = plain_pipeline(folder, variant="fp16")
+    assert _header_bytes(pipemap.inspect(folder, variant="fp16")) == _loaded_bytes(pipe)
+    assert {m.dtype for m in pipe.components.values() if isinstance(m, torch.nn.Module)} == {torch.float32}
+
+
+def test_fp16_variant_at_fp16_equals_loaded(tiny_folders):
+    folder = tiny_folders["sdxl"]
+    pipe = plain_pipeline(folder, variant="fp16", dtype=torch.float16)
+    inventory = pipemap.inspect(folder, dtype=torch.float16, variant="fp16")
+    assert _header_bytes(inventory) == _loaded_bytes(pipe)
+    assert inventory.dtype == "float16" and inventory.variant == "fp16"
+
+
+def test_fp32_weights_loaded_as_fp16_equal_loaded(tiny_folders):
+    folder = tiny_folders["controlnet"]
+    fp32 = _header_bytes(pipemap.inspect(folder))
+    fp16 = _header_bytes(pipemap.inspect(folder, torch_dtype="float16"))
+    assert fp16 == _loaded_bytes(plain_pipeline(folder, dtype=torch.float16))
+    assert all(fp16[name] < fp32[name] for name in fp32)
+
+
+def test_weightless_components_are_listed(tiny_folders):
+    inventory = pipemap.inspect(tiny_folders["sdxl"])
+    weightless = {c.name for c in inventory.components if not c.has_weights}
+    assert {"tokenizer", "tokenizer_2", "scheduler"} <= weightless
+    assert [c.name for c in inventory.models] == ["text_encoder", "text_encoder_2", "unet", "vae"]
+    assert inventory.pipeline_class == "StableDiffusionXLPipeline"
+
+
+def test_loaded_pipeline_inventory_matches_folder(tiny_folders):
+    folder = tiny_folders["sd"]
+    from_pipe = pipemap.inspect(plain_pipeline(folder), dtype=torch.bfloat16)
+    from_folder = pipemap.inspect(folder, dtype=torch.bfloat16)
+    assert _header_bytes(from_pipe) == _header_bytes(from_folder)
+
+
+def test_sharded_checkpoint_with_index(tmp_path, tiny_folders):
+    folder = tmp_path / "sharded"
+    shutil.copytree(tiny_folders["sd"], folder)
+    before = _header_bytes(pipemap.inspect(folder))
+    unet = plain_pipeline(str(folder)).unet
+    for f in (folder / "unet").glob("*.safetensors"):
+        f.unlink()
+    unet.save_pretrained(folder / "unet", max_shard_size="1MB")
+    assert len(list((folder / "unet").glob("*.safetensors"))) > 1
+    assert _header_bytes(pipemap.inspect(folder)) == before
+
+
+def test_not_a_pipeline_folder(tmp_path):
+    with pytest.raises(pipemap.NotAPipelineError) as err:
+        pipemap.inspect(tmp_path)
+    assert err.value.path == str(tmp_path) and "model_index.json" in err.value.reason
+    assert isinstance(err.value, ValueError)
+    (tmp_path / "model_index.json").write_text("{not json")
+    with pytest.raises(pipemap.NotAPipelineError, match="not valid JSON"):
+        pipemap.inspect(tmp_path)
+    with pytest.raises(pipemap.NotAPipelineError, match="no such folder"):
+        pipemap.inspect(tmp_path / "missing")
+
+
+def test_corrupt_header(tmp_path, tiny_folders):
+    folder = tmp_path / "corrupt"
+    shutil.copytree(tiny_folders["sd"], folder)
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    with pytest.raises(pipemap.CheckpointError) as err:
+        pipemap.inspect(folder)
+    assert err.value.path == str(weights) and "header length" in err.value.reason
+    weights.write_bytes((7).to_bytes(8, "little") + b"{broken")
+    with pytest.raises(pipemap.CheckpointError, match="not valid JSON"):
+        pipemap.inspect(folder)
+    weights.write_bytes(b"abc")
+    with pytest.raises(pipemap.CheckpointError, match="shorter"):
+        pipemap.inspect(folder)
+
+
+def test_missing_shard_is_named(tmp_path, tiny_folders):
+    folder = tmp_path / "missing-shard"
+    shutil.copytree(tiny_folders["sd"], folder)
+    index = {"metadata": {}, "weight_map": {"a": "diffusion_pytorch_model-00001-of-00002.safetensors"}}
+    (folder / "unet" / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(pipemap.CheckpointError, match="00001-of-00002"):
+        pipemap.inspect(folder)
+
+
+def test_read_header_reads_header_only(tiny_folders):
+    path = f"{tiny_folders['sd']}/unet/diffusion_pytorch_model.safetensors"
+    header = read_header(path)
+    assert all({"dtype", "shape"} <= set(meta) for meta in header.values())
+
+
+def test_unknown_dtype_is_typed():
+    with pytest.raises(pipemap.UnknownDtypeError) as err:
+        pipemap.inventory.resolve_dtype("float17", None)
+    assert err.value.dtype == "float17"
+
+
+def test_dtype_conflict(tiny_folders):
+    with pytest.raises(pipemap.ArgumentConflictError) as err:
+        pipemap.inspect(tiny_folders["sd"], dtype=torch.float16, torch_dtype=torch.bfloat16)
+    assert (err.value.first, err.value.second) == ("dtype", "torch_dtype")
+
+
+def test_text_encoder_follows_its_config_dtype_when_no_dtype_is_given(tmp_path):
+    # a folder saved in fp16 only: its config.json says float16, and transformers loads the text encoder so
+    from pipemap import tiny
+
+    folder = tmp_path / "fp16-only"
+    tiny.build("sd").to(torch.float16).save_pretrained(folder)
+    pipe = plain_pipeline(str(folder))
+    assert pipe.text_encoder.dtype == torch.float16 and pipe.unet.dtype == torch.float32
+    assert _header_bytes(pipemap.inspect(folder)) == _loaded_bytes(pipe)

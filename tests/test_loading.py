@@ -1,0 +1,97 @@
+"""load(): a folder loaded onto its plan runs like plain diffusers, for every strategy; built components join in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipemap
+from conftest import plain_pipeline, run
+from pipemap import tiny
+from pipemap.dispatch import PlacementHook, planned
+
+TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny models: unet 3.0 MiB, vae 2.5, controlnet 1.6, text encoders 0.2
+ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
+STRATEGIES = ["balanced", "sequential", {"vae": "cuda:0", "unet": "cuda:1"}, {"unet": "cuda:1"}]
+
+
+def _models(pipe) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+
+
+def _assert_placed(pipe, plan):
+    assert pipe.hf_device_map == plan.device_map
+    for name, module in _models(pipe).items():
+        assert {t.device for t in module.state_dict().values()} == {torch.device(plan.device_map[name])}
+        assert isinstance(module._hf_hook, PlacementHook)
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=["balanced", "sequential", "full-map", "partial-map"])
+def test_load_equals_plain_for_every_strategy(tiny_folders, reference_outputs, kind, strategy):
+    folder = tiny_folders[kind]
+    plan = pipemap.plan(folder, hardware=TWO_GPUS, strategy=strategy, headroom=0.0)
+    assert set(plan.device_map.values()) == {"cuda:0", "cuda:1"}
+    pipe = pipemap.load(folder, plan=plan.remap(ON_CPU), progress=False)
+    _assert_placed(pipe, plan.remap(ON_CPU))
+    torch.testing.assert_close(run(pipe, kind), reference_outputs[kind], atol=1e-5, rtol=0)
+    pipemap.reset(pipe)
+    assert not any(hasattr(m, "_hf_hook") for module in _models(pipe).values() for m in module.modules())
+
+
+def test_load_plans_for_this_machine_with_diffusers_arguments(tiny_folders, reference_outputs):
+    pipe = pipemap.load(tiny_folders["sd"], device_map="balanced", max_memory={"cpu": "1GiB"}, progress=False)
+    assert planned(pipe).device_map == {"vae": "cpu", "text_encoder": "cpu", "unet": "cpu"}
+    assert any("no GPU" in note for note in planned(pipe).notes)
+    torch.testing.assert_close(run(pipe, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
+
+
+def test_load_at_fp16_equals_plain_fp16(tiny_folders):
+    folder = tiny_folders["sd"]
+    pipe = pipemap.load(folder, hardware="cpu=1GiB", torch_dtype=torch.float16, variant="fp16", progress=False)
+    assert {m.dtype for m in _models(pipe).values()} == {torch.float16}
+    assert planned(pipe).dtype == "float16"
+    plain = plain_pipeline(folder, dtype=torch.float16, variant="fp16")
+    torch.testing.assert_close(run(pipe, "sd"), run(plain, "sd"), atol=1e-5, rtol=0)
+
+
+def test_component_passed_in_is_placed_and_hooked(tiny_folders, reference_outputs):
+    folder = tiny_folders["controlnet"]
+    controlnet = plain_pipeline(folder).controlnet
+    plan = pipemap.plan(pipemap.loading.with_passed(pipemap.inspect(folder), {"controlnet": controlnet}),
+                        hardware=TWO_GPUS, headroom=0.0)
+    assert plan.placement("controlnet").bytes == pipemap.inventory.module_bytes(controlnet)
+    pipe = pipemap.load(folder, plan=plan.remap(ON_CPU), controlnet=controlnet, progress=False)
+    assert pipe.controlnet is controlnet and isinstance(controlnet._hf_hook, PlacementHook)
+    torch.testing.assert_close(run(pipe, "controlnet"), reference_outputs["controlnet"], atol=1e-5, rtol=0)
+
+
+def test_passed_component_planned_without_a_plan(tiny_folders):
+    folder = tiny_folders["controlnet"]
+    controlnet = plain_pipeline(folder).controlnet
+    pipe = pipemap.load(folder, hardware="cpu=1GiB", controlnet=controlnet, progress=False)
+    assert "controlnet" in pipe.hf_device_map and isinstance(controlnet._hf_hook, PlacementHook)
+
+
+def test_max_memory_naming_a_missing_gpu_is_an_error(tiny_folders):
+    with pytest.raises(pipemap.UnknownDeviceError) as err:
+        pipemap.load(tiny_folders["sd"], device_map="balanced", max_memory={0: "20GiB", 1: "20GiB"}, progress=False)
+    assert err.value.device == "cuda:0" and "cpu" in err.value.available
+
+
+def test_strategy_and_device_map_must_agree(tiny_folders):
+    with pytest.raises(pipemap.ArgumentConflictError):
+        pipemap.load(tiny_folders["sd"], strategy="balanced", device_map="sequential", progress=False)
+
+
+def test_unknown_component_in_map_lists_the_real_ones(tiny_folders):
+    with pytest.raises(pipemap.UnknownComponentError) as err:
+        pipemap.plan(tiny_folders["sd"], hardware=TWO_GPUS, device_map={"unett": "cuda:0"})
+    assert err.value.component == "unett" and set(err.value.known) == {"vae", "text_encoder", "unet"}
+
+
+def test_component_too_large_for_balanced_names_itself(tiny_folders):
+    with pytest.raises(pipemap.DoesNotFitError) as err:
+        pipemap.plan(tiny_folders["sd"], hardware="cuda:0=3MiB,cuda:1=3MiB", headroom=0.0)
+    assert err.value.component == "unet" and err.value.bytes > err.value.largest_room == 3 * 2**20
+    assert err.value.strategies == ()

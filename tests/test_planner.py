@@ -1,0 +1,537 @@
+"""The pure planning layer: inventories built by hand with integer byte sizes, whole plans compared with ``==``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pipemap
+from pipemap import (
+    STRATEGIES,
+    ArgumentConflictError,
+    Component,
+    DeviceUse,
+    DoesNotFitError,
+    Hardware,
+    Inventory,
+    PipemapError,
+    Placement,
+    Plan,
+    UnknownComponentError,
+    UnknownDeviceError,
+    UnknownDtypeError,
+    UnknownStrategyError,
+)
+from pipemap.inventory import resolve_dtype
+from pipemap.planner import budgets
+
+NO_GPU_NOTE = "no GPU on this machine or in the profile: every component runs on the CPU"
+
+
+def inventory(*sizes: tuple[str, int], dtype: str | None = None) -> Inventory:
+    """An inventory of models with these ``(name, bytes)`` in pipeline order, plus two weightless parts."""
+    models = tuple(Component(name, "diffusers", "Model", size, True) for name, size in sizes)
+    weightless = (Component("tokenizer", "transformers", "CLIPTokenizer"),
+                  Component("scheduler", "diffusers", "DDIMScheduler"))
+    return Inventory("test", "TestPipeline", weightless[:1] + models + weightless[1:], dtype)
+
+
+def plan(inv, hardware, **kwargs) -> Plan:
+    kwargs.setdefault("headroom", 0.0)
+    return pipemap.plan(inv, hardware=Hardware.parse(hardware), **kwargs)
+
+
+# text_encoder 30, text_encoder_2 40, unet 60, vae 20 bytes (150 in all)
+SDXL_LIKE = inventory(("text_encoder", 30), ("text_encoder_2", 40), ("unet", 60), ("vae", 20))
+# two GPUs of 100 bytes, CPU 1000 bytes
+TWO_GPUS = "cuda:0=100,cuda:1=100,cpu=1000"
+
+
+# ---- balanced ----------------------------------------------------------------------------------------------------
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_balanced_largest_first_to_the_gpu_with_most_room():
+    # unet 60 -> cuda:0 (tie: first GPU), te2 40 -> cuda:1, te 30 -> cuda:1 (60 left vs 40), vae 20 -> cuda:0
+    assert plan(SDXL_LIKE, TWO_GPUS, strategy="balanced") == Plan(
+        strategy="balanced",
+        components=(Placement("text_encoder", "cuda:1", 30), Placement("text_encoder_2", "cuda:1", 40),
+                    Placement("unet", "cuda:0", 60), Placement("vae", "cuda:0", 20)),
+        devices=(DeviceUse("cuda:0", 100, 100, 80), DeviceUse("cuda:1", 100, 100, 70),
+                 DeviceUse("cpu", 1000, 1000, 0)),
+        execution_device="cuda:0",
+    )
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_balanced_is_the_default():
+    assert plan(SDXL_LIKE, TWO_GPUS) == plan(SDXL_LIKE, TWO_GPUS, strategy="balanced")
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 50 + 200 + 100
+def test_balanced_prefers_the_gpu_with_most_room_not_the_first():
+    # unet 60 -> cuda:1 (200), te2 40 -> cuda:1 (140), te 30 -> cuda:1 (100, tie with cuda:2 goes to the first),
+    # vae 20 -> cuda:2 (100 vs 70)
+    result = plan(SDXL_LIKE, "cuda:0=50,cuda:1=200,cuda:2=100,cpu=1000")
+    assert result.device_map == {"text_encoder": "cuda:1", "text_encoder_2": "cuda:1", "unet": "cuda:1",
+                                 "vae": "cuda:2"}
+    assert [(d.device, d.used) for d in result.devices] == [("cuda:0", 0), ("cuda:1", 130), ("cuda:2", 20),
+                                                            ("cpu", 0)]
+
+
+# ---- sequential --------------------------------------------------------------------------------------------------
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_sequential_fills_the_first_gpu_then_the_next():
+    # te 30 + te2 40 on cuda:0 (70), unet 60 does not fit the 30 left -> cuda:1, vae 20 -> cuda:1
+    assert plan(SDXL_LIKE, TWO_GPUS, strategy="sequential") == Plan(
+        strategy="sequential",
+        components=(Placement("text_encoder", "cuda:0", 30), Placement("text_encoder_2", "cuda:0", 40),
+                    Placement("unet", "cuda:1", 60), Placement("vae", "cuda:1", 20)),
+        devices=(DeviceUse("cuda:0", 100, 100, 70), DeviceUse("cuda:1", 100, 100, 80),
+                 DeviceUse("cpu", 1000, 1000, 0)),
+        execution_device="cuda:1",
+    )
+
+
+# sizes: text_encoder 50, unet 60, vae 45; GPUs 100 + 100
+def test_sequential_never_goes_back_and_its_error_names_the_room_it_may_use():
+    inv = inventory(("text_encoder", 50), ("unet", 60), ("vae", 45))
+    # te -> cuda:0 (50 left), unet -> cuda:1 (40 left), vae 45: cuda:0 has 50 but sequential has left it
+    with pytest.raises(DoesNotFitError) as info:
+        plan(inv, TWO_GPUS, strategy="sequential")
+    err = info.value
+    assert (err.component, err.bytes, err.largest_room) == ("vae", 45, 40)
+    assert (err.strategy, err.strategies) == ("sequential", ("balanced",))
+    # balanced: unet -> cuda:0, te -> cuda:1, vae -> cuda:1 (50 left)
+    assert plan(inv, TWO_GPUS).device_map == {"text_encoder": "cuda:1", "unet": "cuda:0", "vae": "cuda:1"}
+
+
+# ---- dict maps ---------------------------------------------------------------------------------------------------
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_dict_map_full():
+    mapping = {"unet": "cuda:1", "text_encoder": "cuda", "text_encoder_2": 0, "vae": "cpu"}
+    assert plan(SDXL_LIKE, TWO_GPUS, strategy=mapping) == Plan(
+        strategy="map",
+        components=(Placement("text_encoder", "cuda:0", 30), Placement("text_encoder_2", "cuda:0", 40),
+                    Placement("unet", "cuda:1", 60), Placement("vae", "cpu", 20)),
+        devices=(DeviceUse("cuda:0", 100, 100, 70), DeviceUse("cuda:1", 100, 100, 60),
+                 DeviceUse("cpu", 1000, 1000, 20)),
+        execution_device="cuda:1",
+    )
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_dict_map_partial_places_the_rest_by_balanced():
+    # vae 20 fixed on cuda:1 (80 left); then unet 60 -> cuda:0 (40 left), te2 40 -> cuda:1 (40 left),
+    # te 30 -> cuda:0 (tie at 40: the first GPU)
+    assert plan(SDXL_LIKE, TWO_GPUS, strategy={"vae": "cuda:1"}) == Plan(
+        strategy="map+balanced",
+        components=(Placement("text_encoder", "cuda:0", 30), Placement("text_encoder_2", "cuda:1", 40),
+                    Placement("unet", "cuda:0", 60), Placement("vae", "cuda:1", 20)),
+        devices=(DeviceUse("cuda:0", 100, 100, 90), DeviceUse("cuda:1", 100, 100, 60),
+                 DeviceUse("cpu", 1000, 1000, 0)),
+        execution_device="cuda:0",
+    )
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_dict_map_may_put_anything_on_the_cpu_even_past_its_budget():
+    result = plan(SDXL_LIKE, "cuda:0=100,cuda:1=100,cpu=50", strategy={"unet": "cpu", "text_encoder_2": "cpu"})
+    assert result.device_map == {"text_encoder": "cuda:0", "text_encoder_2": "cpu", "unet": "cpu", "vae": "cuda:1"}
+    assert result.devices[-1] == DeviceUse("cpu", 50, 50, 100)
+    assert result.execution_device == "cpu"
+    assert any("CPU holds 100 bytes" in note for note in result.notes)
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 50
+def test_dict_map_to_a_gpu_too_small():
+    with pytest.raises(DoesNotFitError) as info:
+        plan(SDXL_LIKE, "cuda:0=100,cuda:1=50,cpu=1000", strategy={"unet": "cuda:1"})
+    err = info.value
+    assert (err.component, err.bytes, err.largest_room, err.device, err.strategy) == ("unet", 60, 50, "cuda:1", "map")
+    assert "on cuda:1" in str(err)
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_dict_map_unknown_component():
+    with pytest.raises(UnknownComponentError) as info:
+        plan(SDXL_LIKE, TWO_GPUS, strategy={"unett": "cuda:0"})
+    err = info.value
+    assert err.component == "unett"
+    assert err.known == ("text_encoder", "text_encoder_2", "unet", "vae")  # only components with weights
+    assert isinstance(err, ValueError) and isinstance(err, PipemapError)
+    assert "text_encoder, text_encoder_2, unet, vae" in str(err)
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_dict_map_to_a_device_not_in_the_profile():
+    with pytest.raises(UnknownDeviceError) as info:
+        plan(SDXL_LIKE, TWO_GPUS, strategy={"vae": "cuda:2"})
+    assert info.value.device == "cuda:2"
+    assert info.value.available == ("cuda:0", "cuda:1", "cpu")
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_dict_map_to_an_unreadable_device():
+    with pytest.raises(UnknownDeviceError):
+        plan(SDXL_LIKE, TWO_GPUS, strategy={"vae": "gpu1"})
+
+
+# ---- device_map and dtype aliases --------------------------------------------------------------------------------
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+@pytest.mark.parametrize("value", ["balanced", "sequential", {"vae": "cuda:1"}])
+def test_device_map_is_an_alias_of_strategy(value):
+    assert plan(SDXL_LIKE, TWO_GPUS, device_map=value) == plan(SDXL_LIKE, TWO_GPUS, strategy=value)
+    assert plan(SDXL_LIKE, TWO_GPUS, device_map=value, strategy=value) == plan(SDXL_LIKE, TWO_GPUS, strategy=value)
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+@pytest.mark.parametrize(("strategy", "device_map"), [("balanced", "sequential"), ("balanced", {"vae": "cpu"}),
+                                                      ({"vae": "cpu"}, {"vae": "cuda:0"})])
+def test_strategy_and_device_map_that_differ(strategy, device_map):
+    with pytest.raises(ArgumentConflictError) as info:
+        plan(SDXL_LIKE, TWO_GPUS, strategy=strategy, device_map=device_map)
+    err = info.value
+    assert (err.first, err.first_value, err.second, err.second_value) == ("strategy", strategy, "device_map",
+                                                                          device_map)
+    assert isinstance(err, ValueError) and isinstance(err, PipemapError)
+
+
+def test_resolve_dtype():
+    assert resolve_dtype(torch.float16, None) is torch.float16
+    assert resolve_dtype(None, torch.bfloat16) is torch.bfloat16
+    assert resolve_dtype("float16", torch.float16) is torch.float16
+    assert resolve_dtype("torch.bfloat16", None) is torch.bfloat16
+    assert resolve_dtype(None, None) is None
+    with pytest.raises(UnknownDtypeError):
+        resolve_dtype("half_float", None)
+
+
+def test_resolve_dtype_conflict():
+    with pytest.raises(ArgumentConflictError) as info:
+        resolve_dtype(torch.float16, "bfloat16")
+    err = info.value
+    assert (err.first, err.first_value, err.second, err.second_value) == ("dtype", torch.float16, "torch_dtype",
+                                                                          torch.bfloat16)
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_plan_rejects_dtype_and_torch_dtype_that_differ():
+    with pytest.raises(ArgumentConflictError):
+        plan(SDXL_LIKE, TWO_GPUS, dtype=torch.float16, torch_dtype=torch.bfloat16)
+    assert plan(SDXL_LIKE, TWO_GPUS, dtype=torch.float16, torch_dtype="float16") == plan(SDXL_LIKE, TWO_GPUS)
+
+
+# ---- no GPU ------------------------------------------------------------------------------------------------------
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; CPU 1000
+@pytest.mark.parametrize("strategy", [*STRATEGIES, {"vae": "cpu"}])
+def test_cpu_only_places_everything_on_the_cpu_and_says_so(strategy):
+    result = plan(SDXL_LIKE, "cpu=1000", strategy=strategy)
+    assert result.device_map == {"text_encoder": "cpu", "text_encoder_2": "cpu", "unet": "cpu", "vae": "cpu"}
+    assert result.devices == (DeviceUse("cpu", 1000, 1000, 150),)
+    assert result.execution_device == "cpu"
+    assert result.notes == (NO_GPU_NOTE,)
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; CPU 100
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cpu_only_never_fails_even_past_the_ram(strategy):
+    result = plan(SDXL_LIKE, "cpu=100", strategy=strategy)
+    assert set(result.device_map.values()) == {"cpu"}
+    assert result.notes == (NO_GPU_NOTE, "the CPU holds 150 bytes, more than its 100 bytes of available RAM")
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100, max_memory keeps only the CPU
+def test_max_memory_with_only_the_cpu():
+    result = plan(SDXL_LIKE, TWO_GPUS, max_memory={"cpu": "1KB"})
+    assert result.devices == (DeviceUse("cpu", 1000, 1000, 150),)
+    assert result.notes == (NO_GPU_NOTE,)
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100 restricted to cuda:1 = 150
+def test_max_memory_restricts_the_profile():
+    result = plan(SDXL_LIKE, TWO_GPUS, max_memory={1: 150})
+    assert set(result.device_map.values()) == {"cuda:1"}
+    assert result.devices == (DeviceUse("cuda:1", 150, 150, 150), DeviceUse("cpu", 1000, 1000, 0))
+
+
+# ---- headroom ----------------------------------------------------------------------------------------------------
+
+# GPUs 1000 + 2000, CPU 5000
+HEADROOM_HW = Hardware.parse("cuda:0=1000,cuda:1=2000,cpu=5000")
+
+
+@pytest.mark.parametrize(
+    ("headroom", "expected"),
+    [
+        (None, {"cuda:0": 900, "cuda:1": 1800, "cpu": 5000}),        # 10% of each GPU, none of the CPU
+        (0.0, {"cuda:0": 1000, "cuda:1": 2000, "cpu": 5000}),
+        (0.25, {"cuda:0": 750, "cuda:1": 1500, "cpu": 5000}),
+        (100, {"cuda:0": 900, "cuda:1": 1900, "cpu": 5000}),          # bytes, on each GPU
+        ("1.5KB", {"cuda:0": 0, "cuda:1": 500, "cpu": 5000}),         # never below zero
+        ({"cuda:0": 0.5, 1: "100", "cpu": 1000}, {"cuda:0": 500, "cuda:1": 1900, "cpu": 4000}),
+    ],
+)
+def test_budgets(headroom, expected):
+    assert budgets(HEADROOM_HW, headroom) == expected
+
+
+def test_headroom_fraction_out_of_range():
+    with pytest.raises(ValueError):
+        budgets(HEADROOM_HW, 1.0)
+
+
+# sizes: unet 950; GPU 1000
+def test_default_headroom_is_ten_percent_of_each_gpu():
+    inv = inventory(("unet", 950))
+    hw = Hardware.parse("cuda:0=1000,cpu=5000")
+    with pytest.raises(DoesNotFitError) as info:
+        pipemap.plan(inv, hardware=hw)
+    assert (info.value.bytes, info.value.largest_room) == (950, 900)
+    result = pipemap.plan(inv, hardware=hw, headroom=0.05)
+    assert result.devices == (DeviceUse("cuda:0", 1000, 950, 950), DeviceUse("cpu", 5000, 5000, 0))
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100 with 40 and 10 bytes of headroom
+def test_per_device_headroom_changes_the_plan():
+    # budgets 60 and 90: unet 60 -> cuda:1 (30 left), te2 40 -> cuda:0 (20 left), te 30 -> cuda:1 (0 left),
+    # vae 20 -> cuda:0 (0 left)
+    result = plan(SDXL_LIKE, TWO_GPUS, headroom={"cuda:0": 40, "cuda:1": 10})
+    assert result == Plan(
+        strategy="balanced",
+        components=(Placement("text_encoder", "cuda:1", 30), Placement("text_encoder_2", "cuda:0", 40),
+                    Placement("unet", "cuda:1", 60), Placement("vae", "cuda:0", 20)),
+        devices=(DeviceUse("cuda:0", 100, 60, 60), DeviceUse("cuda:1", 100, 90, 90),
+                 DeviceUse("cpu", 1000, 1000, 0)),
+        execution_device="cuda:1",
+    )
+
+
+# ---- DoesNotFitError ---------------------------------------------------------------------------------------------
+
+
+# sizes: text_encoder 3, text_encoder_2 3, unet 4; GPUs 6 + 4
+def test_balanced_fails_where_sequential_works():
+    inv = inventory(("text_encoder", 3), ("text_encoder_2", 3), ("unet", 4))
+    hw = "cuda:0=6,cuda:1=4,cpu=1000"
+    # balanced: unet 4 -> cuda:0 (2 left), text_encoder 3 -> cuda:1 (1 left), text_encoder_2 3 fits neither
+    with pytest.raises(DoesNotFitError) as info:
+        plan(inv, hw, strategy="balanced")
+    err = info.value
+    assert (err.component, err.bytes, err.largest_room) == ("text_encoder_2", 3, 2)
+    assert (err.strategy, err.strategies, err.device) == ("balanced", ("sequential",), None)
+    assert "sequential" in str(err) and "'text_encoder_2'" in str(err)
+    assert isinstance(err, ValueError) and isinstance(err, PipemapError)
+    # sequential: both text encoders fill cuda:0 (6), unet fills cuda:1 (4)
+    assert plan(inv, hw, strategy="sequential") == Plan(
+        strategy="sequential",
+        components=(Placement("text_encoder", "cuda:0", 3), Placement("text_encoder_2", "cuda:0", 3),
+                    Placement("unet", "cuda:1", 4)),
+        devices=(DeviceUse("cuda:0", 6, 6, 6), DeviceUse("cuda:1", 4, 4, 4), DeviceUse("cpu", 1000, 1000, 0)),
+        execution_device="cuda:1",
+    )
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 120, vae 20; GPUs 100 + 100
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_does_not_fit_anywhere(strategy):
+    inv = inventory(("text_encoder", 30), ("text_encoder_2", 40), ("unet", 120), ("vae", 20))
+    with pytest.raises(DoesNotFitError) as info:
+        plan(inv, TWO_GPUS, strategy=strategy)
+    err = info.value
+    assert (err.component, err.bytes, err.strategy, err.strategies) == ("unet", 120, strategy, ())
+    assert err.largest_room <= 100
+    assert "no strategy fits" in str(err)
+
+
+# ---- strategies --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["fastest", "Balanced", "", ["balanced"], 3])
+def test_unknown_strategy(strategy):
+    with pytest.raises(UnknownStrategyError) as info:
+        plan(SDXL_LIKE, TWO_GPUS, strategy=strategy)
+    assert info.value.strategy == strategy
+    assert {"balanced", "sequential"} <= set(info.value.known)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, PipemapError)
+
+
+# ---- execution device --------------------------------------------------------------------------------------------
+
+
+# sizes: text_encoder 80, transformer 50, vae 10; GPUs 100 + 100
+def test_execution_device_is_the_denoisers_not_the_largest():
+    inv = inventory(("text_encoder", 80), ("transformer", 50), ("vae", 10))
+    result = plan(inv, TWO_GPUS)
+    assert result.device_map == {"text_encoder": "cuda:0", "transformer": "cuda:1", "vae": "cuda:1"}
+    assert result.execution_device == "cuda:1"
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100, unet mapped to cuda:1
+def test_execution_device_follows_a_mapped_unet():
+    assert plan(SDXL_LIKE, TWO_GPUS, strategy={"unet": "cuda:1"}).execution_device == "cuda:1"
+
+
+# sizes: encoder 80, decoder_net 50; GPUs 100 + 100; no denoiser: the largest component's device
+def test_execution_device_without_a_denoiser():
+    inv = inventory(("encoder", 80), ("decoder_net", 50))
+    result = plan(inv, TWO_GPUS)
+    assert result.device_map == {"encoder": "cuda:0", "decoder_net": "cuda:1"}
+    assert result.execution_device == "cuda:0"
+
+
+# ---- the plan as a value -----------------------------------------------------------------------------------------
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+@pytest.mark.parametrize("strategy", ["balanced", "sequential", {"vae": "cpu"}])
+def test_json_round_trip(strategy):
+    original = plan(inventory(("text_encoder", 30), ("text_encoder_2", 40), ("unet", 60), ("vae", 20),
+                              dtype="float16"), TWO_GPUS, strategy=strategy)
+    assert Plan.from_json(original.to_json()) == original
+    assert Plan.from_json(original.to_json(indent=None)) == original
+
+
+def test_json_round_trip_with_notes_and_modes():
+    original = Plan("balanced", (Placement("unet", "cpu", 60, "offload", "cuda:0"), Placement("vae", "cuda:0", 20)),
+                    (DeviceUse("cuda:0", 100, 90, 20), DeviceUse("cpu", 1000, 1000, 60)), "cuda:0", "bfloat16",
+                    "fp16", ("a note",))
+    assert Plan.from_json(original.to_json()) == original
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_json_keys():
+    data = json.loads(plan(SDXL_LIKE, TWO_GPUS).to_json())
+    assert data["strategy"] == "balanced"
+    assert {k: {"budget": v["budget"], "used": v["used"]} for k, v in data["devices"].items()} == {
+        "cuda:0": {"budget": 100, "used": 80}, "cuda:1": {"budget": 100, "used": 70},
+        "cpu": {"budget": 1000, "used": 0}}
+    assert {k: {"device": v["device"], "mode": v["mode"], "bytes": v["bytes"]}
+            for k, v in data["components"].items()} == {
+        "text_encoder": {"device": "cuda:1", "mode": "resident", "bytes": 30},
+        "text_encoder_2": {"device": "cuda:1", "mode": "resident", "bytes": 40},
+        "unet": {"device": "cuda:0", "mode": "resident", "bytes": 60},
+        "vae": {"device": "cuda:0", "mode": "resident", "bytes": 20}}
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_str_shows_every_component_and_device():
+    text = str(plan(SDXL_LIKE, TWO_GPUS))
+    for name in ("text_encoder", "text_encoder_2", "unet", "vae", "cuda:0", "cuda:1", "cpu", "balanced"):
+        assert name in text
+    assert "tokenizer" not in text  # weightless parts are not placed
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; CPU 1000
+def test_str_shows_the_notes():
+    assert NO_GPU_NOTE in " ".join(str(plan(SDXL_LIKE, "cpu=1000")).split())
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_remap_to_the_cpu_merges_device_totals():
+    remapped = plan(SDXL_LIKE, TWO_GPUS).remap({"cuda:0": "cpu", "cuda:1": "cpu"})
+    assert remapped == Plan(
+        strategy="balanced",
+        components=(Placement("text_encoder", "cpu", 30), Placement("text_encoder_2", "cpu", 40),
+                    Placement("unet", "cpu", 60), Placement("vae", "cpu", 20)),
+        devices=(DeviceUse("cpu", 1200, 1200, 150),),
+        execution_device="cpu",
+    )
+
+
+def test_remap_keeps_modes():
+    original = Plan("balanced", (Placement("unet", "cpu", 60, "offload", "cuda:0"), Placement("vae", "cuda:1", 20),
+                                 Placement("text_encoder", "cpu", 30, "stream", "cuda:1")),
+                    (DeviceUse("cuda:0", 100, 90, 0), DeviceUse("cuda:1", 100, 90, 20),
+                     DeviceUse("cpu", 1000, 1000, 90)), "cuda:0")
+    remapped = original.remap({0: "meta:0", "cuda:1": "meta:1"})
+    assert remapped.components == (Placement("unet", "cpu", 60, "offload", "meta:0"),
+                                   Placement("vae", "meta:1", 20, "resident", "meta:1"),
+                                   Placement("text_encoder", "cpu", 30, "stream", "meta:1"))
+    assert remapped.devices == (DeviceUse("meta:0", 100, 90, 0), DeviceUse("meta:1", 100, 90, 20),
+                                DeviceUse("cpu", 1000, 1000, 90))
+    assert remapped.execution_device == "meta:0"
+
+
+# ---- properties --------------------------------------------------------------------------------------------------
+
+NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "controlnet", "unet", "transformer",
+         "vae")
+
+
+@st.composite
+def problems(draw):
+    """An inventory of 1..8 components with sizes, and a profile of 1..4 GPUs with byte budgets."""
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=8, unique=True))
+    sizes = [draw(st.integers(0, 1000)) for _ in names]
+    budgets_ = draw(st.lists(st.integers(0, 2000), min_size=1, max_size=4))
+    hardware = ",".join(f"cuda:{i}={b}" for i, b in enumerate(budgets_)) + ",cpu=100000"
+    return inventory(*zip(names, sizes)), hardware
+
+
+def _try(inv, hardware, strategy):
+    try:
+        return plan(inv, hardware, strategy=strategy)
+    except DoesNotFitError as err:
+        return err
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_every_strategy_places_each_component_once_within_budget(problem):
+    inv, hardware = problem
+    sizes = {c.name: c.bytes for c in inv.models}
+    gpu_budgets = [d.memory for d in Hardware.parse(hardware).gpus]
+    for strategy in STRATEGIES:
+        result = _try(inv, hardware, strategy)
+        if isinstance(result, DoesNotFitError):
+            again = _try(inv, hardware, strategy)  # the same inputs give the same error
+            assert (again.component, again.bytes, again.largest_room, again.strategies) == (
+                result.component, result.bytes, result.largest_room, result.strategies)
+            # the component really is larger than the largest room the strategy had left
+            assert result.strategy == strategy
+            assert result.bytes == sizes[result.component]
+            assert result.bytes > result.largest_room
+            assert result.largest_room <= max(gpu_budgets)
+            # a component that fits the largest GPU alone, in a pipeline that fits it whole, never fails
+            assert sum(sizes.values()) > max(gpu_budgets)
+            for other in STRATEGIES:
+                if other != strategy:
+                    works = not isinstance(_try(inv, hardware, other), DoesNotFitError)
+                    assert works == (other in result.strategies)
+            continue
+        assert result == plan(inv, hardware, strategy=strategy)  # the same inputs give the same plan
+        assert result.strategy == strategy
+        assert [p.component for p in result.components] == list(sizes)
+        assert {p.component: p.bytes for p in result.components} == sizes
+        assert all(p.mode == "resident" for p in result.components)
+        for d in result.devices:
+            assert d.used == sum(p.bytes for p in result.components if p.device == d.device)
+            assert d.used <= d.budget
+        assert result.devices[-1].used == 0  # a GPU profile puts nothing on the CPU
+        assert result.execution_device in {p.device for p in result.components}
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems())
+def test_a_component_larger_than_every_gpu_fails_every_strategy(problem):
+    inv, hardware = problem
+    largest_gpu = max(d.memory for d in Hardware.parse(hardware).gpus)
+    if max(c.bytes for c in inv.models) <= largest_gpu:
+        return
+    for strategy in STRATEGIES:
+        with pytest.raises(DoesNotFitError) as info:
+            plan(inv, hardware, strategy=strategy)
+        assert info.value.strategies == ()
