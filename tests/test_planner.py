@@ -282,6 +282,7 @@ HEADROOM_HW = Hardware.parse("cuda:0=1000,cuda:1=2000,cpu=5000")
         (100, {"cuda:0": 900, "cuda:1": 1900, "cpu": 5000}),          # bytes, on each GPU
         ("1.5KB", {"cuda:0": 0, "cuda:1": 500, "cpu": 5000}),         # never below zero
         ({"cuda:0": 0.5, 1: "100", "cpu": 1000}, {"cuda:0": 500, "cuda:1": 1900, "cpu": 4000}),
+        ({"cuda:1": 0}, {"cuda:0": 900, "cuda:1": 2000, "cpu": 5000}),  # unnamed GPUs keep the default 10%
     ],
 )
 def test_budgets(headroom, expected):
@@ -289,8 +290,11 @@ def test_budgets(headroom, expected):
 
 
 def test_headroom_fraction_out_of_range():
-    with pytest.raises(ValueError):
+    with pytest.raises(pipemap.HeadroomError) as err:
         budgets(HEADROOM_HW, 1.0)
+    assert err.value.headroom == 1.0 and isinstance(err.value, ValueError)
+    with pytest.raises(pipemap.UnknownDeviceError):
+        budgets(HEADROOM_HW, {"cuda:7": 10})
 
 
 # sizes: unet 950; GPU 1000

@@ -7,11 +7,13 @@ from .errors import (
     DispatchError,
     DoesNotFitError,
     HardwareSpecError,
+    HeadroomError,
     MemorySpecError,
     NotAPipelineError,
     PipelineMappedError,
     PipemapError,
     PlanMismatchError,
+    SimulationFailedError,
     UnknownComponentError,
     UnknownDeviceError,
     UnknownDtypeError,
@@ -22,6 +24,8 @@ from .inventory import Component, Inventory, inspect
 from .loading import load
 from .plan import DeviceUse, Placement, Plan
 from .planner import STRATEGIES, plan
+from .simulate import Failure, SimulationReport, simulate
+from .transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -32,4 +36,6 @@ __all__ = [
     "PipelineMappedError", "PipemapError", "Placement", "Plan", "PlanMismatchError", "STRATEGIES",
     "UnknownComponentError", "UnknownDeviceError", "UnknownDtypeError", "UnknownStrategyError", "__version__",
     "dispatch", "format_bytes", "inspect", "load", "normalize_device", "parse_bytes", "plan", "reset",
+    "Failure", "SimulationReport", "simulate", "PipemapWarning", "TransferReport", "UnsafeTransferWarning",
+    "check_transfers", "HeadroomError", "SimulationFailedError",
 ]

@@ -16,7 +16,7 @@ from diffusers.utils.accelerate_utils import apply_forward_hook
 
 from .errors import DispatchError, PipelineMappedError, PlanMismatchError
 from .plan import Plan
-from .transfer import move, move_tensor
+from .transfer import ensure_safe_transfers, move, move_tensor
 
 # diffusers' VAEs run `encode`/`decode` through `apply_forward_hook`, which calls `pre_forward(module)` with no
 # arguments, so inputs would stay where they are; those methods get a wrapper of their own (found by this code).
@@ -55,8 +55,11 @@ class _Saved:
     devices: dict[str, torch.device]
 
 
-def dispatch(pipe, plan: Plan) -> None:
+def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     """Place and hook every component of ``pipe`` as ``plan`` says; the pipeline's own call then runs unchanged.
+
+    When the plan spans two GPUs or more, copies between them are checked first (``pipemap.check_transfers``,
+    cached) and a pair that corrupts data is staged through CPU memory; ``check_transfers=False`` skips that.
 
     >>> pipe = DiffusionPipeline.from_pretrained("path/to/sdxl")                  # doctest: +SKIP
     >>> plan = pipemap.plan(pipe, hardware="2x24GiB")                             # doctest: +SKIP
@@ -64,6 +67,8 @@ def dispatch(pipe, plan: Plan) -> None:
     {'text_encoder': 'cuda:1', 'text_encoder_2': 'cuda:1', 'unet': 'cuda:0', 'vae': 'cuda:1'}
     """
     modules = _check(pipe, plan)
+    if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
+        ensure_safe_transfers([p.device for p in plan.components] + [plan.execution_device])
     saved: dict[str, _Saved] = {}
     for placement in plan.components:
         module = modules[placement.component]

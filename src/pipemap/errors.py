@@ -158,3 +158,22 @@ class PlanMismatchError(PipemapError, ValueError):
     def __init__(self, component: str, reason: str):
         self.component, self.reason = component, reason
         super().__init__(f"cannot dispatch {component!r}: {reason}")
+
+
+class HeadroomError(PipemapError, ValueError):
+    """A headroom that is not a fraction in [0, 1), a memory size, a per-device dict of those, or "measure"."""
+
+    def __init__(self, headroom: object, reason: str):
+        self.headroom, self.reason = headroom, reason
+        super().__init__(
+            f"headroom {headroom!r}: {reason}. Give a fraction of each GPU (0.1), bytes ('2GiB'), a dict per device "
+            "({'cuda:0': '4GiB'}), or 'measure' to reserve what a dry run measures"
+        )
+
+
+class SimulationFailedError(PipemapError, RuntimeError):
+    """A dry run that was needed (``headroom="measure"``) failed; ``report`` says where and why."""
+
+    def __init__(self, report):
+        self.report = report
+        super().__init__(f"the dry run failed: {report.error}. Fix the plan or the call (call={{...}}) and retry")

@@ -24,7 +24,7 @@ from .planner import budgets, plan_inventory, resolve_hardware, resolve_strategy
 
 def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str | None = None, max_memory=None,
          dtype=None, variant: str | None = None, headroom=None, *, device_map=None, torch_dtype=None,
-         progress: bool = True, **kwargs):
+         progress: bool = True, check_transfers: bool = True, **kwargs):
     """Load a pipeline folder onto its plan and return the dispatched pipeline.
 
     Keyword arguments that name a component (``controlnet=...``) pass that component in already built: it is
@@ -53,7 +53,7 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
                                                           _load_device(placement), dtype, variant)
     extra = {"dtype": dtype} if dtype is not None else {}
     pipe = DiffusionPipeline.from_pretrained(folder, **models, **passed, variant=variant, **extra, **kwargs)
-    dispatch(pipe, plan)
+    dispatch(pipe, plan, check_transfers=check_transfers)
     return pipe
 
 

@@ -107,14 +107,12 @@ class Plan:
         table.add_section()
         for d in self.devices:
             table.add_row(f"[{d.device}]", d.device, "total", "", f"{format_bytes(d.used)} of {format_bytes(d.budget)}")
-        if self.notes:
-            table.caption = "\n".join(self.notes)
         return table
 
     def __str__(self) -> str:
         buffer = io.StringIO()
         Console(file=buffer, width=100, color_system=None, force_terminal=False).print(self.table())
-        return buffer.getvalue().rstrip()
+        return "\n".join([buffer.getvalue().rstrip(), *(f"note: {n}" for n in self.notes)])
 
     def to_dict(self) -> dict:
         return {

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .errors import (
     ArgumentConflictError,
     DoesNotFitError,
+    HeadroomError,
     UnknownComponentError,
     UnknownDeviceError,
     UnknownStrategyError,
@@ -61,7 +62,7 @@ def _sequential(request: Request) -> dict[str, str]:
             current += 1
         if current == len(devices):
             # the largest room among the GPUs this strategy may still use, not the ones it has already left
-            raise DoesNotFitError(name, size, max(rooms.values()), request.strategy, ())
+            raise DoesNotFitError(name, size, max((rooms[d] for d in devices[start:]), default=0), request.strategy, ())
         rooms[devices[current]] -= size
         placed[name] = devices[current]
     return placed
@@ -72,12 +73,14 @@ STRATEGIES: dict[str, Strategy] = {"balanced": _balanced, "sequential": _sequent
 
 def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
          max_memory: Mapping | None = None, dtype=None, variant: str | None = None, headroom=None, *,
-         device_map: str | Mapping | None = None, torch_dtype=None) -> Plan:
+         device_map: str | Mapping | None = None, torch_dtype=None, call: Mapping | None = None) -> Plan:
     """Where each component of a pipeline goes, before anything is loaded.
 
     ``source`` is a pipeline folder (only headers are read), an ``Inventory`` or a loaded pipeline. ``strategy``
     (or diffusers' name for it, ``device_map``) is ``"balanced"``, ``"sequential"`` or a dict
-    ``{component: device}`` whose missing components are placed by ``"balanced"``.
+    ``{component: device}`` whose missing components are placed by ``"balanced"``. ``headroom="measure"``
+    reserves on each device the activation peak a dry run of the pipeline's default call measures (``call=``
+    gives another call, e.g. a ControlNet image), re-planned until the reservation is stable.
 
     >>> plan = pipemap.plan("path/to/sdxl", hardware="2x16GiB,cpu=64GiB", strategy={"vae": "cuda:1"},
     ...                     dtype=torch.float16, variant="fp16")                         # doctest: +SKIP
@@ -86,6 +89,10 @@ def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping
     strategy = resolve_strategy(strategy, device_map)
     inventory = inspect(source, dtype, variant, torch_dtype=torch_dtype)
     hw = resolve_hardware(hardware, max_memory)
+    if isinstance(headroom, str) and headroom == "measure":
+        from .simulate import measured_plan
+
+        return measured_plan(source, inventory, hw, strategy, call or {})
     return plan_inventory(inventory, hw, strategy, budgets(hw, headroom))
 
 
@@ -106,20 +113,28 @@ def resolve_hardware(hardware: Hardware | str | None, max_memory: Mapping | None
 
 
 def budgets(hw: Hardware, headroom=None) -> dict[str, int]:
-    """Each device's budget: its memory less the headroom (a fraction of each GPU, bytes, or a per-device dict)."""
-    if isinstance(headroom, Mapping):
-        given = {normalize_device(k): v for k, v in headroom.items()}
-        return {d.name: d.memory - _reserve(d.memory, given.get(d.name, 0)) for d in hw.devices}
-    default = DEFAULT_HEADROOM if headroom is None else headroom
-    return {d.name: d.memory - (_reserve(d.memory, default) if is_accelerator(d.name) else 0) for d in hw.devices}
+    """Each device's budget: its memory less the headroom (a fraction of each GPU, bytes, or a per-device dict).
+
+    A dict sets the devices it names; the GPUs it leaves out keep the default 10%, the CPU none.
+    """
+    given = {normalize_device(k): v for k, v in headroom.items()} if isinstance(headroom, Mapping) else {}
+    for name in given:
+        if name not in hw.names:
+            raise UnknownDeviceError(name, hw.names)
+    default = DEFAULT_HEADROOM if headroom is None or given else headroom
+    return {d.name: d.memory - _reserve(d.memory, given.get(d.name, default if is_accelerator(d.name) else 0))
+            for d in hw.devices}
 
 
 def _reserve(memory: int, headroom: float | int | str) -> int:
     if isinstance(headroom, float):
         if not 0 <= headroom < 1:
-            raise ValueError(f"a headroom fraction must be in [0, 1), got {headroom}")
+            raise HeadroomError(headroom, "a fraction must be at least 0 and below 1")
         return int(memory * headroom)
-    return min(memory, parse_bytes(headroom))
+    try:
+        return min(memory, parse_bytes(headroom))
+    except ValueError as err:
+        raise HeadroomError(headroom, str(err)) from err
 
 
 def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, budget: Mapping[str, int]) -> Plan:

@@ -225,20 +225,19 @@ class TransferReport:
 
     def table(self) -> Table:
         """The matrix as a rich table: one row per source, one column per destination."""
-        table = Table(title=f"GPU-to-GPU copies (rows: from, columns: to); driver {self.key.driver}, "
-                      f"torch {self.key.torch}")
+        table = Table(title="copies between devices")
         table.add_column("from \\ to")
         for name in self.devices:
             table.add_column(name)
         for source in self.devices:
             table.add_row(source, *(self.pairs.get((source, d), "-") for d in self.devices))
-        table.caption = "\n".join(f"{s} -> {d}: {why}" for (s, d), why in self.details.items()) or None
         return table
 
     def __str__(self) -> str:
         buffer = io.StringIO()
         Console(file=buffer, width=120, color_system=None, force_terminal=False).print(self.table())
-        return buffer.getvalue().rstrip()
+        lines = [f"{s} -> {d}: {why}" for (s, d), why in self.details.items()]
+        return "\n".join([buffer.getvalue().rstrip(), *lines])
 
     def to_dict(self) -> dict:
         return {

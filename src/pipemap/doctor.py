@@ -1,0 +1,123 @@
+"""``pipemap doctor``: what this machine offers a plan, and whether copies between its GPUs arrive intact.
+
+It prints the devices with their free memory, the driver, CUDA and torch versions, the transfer matrix of
+``check_transfers`` and what that means for planning. A machine without a GPU is a normal case: the report says
+so and the exit code is 0.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import psutil
+import torch
+
+from .transfer import FIXED_DRIVER, Copy, TransferReport, cache_path, check_transfers, driver_version
+from .units import format_bytes
+
+
+def doctor_text(devices: list[str] | None = None, copy: Copy | None = None) -> str:
+    """The doctor's report as text. ``devices`` and ``copy`` go to ``check_transfers`` (default: every GPU).
+
+    >>> print(doctor_text())                                      # doctest: +SKIP
+    pipemap doctor
+    ...
+    """
+    report = _transfer_report(devices, copy)
+    sections = [
+        "pipemap doctor",
+        _versions(),
+        "Devices\n" + "\n".join(_device_lines()),
+        "Copies between GPUs\n" + _transfer_section(report),
+        "What it means for planning\n" + "\n".join(f"  - {line}" for line in _meaning(report)),
+    ]
+    return "\n\n".join(sections)
+
+
+def run_doctor() -> int:
+    """Print the doctor's report; the exit code is 0, on a machine without a GPU too.
+
+    >>> raise SystemExit(run_doctor())                            # doctest: +SKIP
+    """
+    print(doctor_text())
+    return 0
+
+
+def main_doctor(args=None) -> int:
+    """The ``pipemap doctor`` command (it takes no options); ``args`` is the parsed command line, unused."""
+    return run_doctor()
+
+
+def _versions() -> str:
+    from . import __version__
+
+    cuda = torch.version.cuda or "none (this torch is a CPU-only build)"
+    return "\n".join([
+        f"  pipemap        {__version__}",
+        f"  torch          {torch.__version__}",
+        f"  CUDA (torch)   {cuda}",
+        f"  NVIDIA driver  {driver_version()}",
+        f"  python         {platform.python_version()} on {platform.system()} {platform.machine()}",
+    ])
+
+
+def _device_lines() -> list[str]:
+    lines = [_gpu_line(index) for index in range(_gpu_count())]
+    if not lines:
+        lines.append("  no CUDA GPU found")
+    memory = psutil.virtual_memory()
+    lines.append(f"  cpu     RAM, {format_bytes(memory.available)} free of {format_bytes(memory.total)}")
+    return lines
+
+
+def _gpu_line(index: int) -> str:
+    properties = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    return (f"  cuda:{index}  {properties.name} (compute {properties.major}.{properties.minor}), "
+            f"{format_bytes(free)} free of {format_bytes(total)}")
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _transfer_report(devices: list[str] | None, copy: Copy | None) -> TransferReport | None:
+    if devices is None and _gpu_count() < 2:
+        return None
+    return check_transfers(devices, copy)
+
+
+def _transfer_section(report: TransferReport | None) -> str:
+    if report is None:
+        count = _gpu_count()
+        what = "no GPU" if count == 0 else "one GPU"
+        return f"  {what}: there is no pair of GPUs, so there is nothing to check"
+    origin = "from the cache" if report.cached else "just now"
+    timing = f"checked {origin} in {report.elapsed:.3f} s; cache: {cache_path()}"
+    return "\n".join(["  " + line for line in str(report).splitlines()] + [f"  {timing}"])
+
+
+def _meaning(report: TransferReport | None) -> list[str]:
+    count = _gpu_count()
+    if report is None and count == 0:
+        return ["every strategy places every component on the CPU; the plan says so and runs, slowly",
+                "plan for a GPU machine anyway with hardware='2x24GiB,cpu=64GiB' (planning needs no GPU)"]
+    if report is None:
+        return ["one GPU: components that do not fit it are offloaded to CPU RAM (balanced_low_memory) or "
+                "streamed block by block (balanced_ultra_low_memory)"]
+    return _pair_meaning(report)
+
+
+def _pair_meaning(report: TransferReport) -> list[str]:
+    lines = []
+    if report.corrupted:
+        pairs = ", ".join(f"{s} -> {d}" for s, d in report.corrupted)
+        lines.append(f"direct copies arrive corrupted for {pairs}: pipemap stages those pairs through pinned CPU "
+                     f"memory (slower). Update the NVIDIA driver to {FIXED_DRIVER} or newer to copy directly")
+    if report.no_peer:
+        pairs = ", ".join(f"{s} -> {d}" for s, d in report.no_peer)
+        lines.append(f"no peer-to-peer access for {pairs}: copies arrive intact but go through host memory, so "
+                     "plans that keep chatty components (denoiser and ControlNet) on one GPU run faster")
+    if not lines:
+        lines.append("every pair copies directly and intact: plans may spread components over all GPUs")
+    return lines

@@ -1,0 +1,207 @@
+"""The dry run: a pipeline's real ``__call__`` on stand-in devices, to prove a plan and measure each device's peak.
+
+Every weight becomes a fake tensor (shape and dtype, no memory) on a stand-in device: ``cuda:N`` -> ``meta:N``
+under ``FakeTensorMode``, where a tensor on ``meta:0`` meeting one on ``meta:1`` raises as two GPUs would. The plan is
+applied by the same ``dispatch`` a real run uses, then the pipeline's own call runs, few steps, decoded to tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect as pyinspect
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import standin
+from .dispatch import dispatch, unhook_component
+from .errors import HeadroomError, PipemapError, SimulationFailedError
+from .plan import Plan
+from .units import format_bytes
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong in a dry run: the operation, the component running it (None: pipeline code), the devices."""
+
+    operation: str
+    component: str | None
+    devices: tuple[str, ...]
+    message: str
+
+    def __str__(self) -> str:
+        where = f"in {self.component!r}" if self.component else "in the pipeline's own code"
+        return f"{self.operation} {where} mixed devices {', '.join(self.devices) or '?'}: {self.message}"
+
+
+@dataclass(frozen=True)
+class SimulationReport:
+    """The outcome of a dry run; byte figures are keyed by the plan's device names (``cuda:0``, not ``meta:0``)."""
+
+    ok: bool
+    error: Failure | None
+    peak_bytes: dict[str, int]
+    weight_bytes: dict[str, int]
+    activation_bytes: dict[str, int]
+    plan: Plan
+    seconds: float = 0.0
+    call: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"dry run {'ok' if self.ok else 'FAILED'} in {self.seconds:.2f} s; call {self.call}"]
+        if self.error:
+            lines.append(f"error: {self.error}")
+        lines.append(f"{'device':<10}{'weights':>14}{'activations':>14}{'peak':>14}{'budget':>14}")
+        budgets = {d.device: d.budget for d in self.plan.devices}
+        for device in self.peak_bytes:
+            lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>14}"
+                         f"{format_bytes(self.activation_bytes[device]):>14}"
+                         f"{format_bytes(self.peak_bytes[device]):>14}{format_bytes(budgets.get(device, 0)):>14}")
+        return "\n".join(lines)
+
+
+def simulate(source, plan: Plan, *, steps: int = 2, **call_kwargs) -> SimulationReport:
+    """Run ``source``'s own call on stand-in devices as ``plan`` places it; never touches the caller's pipeline.
+
+    ``source`` is a loaded pipeline or a pipeline folder (no weight byte is read from a folder). Extra keyword
+    arguments go to the pipeline call (``height=``, ``width=``, ``image=`` for a ControlNet, ...).
+
+    >>> plan = pipemap.plan("path/to/sdxl", hardware="2x16GiB", dtype=torch.float16)     # doctest: +SKIP
+    >>> report = pipemap.simulate("path/to/sdxl", plan, height=1024, width=1024)          # doctest: +SKIP
+    >>> report.ok, report.peak_bytes["cuda:0"]                                            # doctest: +SKIP
+    (True, 7864320000)
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    standins = standin.devices_for(plan)
+    pipe = _fake_pipeline(source, plan, mode, standins)
+    call = default_call(pipe, steps, call_kwargs)
+    start = time.perf_counter()
+    tracker, failure = _run(pipe, plan.remap(standins), mode, call)
+    back = {v: k for k, v in standins.items()}
+    return _report(tracker, failure, plan, back, time.perf_counter() - start, call)
+
+
+def _fake_pipeline(source, plan: Plan, mode: FakeTensorMode, standins: Mapping[str, str]):
+    device_of = {p.component: standins[p.device] for p in plan.components}
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        return standin.pipeline_from_folder(source, plan, mode, device_of)
+    return _fake_copy(source, mode, device_of)
+
+
+def _fake_copy(pipe, mode: FakeTensorMode, device_of: Mapping[str, str]):
+    """A new pipeline object of the same class whose models are fake copies of ``pipe``'s; ``pipe`` is untouched."""
+    parts = {}
+    for name, value in pipe.components.items():
+        if isinstance(value, torch.nn.Module):
+            module = standin.fake_module(value, mode, device_of.get(name, "cpu"))
+            unhook_component(module)
+            parts[name] = module
+        else:
+            parts[name] = copy.deepcopy(value) if "scheduler" in name else value
+    fake = type(pipe)(**{k: v for k, v in parts.items() if k in _init_names(pipe)})
+    fake.set_progress_bar_config(disable=True)
+    return fake
+
+
+def _init_names(pipe) -> set[str]:
+    return set(pyinspect.signature(type(pipe).__init__).parameters) - {"self"}
+
+
+def default_call(pipe, steps: int, overrides: Mapping) -> dict:
+    """The pipeline's default call, few steps, decoded to tensors; a ControlNet pipeline gets a blank image."""
+    call = {"prompt": "a dry run", "num_inference_steps": steps, "output_type": "pt",
+            "generator": torch.Generator("cpu").manual_seed(0)}
+    parameters = pyinspect.signature(type(pipe).__call__).parameters
+    if "image" in parameters and "controlnet" in pipe.components and "image" not in overrides:
+        size = _resolution(pipe, overrides)
+        call["image"] = torch.zeros(1, 3, size[0], size[1])
+    call.update(overrides)
+    return {k: v for k, v in call.items() if k in parameters or _takes_kwargs(parameters)}
+
+
+def _takes_kwargs(parameters) -> bool:
+    return any(p.kind is pyinspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _resolution(pipe, overrides: Mapping) -> tuple[int, int]:
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    base = getattr(getattr(denoiser, "config", None), "sample_size", 64) * getattr(pipe, "vae_scale_factor", 8)
+    return overrides.get("height", base), overrides.get("width", base)
+
+
+def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict):
+    tracker = standin.StorageTracker()
+    components = standin.ComponentTracker(pipe)
+    failure = None
+    try:
+        dispatch(pipe, plan)
+        tracker.track_module_tensors(pipe)
+        with standin.host_scheduler(pipe.scheduler), standin.fused_attention(), components, mode, \
+                standin.StrictDevices(), tracker:
+            pipe(**call)
+    except Exception as err:  # a dry run reports what broke instead of raising it
+        failure = _failure(err, components.current)
+    return tracker, failure
+
+
+_DEVICES = re.compile(r"\b((?:meta|cuda|cpu)(?::\d+)?)\b")
+
+
+def _failure(err: Exception, component: str | None) -> Failure:
+    if isinstance(err, PipemapError) and not isinstance(err, standin.DeviceMixError):
+        return Failure("dispatch", getattr(err, "component", None), (), str(err))
+    if isinstance(err, standin.DeviceMixError):
+        return Failure(err.operation, component, err.devices, str(err))
+    devices = tuple(dict.fromkeys(_DEVICES.findall(str(err))))
+    operation = getattr(err, "func", None) or type(err).__name__
+    return Failure(str(operation), component, devices, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+
+
+def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str], seconds: float,
+            call: dict) -> SimulationReport:
+    def keyed(figures: Mapping[str, int]) -> dict[str, int]:
+        out = {d.device: 0 for d in plan.devices if d.used or d.device in plan.device_map.values()}
+        for device, value in figures.items():
+            name = back.get(device, device)
+            out[name] = out.get(name, 0) + value
+        return out
+
+    peak, weights = keyed(tracker.peak), keyed(tracker.weights)
+    weights = {d: weights.get(d, 0) for d in peak}
+    if failure is not None:
+        failure = Failure(failure.operation, failure.component,
+                          tuple(back.get(d, d) for d in failure.devices), failure.message)
+    shown = {k: (v if not isinstance(v, torch.Generator) else "generator") for k, v in call.items()
+             if not isinstance(v, torch.Tensor)}
+    return SimulationReport(failure is None, failure, peak, weights,
+                            {d: peak[d] - weights.get(d, 0) for d in peak}, plan, seconds, shown)
+
+
+
+
+def measured_plan(source, inventory, hw, strategy, call: Mapping, rounds: int = 4) -> Plan:
+    """The plan whose headroom on each device is the activation peak a dry run of ``call`` measures there.
+
+    Placement changes what runs where, so it re-plans with the measured figures until they stop changing.
+    """
+    from .planner import budgets, plan_inventory
+
+    if isinstance(source, type(inventory)):
+        raise HeadroomError("measure", "a dry run needs a pipeline folder or a loaded pipeline, not an Inventory")
+    current = plan_inventory(inventory, hw, strategy, budgets(hw))
+    reserve: dict[str, int] = {}
+    for _ in range(rounds):
+        report = simulate(source, current, **call)
+        if not report.ok:
+            raise SimulationFailedError(report)
+        if report.activation_bytes == reserve:
+            break
+        reserve = dict(report.activation_bytes)
+        headroom = {d.name: reserve.get(d.name, 0) for d in hw.devices}
+        current = plan_inventory(inventory, hw, strategy, budgets(hw, headroom))
+    note = "headroom measured by a dry run: " + ", ".join(f"{d} {format_bytes(b)}" for d, b in reserve.items())
+    return replace(current, notes=current.notes + (note,))

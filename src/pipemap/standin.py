@@ -1,0 +1,293 @@
+"""Stand-in devices for the dry run: fake weights on ``meta:N``, stricter device checks, a storage tracker.
+
+What PyTorch's fake mode lacks for a whole-pipeline dry run, each piece here says in its docstring.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import importlib
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import init_empty_weights
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from .errors import PipemapError
+from .inventory import _keep_in_fp32, default_dtype, read_model_index
+from .plan import Plan
+
+
+class DeviceMixError(PipemapError, RuntimeError):
+    """One operation got tensors on several devices, as a real multi-GPU run would fail."""
+
+    def __init__(self, operation: str, devices: tuple[str, ...]):
+        self.operation, self.devices = operation, devices
+        super().__init__(f"{operation} got tensors on {', '.join(devices)}")
+
+
+def devices_for(plan: Plan) -> dict[str, str]:
+    """The stand-in of each device of a plan: ``cuda:N`` -> ``meta:N``; the CPU stays the CPU."""
+    standins, spare = {}, 64
+    for device in [d.device for d in plan.devices] + [p.device for p in plan.components]:
+        kind, _, index = device.partition(":")
+        if device in standins:
+            continue
+        if kind in ("cpu", "meta"):
+            standins[device] = device
+        elif kind == "cuda":
+            standins[device] = f"meta:{index}"
+        else:
+            standins[device], spare = f"meta:{spare}", spare + 1
+    return standins
+
+
+def _fake(tensor: torch.Tensor, mode: FakeTensorMode, device: str, dtype: torch.dtype | None = None):
+    with mode:
+        fake = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype or tensor.dtype,
+                                   device=device)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(fake, requires_grad=False)
+    return fake
+
+
+def fake_module(module: torch.nn.Module, mode: FakeTensorMode, device: str) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters and buffers are fakes on ``device`` (tied weights stay tied).
+
+    ``module.to`` and ``.data =`` refuse fake tensors, so the copy is made by ``deepcopy`` with a memo that maps
+    each real tensor to its fake: no weight byte is copied and the original is untouched.
+    """
+    memo: dict[int, object] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if id(tensor) not in memo:
+            memo[id(tensor)] = _fake(tensor, mode, device)
+    return copy.deepcopy(module, memo)
+
+
+def pipeline_from_folder(folder, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str, str]):
+    """A pipeline whose models are built from their configs with fake weights; no weight byte is read.
+
+    The models are built under accelerate's ``init_empty_weights`` and handed to ``DiffusionPipeline
+    .from_pretrained``, which then loads only the tokenizers and the scheduler.
+    """
+    from diffusers import DiffusionPipeline
+
+    folder = Path(folder)
+    index = read_model_index(folder)
+    dtype = getattr(torch, plan.dtype) if plan.dtype else None
+    models = {}
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or entry[0] not in ("diffusers", "transformers"):
+            continue
+        if not (folder / name / "config.json").is_file():
+            continue
+        library, class_name = entry
+        module = _empty_module(folder, name, library, class_name)
+        at = dtype if dtype is not None else default_dtype(folder / name, library)
+        models[name] = _fill_fakes(module, mode, device_of.get(name, "cpu"), at,
+                                   _keep_in_fp32(library, class_name, at))
+    pipe = DiffusionPipeline.from_pretrained(folder, **models)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _empty_module(folder: Path, name: str, library: str, class_name: str) -> torch.nn.Module:
+    cls = getattr(importlib.import_module(library), class_name)
+    with init_empty_weights(include_buffers=False):
+        if library == "diffusers":
+            return cls.from_config(cls.load_config(folder, subfolder=name))
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder / name)
+        return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+
+
+def _fill_fakes(module: torch.nn.Module, mode: FakeTensorMode, device: str, dtype: torch.dtype,
+                keep_fp32: tuple[str, ...]) -> torch.nn.Module:
+    made: dict[int, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        for store in (sub._parameters, sub._buffers):
+            for key, tensor in store.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    name = f"{prefix}.{key}" if prefix else key
+                    kept = any(m in name.split(".") for m in keep_fp32)
+                    target = (torch.float32 if kept else dtype) if tensor.is_floating_point() else tensor.dtype
+                    made[id(tensor)] = _fake(tensor, mode, device, target)
+                store[key] = made[id(tensor)]
+    return module
+
+
+# ---- checks and measurements -----------------------------------------------------------------------------------
+
+_COPIES = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default, torch.ops.aten._copy_from.default,
+           torch.ops.aten._copy_from_and_resize.default, torch.ops.aten.copy.default}
+_INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+             torch.ops.aten._unsafe_index.Tensor, torch.ops.aten.index_select.default}
+
+
+class StrictDevices(TorchDispatchMode):
+    """Raise when one operation's tensors span several devices, as CUDA would.
+
+    Fake mode skips its own device check for ``aten.embedding`` and index operations when a tensor is on a meta
+    device, so token ids on ``meta:0`` fed to an embedding on ``meta:1`` would pass. 0-dim CPU scalars, copies and
+    CPU index tensors are allowed, as they are on GPUs.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in _COPIES:
+            tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            devices = {str(t.device) for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)}
+            if func in _INDEXING or func is torch.ops.aten.embedding.default:
+                devices = {d for d in devices if d != "cpu"} or devices
+            if len(devices) > 1:
+                raise DeviceMixError(str(func), tuple(sorted(devices)))
+        return func(*args, **(kwargs or {}))
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live bytes per device, every storage counted once and freed when it dies; ``peak`` is the high mark.
+
+    Written for fake tensors, which PyTorch's own ``torch.cuda`` memory statistics cannot see.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: collections.Counter = collections.Counter()
+        self.peak: collections.Counter = collections.Counter()
+        self.weights: collections.Counter = collections.Counter()
+        self._seen: dict[int, tuple[str, int]] = {}
+
+    def track_module_tensors(self, pipe) -> None:
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                for tensor in list(module.parameters()) + list(module.buffers()):
+                    if self._track(tensor):
+                        self.weights[str(tensor.device)] += tensor.untyped_storage().nbytes()
+
+    def _track(self, tensor: torch.Tensor) -> bool:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._seen:
+            return False
+        device, size = str(tensor.device), storage.nbytes()
+        self._seen[key] = (device, size)
+        self.live[device] += size
+        self.peak[device] = max(self.peak[device], self.live[device])
+        weakref.finalize(storage, self._free, key)
+        return True
+
+    def _free(self, key: int) -> None:
+        device, size = self._seen.pop(key)
+        self.live[device] -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._track, out)
+        return out
+
+
+class ComponentTracker:
+    """Which component is running, from global module hooks: a failure can then name its component."""
+
+    def __init__(self, pipe):
+        self._owner = {id(m): name for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)
+                       for m in c.modules()}
+        self._stack: list[str] = []
+        self._handles = []
+        self.current: str | None = None
+
+    def _enter(self, module, *args):
+        name = self._owner.get(id(module))
+        if name is not None:
+            self._stack.append(name)
+            self.current = name
+
+    def _leave(self, module, *args):
+        if self._owner.get(id(module)) is not None and self._stack:
+            self._stack.pop()
+            self.current = self._stack[-1] if self._stack else None
+
+    def __enter__(self):
+        from torch.nn.modules import module as nn_module
+
+        self._handles = [nn_module.register_module_forward_pre_hook(self._enter),
+                         nn_module.register_module_forward_hook(self._leave)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def host_scheduler(scheduler):
+    """Keep the scheduler on real CPU tensors: its timestep schedule is read as host numbers (``.item()``,
+    ``nonzero``), which fake tensors cannot give."""
+    names = [n for n in ("set_timesteps", "step", "scale_model_input", "add_noise", "index_for_timestep")
+             if hasattr(scheduler, n)]
+    for name in names:
+        scheduler.__dict__[name] = _on_host(getattr(type(scheduler), name).__get__(scheduler), name)
+    try:
+        yield scheduler
+    finally:
+        for name in names:
+            scheduler.__dict__.pop(name, None)
+
+
+class HostSchedule(torch.Tensor):
+    """A real timestep schedule whose iteration yields real CPU scalars even under fake mode.
+
+    The pipeline loops ``for t in timesteps``; under fake mode that ``unbind`` would turn each ``t`` into a fake,
+    and schedulers read ``t`` as a host number (``alphas_cumprod[t]``, ``if prev_t >= 0``), which a fake cannot give.
+    """
+
+    def __iter__(self):
+        with unset_fake_temporarily():
+            return iter(list(self.as_subclass(torch.Tensor)))
+
+
+def _on_host(method, name: str):
+    def run(*args, **kwargs):
+        if name == "set_timesteps" and "device" in kwargs:
+            kwargs["device"] = "cpu"
+        with unset_fake_temporarily():
+            result = method(*args, **kwargs)
+            if name == "set_timesteps":
+                scheduler = method.__self__
+                scheduler.timesteps = scheduler.timesteps.as_subclass(HostSchedule)
+            return result
+
+    return run
+
+
+@contextlib.contextmanager
+def fused_attention():
+    """Model a fused attention kernel on stand-in devices.
+
+    On meta devices ``scaled_dot_product_attention`` decomposes to the math path and materialises the whole score
+    matrix (a peak 10x too high); a real GPU runs a fused kernel, whose fake counterpart returns only the output.
+    """
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if isinstance(q, FakeTensor) and q.device.type == "meta" and not enable_gqa and (
+                attn_mask is None or attn_mask.dtype != torch.bool):
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, attn_mask, False, dropout_p, is_causal, scale=scale)[0]
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
