@@ -53,3 +53,10 @@ def test_demo_on_this_machine(tmp_path):
     result = pipemap_cli("demo", "--output", "demo.png", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "demo.png").is_file()
+
+
+def test_simulate_through_the_command_line(tiny_folders):
+    result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x4MiB,cpu=1GiB", "--headroom", "0",
+                         "--strategy", "sequential", "--height", "64", "--width", "64", "--steps", "1")
+    assert result.returncode == 0, result.stderr
+    assert "dry run ok" in result.stdout and "cuda:2" in result.stdout

@@ -1,4 +1,4 @@
-"""The command line: ``pipemap plan | demo | doctor``."""
+"""The command line: ``pipemap plan | simulate | demo | doctor``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     _plan_options(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     plan.set_defaults(run=_plan)
+    simulate = commands.add_parser("simulate", help="dry-run a plan on stand-in devices: does it run, what peaks")
+    simulate.add_argument("path", help="a diffusers pipeline folder; no weight is read")
+    _plan_options(simulate)
+    simulate.add_argument("--height", type=int)
+    simulate.add_argument("--width", type=int)
+    simulate.add_argument("--steps", type=int, default=2, help="denoising steps to run (default 2)")
+    simulate.add_argument("--prompt", default="a dry run")
+    simulate.set_defaults(run=_simulate)
     demo = commands.add_parser("demo", help="plan, load and run the embedded tiny pipeline end to end")
     demo.add_argument("--hardware", help="plan for this profile; devices this machine lacks run on the CPU")
     demo.add_argument("--strategy", default="balanced")
@@ -63,6 +71,19 @@ def _plan(args) -> int:
                   variant=args.variant, headroom=args.headroom)
     print(result.to_json() if args.json else result)
     return 0
+
+
+def _simulate(args) -> int:
+    from .planner import plan
+    from .simulate import simulate
+
+    result = plan(args.path, hardware=args.hardware, strategy=_strategy(args.strategy), dtype=args.dtype,
+                  variant=args.variant, headroom=args.headroom)
+    print(result)
+    size = {k: v for k, v in (("height", args.height), ("width", args.width)) if v}
+    report = simulate(args.path, result, steps=args.steps, prompt=args.prompt, **size)
+    print(report)
+    return 0 if report.ok else 1
 
 
 def _demo(args) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from diffusers import DiffusionPipeline
 
 from . import tiny
 from .hardware import Hardware
@@ -28,6 +27,8 @@ def run_demo(folder: Path, hardware: str | None, strategy, output: Path) -> int:
         print("this machine lacks some planned devices: running the same plan with them on the CPU")
     pipe = load(path, plan=runnable)
     image = _generate(pipe)
+    from diffusers import DiffusionPipeline
+
     plain = DiffusionPipeline.from_pretrained(path)
     difference = float(np.abs(image - _generate(plain)).max())
     _save_png(image, output)

@@ -187,7 +187,7 @@ def read_header(path: Path) -> dict[str, dict]:
     read counters) and is the format's documented layout.
     """
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:  # unbuffered: a buffered read(8) reads 8 KiB of weights
             head = f.read(8)
             if len(head) != 8:
                 raise CheckpointError(str(path), "the file is shorter than the 8-byte header length")

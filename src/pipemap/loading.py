@@ -12,7 +12,6 @@ import importlib
 from pathlib import Path
 
 import torch
-from diffusers import DiffusionPipeline
 from tqdm.auto import tqdm
 
 from .dispatch import dispatch
@@ -51,6 +50,8 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
             library, class_name = index[placement.component]
             models[placement.component] = load_component(folder, placement.component, library, class_name,
                                                           _load_device(placement), dtype, variant)
+    from diffusers import DiffusionPipeline  # here, not at import: it pulls in every pipeline class
+
     extra = {"dtype": dtype} if dtype is not None else {}
     pipe = DiffusionPipeline.from_pretrained(folder, **models, **passed, variant=variant, **extra, **kwargs)
     dispatch(pipe, plan, check_transfers=check_transfers)
@@ -61,7 +62,9 @@ def load_component(folder: Path, name: str, library: str, class_name: str, devic
                    dtype: torch.dtype | None, variant: str | None) -> torch.nn.Module:
     """One model loaded by its library onto ``device`` (``device_map=device``), at ``dtype`` if given."""
     cls = getattr(importlib.import_module(library), class_name)
-    options = {"subfolder": name, "device_map": device}
+    options = {"subfolder": name}
+    if device != "cpu":  # the CPU is where from_pretrained loads anyway; a device_map there only adds a dispatch
+        options["device_map"] = device
     if dtype is not None:
         options["dtype"] = dtype
     if variant is not None and _has_variant(folder / name, variant):

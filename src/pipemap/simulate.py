@@ -11,8 +11,10 @@ import copy
 import inspect as pyinspect
 import re
 import time
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -20,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from . import standin
 from .dispatch import dispatch, unhook_component
 from .errors import HeadroomError, PipemapError, SimulationFailedError
+from .inventory import Inventory
 from .plan import Plan
 from .units import format_bytes
 
@@ -32,10 +35,12 @@ class Failure:
     component: str | None
     devices: tuple[str, ...]
     message: str
+    where: str = ""
 
     def __str__(self) -> str:
-        where = f"in {self.component!r}" if self.component else "in the pipeline's own code"
-        return f"{self.operation} {where} mixed devices {', '.join(self.devices) or '?'}: {self.message}"
+        who = f"in {self.component!r}" if self.component else "in the pipeline's own code"
+        at = f" at {self.where}" if self.where else ""
+        return f"{self.operation} {who}{at} on {', '.join(self.devices) or '?'}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -152,13 +157,23 @@ _DEVICES = re.compile(r"\b((?:meta|cuda|cpu)(?::\d+)?)\b")
 
 
 def _failure(err: Exception, component: str | None) -> Failure:
+    where = _where(err)
     if isinstance(err, PipemapError) and not isinstance(err, standin.DeviceMixError):
-        return Failure("dispatch", getattr(err, "component", None), (), str(err))
+        return Failure("dispatch", getattr(err, "component", None), (), str(err), where)
     if isinstance(err, standin.DeviceMixError):
-        return Failure(err.operation, component, err.devices, str(err))
+        return Failure(err.operation, component, err.devices, str(err), where)
     devices = tuple(dict.fromkeys(_DEVICES.findall(str(err))))
     operation = getattr(err, "func", None) or type(err).__name__
-    return Failure(str(operation), component, devices, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+    message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    return Failure(str(operation), component, devices, message, where)
+
+
+def _where(err: Exception) -> str:
+    """The two innermost frames of diffusers', transformers' or the user's code that the error passed through."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "/torch/" not in f.filename and "/pipemap/" not in f.filename and "/accelerate/" not in f.filename]
+    return " -> ".join(f"{Path(f.filename).name}:{f.lineno} ({f.name}: {(f.line or '').strip()[:100]})"
+                       for f in frames[-2:])
 
 
 def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str], seconds: float,
@@ -173,8 +188,7 @@ def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str
     peak, weights = keyed(tracker.peak), keyed(tracker.weights)
     weights = {d: weights.get(d, 0) for d in peak}
     if failure is not None:
-        failure = Failure(failure.operation, failure.component,
-                          tuple(back.get(d, d) for d in failure.devices), failure.message)
+        failure = replace(failure, devices=tuple(back.get(d, d) for d in failure.devices))
     shown = {k: (v if not isinstance(v, torch.Generator) else "generator") for k, v in call.items()
              if not isinstance(v, torch.Tensor)}
     return SimulationReport(failure is None, failure, peak, weights,
@@ -184,13 +198,14 @@ def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str
 
 
 def measured_plan(source, inventory, hw, strategy, call: Mapping, rounds: int = 4) -> Plan:
-    """The plan whose headroom on each device is the activation peak a dry run of ``call`` measures there.
+    """The plan whose headroom on each device covers the activation peak a dry run of ``call`` measures there.
 
-    Placement changes what runs where, so it re-plans with the measured figures until they stop changing.
+    Placement changes what runs where, so it re-plans with the measured figures until a plan's own dry run fits
+    its reservations; each device keeps the largest figure seen, so two layouts cannot take turns for ever.
     """
     from .planner import budgets, plan_inventory
 
-    if isinstance(source, type(inventory)):
+    if isinstance(source, Inventory):
         raise HeadroomError("measure", "a dry run needs a pipeline folder or a loaded pipeline, not an Inventory")
     current = plan_inventory(inventory, hw, strategy, budgets(hw))
     reserve: dict[str, int] = {}
@@ -198,10 +213,9 @@ def measured_plan(source, inventory, hw, strategy, call: Mapping, rounds: int = 
         report = simulate(source, current, **call)
         if not report.ok:
             raise SimulationFailedError(report)
-        if report.activation_bytes == reserve:
+        if reserve and all(v <= reserve.get(d, 0) for d, v in report.activation_bytes.items()):
             break
-        reserve = dict(report.activation_bytes)
-        headroom = {d.name: reserve.get(d.name, 0) for d in hw.devices}
-        current = plan_inventory(inventory, hw, strategy, budgets(hw, headroom))
+        reserve = {d: max(reserve.get(d, 0), report.activation_bytes.get(d, 0)) for d in hw.names}
+        current = plan_inventory(inventory, hw, strategy, budgets(hw, reserve))
     note = "headroom measured by a dry run: " + ", ".join(f"{d} {format_bytes(b)}" for d, b in reserve.items())
     return replace(current, notes=current.notes + (note,))
