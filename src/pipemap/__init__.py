@@ -22,6 +22,7 @@ from .errors import (
 from .hardware import Device, Hardware, normalize_device
 from .inventory import Component, Inventory, inspect
 from .loading import load
+from .offload import stats
 from .plan import DeviceUse, Placement, Plan
 from .planner import STRATEGIES, plan
 from .simulate import Failure, SimulationReport, simulate
@@ -37,5 +38,5 @@ __all__ = [
     "UnknownComponentError", "UnknownDeviceError", "UnknownDtypeError", "UnknownStrategyError", "__version__",
     "dispatch", "format_bytes", "inspect", "load", "normalize_device", "parse_bytes", "plan", "reset",
     "Failure", "SimulationReport", "simulate", "PipemapWarning", "TransferReport", "UnsafeTransferWarning",
-    "check_transfers", "HeadroomError", "SimulationFailedError",
+    "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
 ]

@@ -1,4 +1,4 @@
-"""The command line: ``pipemap plan | simulate | demo | doctor``."""
+"""The command line: ``pipemap plan | simulate | demo | catalog | doctor``."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipemap", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="print where each component of a pipeline folder would go")
-    plan.add_argument("path", help="a diffusers pipeline folder (model_index.json plus one folder per component)")
+    plan.add_argument("path", help="a diffusers pipeline folder, or a catalog name (see `pipemap catalog`)")
     _plan_options(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     plan.set_defaults(run=_plan)
@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--strategy", default="balanced")
     demo.add_argument("--output", default="pipemap-demo.png", help="where to save the image (PNG)")
     demo.set_defaults(run=_demo)
+    catalog = commands.add_parser("catalog", help="list the published pipelines `pipemap plan` takes by name")
+    catalog.set_defaults(run=_catalog)
     doctor = commands.add_parser("doctor", help="devices, versions, and whether copies between GPUs arrive intact")
     doctor.set_defaults(run=_doctor)
     return parser
@@ -91,6 +93,12 @@ def _demo(args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="pipemap-demo-") as folder:
         return run_demo(Path(folder), args.hardware, _strategy(args.strategy), Path(args.output))
+
+
+def _catalog(args) -> int:
+    from .catalog import run_catalog
+
+    return run_catalog()
 
 
 def _doctor(args) -> int:

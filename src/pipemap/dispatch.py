@@ -1,7 +1,9 @@
 """Apply a plan to a pipeline in memory, and undo it.
 
 One accelerate hook at the root of each component moves its inputs to the component's device and its outputs to
-the pipeline's execution device, so the pipeline's own ``__call__`` runs unchanged. ``dispatch`` is atomic: if
+the pipeline's execution device, so the pipeline's own ``__call__`` runs unchanged. The hook follows the placement's
+mode: ``PlacementHook`` for a resident component, ``offload.OffloadHook`` / ``offload.StreamHook`` for one that lives
+in CPU RAM and runs on a GPU. ``dispatch`` is atomic: if
 placing any component fails, every component is put back where it was and the error says which one failed.
 """
 
@@ -25,6 +27,15 @@ _GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "
             "reset_device_map")
 
 
+@dataclass
+class Moved:
+    """What a component's hook counted: calls, and weight bytes moved host to device and back."""
+
+    calls: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+
 class PlacementHook(ModelHook):
     """Inputs to ``device``; outputs to the pipeline's execution device.
 
@@ -37,8 +48,10 @@ class PlacementHook(ModelHook):
         self.component = component
         self.device = torch.device(device)
         self.execution_device = torch.device(execution_device)
+        self.moved = Moved()
 
     def pre_forward(self, module, *args, **kwargs):
+        self.moved.calls += 1
         return move(args, self.device), move(kwargs, self.device)
 
     def post_forward(self, module, output):
@@ -70,16 +83,33 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
         ensure_safe_transfers([p.device for p in plan.components] + [plan.execution_device])
     saved: dict[str, _Saved] = {}
+    make_hook = _hook_maker(plan)
     for placement in plan.components:
         module = modules[placement.component]
         saved[placement.component] = _Saved(_tensor_devices(module))
         try:
             place_module(module, placement.device)
-            hook_component(module, PlacementHook(placement.component, placement.device, plan.execution_device))
+            hook_component(module, make_hook(placement))
         except Exception as err:
             _undo(modules, saved)
             raise DispatchError(placement.component, placement.device, err) from err
     _mark(pipe, plan)
+
+
+def _hook_maker(plan: Plan):
+    """``placement -> hook``; the offloading hooks of one dispatch share one ledger of what is onloaded where."""
+    if all(p.mode == "resident" for p in plan.components):
+        return lambda p: PlacementHook(p.component, p.device, plan.execution_device)
+    from . import offload  # it builds on this module
+
+    ledger = offload.Ledger()
+
+    def make(p):
+        if p.mode in ("offload", "stream"):
+            return offload.hook_for(p, plan.execution_device, ledger)
+        return PlacementHook(p.component, p.device, plan.execution_device)
+
+    return make
 
 
 def reset(pipe) -> None:

@@ -55,6 +55,35 @@ class Device:
 
 
 @dataclass(frozen=True)
+class Performance:
+    """What the cost model needs to know of a machine: sustained FLOP/s of one GPU (about 60% of its dense bf16
+    peak), the host-to-GPU link and the GPU-to-GPU link in bytes per second, and the CPU's FLOP/s."""
+
+    flops: float = 100e12
+    host_bandwidth: float = 25e9
+    peer_bandwidth: float = 20e9
+    cpu_flops: float = 0.5e12
+
+
+# name fragment (lower case) -> (flops, host_bandwidth, peer_bandwidth); sustained figures, not datasheet peaks
+GPU_PERFORMANCE = {
+    "h200": (600e12, 50e9, 300e9), "h100": (600e12, 50e9, 300e9), "a100": (230e12, 25e9, 200e9),
+    "l40s": (220e12, 25e9, 25e9), "a6000": (90e12, 25e9, 25e9), "4090": (120e12, 25e9, 20e9),
+    "3090": (55e12, 25e9, 20e9), "4080": (80e12, 25e9, 20e9), "l4": (70e12, 25e9, 20e9), "t4": (40e12, 12e9, 10e9),
+}
+_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw"}
+
+
+def performance_for(gpu_name: str | None) -> Performance:
+    """Defaults for a GPU model name (``"NVIDIA H100 80GB HBM3"``, ``"4090"``); generic figures if unknown."""
+    name = (gpu_name or "").lower()
+    for fragment, (flops, host, peer) in GPU_PERFORMANCE.items():
+        if fragment in name:
+            return Performance(flops, host, peer)
+    return Performance()
+
+
+@dataclass(frozen=True)
 class Hardware:
     """The devices of a machine, GPUs first in index order, then the CPU.
 
@@ -65,6 +94,7 @@ class Hardware:
 
     devices: tuple[Device, ...]
     detected: bool = False
+    performance: Performance = Performance()
 
     @classmethod
     def detect(cls) -> Hardware:
@@ -74,17 +104,26 @@ class Hardware:
             for index in range(torch.cuda.device_count()):
                 free, _total = torch.cuda.mem_get_info(index)
                 gpus.append(Device(f"cuda:{index}", int(free)))
-        return cls(tuple(gpus) + (Device("cpu", int(psutil.virtual_memory().available)),), detected=True)
+        name = torch.cuda.get_device_name(0) if gpus else None
+        return cls(tuple(gpus) + (Device("cpu", int(psutil.virtual_memory().available)),), detected=True,
+                   performance=performance_for(name))
 
     @classmethod
     def parse(cls, spec: str) -> Hardware:
         """A profile from text: ``"cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB"`` or ``"2x24GiB,cpu=64GiB"``.
 
-        A profile without ``cpu`` gets this machine's available RAM as its CPU memory.
+        A profile without ``cpu`` gets this machine's available RAM as its CPU memory. The cost model's figures
+        may follow: ``gpu=4090`` (defaults for that model), ``flops=165T``, ``host_bw=25GB``, ``peer_bw=50GB``
+        (bytes per second).
         """
         devices: dict[str, int] = {}
+        settings: dict[str, str] = {}
         for part in (p.strip() for p in spec.split(",")):
             if not part:
+                continue
+            key = part.split("=", 1)[0].strip().lower()
+            if key in _PERF_KEYS and "=" in part:
+                settings[key] = part.split("=", 1)[1].strip()
                 continue
             for name, memory in _parse_part(spec, part, gpus=sum(is_accelerator(d) for d in devices)):
                 if name in devices:
@@ -94,7 +133,7 @@ class Hardware:
             raise HardwareSpecError(spec, spec, "no device is given")
         if "cpu" not in devices:
             devices["cpu"] = int(psutil.virtual_memory().available)
-        return cls(_ordered(devices))
+        return cls(_ordered(devices), performance=_performance(spec, settings))
 
     def with_max_memory(self, max_memory: Mapping[int | str, int | str]) -> Hardware:
         """This machine restricted to the devices of a diffusers/accelerate ``max_memory`` dict, with its figures.
@@ -140,6 +179,26 @@ def _parse_part(spec: str, part: str, gpus: int) -> list[tuple[str, int]]:
     except UnknownDeviceError as err:
         raise HardwareSpecError(spec, part, f"{name.strip()!r} is not a device name") from err
     return [(device, _size(spec, part, size))]
+
+
+def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
+    base = performance_for(settings.get("gpu"))
+    flops, host, peer = base.flops, base.host_bandwidth, base.peer_bandwidth
+    if "flops" in settings:
+        flops = _flops(spec, settings["flops"])
+    if "host_bw" in settings:
+        host = float(_size(spec, f"host_bw={settings['host_bw']}", settings["host_bw"]))
+    if "peer_bw" in settings:
+        peer = float(_size(spec, f"peer_bw={settings['peer_bw']}", settings["peer_bw"]))
+    return Performance(flops, host, peer, base.cpu_flops)
+
+
+def _flops(spec: str, text: str) -> float:
+    scale = {"": 1.0, "g": 1e9, "t": 1e12, "p": 1e15}
+    match = re.match(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([gtpGTP]?)\s*$", text)
+    if not match:
+        raise HardwareSpecError(spec, f"flops={text}", "write FLOP/s as a number with an optional G, T or P")
+    return float(match.group(1)) * scale[match.group(2).lower()]
 
 
 def _size(spec: str, part: str, text: str) -> int:

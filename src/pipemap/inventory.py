@@ -27,6 +27,12 @@ _ELEMENT_BYTES = {
 _FLOATING = {"F64", "F32", "F16", "BF16"}
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 _MAX_HEADER = 100 * 1024 * 1024
+# Nominal calls per image of a denoiser: 50 steps, twice each under classifier-free guidance. Every other model (text
+# encoders, VAE, image encoders) runs once per image; back-to-back calls (a prompt and its negative) need one onload.
+DENOISER_CALLS = 100
+_DENOISERS = ("unet", "transformer", "transformer_2", "controlnet", "prior", "decoder")
+# Modules whose children are the blocks a streamed component is moved by: a list's own hook never fires.
+_LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,17 @@ class Component:
     class_name: str | None
     bytes: int = 0
     has_weights: bool = False
+    calls_per_image: int = 0  # 0: from the profile by name (``profile_calls``)
+    in_flight: int = 0  # bytes on the GPU while it runs streamed (its two largest blocks and loose tensors); 0: unknown
+
+    def __post_init__(self):
+        if not self.calls_per_image:
+            object.__setattr__(self, "calls_per_image", profile_calls(self.name))
+
+
+def profile_calls(name: str) -> int:
+    """Nominal calls per image of a component named ``name``: a denoiser every step, anything else once."""
+    return DENOISER_CALLS if name in _DENOISERS else 1
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,11 @@ def inspect(source, dtype: torch.dtype | str | None = None, variant: str | None 
     target = resolve_dtype(dtype, torch_dtype)
     if isinstance(source, Inventory):
         return source
+    if isinstance(source, str) and not os.path.exists(source):
+        from . import catalog  # a published pipeline by name ("flux.1-dev"): sized from its configs, no download
+
+        if catalog.resolve(source) is not None:
+            return catalog.inventory(source, target)
     if isinstance(source, (str, os.PathLike)):
         return _inspect_folder(Path(source), target, variant)
     if hasattr(source, "components") and hasattr(source, "config"):
@@ -124,8 +146,9 @@ def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None
             continue
         at = dtype if dtype is not None else default_dtype(folder / name, library)
         keep = _keep_in_fp32(library, class_name, at)
-        size = sum(_tensor_bytes(meta, key, at, keep) for f in files for key, meta in read_header(f).items())
-        components.append(Component(name, library, class_name, size, True))
+        sizes = {key: _tensor_bytes(meta, key, at, keep) for f in files for key, meta in read_header(f).items()}
+        components.append(Component(name, library, class_name, sum(sizes.values()), True,
+                                    in_flight=streamed_bytes(sizes)))
     return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
 
 
@@ -206,6 +229,55 @@ def read_header(path: Path) -> dict[str, dict]:
     return header
 
 
+def streamed_bytes(sizes: Mapping[str, int]) -> int:
+    """Bytes in flight when a component is streamed, from its tensor names: its two largest blocks plus its root's
+    own tensors.
+
+    A block is a tensor name up to its first integer part (``down_blocks.1``, ``text_model.encoder.layers.3``, the
+    elements of a ModuleList or Sequential); the other names group by their first part (``conv_in``,
+    ``text_model``), which can only join blocks that streaming moves separately, so the figure errs high. Buffers
+    that are not saved (``position_ids``) are not counted.
+    """
+    groups: dict[str, int] = {}
+    for name, size in sizes.items():
+        groups[block_key(name)] = groups.get(block_key(name), 0) + size
+    root = groups.pop("", 0)
+    return root + sum(sorted(groups.values(), reverse=True)[:2])
+
+
+def block_key(name: str) -> str:
+    """The block a tensor name belongs to (see ``streamed_bytes``); ``""`` for the root module's own tensors."""
+    parts = name.split(".")
+    for index, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return parts[0] if len(parts) > 1 else ""
+
+
+def stream_blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The blocks a streamed component is moved by, in registration order, each module once.
+
+    The elements of the first ModuleList, ModuleDict or Sequential on each path from the root are blocks (a list is
+    never one: its own forward never runs); a child holding no such list is one block whole; a child holding one is
+    descended into. Tensors outside every block (the root's own, a descended module's own) travel with the root.
+    """
+    blocks: dict[int, tuple[str, torch.nn.Module]] = {}
+    _collect_blocks(module, "", blocks)
+    return list(blocks.values())
+
+
+def _collect_blocks(module: torch.nn.Module, prefix: str, blocks: dict) -> None:
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, _LISTS):
+            for key, element in child.named_children():
+                blocks.setdefault(id(element), (f"{path}.{key}", element))
+        elif any(isinstance(m, _LISTS) for m in child.modules()):
+            _collect_blocks(child, f"{path}.", blocks)
+        else:
+            blocks.setdefault(id(child), (path, child))
+
+
 def _tensor_bytes(meta: Mapping, key: str, dtype: torch.dtype | None, keep_fp32: tuple[str, ...]) -> int:
     numel = 1
     for dim in meta["shape"]:
@@ -243,7 +315,8 @@ def _inspect_pipeline(pipe, dtype: torch.dtype | None) -> Inventory:
         if isinstance(value, torch.nn.Module):
             keep = _keep_in_fp32(library, class_name, dtype) if library else ()
             size = module_bytes(value, dtype, keep)
-            components.append(Component(name, library, class_name, size, True))
+            components.append(Component(name, library, class_name, size, True,
+                                        in_flight=min(size, _live_in_flight(value, dtype))))
         else:
             components.append(Component(name, library, class_name))
     source = str(getattr(pipe.config, "_name_or_path", "") or type(pipe).__name__)
@@ -262,6 +335,12 @@ def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep
             element = 4 if any(m in key.split(".") for m in keep) else torch.empty((), dtype=dtype).element_size()
         total += tensor.numel() * element
     return total
+
+
+def _live_in_flight(module: torch.nn.Module, dtype: torch.dtype | None) -> int:
+    """``streamed_bytes`` of a live module, from the blocks streaming will really use."""
+    sizes = sorted((module_bytes(block, dtype) for _, block in stream_blocks(module)), reverse=True)
+    return module_bytes(module, dtype) - sum(sizes) + sum(sizes[:2])
 
 
 def _origin(value) -> tuple[str | None, str | None]:

@@ -23,7 +23,11 @@ class Placement:
     """One component's place: ``device`` holds its weights; it computes on ``execution_device``.
 
     ``mode`` is ``"resident"`` (lives on its device), ``"offload"`` (lives in CPU RAM, moved whole to its
-    execution device for its call) or ``"stream"`` (moved block by block).
+    execution device for its call and kept there while ``room`` allows) or ``"stream"`` (lives in CPU RAM, moved
+    block by block, the next block prefetched). ``room``: for ``"offload"``, the bytes its execution device keeps
+    for onloaded components (shared by all offloaded there, least recently used evicted first); for ``"stream"``,
+    the bytes of its blocks in flight; 0 when resident. It travels with the placement through ``remap``, so a plan
+    remapped onto the CPU keeps each GPU's eviction behaviour.
     """
 
     component: str
@@ -31,6 +35,7 @@ class Placement:
     bytes: int
     mode: str = "resident"
     execution_device: str = ""
+    room: int = 0
 
     def __post_init__(self):
         if not self.execution_device:
@@ -103,7 +108,8 @@ class Plan:
         for column in ("component", "device", "mode", "runs on", "bytes"):
             table.add_column(column, justify="right" if column == "bytes" else "left")
         for p in self.components:
-            table.add_row(p.component, p.device, p.mode, p.execution_device, format_bytes(p.bytes))
+            mode = p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})"
+            table.add_row(p.component, p.device, mode, p.execution_device, format_bytes(p.bytes))
         table.add_section()
         for d in self.devices:
             table.add_row(f"[{d.device}]", d.device, "total", "", f"{format_bytes(d.used)} of {format_bytes(d.budget)}")
@@ -122,7 +128,8 @@ class Plan:
             "variant": self.variant,
             "devices": {d.device: {"memory": d.memory, "budget": d.budget, "used": d.used} for d in self.devices},
             "components": {p.component: {"device": p.device, "mode": p.mode, "bytes": p.bytes,
-                                         "execution_device": p.execution_device} for p in self.components},
+                                         "execution_device": p.execution_device, "room": p.room}
+                           for p in self.components},
             "notes": list(self.notes),
         }
 
@@ -134,7 +141,8 @@ class Plan:
         devices = tuple(DeviceUse(name, d.get("memory", d["budget"]), d["budget"], d["used"])
                         for name, d in data["devices"].items())
         components = tuple(Placement(name, c["device"], c["bytes"], c.get("mode", "resident"),
-                                     c.get("execution_device", "")) for name, c in data["components"].items())
+                                     c.get("execution_device", ""), c.get("room", 0))
+                           for name, c in data["components"].items())
         return cls(data["strategy"], components, devices, data["execution_device"], data.get("dtype"),
                    data.get("variant"), tuple(data.get("notes", ())))
 

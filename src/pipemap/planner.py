@@ -1,13 +1,16 @@
 """``plan()``: decide where each component goes. Pure: it reads headers or module sizes and moves nothing.
 
 Each strategy is one small function from a ``Request`` (the components' sizes, each GPU's room) to
-``{component: device}``; the code around it validates input, applies dict maps and totals the budgets.
+``{component: device}`` or, for the offloading strategies, ``{component: Place(device, mode, execution_device)}``;
+the code around it validates input, applies dict maps and totals the budgets.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from .errors import (
     ArgumentConflictError,
@@ -26,16 +29,30 @@ DEFAULT_HEADROOM = 0.10  # of each GPU's memory, kept for activations until a dr
 DENOISERS = ("transformer", "unet", "prior", "decoder", "transformer_2")
 
 
+MAX_SEARCHED = 12  # components: beyond this, the offloading strategies try cheapest-first prefixes, not every set
+
+
 @dataclass(frozen=True)
 class Request:
-    """What a strategy sees: components ``(name, bytes)`` in pipeline order and the room left on each GPU."""
+    """What a strategy sees: components ``(name, bytes)`` in pipeline order and the room left on each GPU; for the
+    offloading strategies also each component's calls per image and bytes in flight when streamed (0: all)."""
 
     components: tuple[tuple[str, int], ...]
     rooms: tuple[tuple[str, int], ...]
     strategy: str
+    calls: tuple[tuple[str, int], ...] = ()
+    in_flight: tuple[tuple[str, int], ...] = ()
 
 
-Strategy = Callable[[Request], dict[str, str]]
+class Place(NamedTuple):
+    """Where a strategy puts one component: weights on ``device``, computed on ``execution_device``."""
+
+    device: str
+    mode: str
+    execution_device: str
+
+
+Strategy = Callable[[Request], dict[str, "str | Place"]]
 
 
 def _balanced(request: Request) -> dict[str, str]:
@@ -68,7 +85,73 @@ def _sequential(request: Request) -> dict[str, str]:
     return placed
 
 
-STRATEGIES: dict[str, Strategy] = {"balanced": _balanced, "sequential": _sequential}
+def _balanced_low_memory(request: Request) -> dict[str, str | Place]:
+    """As balanced; what does not fit lives in CPU RAM and is moved whole to a GPU for its call (model offload)."""
+    return _least_moved(request, "offload")
+
+
+def _balanced_ultra_low_memory(request: Request) -> dict[str, str | Place]:
+    """As balanced; what does not fit lives in CPU RAM and is streamed block by block to a GPU for its call."""
+    return _least_moved(request, "stream")
+
+
+def _least_moved(request: Request, mode: str) -> dict[str, str | Place]:
+    """All resident if balanced fits; else the set of components to move that fits and moves the fewest bytes per
+    image (bytes x calls per image: the denoiser, called at every step, leaves the GPU last).
+
+    Moving more never makes a plan need more room (a moved component costs its GPU only while it runs), so when
+    moving every component does not fit, nothing does, and the error names the component that fits no GPU.
+    """
+    try:
+        return _balanced(request)
+    except DoesNotFitError:
+        pass
+    sizes, calls = dict(request.components), dict(request.calls)
+    need = {n: (dict(request.in_flight).get(n) or s) if mode == "stream" else s for n, s in sizes.items()}
+    largest = max(need, key=lambda n: (need[n], n))
+    if _moving(request, frozenset(sizes), need, mode) is None:
+        raise DoesNotFitError(largest, sizes[largest], max(r for _, r in request.rooms), request.strategy, ())
+    for moved in _candidates(sizes, calls):
+        placed = _moving(request, moved, need, mode)
+        if placed is not None:
+            return placed
+    raise AssertionError("unreachable: moving every component fits")  # pragma: no cover
+
+
+def _candidates(sizes: Mapping[str, int], calls: Mapping[str, int]) -> list[frozenset[str]]:
+    """Sets of components to move, cheapest first: bytes moved per image, then fewer components, then by name."""
+    def cost(names) -> tuple:
+        return sum(sizes[n] * calls.get(n, 1) for n in names), len(names), sorted(names)
+
+    names = sorted(sizes, key=lambda n: cost([n]))
+    if len(names) > MAX_SEARCHED:
+        return [frozenset(names[:k]) for k in range(1, len(names) + 1)]
+    subsets = (c for k in range(1, len(names) + 1) for c in itertools.combinations(names, k))
+    return [frozenset(c) for c in sorted(subsets, key=cost)]
+
+
+def _moving(request: Request, moved: frozenset[str], need: Mapping[str, int], mode: str
+            ) -> dict[str, str | Place] | None:
+    """The rest placed by balanced, each moved component run on the GPU with the most room left (a GPU's peak is
+    its residents plus the one moved component running there); None if it does not fit."""
+    rest = tuple(c for c in request.components if c[0] not in moved)
+    try:
+        placed: dict[str, str | Place] = dict(_balanced(Request(rest, request.rooms, request.strategy)))
+    except DoesNotFitError:
+        return None
+    rooms = dict(request.rooms)
+    for name, size in rest:
+        rooms[placed[name]] -= size
+    gpu = max(rooms, key=lambda d: (rooms[d], -list(rooms).index(d)))
+    if any(need[n] > rooms[gpu] for n in moved):
+        return None
+    placed.update({n: Place("cpu", mode, gpu) for n in moved})
+    return placed
+
+
+STRATEGIES: dict[str, Strategy] = {"balanced": _balanced, "sequential": _sequential,
+                                   "balanced_low_memory": _balanced_low_memory,
+                                   "balanced_ultra_low_memory": _balanced_ultra_low_memory}
 
 
 def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
@@ -150,7 +233,9 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         placed = {n: "cpu" for n, _ in rest}
         notes.append("no GPU on this machine or in the profile: every component runs on the CPU")
     else:
-        placed = _run(name, Request(rest, gpus, name), inventory, hw, budget, fixed)
+        calls = tuple((c.name, c.calls_per_image) for c in inventory.models)
+        in_flight = tuple((c.name, c.in_flight) for c in inventory.models)
+        placed = _run(name, Request(rest, gpus, name, calls, in_flight))
     device_map = {**fixed, **placed}
     label = name if not fixed else ("map" if not rest else f"map+{name}")
     return _assemble(inventory, hw, budget, device_map, label, notes)
@@ -177,7 +262,7 @@ def _rooms_after(fixed: Mapping[str, str], sizes: Mapping[str, int], budget: Map
     return rooms
 
 
-def _run(name: str, request: Request, inventory, hw, budget, fixed) -> dict[str, str]:
+def _run(name: str, request: Request) -> dict[str, str | Place]:
     try:
         return STRATEGIES[name](request)
     except DoesNotFitError as err:
@@ -187,23 +272,54 @@ def _run(name: str, request: Request, inventory, hw, budget, fixed) -> dict[str,
 
 def _works(strategy: str, request: Request) -> bool:
     try:
-        STRATEGIES[strategy](Request(request.components, request.rooms, strategy))
+        STRATEGIES[strategy](Request(request.components, request.rooms, strategy, request.calls, request.in_flight))
         return True
     except DoesNotFitError:
         return False
 
 
-def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], device_map: Mapping[str, str],
+def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], device_map: Mapping[str, str | Place],
               label: str, notes: list[str]) -> Plan:
-    placements = tuple(Placement(c.name, device_map[c.name], c.bytes) for c in inventory.models)
-    used = {d.name: 0 for d in hw.devices}
+    places = {n: Place(p, "resident", p) if isinstance(p, str) else p for n, p in device_map.items()}
+    placements = tuple(Placement(c.name, places[c.name].device, c.bytes, places[c.name].mode,
+                                 places[c.name].execution_device) for c in inventory.models)
+    in_flight = {c.name: min(c.in_flight or c.bytes, c.bytes) for c in inventory.models}
+    resident = {d.name: 0 for d in hw.devices}
     for p in placements:
-        used[p.device] += p.bytes
+        resident[p.device] += p.bytes
+    placements = _with_rooms(placements, in_flight, budget, resident)
+    # a GPU's peak: its residents, the largest component onloaded there, the largest blocks in flight there
+    used = {d: _peak(placements, d, resident) for d in resident}
     if used.get("cpu", 0) > budget.get("cpu", 0):
         notes.append(f"the CPU holds {used['cpu']} bytes, more than its {budget['cpu']} bytes of available RAM")
     devices = tuple(DeviceUse(d.name, d.memory, budget[d.name], used[d.name]) for d in hw.devices)
     return Plan(label, placements, devices, execution_device(placements), inventory.dtype, inventory.variant,
                 tuple(notes))
+
+
+def _with_rooms(placements: tuple[Placement, ...], in_flight: Mapping[str, int], budget: Mapping[str, int],
+                resident: Mapping[str, int]) -> tuple[Placement, ...]:
+    """Each offloaded component's room (its GPU's budget less residents and the largest stream in flight there) and
+    each streamed component's bytes in flight."""
+    streams: dict[str, int] = {}
+    for p in placements:
+        if p.mode == "stream":
+            streams[p.execution_device] = max(streams.get(p.execution_device, 0), in_flight[p.component])
+    out = []
+    for p in placements:
+        if p.mode == "offload":
+            d = p.execution_device
+            p = replace(p, room=max(0, budget[d] - resident[d] - streams.get(d, 0)))
+        elif p.mode == "stream":
+            p = replace(p, room=in_flight[p.component])
+        out.append(p)
+    return tuple(out)
+
+
+def _peak(placements: tuple[Placement, ...], device: str, resident: Mapping[str, int]) -> int:
+    moved = [p for p in placements if p.mode != "resident" and p.execution_device == device]
+    largest = max((p.bytes for p in moved if p.mode == "offload"), default=0)
+    return resident[device] + largest + max((p.room for p in moved if p.mode == "stream"), default=0)
 
 
 def execution_device(placements: tuple[Placement, ...]) -> str:

@@ -20,8 +20,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import standin
-from .dispatch import dispatch, unhook_component
-from .errors import HeadroomError, PipemapError, SimulationFailedError
+from .dispatch import dispatch, planned, unhook_component
+from .errors import HeadroomError, PipelineMappedError, PipemapError, SimulationFailedError
 from .inventory import Inventory
 from .plan import Plan
 from .units import format_bytes
@@ -55,6 +55,7 @@ class SimulationReport:
     plan: Plan
     seconds: float = 0.0
     call: dict = field(default_factory=dict)
+    weight_peak_bytes: dict[str, int] = field(default_factory=dict)  # resident weights plus those onloaded at once
 
     def __str__(self) -> str:
         lines = [f"dry run {'ok' if self.ok else 'FAILED'} in {self.seconds:.2f} s; call {self.call}"]
@@ -99,6 +100,10 @@ def _fake_pipeline(source, plan: Plan, mode: FakeTensorMode, standins: Mapping[s
 
 def _fake_copy(pipe, mode: FakeTensorMode, device_of: Mapping[str, str]):
     """A new pipeline object of the same class whose models are fake copies of ``pipe``'s; ``pipe`` is untouched."""
+    mapped = planned(pipe)
+    if mapped is not None and any(p.mode != "resident" for p in mapped.components):
+        # offload and stream hooks hold the CPU masters of their weights, which a fake copy cannot share
+        raise PipelineMappedError("pipemap.simulate on a pipeline with offloaded or streamed components")
     parts = {}
     for name, value in pipe.components.items():
         if isinstance(value, torch.nn.Module):
@@ -187,12 +192,13 @@ def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str
 
     peak, weights = keyed(tracker.peak), keyed(tracker.weights)
     weights = {d: weights.get(d, 0) for d in peak}
+    weight_peak, activations = keyed(tracker.weight_peak), keyed(tracker.activation_peak)
     if failure is not None:
         failure = replace(failure, devices=tuple(back.get(d, d) for d in failure.devices))
     shown = {k: (v if not isinstance(v, torch.Generator) else "generator") for k, v in call.items()
              if not isinstance(v, torch.Tensor)}
-    return SimulationReport(failure is None, failure, peak, weights,
-                            {d: peak[d] - weights.get(d, 0) for d in peak}, plan, seconds, shown)
+    return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
+                            seconds, shown, {d: weight_peak.get(d, 0) for d in peak})
 
 
 

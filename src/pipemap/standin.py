@@ -156,7 +156,10 @@ class StrictDevices(TorchDispatchMode):
 class StorageTracker(TorchDispatchMode):
     """Live bytes per device, every storage counted once and freed when it dies; ``peak`` is the high mark.
 
-    Written for fake tensors, which PyTorch's own ``torch.cuda`` memory statistics cannot see.
+    Weights are told apart from activations: the module tensors present at ``track_module_tensors`` and their
+    copies to another device (what offload and stream hooks onload), so ``weight_peak`` is the most weight bytes a
+    device held at once and ``activation_peak`` the most of everything else. Written for fake tensors, which
+    PyTorch's own ``torch.cuda`` memory statistics cannot see.
     """
 
     def __init__(self):
@@ -164,16 +167,20 @@ class StorageTracker(TorchDispatchMode):
         self.live: collections.Counter = collections.Counter()
         self.peak: collections.Counter = collections.Counter()
         self.weights: collections.Counter = collections.Counter()
+        self.weight_live: collections.Counter = collections.Counter()
+        self.weight_peak: collections.Counter = collections.Counter()
+        self.activation_peak: collections.Counter = collections.Counter()
         self._seen: dict[int, tuple[str, int]] = {}
+        self._weight_keys: set[int] = set()
 
     def track_module_tensors(self, pipe) -> None:
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
                 for tensor in list(module.parameters()) + list(module.buffers()):
-                    if self._track(tensor):
+                    if self._track(tensor, weight=True):
                         self.weights[str(tensor.device)] += tensor.untyped_storage().nbytes()
 
-    def _track(self, tensor: torch.Tensor) -> bool:
+    def _track(self, tensor: torch.Tensor, weight: bool = False) -> bool:
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self._seen:
@@ -181,17 +188,33 @@ class StorageTracker(TorchDispatchMode):
         device, size = str(tensor.device), storage.nbytes()
         self._seen[key] = (device, size)
         self.live[device] += size
+        if weight:
+            self._weight_keys.add(key)
+            self.weight_live[device] += size
+            self.weight_peak[device] = max(self.weight_peak[device], self.weight_live[device])
         self.peak[device] = max(self.peak[device], self.live[device])
+        self.activation_peak[device] = max(self.activation_peak[device],
+                                           self.live[device] - self.weight_live[device])
         weakref.finalize(storage, self._free, key)
         return True
 
     def _free(self, key: int) -> None:
         device, size = self._seen.pop(key)
         self.live[device] -= size
+        if key in self._weight_keys:
+            self._weight_keys.discard(key)
+            self.weight_live[device] -= size
+
+    def _onloads_weight(self, func, args, out) -> bool:
+        if func is not torch.ops.aten._to_copy.default or not args or not isinstance(out, torch.Tensor):
+            return False
+        source = args[0]
+        return id(source.untyped_storage()) in self._weight_keys and source.device != out.device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._track, out)
+        weight = self._onloads_weight(func, args, out)
+        tree_map_only(torch.Tensor, lambda t: self._track(t, weight), out)
         return out
 
 

@@ -8,7 +8,6 @@ tokens) and no merges. ``scale`` multiplies every channel width so benchmarks ca
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -18,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+
+from .quiet import quiet_diffusers
 
 KINDS = ("sd", "sdxl", "controlnet")
 SEED = 0
@@ -206,25 +207,12 @@ def build(kind: str, scale: int = 1):
     return _BUILDERS[kind](scale=scale)
 
 
-@contextlib.contextmanager
-def _quiet_diffusers():
-    """Temporarily raise the diffusers log level to ERROR."""
-    from diffusers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
-
-
 def save(kind: str, path, variant_fp16: bool = True, scale: int = 1):
     """Build ``kind`` and save it to ``path`` (fp16 variant first, then fp32 so config.json says float32)."""
     pipe = build(kind, scale=scale)
     path = Path(path)
     if variant_fp16:
-        with _quiet_diffusers():  # silences the "modules to keep in float32" notice of ``.to(float16)``
+        with quiet_diffusers():  # silences the "modules to keep in float32" notice of ``.to(float16)``
             half = copy.deepcopy(pipe).to(torch.float16)
         half.save_pretrained(path, variant="fp16")
     pipe.save_pretrained(path)

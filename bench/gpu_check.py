@@ -1,0 +1,825 @@
+"""GPU check for pipemap: offloading strategies against diffusers' own, on one GPU, in one run of a few minutes.
+
+    python bench/gpu_check.py OUT_DIR              # on the GPU machine (bench/gpu_check.sh calls this)
+    python bench/gpu_check.py OUT_DIR --dry-cpu    # here: a small pipeline on the CPU; CUDA-only methods skipped
+
+An SDXL-shaped pipeline (the published SDXL base 1.0 configs: CLIP-L, OpenCLIP-bigG, the 2.6B UNet, the VAE) is built
+with random weights on the GPU (nothing is downloaded), cast to fp16 and kept in ordinary CPU memory, as
+``from_pretrained`` would leave it. Each method gets a fresh pipeline whose parameters share that CPU storage, runs
+one warm-up call and timed calls, and is torn down; the methods:
+
+  plain .to(cuda)                 everything resident: the speed floor (it ignores the budget; marked so)
+  pipemap balanced                one GPU, whole GPU as budget: the same, through pipemap's hooks
+  pipemap balanced_low_memory     offload budget: what does not fit is moved whole for its call (model offload)
+  diffusers model offload         enable_model_cpu_offload()
+  pipemap balanced_ultra_low_memory  stream budget: what does not fit is streamed block by block
+  diffusers group offload         enable_group_offload(leaf_level, use_stream=True), diffusers' documented example
+  diffusers sequential offload    enable_sequential_cpu_offload(), at 1 and 2 steps, scaled to the full step count
+  pipemap ultra_low @ matched     the stream strategy again, its budget the peak measured for group / sequential
+
+Figures: seconds per image (median of the timed calls), seconds per extra denoising step (from the calls at two
+step counts), peak GPU memory of the timed calls (``max_memory_allocated`` above what was allocated before the
+method's pipeline existed), the largest difference of its image from the first method's at the same step count,
+and the GPU memory left after ``pipemap.reset``. Then the transfer self-test and ``python -m pipemap doctor``.
+Writes ``table.md`` and ``results.json`` (rewritten after every method, so a run cut short still leaves them) into
+OUT_DIR; the last line printed is ``summary: name=value ...``. bench/README.md says how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+for _key, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"), ("TRANSFORMERS_VERBOSITY", "error"),
+                     ("DIFFUSERS_VERBOSITY", "error"), ("PYTHONUNBUFFERED", "1")):
+    os.environ.setdefault(_key, _value)
+
+T0 = time.perf_counter()  # before torch's import: the time budget counts it
+
+import torch  # noqa: E402
+
+HEADROOM = 0.05
+TOLERANCE = 2e-2  # max |difference| of images in [0, 1] computed in fp16 along different paths
+PROMPT = "an astronaut riding a horse on the moon, detailed photograph"
+RESERVE = 30.0  # seconds kept at the end of --time-budget for the transfer self-test, the doctor and the report
+
+
+# ---- the pipeline ----------------------------------------------------------------------------------------------
+
+
+def _round(value: float, multiple: int) -> int:
+    return max(multiple, int(round(value / multiple)) * multiple)
+
+
+def _depth(value: int, depth: float) -> int:
+    return max(1, int(round(value * depth)))
+
+
+def sdxl_configs(width: float = 1.0, depth: float = 1.0) -> dict[str, dict]:
+    """The SDXL base 1.0 model configs (width 1, depth 1), or the same shapes narrowed and made shallower.
+
+    Widths stay multiples of 64 so every attention head keeps SDXL's 64 channels; the text encoders' vocabularies
+    are the byte-level tokenizer's (pipemap.tiny), which changes nothing that matters for speed.
+    """
+    from pipemap import tiny
+
+    unet_ch = [_round(c * width, 64) for c in (320, 640, 1280)]
+    te1, te2 = _round(768 * width, 64), _round(1280 * width, 64)
+    vocab = tiny.tokenizer_vocab()
+    clip = dict(vocab_size=tiny.VOCAB_SIZE, max_position_embeddings=tiny.MAX_LENGTH, bos_token_id=vocab[tiny.BOS],
+                eos_token_id=vocab[tiny.EOS], pad_token_id=vocab[tiny.EOS], layer_norm_eps=1e-5)
+    return {
+        "unet": dict(
+            sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=unet_ch,
+            down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+            up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+            attention_head_dim=[c // 64 for c in unet_ch],  # SDXL's config means heads here (5, 10, 20)
+            transformer_layers_per_block=[_depth(n, depth) for n in (1, 2, 10)],
+            cross_attention_dim=te1 + te2, use_linear_projection=True, addition_embed_type="text_time",
+            addition_time_embed_dim=256, projection_class_embeddings_input_dim=6 * 256 + te2, norm_num_groups=32),
+        "vae": dict(
+            in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, norm_num_groups=32,
+            block_out_channels=[_round(c * width, 32) for c in (128, 256, 512, 512)],
+            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+            sample_size=1024, scaling_factor=0.13025, force_upcast=False),  # fp16 throughout, as the offloaders see it
+        "text_encoder": dict(clip, hidden_size=te1, intermediate_size=4 * te1, num_attention_heads=te1 // 64,
+                             num_hidden_layers=_depth(12, depth), hidden_act="quick_gelu", projection_dim=te1),
+        "text_encoder_2": dict(clip, hidden_size=te2, intermediate_size=4 * te2, num_attention_heads=te2 // 64,
+                               num_hidden_layers=_depth(32, depth), hidden_act="gelu", projection_dim=te2),
+    }
+
+
+def build_models(configs: dict[str, dict], device: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """The four models with random weights, initialised on ``device`` (fast on a GPU), cast to ``dtype`` and left in
+    ordinary (unpinned) CPU memory, each tensor contiguous."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    makers = {"unet": lambda c: UNet2DConditionModel(**c), "vae": lambda c: AutoencoderKL(**c),
+              "text_encoder": lambda c: CLIPTextModel(CLIPTextConfig(**c)),
+              "text_encoder_2": lambda c: CLIPTextModelWithProjection(CLIPTextConfig(**c))}
+    models = {}
+    for seed, (name, make) in enumerate(makers.items()):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = make(configs[name]).eval().requires_grad_(False)
+        models[name] = model.to(dtype).to("cpu")
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    return models
+
+
+def fresh_pipeline(models: dict[str, torch.nn.Module]):
+    """A new SDXL pipeline whose models are copies of ``models`` that share their CPU storage: building one costs
+    no copy of the weights, and what a method does to its copy (moving, pinning, hooking) leaves the originals."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+    from pipemap import tiny
+
+    clones = {}
+    for name, model in models.items():
+        memo = {id(p): torch.nn.Parameter(p.data, requires_grad=False) for p in model.parameters()}
+        memo.update({id(b): b for b in model.buffers()})
+        clones[name] = copy.deepcopy(model, memo)
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       timestep_spacing="leading", steps_offset=1)
+    pipe = StableDiffusionXLPipeline(**clones, tokenizer=tiny.build_tokenizer(), tokenizer_2=tiny.build_tokenizer(),
+                                     scheduler=scheduler, add_watermarker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# ---- measuring one method --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Method:
+    """One way to run the pipeline: ``setup(pipe, device)`` prepares it, ``teardown(pipe)`` undoes it."""
+
+    key: str
+    label: str
+    setup: Callable
+    teardown: Callable | None = None
+    budget: int | None = None  # bytes the method is held to (pipemap's plan budget); None: not budgeted
+    budget_note: str = ""
+    cuda_only: bool = False
+    slow: bool = False  # timed at 1 and 2 steps only, once each
+    plan: object = None
+
+
+@dataclass
+class Result:
+    key: str
+    label: str
+    status: str = "ok"  # ok | error | needs CUDA | skipped
+    note: str = ""
+    budget: int | None = None
+    steps: int = 0  # the step count s_per_image is at (measured or scaled)
+    s_per_image: float | None = None
+    s_per_image_scaled: bool = False
+    s_per_step: float | None = None
+    times: dict = field(default_factory=dict)  # steps -> seconds of each timed call
+    first_call_s: float | None = None
+    setup_s: float | None = None
+    peak_bytes: int | None = None
+    peak_first_bytes: int | None = None
+    reserved_bytes: int | None = None
+    max_diff: float | None = None
+    finite: bool | None = None
+    left_after_reset: int | None = None
+    plan: str = ""
+    plan_modes: dict = field(default_factory=dict)
+    stats: object = None
+
+
+class Runner:
+    """Runs methods on fresh pipelines, keeping the first output at each step count as the reference."""
+
+    def __init__(self, args, models, device: str):
+        self.args, self.models, self.device = args, models, device
+        self.cuda = device.startswith("cuda")
+        self.references: dict[int, torch.Tensor] = {}
+
+    def call(self, pipe, steps: int) -> torch.Tensor:
+        out = pipe(prompt=PROMPT, height=self.args.size, width=self.args.size, num_inference_steps=steps,
+                   guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(0), output_type="pt").images
+        return out.float().cpu()
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
+    def clean(self) -> int:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return self.allocated()
+
+    def timed(self, pipe, steps: int) -> tuple[float, torch.Tensor]:
+        self.sync()
+        start = time.perf_counter()
+        out = self.call(pipe, steps)
+        self.sync()
+        return time.perf_counter() - start, out
+
+    def run(self, method: Method, cap: float) -> Result:
+        result = Result(method.key, method.label, budget=method.budget, note=method.budget_note)
+        if method.cuda_only and not self.cuda:
+            result.status = "needs CUDA"
+            return result
+        base = self.clean()
+        pipe = fresh_pipeline(self.models)
+        try:
+            with time_limit(cap):
+                self._measure(method, pipe, result, base)
+        except Exception as err:  # a method that fails is a row of the table, not the end of the run
+            result.status = "error"
+            result.note = f"{type(err).__name__}: {err}".splitlines()[0][:300] + (
+                f" (budget: {method.budget_note})" if method.budget_note else "")
+            traceback.print_exc()
+        finally:
+            self._teardown(method, pipe, result, base)
+        return result
+
+    def _measure(self, method: Method, pipe, result: Result, base: int) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        method.setup(pipe, self.device)
+        result.setup_s = time.perf_counter() - start
+        if method.plan is not None:
+            result.plan = str(method.plan)
+            result.plan_modes = {p.component: p.mode for p in method.plan.components}
+        full = self.args.steps
+        high, low = (self.args.seq_steps, 1) if method.slow else (full, self.args.seq_steps)
+        repeats = 1 if method.slow else self.args.repeats
+        result.first_call_s, _ = self.timed(pipe, low if method.slow else high)
+        result.peak_first_bytes = self._peak(base)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        outputs = {}
+        for steps, n in ((high, repeats), (low, max(1, repeats // 2))):
+            runs = [self.timed(pipe, steps) for _ in range(n)]
+            result.times[steps] = [round(t, 5) for t, _ in runs]
+            outputs[steps] = runs[-1][1]
+        result.peak_bytes = self._peak(base)
+        result.reserved_bytes = torch.cuda.max_memory_reserved(self.device) if self.cuda else None
+        self._figures(result, high, low, full)
+        self._compare(result, outputs)
+        result.stats = pipemap_stats(pipe) if method.key.startswith("pipemap") else None
+
+    def _figures(self, result: Result, high: int, low: int, full: int) -> None:
+        t_high, t_low = statistics.median(result.times[high]), statistics.median(result.times[low])
+        result.s_per_step = (t_high - t_low) / (high - low) if high > low else None
+        result.steps = full
+        result.s_per_image = t_high + (full - high) * (result.s_per_step or 0.0)
+        result.s_per_image_scaled = high != full
+
+    def _compare(self, result: Result, outputs: dict[int, torch.Tensor]) -> None:
+        diffs, finite = [], True
+        for steps, image in outputs.items():
+            finite = finite and bool(torch.isfinite(image).all())
+            reference = self.references.setdefault(steps, image)
+            if reference is not image:
+                diffs.append(float((torch.nan_to_num(image) - torch.nan_to_num(reference)).abs().max()))
+        result.finite = finite
+        result.max_diff = max(diffs) if diffs else 0.0
+
+    def _peak(self, base: int) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) - base if self.cuda else None
+
+    def _teardown(self, method: Method, pipe, result: Result, base: int) -> None:
+        try:
+            if method.teardown is not None:
+                method.teardown(pipe)
+                result.left_after_reset = self.clean() - base if self.cuda else None
+        except Exception as err:
+            result.note += f" | teardown: {type(err).__name__}: {err}"
+            traceback.print_exc()
+        del pipe
+        self.clean()
+
+
+class MethodTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise MethodTimeout in this thread after ``seconds`` (a Python-level interrupt: it lands between torch ops), so
+    a method that runs far slower than expected (a model left on the CPU) costs a row, not the whole GPU run."""
+    def expire(signum, frame):
+        raise MethodTimeout(f"stopped after {seconds:.0f} s (--method-timeout or --time-budget)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def pipemap_stats(pipe):
+    """``pipemap.stats(pipe)`` as plain data, where pipemap has it."""
+    import pipemap
+
+    stats = getattr(pipemap, "stats", None)
+    if stats is None:
+        return None
+    try:
+        value = stats(pipe)
+    except Exception as err:
+        return f"pipemap.stats failed: {type(err).__name__}: {err}"
+    for name in ("to_dict", "_asdict"):
+        if hasattr(value, name):
+            return getattr(value, name)()
+    return value if isinstance(value, (dict, list, int, float, str)) else str(value)
+
+
+# ---- the methods -----------------------------------------------------------------------------------------------
+
+
+def pipemap_method(key: str, label: str, strategy: str, budget: int, note: str, cuda: bool) -> Method:
+    """A pipemap strategy planned for one GPU of ``budget`` bytes (remapped onto the CPU in a dry run)."""
+    import pipemap
+
+    method = Method(key, label, setup=None, teardown=pipemap.reset, budget=budget, budget_note=note)
+
+    def setup(pipe, device):
+        hardware = pipemap.Hardware.parse(f"cuda:0={budget},cpu=100GiB")
+        plan = pipemap.plan(pipe, hardware=hardware, strategy=strategy, headroom=HEADROOM)
+        if not cuda:
+            plan = plan.remap({"cuda:0": "cpu"})
+        method.plan = plan
+        print(plan)
+        pipemap.dispatch(pipe, plan)
+
+    method.setup = setup
+    return method
+
+
+def diffusers_methods() -> list[Method]:
+    def model_offload(pipe, device):
+        pipe.enable_model_cpu_offload(device=device)
+
+    def group_offload(offload_type: str, **extra):
+        def setup(pipe, device):  # diffusers' documented example: leaf_level with a side stream
+            pipe.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
+                                      offload_type=offload_type, use_stream=True, **extra)
+        return setup
+
+    def sequential(pipe, device):
+        pipe.enable_sequential_cpu_offload(device=device)
+
+    return [
+        Method("diffusers_model_offload", "diffusers enable_model_cpu_offload", model_offload, cuda_only=True),
+        Method("diffusers_group_offload", "diffusers group offload (leaf_level, use_stream)",
+               group_offload("leaf_level"), cuda_only=True),
+        Method("diffusers_group_offload_block", "diffusers group offload (block_level x1, use_stream)",
+               group_offload("block_level", num_blocks_per_group=1), cuda_only=True),
+        Method("diffusers_sequential_offload", "diffusers enable_sequential_cpu_offload", sequential,
+               cuda_only=True, slow=True),
+    ]
+
+
+def plain_method() -> Method:
+    return Method("plain", "plain .to(device)", lambda pipe, device: pipe.to(device),
+                  budget_note="no budget: the speed floor")
+
+
+# ---- budgets ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Budgets:
+    sizes: dict[str, int]
+    in_flight: dict[str, int]
+    gpu: int  # the whole GPU (plain, balanced)
+    offload: int  # balanced_low_memory
+    stream: int  # balanced_ultra_low_memory
+    offload_note: str = ""
+    stream_note: str = ""
+
+    @classmethod
+    def for_pipeline(cls, pipe, args, gpu_memory: int) -> Budgets:
+        import pipemap
+
+        inventory = pipemap.inspect(pipe)
+        sizes = {c.name: c.bytes for c in inventory.models}
+        in_flight = {c.name: c.in_flight for c in inventory.models}
+        unet, other = sizes["unet"], max(v for k, v in sizes.items() if k != "unet")
+        # offload: the UNet resident beside room to onload the largest other model, and a little more: nothing but
+        # the UNet fits to stay, so the text encoders (and the VAE) must be moved in for their calls
+        offload, offload_note = parse_budget(args.offload_budget, unet) or (
+            int((unet + 1.1 * other) / (1 - HEADROOM)), "UNet + 1.1 x largest other, / (1 - headroom)")
+        stream, stream_note = parse_budget(args.stream_budget, unet) or (int(unet * 0.6), "0.6 x UNet")
+        offload, offload_note = feasible(inventory, "balanced_low_memory", offload, offload_note, gpu_memory)
+        stream, stream_note = feasible(inventory, "balanced_ultra_low_memory", stream, stream_note, gpu_memory)
+        return cls(sizes, in_flight, gpu_memory, offload, stream, offload_note, stream_note)
+
+
+def plans(inventory, strategy: str, budget: int) -> bool:
+    import pipemap
+
+    try:
+        pipemap.plan(inventory, hardware=pipemap.Hardware.parse(f"cuda:0={budget},cpu=100GiB"), strategy=strategy,
+                     headroom=HEADROOM)
+        return True
+    except pipemap.DoesNotFitError:
+        return False
+
+
+def feasible(inventory, strategy: str, budget: int, note: str, ceiling: int) -> tuple[int, str]:
+    """``budget`` if ``strategy`` plans under it, else the smallest budget that plans (to 1 MiB), said in the note:
+    a row that only says "does not fit" would waste the GPU run."""
+    if plans(inventory, strategy, budget):
+        return budget, note
+    low, high = budget, ceiling
+    if not plans(inventory, strategy, high):
+        return budget, note + " (no budget up to the whole GPU plans)"
+    while high - low > 2**20:
+        middle = (low + high) // 2
+        low, high = (low, middle) if plans(inventory, strategy, middle) else (middle, high)
+    return high, f"{note} = {gib(budget)} GiB does not plan; raised to the smallest that does"
+
+
+def parse_budget(text: str | None, unet: int) -> tuple[int, str] | None:
+    """``"auto"`` -> None; ``"0.6"`` -> (that fraction of the UNet's bytes, note); ``"6GiB"`` -> (bytes, note)."""
+    from pipemap import parse_bytes
+
+    if not text or text == "auto":
+        return None
+    try:
+        return int(float(text) * unet), f"{text} x UNet (given)"
+    except ValueError:
+        return parse_bytes(text), f"{text} (given)"
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+
+
+def methods_in_order(args, budgets: Budgets, cuda: bool) -> list[Method]:
+    diff = {m.key: m for m in diffusers_methods()}
+    return [
+        plain_method(),
+        pipemap_method("pipemap_balanced", "pipemap balanced (1 GPU)", "balanced", budgets.gpu, "whole GPU", cuda),
+        pipemap_method("pipemap_low_memory", "pipemap balanced_low_memory", "balanced_low_memory", budgets.offload,
+                       budgets.offload_note, cuda),
+        diff["diffusers_model_offload"],
+        pipemap_method("pipemap_ultra_low_memory", "pipemap balanced_ultra_low_memory", "balanced_ultra_low_memory",
+                       budgets.stream, budgets.stream_note, cuda),
+        diff["diffusers_group_offload"],
+        diff["diffusers_group_offload_block"],
+        diff["diffusers_sequential_offload"],
+    ]
+
+
+MATCHED = (("diffusers_group_offload", "group"), ("diffusers_group_offload_block", "group_block"),
+           ("diffusers_sequential_offload", "sequential"))
+
+
+def matched_methods(results: dict[str, Result], cuda: bool) -> list[Method]:
+    """balanced_ultra_low_memory again, its budget the peak a diffusers offloader reached (equal memory)."""
+    out = []
+    for key, short in MATCHED:
+        peer = results.get(key)
+        if peer is not None and peer.status == "ok" and peer.peak_bytes:
+            out.append(pipemap_method(f"pipemap_ultra_low_memory_at_{short}", f"pipemap ultra_low @ {short} peak",
+                                      "balanced_ultra_low_memory", peer.peak_bytes, f"= peak of {short} offload",
+                                      cuda))
+    return out
+
+
+def run_all(args, runner: Runner, budgets: Budgets, report: Callable) -> dict[str, Result]:
+    results: dict[str, Result] = {}
+    for method in methods_in_order(args, budgets, runner.cuda):
+        run_one(args, runner, method, results, report)
+    if args.matched:
+        for method in matched_methods(results, runner.cuda):
+            run_one(args, runner, method, results, report)
+    return results
+
+
+def run_one(args, runner: Runner, method: Method, results: dict[str, Result], report: Callable) -> None:
+    if args.only and not any(method.key.startswith(k) for k in args.only.split(",")):
+        return
+    cap = min(args.method_timeout * (2 if method.slow else 1), args.time_budget - RESERVE - elapsed())
+    if method.cuda_only and not runner.cuda:
+        results[method.key] = Result(method.key, method.label, "needs CUDA")
+    elif cap < 10:
+        results[method.key] = Result(method.key, method.label, "skipped", f"--time-budget {args.time_budget:.0f} s "
+                                     "spent", budget=method.budget)
+    else:
+        print(f"\n== {method.label} (t={elapsed():.0f} s, at most {cap:.0f} s)", flush=True)
+        results[method.key] = runner.run(method, cap)
+        print(line_of(results[method.key]), flush=True)
+    report(results)
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T0
+
+
+# ---- transfers and doctor --------------------------------------------------------------------------------------
+
+
+def transfer_check(cuda: bool) -> dict:
+    """``pipemap.check_transfers(refresh=True)`` timed (every GPU pair; one GPU has none), and the GPU with the CPU."""
+    import pipemap
+
+    out = {}
+    runs = [("gpus", None)] + ([("gpu_cpu", ["cuda:0", "cpu"])] if cuda else [])
+    for name, devices in runs:
+        start = time.perf_counter()
+        try:
+            report = pipemap.check_transfers(devices, refresh=True)
+            pairs = {f"{s}->{d}": v for (s, d), v in report.pairs.items()}
+            out[name] = {"seconds": time.perf_counter() - start, "pairs": pairs, "ok": report.ok,
+                         "text": str(report)}
+            if not pairs:
+                out[name]["note"] = "no pair: this machine has fewer than two GPUs"
+        except Exception as err:
+            out[name] = {"seconds": time.perf_counter() - start, "error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+def doctor() -> str:
+    try:
+        done = subprocess.run([sys.executable, "-m", "pipemap", "doctor"], capture_output=True, text=True,
+                              timeout=45)
+        return done.stdout + (f"\n(stderr)\n{done.stderr}" if done.returncode else "")
+    except Exception as err:
+        return f"pipemap doctor failed: {type(err).__name__}: {err}"
+
+
+# ---- the report ------------------------------------------------------------------------------------------------
+
+
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def line_of(r: Result) -> str:
+    if r.status != "ok":
+        return f"   {r.status}: {r.note}"
+    scaled = " (scaled)" if r.s_per_image_scaled else ""
+    return (f"   {secs(r.s_per_image)} s/image{scaled}, {secs(r.s_per_step)} s/step, peak {gib(r.peak_bytes)} GiB, "
+            f"max|diff| {r.max_diff:.2e}, modes {r.plan_modes or '-'}")
+
+
+PEERS = {  # method -> the peer its ratios are taken against
+    "pipemap_balanced": "plain", "pipemap_low_memory": "diffusers_model_offload",
+    "pipemap_ultra_low_memory": "diffusers_group_offload",
+    "pipemap_ultra_low_memory_at_group": "diffusers_group_offload",
+    "pipemap_ultra_low_memory_at_group_block": "diffusers_group_offload_block",
+    "pipemap_ultra_low_memory_at_sequential": "diffusers_sequential_offload",
+}
+
+
+COLUMNS = ("method", "budget GiB", "s/image", "s/step", "peak GiB", "vs peer: time, peak", "max abs diff",
+           "setup s", "after reset GiB", "modes / note")
+
+
+def methods_table(results: dict[str, Result]) -> list[str]:
+    rows = ["| " + " | ".join(COLUMNS) + " |", "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |"]
+    for r in results.values():
+        if r.status != "ok":
+            rows.append(f"| {r.label} | {gib(r.budget)} | {r.status} | | | | | | | {r.note} |")
+            continue
+        image = secs(r.s_per_image) + (" *" if r.s_per_image_scaled else "")
+        rows.append(f"| {r.label} | {gib(r.budget)} | {image} | {secs(r.s_per_step)} | {gib(r.peak_bytes)} | "
+                    f"{versus(r, results)} | {r.max_diff:.1e} | {secs(r.setup_s)} | {gib(r.left_after_reset)} | "
+                    f"{row_note(r)} |")
+    return rows
+
+
+def versus(r: Result, results: dict[str, Result]) -> str:
+    """``time ratio, peak ratio of peer`` (ours / peer: below 1 is faster / smaller)."""
+    peer = results.get(PEERS.get(r.key, ""))
+    if peer is None or peer.status != "ok":
+        return "-"
+    t, m = ratio(r.s_per_image, peer.s_per_image), ratio(r.peak_bytes, peer.peak_bytes)
+    return f"{t:.2f}x, {m:.2f}x of {peer.key}" if m is not None else f"{t:.2f}x of {peer.key}"
+
+
+def row_note(r: Result) -> str:
+    modes = ", ".join(f"{k}={v}" for k, v in r.plan_modes.items() if v != "resident")
+    modes = modes or ("all resident" if r.plan_modes else "")
+    return "; ".join(x for x in (modes, r.note, "" if r.finite in (None, True) else "NON-FINITE output") if x)
+
+
+@dataclass
+class Target:
+    name: str
+    value: float | None
+    goal: str
+    passed: bool | None
+    detail: str = ""
+
+
+def targets(results: dict[str, Result]) -> list[Target]:
+    def ok(key):
+        r = results.get(key)
+        return r if r is not None and r.status == "ok" else None
+
+    out = []
+    for peer_key, name in MATCHED:
+        speed = 5.0 if name == "sequential" else 1.2
+        peer = ok(peer_key)
+        for ours, suffix in ((ok("pipemap_ultra_low_memory"), ""), (ok(f"pipemap_ultra_low_memory_at_{name}"),
+                                                                      "_matched")):
+            if suffix and ours is None:
+                continue
+            faster = ratio(peer.s_per_image, ours.s_per_image) if ours and peer else None
+            memory = ratio(ours.peak_bytes, peer.peak_bytes) if ours and peer else None
+            label = "ultra_low" + (f" @ {name} peak" if suffix else "")
+            out.append(Target(f"ultra{suffix}_vs_{name}_speed", faster, f">= {speed:g}x",
+                              None if faster is None else faster >= speed, f"{name} s/image / {label} s/image"))
+            out.append(Target(f"ultra{suffix}_vs_{name}_peak", memory, "<= 1.0",
+                              None if memory is None else memory <= 1.0, f"{label} peak / {name} peak"))
+    low, model = ok("pipemap_low_memory"), ok("diffusers_model_offload")
+    slower = ratio(low.s_per_image, model.s_per_image) if low and model else None
+    out.append(Target("lowmem_vs_model_time", slower, "<= 1.0", None if slower is None else slower <= 1.0,
+                      "balanced_low_memory s/image / model offload s/image"))
+    ran = [r for r in results.values() if r.status == "ok"]
+    worst = max((r.max_diff for r in ran), default=None)
+    all_finite = all(r.finite for r in ran)
+    out.append(Target("max_abs_diff", worst, f"<= {TOLERANCE:g}", None if worst is None else
+                      (worst <= TOLERANCE and all_finite), "" if all_finite else "some output is not finite"))
+    left = [r.left_after_reset for r in ran if r.left_after_reset is not None]
+    out.append(Target("left_after_reset_bytes", max(left) if left else None, "0", (max(left) <= 0) if left else None,
+                      "GPU bytes still allocated after pipemap.reset"))
+    return out
+
+
+def targets_table(found: list[Target]) -> list[str]:
+    rows = ["| target | value | goal | met | what |", "| --- | ---: | --- | --- | --- |"]
+    for t in found:
+        value = "-" if t.value is None else f"{t.value:.3g}"
+        met = {None: "n/a", True: "yes", False: "**no**"}[t.passed]
+        rows.append(f"| {t.name} | {value} | {t.goal} | {met} | {t.detail} |")
+    return rows
+
+
+def environment(args, device: str) -> dict:
+    import diffusers
+    import transformers
+
+    import pipemap
+
+    env = {"device": device, "python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "diffusers": diffusers.__version__, "transformers": transformers.__version__,
+           "pipemap": pipemap.__version__, "git": git_head()}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu_memory"] = torch.cuda.get_device_properties(device).total_memory
+    try:
+        import accelerate
+
+        env["accelerate"] = accelerate.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def git_head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+@dataclass
+class Report:
+    """Everything the run found; written to OUT_DIR after every method."""
+
+    out: Path
+    args: dict
+    env: dict
+    budgets: dict
+    results: dict = field(default_factory=dict)
+    transfers: dict = field(default_factory=dict)
+    doctor: str = ""
+
+    def write(self) -> str:
+        found = targets(self.results)
+        text = "\n".join(self.markdown(found)) + "\n"
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "table.md").write_text(text, encoding="utf-8")
+        data = {"args": self.args, "env": self.env, "budgets": self.budgets, "targets": [asdict(t) for t in found],
+                "results": {k: asdict(v) for k, v in self.results.items()}, "transfers": self.transfers,
+                "doctor": self.doctor, "summary": self.summary(found), "elapsed_s": elapsed()}
+        (self.out / "results.json").write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
+        return text
+
+    def markdown(self, found: list[Target]) -> list[str]:
+        env, b, a = self.env, self.budgets, self.args
+        head = [f"# pipemap GPU check ({env.get('gpu', env['device'])})", "",
+                f"torch {env['torch']} (CUDA {env['cuda']}), diffusers {env['diffusers']}, transformers "
+                f"{env['transformers']}, accelerate {env.get('accelerate', '-')}, pipemap {env['pipemap']} "
+                f"@ {env['git']}; python {env['python']}", "",
+                f"Pipeline: SDXL-shaped (width {a['width']}, depth {a['depth']}), random weights, {a['dtype']}, "
+                f"{a['size']}x{a['size']}, {a['steps']} steps, CFG; sizes GiB: "
+                + ", ".join(f"{k} {gib(v)}" for k, v in b["sizes"].items()) + "; UNet in flight when streamed "
+                f"{gib(b['in_flight'].get('unet'))} GiB.",
+                f"Budgets (GiB, headroom {HEADROOM:g}): offload {gib(b['offload'])}, stream {gib(b['stream'])}, "
+                f"whole GPU {gib(b['gpu'])}. Timed calls: {a['repeats']} at {a['steps']} steps and "
+                f"{max(1, a['repeats'] // 2)} at {a['seq_steps']} after one warm-up; sequential offload once at "
+                f"{a['seq_steps']} and once at 1 step after a 1-step warm-up, * = scaled to {a['steps']} steps with "
+                f"its s/step. Ratios are ours / peer (below 1: faster, smaller).", ""]
+        transfer = [f"- {name}: {v.get('seconds', 0):.3f} s, " + (v.get("error") or v.get("note") or
+                    ", ".join(f"{p}={s}" for p, s in v["pairs"].items())) for name, v in self.transfers.items()]
+        return head + methods_table(self.results) + ["", "## Targets", ""] + targets_table(found) + (
+            ["", "## Transfer self-test (pipemap.check_transfers(refresh=True))", ""] + transfer if transfer else [])
+
+    def summary(self, found: list[Target]) -> str:
+        parts = [f"device={self.env.get('gpu', self.env['device']).replace(' ', '_')}"]
+        for t in found:
+            parts.append(f"{t.name}={'-' if t.value is None else format(t.value, '.3g')}")
+        for key, r in self.results.items():
+            parts.append(f"{key}_s={secs(r.s_per_image) if r.status == 'ok' else r.status.replace(' ', '_')}")
+        if "gpus" in self.transfers:
+            parts.append(f"transfer_check_s={self.transfers['gpus'].get('seconds', 0):.3f}")
+        parts.append(f"offload_budget_gib={gib(self.budgets['offload'])}")
+        parts.append(f"stream_budget_gib={gib(self.budgets['stream'])}")
+        parts.append(f"total_s={elapsed():.0f}")
+        return "summary: " + " ".join(parts)
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="folder for table.md and results.json")
+    p.add_argument("--dry-cpu", action="store_true", help="small pipeline on the CPU; CUDA-only methods skipped")
+    p.add_argument("--width", type=float, help="channel width factor of the SDXL configs (1 = SDXL; dry: 0.2)")
+    p.add_argument("--depth", type=float, help="transformer depth factor (1 = SDXL; dry: 0.2)")
+    p.add_argument("--size", type=int, help="image side in pixels (GPU: 512; dry: 128)")
+    p.add_argument("--steps", type=int, default=4, help="denoising steps of a timed call")
+    p.add_argument("--seq-steps", type=int, default=2, help="the second step count (sequential offload's longest)")
+    p.add_argument("--repeats", type=int, help="timed calls per method at --steps (GPU: 5; dry: 1)")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="GPU: float16; dry: float32")
+    p.add_argument("--offload-budget", default="auto", help="balanced_low_memory budget: auto, a fraction of the "
+                   "UNet's bytes (1.3) or a size (7GiB)")
+    p.add_argument("--stream-budget", default="auto", help="balanced_ultra_low_memory budget: auto (0.6 x UNet), a "
+                   "fraction of the UNet's bytes or a size")
+    p.add_argument("--method-timeout", type=float, default=60.0, help="seconds one method may take in all "
+                   "(twice that for sequential offload)")
+    p.add_argument("--no-matched", dest="matched", action="store_false",
+                   help="skip ultra_low re-run at the group / sequential offload peaks")
+    p.add_argument("--only", help="comma-separated method key prefixes (plain,pipemap_low,diffusers_group,...)")
+    p.add_argument("--time-budget", type=float, default=255.0, help="seconds for the whole run, imports included: "
+                   "each method is capped to what is left (less 30 s for the self-test and report), or skipped")
+    args = p.parse_args(argv)
+    dry = args.dry_cpu
+    for name, gpu, cpu in (("width", 1.0, 0.2), ("depth", 1.0, 0.2), ("size", 512, 128), ("repeats", 5, 1),
+                           ("dtype", "float16", "float32")):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu if dry else gpu)
+    if args.seq_steps >= args.steps or args.seq_steps < 2:
+        p.error("--seq-steps must be at least 2 and below --steps")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.dry_cpu and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-cpu to exercise the script on the CPU", file=sys.stderr)
+        return 2
+    device = "cpu" if args.dry_cpu else "cuda:0"
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    start = time.perf_counter()
+    models = build_models(sdxl_configs(args.width, args.depth), device, getattr(torch, args.dtype))
+    print(f"built the pipeline's models on {device} in {time.perf_counter() - start:.1f} s", flush=True)
+    gpu_memory = torch.cuda.get_device_properties(device).total_memory if device != "cpu" else 100 * 2**30
+    budgets = Budgets.for_pipeline(fresh_pipeline(models), args, gpu_memory)
+    report = Report(args.out, {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    environment(args, device), asdict(budgets))
+    print(f"sizes: {budgets.sizes}\nbudgets: offload {budgets.offload} stream {budgets.stream} gpu {budgets.gpu}")
+
+    def write(results):
+        report.results = results
+        report.write()
+
+    report.results = run_all(args, Runner(args, models, device), budgets, write)
+    report.transfers = transfer_check(device != "cpu")
+    report.doctor = doctor()
+    print("\n" + report.doctor)
+    text = report.write()
+    print("\n" + text)
+    print(report.summary(targets(report.results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Published pipelines pipemap can plan for without downloading a byte of weights.
+
+Each ``*.json`` file beside this module holds one pipeline as its Hugging Face repository publishes it: the
+``model_index.json`` (pipeline class, each component's library and class) and every model component's
+``config.json``. Sizes come from building the real diffusers and transformers classes on the meta device (shapes
+only, no memory) and counting their tensors at the target dtype, exactly as ``inspect`` counts a loaded pipeline.
+
+>>> from pipemap import catalog
+>>> catalog.resolve("black-forest-labs/FLUX.1-dev")
+'flux.1-dev'
+>>> inv = catalog.inventory("flux.1-dev")                      # doctest: +SKIP
+>>> {c.name: c.bytes for c in inv.models}                       # doctest: +SKIP
+{'text_encoder': 246120960, 'text_encoder_2': 9524621312, 'transformer': 23802816640, 'vae': 167639366}
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import NotAPipelineError
+from ..inventory import Component, Inventory, _as_dtype, _keep_in_fp32, module_bytes
+from ..quiet import quiet_diffusers
+
+_FOLDER = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One published pipeline: where it lives, what it is called, the dtype it is published to run in."""
+
+    name: str
+    repo: str
+    aliases: tuple[str, ...]
+    description: str
+    dtype: str
+    component_dtypes: dict
+    model_index: dict
+    configs: dict
+
+    @property
+    def pipeline_class(self) -> str:
+        return self.model_index["_class_name"]
+
+    def components(self) -> list[tuple[str, str | None, str | None]]:
+        """``(name, library, class_name)`` in pipeline order, as ``model_index.json`` lists them."""
+        return [(name, *value) for name, value in self.model_index.items()
+                if not name.startswith("_") and isinstance(value, list) and len(value) == 2]
+
+
+@functools.cache
+def _entries() -> dict[str, Entry]:
+    entries = {}
+    for path in sorted(_FOLDER.glob("*.json")):
+        data = json.loads(path.read_text())
+        entries[data["name"]] = Entry(data["name"], data["repo"], tuple(data.get("aliases", ())),
+                                      data.get("description", ""), data["dtype"], data.get("component_dtypes", {}),
+                                      data["model_index"], data["configs"])
+    return entries
+
+
+@functools.cache
+def _lookup() -> dict[str, str]:
+    table = {}
+    for entry in _entries().values():
+        for key in (entry.name, entry.repo, *entry.aliases):
+            table[key.lower()] = entry.name
+    return table
+
+
+def names() -> list[str]:
+    """The catalog's pipeline names, sorted.
+
+    >>> "flux.1-dev" in names()
+    True
+    """
+    return sorted(_entries())
+
+
+def resolve(name: str) -> str | None:
+    """The catalog name for ``name`` (a name, an alias or a Hub repo id, any case), or None if it is none of them.
+
+    >>> resolve("SDXL"), resolve("Qwen/Qwen-Image"), resolve("no-such-model")
+    ('stable-diffusion-xl-base-1.0', 'qwen-image', None)
+    """
+    return _lookup().get(str(name).strip().lower())
+
+
+def entry(name: str) -> Entry:
+    """The catalog entry for ``name``; a NotAPipelineError that lists the known names if there is none."""
+    resolved = resolve(name)
+    if resolved is None:
+        raise NotAPipelineError(str(name), "it is neither a folder nor a catalog name (known: "
+                                f"{', '.join(names())}; `pipemap catalog` lists them)")
+    return _entries()[resolved]
+
+
+# ---- building skeletons --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _skeleton(name: str, component: str) -> torch.nn.Module:
+    """The component's real class built from its published config on the meta device: shapes, no memory.
+
+    Cached: a T5-XXL or Qwen2.5-VL skeleton takes a second or two to build.
+    """
+    from accelerate import init_empty_weights
+    from transformers import PreTrainedModel
+
+    found = _entries()[name]
+    library, class_name = found.model_index[component]
+    cls, config = _model_class(library, class_name), found.configs[component]
+    # published configs carry keys the class no longer takes (Qwen-Image's "pooled_projection_dim"): diffusers
+    # ignores them, as it does on from_pretrained, but warns; the catalog stores them verbatim, so hush that
+    with init_empty_weights(include_buffers=True), quiet_diffusers():
+        if issubclass(cls, PreTrainedModel):
+            return cls._from_config(_transformers_config(config))
+        return cls.from_config(config)
+
+
+def _model_class(library: str, class_name: str) -> type:
+    # model_index names pipeline-local modules by pipeline folder ("stable_diffusion" for the safety checker),
+    # as diffusers' loader resolves them
+    module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+    return getattr(importlib.import_module(module), class_name)
+
+
+def _transformers_config(config: dict):
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    return AutoConfig.for_model(config["model_type"], **fields)
+
+
+def _component_dtype(found: Entry, component: str, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    return _as_dtype(found.component_dtypes.get(component, found.dtype))
+
+
+# ---- the public sizes ------------------------------------------------------------------------------------------
+
+
+def inventory(name: str, dtype: torch.dtype | str | None = None) -> Inventory:
+    """The pipeline's components sized at ``dtype`` (default: the dtype it is published to run in).
+
+    A ``dtype`` applies to every model, as ``from_pretrained(torch_dtype=...)`` does; modules the class keeps in
+    float32 stay float32. Without one, each model takes the published dtype (Wan's VAE: float32, the rest bf16).
+
+    >>> inv = inventory("flux-dev", dtype=torch.float16)             # doctest: +SKIP
+    >>> plan = pipemap.plan(inv, hardware="2x40GiB,cpu=64GiB")        # doctest: +SKIP
+    """
+    return _inventory(entry(name).name, _as_dtype(dtype))
+
+
+@functools.cache
+def _inventory(name: str, dtype: torch.dtype | None) -> Inventory:
+    found = _entries()[name]
+    components = []
+    for component, library, class_name in found.components():
+        if component not in found.configs:
+            components.append(Component(component, library, class_name))
+            continue
+        at = _component_dtype(found, component, dtype)
+        keep = _keep_in_fp32(library, class_name, at)
+        size = module_bytes(_skeleton(name, component), at, keep)
+        components.append(Component(component, library, class_name, size, True))
+    label = str(dtype if dtype is not None else _as_dtype(found.dtype)).removeprefix("torch.")
+    return Inventory(found.repo, found.pipeline_class, tuple(components), label, None)
+
+
+def parameter_count(name: str) -> dict[str, int]:
+    """Parameters of each model component (shared tensors once), in pipeline order.
+
+    >>> parameter_count("sd1.5")["unet"]                             # doctest: +SKIP
+    859520964
+    """
+    found = entry(name)
+    return {component: sum(p.numel() for p in _skeleton(found.name, component).parameters())
+            for component, _, _ in found.components() if component in found.configs}
+
+
+def run_catalog() -> int:
+    """Print the catalog as a table (``pipemap catalog``): each pipeline, its models' sizes at the published
+    dtype, and the total. Returns the exit code."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..units import format_bytes
+
+    table = Table(title="pipemap catalog: plan any of these by name; nothing is downloaded")
+    table.add_column("pipeline")
+    table.add_column("component", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    for name in names():
+        inv = inventory(name)
+        dtypes = ", ".join([inv.dtype] + [f"{c} {d}" for c, d in _entries()[name].component_dtypes.items()])
+        about = [name, f"[dim]{inv.source}[/dim]", f"[dim]{inv.pipeline_class}, {dtypes}[/dim]"]
+        for i, component in enumerate(inv.models):
+            table.add_row(about[i] if i < len(about) else "", component.name, format_bytes(component.bytes))
+        total = format_bytes(sum(c.bytes for c in inv.models))
+        table.add_row("\n".join(about[len(inv.models):]), "[bold]total[/bold]", f"[bold]{total}[/bold]",
+                      end_section=True)
+    Console().print(table)
+    return 0

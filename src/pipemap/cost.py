@@ -1,0 +1,100 @@
+"""A cost model: predicted seconds per image for a plan, so ``"auto"`` can take the fastest plan that fits.
+
+Crude on purpose and explained by its parts: compute from parameter counts and the tokens each call processes,
+host-to-GPU traffic for offloaded and streamed components, GPU-to-GPU traffic where a component is split. The
+figures it uses live in ``Hardware.performance`` (FLOP/s, link bandwidths), overridable in the hardware spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Performance, is_accelerator
+from .inventory import Component, Inventory
+from .plan import Placement, Plan
+
+DENOISER_NAMES = ("unet", "transformer", "transformer_2", "prior", "decoder", "controlnet")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one image asks of the pipeline: its size, and the tokens its text encoders read."""
+
+    height: int = 1024
+    width: int = 1024
+
+    @property
+    def latent_tokens(self) -> int:
+        # an 8x VAE, then 2x2 patches (transformers) or the first down-sampling stages (UNets)
+        return max(1, (self.height // 16) * (self.width // 16))
+
+    @property
+    def pixels(self) -> int:
+        return self.height * self.width
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One component's share of an image's time, in seconds."""
+
+    component: str
+    compute: float
+    transfer: float
+    total: float
+
+
+def tokens_per_call(component: Component, work: Workload) -> int:
+    """How many positions one call of the component processes (what its FLOPs scale with)."""
+    name, cls = component.name, (component.class_name or "").lower()
+    if name.startswith(DENOISER_NAMES):
+        return work.latent_tokens
+    if name.startswith("vae") or "autoencoder" in cls:
+        return work.pixels // 16  # the decoder's convolutions run at up to full resolution
+    if "t5" in cls or "umt5" in cls:
+        return 512
+    if "qwen" in cls or "llama" in cls or "gemma" in cls:
+        return 1024
+    return 77
+
+
+def component_cost(placement: Placement, component: Component, dtype_bytes: int, perf: Performance,
+                   work: Workload) -> Cost:
+    """Seconds one image spends in a component as placed: its compute, plus the moves its mode implies."""
+    params = component.bytes / dtype_bytes
+    flops = 2.0 * params * tokens_per_call(component, work)
+    rate = perf.flops if is_accelerator(placement.execution_device) else perf.cpu_flops
+    calls = max(1, component.calls_per_image)
+    compute = calls * flops / rate
+    transfer, total = 0.0, compute
+    if placement.mode == "offload":  # one onload per image: the LRU keeps it while the others' calls run
+        transfer = component.bytes / perf.host_bandwidth
+        total = compute + transfer
+    elif placement.mode == "stream":  # every call streams every block, overlapped with compute
+        transfer = calls * component.bytes / perf.host_bandwidth
+        total = max(compute, transfer) + component.bytes / perf.host_bandwidth / max(1, _blocks(component))
+    elif placement.mode == "split":  # activations cross each boundary at every call
+        transfer = calls * _boundaries(placement) * work.latent_tokens * 8192 / perf.peer_bandwidth
+        total = compute + transfer
+    return Cost(component.name, compute, transfer, total)
+
+
+def _blocks(component: Component) -> int:
+    return max(1, len(getattr(component, "blocks", ()) or ()))
+
+
+def _boundaries(placement: Placement) -> int:
+    return max(1, len(set(getattr(placement, "devices", ()) or ())) - 1)
+
+
+def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None) -> dict[str, Cost]:
+    """Each planned component's predicted seconds per image; ``sum(c.total for c in ...)`` is the image's."""
+    work = work or Workload()
+    dtype_bytes = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(plan.dtype or "", 4)
+    by_name = {c.name: c for c in inventory.models}
+    return {p.component: component_cost(p, by_name[p.component], dtype_bytes, perf, work)
+            for p in plan.components if p.component in by_name}
+
+
+def seconds_per_image(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None) -> float:
+    """The predicted seconds per image of a plan."""
+    return sum(c.total for c in predict(plan, inventory, perf, work).values())

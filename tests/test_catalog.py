@@ -1,0 +1,214 @@
+"""The catalog: published pipelines sized from their configs on the meta device, nothing downloaded.
+
+Each entry's parameter counts are checked against the figure its publisher gives. A published figure is our exact
+count rounded to the digits it shows, so the tolerance is half a unit in its last digit ("12B" admits 11.5B to
+12.5B, "123.65M" admits 123.645M to 123.655M): `_rounds_to` below. That is as tight as the figure allows and still
+catches a wrong config: one transformer block too many or too few moves every denoiser by more than that (a Flux
+double block is 340M, half a unit of "12B" is 500M, but a wrong hidden size or layer count moves it by billions).
+Sizes at a dtype are checked exactly against the parameter counts.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import pipemap
+from pipemap import catalog
+
+_UNITS = {"M": 10**6, "B": 10**9}
+
+
+def _rounds_to(count: int, published: str) -> bool:
+    """Whether ``count`` rounds to ``published`` ("11.9B", "860M") at the digits that figure shows."""
+    figure = Decimal(published[:-1])
+    unit = Decimal(_UNITS[published[-1]])
+    half = Decimal(1).scaleb(figure.as_tuple().exponent) / 2 * unit
+    return abs(Decimal(count) - figure * unit) <= half
+
+
+@pytest.mark.parametrize(("count", "published", "ok"), [
+    (11_901_408_320, "12B", True), (11_901_408_320, "11.9B", True), (12_600_000_000, "12B", False),
+    (123_650_304, "123.65M", True), (123_660_304, "123.65M", False), (859_520_964, "860M", True),
+])
+def test_rounds_to_is_half_a_unit_in_the_last_digit(count, published, ok):
+    assert _rounds_to(count, published) is ok
+
+
+# ---- one test per entry: its parameter counts against the published figures ------------------------------------
+
+
+def test_stable_diffusion_1_5_counts():
+    counts = catalog.parameter_count("stable-diffusion-1.5")
+    # CompVis/stable-diffusion README (SD v1): "a 860M UNet and 123M text encoder"
+    assert _rounds_to(counts["unet"], "860M")
+    assert _rounds_to(counts["text_encoder"], "123M")
+    # the safety checker is OpenAI CLIP ViT-L/14's vision tower plus its projection (303.97M in open_clip's
+    # docs/model_profile.csv, image_mparams of ViT-L-14) plus 20 concept embeddings of 768 and their 20 weights
+    assert counts["safety_checker"] - (17 + 3) * (768 + 1) == pytest.approx(303.97e6, abs=0.005e6)
+    # vae/diffusion_pytorch_model.safetensors is listed at 335 MB on the Hub, in fp32: 4 bytes a parameter
+    assert _rounds_to(counts["vae"] * 4, "335M")
+
+
+def test_sdxl_counts():
+    counts = catalog.parameter_count("sdxl")
+    # SDXL paper (Podell et al. 2023, arXiv:2307.01952), Table 1: "# UNet params 2.6B"
+    assert _rounds_to(counts["unet"], "2.6B")
+    # open_clip docs/model_profile.csv: ViT-bigG-14 text_mparams 694.66 (the text tower with its projection)
+    assert _rounds_to(counts["text_encoder_2"], "694.66M")
+    assert _rounds_to(counts["text_encoder"], "123M")  # the same CLIP-L text tower as SD 1.5
+    assert _rounds_to(counts["vae"] * 4, "335M")  # vae/diffusion_pytorch_model.safetensors, fp32, 335 MB
+
+
+def test_sd3_5_large_counts():
+    counts = catalog.parameter_count("sd3.5-large")
+    # Stability AI's SD 3.5 announcement and model card: "Stable Diffusion 3.5 Large: At 8.1 billion parameters"
+    assert _rounds_to(counts["transformer"], "8.1B")
+    # open_clip docs/model_profile.csv: ViT-L-14 text_mparams 123.65, ViT-bigG-14 text_mparams 694.66 (both
+    # CLIPTextModelWithProjection here, so the projection is counted as open_clip counts it)
+    assert _rounds_to(counts["text_encoder"], "123.65M")
+    assert _rounds_to(counts["text_encoder_2"], "694.66M")
+    # SD3 paper (Esser et al. 2024, arXiv:2403.03206): "the 4.7B parameter T5 text encoder". The paper
+    # truncates (4.76B), so here the figure is a floor: [4.7B, 4.8B)
+    assert 4.7e9 <= counts["text_encoder_3"] < 4.8e9
+
+
+def test_flux_1_dev_counts():
+    counts = catalog.parameter_count("flux.1-dev")
+    # FLUX.1 [dev] model card: "a 12 billion parameter rectified flow transformer"
+    assert _rounds_to(counts["transformer"], "12B")
+    assert _rounds_to(counts["transformer"], "11.9B")  # the figure diffusers' Flux docs and the brief quote
+    assert 4.7e9 <= counts["text_encoder_2"] < 4.8e9  # T5-XXL encoder, as for SD 3.5 (SD3 paper: 4.7B)
+    assert _rounds_to(counts["text_encoder"], "123M")  # CLIP-L text tower, as for SD 1.5
+    # ae.safetensors is listed at 335 MB on the Hub, in fp32
+    assert _rounds_to(counts["vae"] * 4, "335M")
+
+
+def test_wan_2_1_t2v_14b_counts():
+    counts = catalog.parameter_count("wan2.1-t2v-14b")
+    # Wan2.1 model card (Wan-AI/Wan2.1-T2V-14B): "T2V-14B", the 14B-parameter text-to-video model
+    assert _rounds_to(counts["transformer"], "14B")
+    # Wan-AI/Wan2.1-T2V-14B ships the encoder as models_t5_umt5-xxl-enc-bf16.pth, 11.4 GB: 2 bytes a parameter
+    assert _rounds_to(counts["text_encoder"] * 2, "11.4B")
+    # ... and the VAE as Wan2.1_VAE.pth, 508 MB, in fp32
+    assert _rounds_to(counts["vae"] * 4, "508M")
+
+
+def test_qwen_image_counts():
+    counts = catalog.parameter_count("qwen-image")
+    # Qwen-Image model card and technical report (arXiv:2508.02324): "a 20B MMDiT image foundation model"
+    assert _rounds_to(counts["transformer"], "20B")
+    # Qwen/Qwen2.5-VL-7B-Instruct on the Hub: "Model size 8.29B params" (its safetensors metadata)
+    assert _rounds_to(counts["text_encoder"], "8.29B")
+    # the Qwen-Image VAE is Wan 2.1's architecture (fine-tuned decoder): the same count as Wan's 508 MB fp32 file
+    assert counts["vae"] == catalog.parameter_count("wan2.1-t2v-14b")["vae"]
+
+
+# ---- names and aliases ---------------------------------------------------------------------------------------
+
+
+def test_names_are_the_six_published_pipelines():
+    assert catalog.names() == ["flux.1-dev", "qwen-image", "stable-diffusion-1.5", "stable-diffusion-3.5-large",
+                               "stable-diffusion-xl-base-1.0", "wan2.1-t2v-14b"]
+
+
+@pytest.mark.parametrize(("alias", "name"), [
+    ("flux.1-dev", "flux.1-dev"), ("black-forest-labs/FLUX.1-dev", "flux.1-dev"), ("flux-dev", "flux.1-dev"),
+    ("FLUX-DEV", "flux.1-dev"), (" sdxl ", "stable-diffusion-xl-base-1.0"),
+    ("runwayml/stable-diffusion-v1-5", "stable-diffusion-1.5"), ("sd1.5", "stable-diffusion-1.5"),
+    ("stabilityai/stable-diffusion-3.5-large", "stable-diffusion-3.5-large"),
+    ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan2.1-t2v-14b"), ("Qwen/Qwen-Image", "qwen-image"),
+])
+def test_resolve_accepts_names_aliases_and_repo_ids_in_any_case(alias, name):
+    assert catalog.resolve(alias) == name
+
+
+def test_unknown_name_resolves_to_none_and_inventory_says_what_is_known():
+    assert catalog.resolve("flux.2-pro") is None
+    with pytest.raises(pipemap.NotAPipelineError, match="flux.1-dev") as info:
+        catalog.inventory("flux.2-pro")
+    assert isinstance(info.value, ValueError)
+
+
+def test_aliases_are_unique_across_entries():
+    seen: dict[str, str] = {}
+    for path in sorted(Path(catalog.__file__).parent.glob("*.json")):
+        data = json.loads(path.read_text())
+        for key in {k.lower() for k in (data["name"], data["repo"], *data["aliases"])}:
+            assert seen.setdefault(key, data["name"]) == data["name"], key
+
+
+# ---- inventories: bytes at a dtype are elements times the dtype's size -----------------------------------------
+
+
+def test_flux_inventory_at_its_published_bf16_is_two_bytes_a_parameter():
+    inv = catalog.inventory("flux.1-dev")
+    counts = catalog.parameter_count("flux.1-dev")
+    assert (inv.pipeline_class, inv.source, inv.dtype) == ("FluxPipeline", "black-forest-labs/FLUX.1-dev", "bfloat16")
+    assert {c.name: c.bytes for c in inv.models} == {name: 2 * n for name, n in counts.items()}
+    assert [c.name for c in inv.components if not c.has_weights] == ["scheduler", "tokenizer", "tokenizer_2"]
+
+
+@pytest.mark.parametrize("name", ["stable-diffusion-1.5", "stable-diffusion-xl-base-1.0", "qwen-image"])
+def test_inventory_at_float32_is_four_bytes_a_parameter(name):
+    inv = catalog.inventory(name, dtype=torch.float32)
+    assert {c.name: c.bytes for c in inv.models} == {k: 4 * n for k, n in catalog.parameter_count(name).items()}
+
+
+def test_wan_keeps_its_fp32_modules_and_its_vae_in_float32():
+    # WanTransformer3DModel._keep_in_fp32_modules (time_embedder, scale_shift_table, norm1-3) load in float32 at
+    # bf16, 29,184,000 parameters of them; the model card loads the VAE in float32 beside a bf16 pipeline
+    inv = catalog.inventory("wan2.1-t2v-14b")
+    counts = catalog.parameter_count("wan2.1-t2v-14b")
+    assert inv["transformer"].bytes == 2 * counts["transformer"] + 2 * 29_184_000
+    assert inv["vae"].bytes == 4 * counts["vae"]
+    assert inv["text_encoder"].bytes == 2 * counts["text_encoder"]
+
+
+def test_sd3_transformer_counts_its_saved_position_table():
+    # SD3's PatchEmbed saves its 192 x 192 x 2432 sin-cos table as a persistent buffer: it is in the checkpoint
+    # and on the device, so it is in the bytes though not in the parameter count
+    inv = catalog.inventory("sd3.5-large", dtype="float16")
+    counts = catalog.parameter_count("sd3.5-large")
+    assert inv["transformer"].bytes == 2 * (counts["transformer"] + 192 * 192 * 2432)
+
+
+def test_inventories_are_cached_and_building_allocates_no_weights():
+    catalog._skeleton.cache_clear()
+    catalog._inventory.cache_clear()
+    rss = psutil.Process().memory_info().rss
+    first = catalog.inventory("qwen-image", dtype=torch.float16)
+    # 29B parameters on the meta device: a real allocation would be tens of GB
+    assert psutil.Process().memory_info().rss - rss < 1 << 30
+    skeleton = catalog._skeleton("qwen-image", "text_encoder")
+    assert all(t.is_meta for t in skeleton.state_dict(keep_vars=True).values())
+    assert catalog.inventory("Qwen/Qwen-Image", dtype="float16") is first
+
+
+def test_plan_takes_a_catalog_inventory():
+    # Flux.1-dev at bf16: its 22.2 GiB transformer fits neither 16 GiB GPU, and balanced says so by name; on two
+    # 40 GiB GPUs it goes whole to one and the 8.9 GiB T5 encoder to the other
+    inv = catalog.inventory("flux.1-dev")
+    with pytest.raises(pipemap.DoesNotFitError, match="transformer"):
+        pipemap.plan(inv, hardware="2x16GiB,cpu=64GiB", strategy="balanced")
+    plan = pipemap.plan(inv, hardware="2x40GiB,cpu=64GiB", strategy="balanced")
+    assert plan.device_map["transformer"] != plan.device_map["text_encoder_2"]
+
+
+def test_run_catalog_prints_every_pipeline(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    assert catalog.run_catalog() == 0
+    out = capsys.readouterr().out
+    for name in catalog.names():
+        assert name in out
+    assert "22.17 GiB" in out  # the Flux transformer at bf16: 23,802,816,640 bytes
+
+
+def test_inspect_takes_a_catalog_name():
+    assert pipemap.inspect("black-forest-labs/FLUX.1-dev") == catalog.inventory("flux.1-dev")
+    assert pipemap.inspect("flux-dev", dtype="float16")["transformer"].bytes == 2 * 11_901_408_320
