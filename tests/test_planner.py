@@ -109,7 +109,7 @@ def test_sequential_never_goes_back_and_its_error_names_the_room_it_may_use():
         plan(inv, TWO_GPUS, strategy="sequential")
     err = info.value
     assert (err.component, err.bytes, err.largest_room) == ("vae", 45, 40)
-    assert (err.strategy, err.strategies) == ("sequential", ("balanced", *OFFLOADING))
+    assert (err.strategy, err.strategies) == ("sequential", ("balanced", *OFFLOADING, "balanced_split", "auto"))
     # balanced: unet -> cuda:0, te -> cuda:1, vae -> cuda:1 (50 left)
     assert plan(inv, TWO_GPUS).device_map == {"text_encoder": "cuda:1", "unet": "cuda:0", "vae": "cuda:1"}
 
@@ -337,7 +337,7 @@ def test_balanced_fails_where_sequential_works():
         plan(inv, hw, strategy="balanced")
     err = info.value
     assert (err.component, err.bytes, err.largest_room) == ("text_encoder_2", 3, 2)
-    assert (err.strategy, err.strategies, err.device) == ("balanced", ("sequential", *OFFLOADING), None)
+    assert (err.strategy, err.strategies, err.device) == ("balanced", ("sequential", *OFFLOADING, "auto"), None)
     assert "sequential" in str(err) and "'text_encoder_2'" in str(err)
     assert isinstance(err, ValueError) and isinstance(err, PipemapError)
     # sequential: both text encoders fill cuda:0 (6), unet fills cuda:1 (4)

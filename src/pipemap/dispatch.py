@@ -98,8 +98,8 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
 
 def _hook_maker(plan: Plan):
     """``placement -> hook``; the offloading hooks of one dispatch share one ledger of what is onloaded where."""
-    if all(p.mode == "resident" for p in plan.components):
-        return lambda p: PlacementHook(p.component, p.device, plan.execution_device)
+    if all(p.mode in ("resident", "split") for p in plan.components):
+        return lambda p: _resident_hook(p, plan.execution_device)
     from . import offload  # it builds on this module
 
     ledger = offload.Ledger()
@@ -107,9 +107,15 @@ def _hook_maker(plan: Plan):
     def make(p):
         if p.mode in ("offload", "stream"):
             return offload.hook_for(p, plan.execution_device, ledger)
-        return PlacementHook(p.component, p.device, plan.execution_device)
+        return _resident_hook(p, plan.execution_device)
 
     return make
+
+
+def _resident_hook(p, execution_device: str) -> PlacementHook:
+    if p.mode == "split":
+        return SplitHook(p.component, p.device, execution_device, p.shards)
+    return PlacementHook(p.component, p.device, execution_device)
 
 
 def reset(pipe) -> None:
@@ -140,12 +146,43 @@ def place_module(module: torch.nn.Module, device: str | torch.device) -> None:
     """
     target = torch.device(device)
     for sub in module.modules():
-        for param in sub._parameters.values():
+        for key, param in sub._parameters.items():
             if param is not None and param.device != target:
-                param.data = move_tensor(param.data, target)
+                _move_parameter(sub, key, param, target)
         for key, buffer in sub._buffers.items():
             if buffer is not None and buffer.device != target:
                 sub._buffers[key] = move_tensor(buffer, target)
+
+
+def _move_parameter(owner: torch.nn.Module, key: str, param: torch.nn.Parameter, target: torch.device) -> None:
+    moved = move_tensor(param.data, target)
+    try:
+        param.data = moved  # keeps the Parameter object, so tied weights stay tied
+    except RuntimeError:
+        pass
+    if param.device != target:  # fake tensors of a dry run refuse (or ignore) .data across devices
+        owner._parameters[key] = torch.nn.Parameter(moved, requires_grad=param.requires_grad)
+
+
+class SplitHook(PlacementHook):
+    """A component cut across GPUs: its root on ``device``, each block of ``shards`` on its own GPU with a hook that
+    brings the block's inputs there and its outputs back to ``device``."""
+
+    def __init__(self, component: str, device: str, execution_device: str, shards: tuple[tuple[str, str, int], ...]):
+        super().__init__(component, device, execution_device)
+        self.shards = shards
+
+    def init_hook(self, module):
+        for path, device, _ in self.shards:
+            block = module.get_submodule(path)
+            place_module(block, device)
+            add_hook_to_module(block, PlacementHook(f"{self.component}.{path}", device, str(self.device)))
+        return module
+
+    def detach_hook(self, module):
+        for path, _, _ in self.shards:
+            unhook_component(module.get_submodule(path))
+        return module
 
 
 def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:

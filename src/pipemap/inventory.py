@@ -46,6 +46,8 @@ class Component:
     has_weights: bool = False
     calls_per_image: int = 0  # 0: from the profile by name (``profile_calls``)
     in_flight: int = 0  # bytes on the GPU while it runs streamed (its two largest blocks and loose tensors); 0: unknown
+    # the repeated blocks a split may cut between, in order: ((module path, bytes), ...); the rest stays whole
+    blocks: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if not self.calls_per_image:
@@ -148,7 +150,7 @@ def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None
         keep = _keep_in_fp32(library, class_name, at)
         sizes = {key: _tensor_bytes(meta, key, at, keep) for f in files for key, meta in read_header(f).items()}
         components.append(Component(name, library, class_name, sum(sizes.values()), True,
-                                    in_flight=streamed_bytes(sizes)))
+                                    in_flight=streamed_bytes(sizes), blocks=split_blocks(sizes)))
     return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
 
 
@@ -245,6 +247,34 @@ def streamed_bytes(sizes: Mapping[str, int]) -> int:
     return root + sum(sorted(groups.values(), reverse=True)[:2])
 
 
+def split_blocks(sizes: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """The elements of a component's module lists (``transformer_blocks.7``, ``down_blocks.1``) with their bytes, in
+    list order: where a split may cut. Tensors outside every list stay with the component's first GPU."""
+    groups: dict[str, int] = {}
+    for name, size in sizes.items():
+        key = block_key(name)
+        if key.rpartition(".")[2].isdigit():
+            groups[key] = groups.get(key, 0) + size
+    return tuple(sorted(groups.items(), key=lambda item: _natural(item[0])))
+
+
+def _natural(path: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
+
+
+def live_blocks(module: torch.nn.Module, dtype: torch.dtype | None = None,
+                keep_fp32: Iterable[str] = ()) -> tuple[tuple[str, int], ...]:
+    """``split_blocks`` of a live module (or one built on the meta device), at ``dtype`` if given."""
+    keep = tuple(keep_fp32)
+    sizes = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        element = tensor.element_size()
+        if dtype is not None and tensor.is_floating_point():
+            element = 4 if any(m in key.split(".") for m in keep) else torch.empty((), dtype=dtype).element_size()
+        sizes[key] = tensor.numel() * element
+    return split_blocks(sizes)
+
+
 def block_key(name: str) -> str:
     """The block a tensor name belongs to (see ``streamed_bytes``); ``""`` for the root module's own tensors."""
     parts = name.split(".")
@@ -316,7 +346,8 @@ def _inspect_pipeline(pipe, dtype: torch.dtype | None) -> Inventory:
             keep = _keep_in_fp32(library, class_name, dtype) if library else ()
             size = module_bytes(value, dtype, keep)
             components.append(Component(name, library, class_name, size, True,
-                                        in_flight=min(size, _live_in_flight(value, dtype))))
+                                        in_flight=min(size, _live_in_flight(value, dtype)),
+                                        blocks=live_blocks(value, dtype, keep)))
         else:
             components.append(Component(name, library, class_name))
     source = str(getattr(pipe.config, "_name_or_path", "") or type(pipe).__name__)

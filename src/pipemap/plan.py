@@ -27,7 +27,9 @@ class Placement:
     block by block, the next block prefetched). ``room``: for ``"offload"``, the bytes its execution device keeps
     for onloaded components (shared by all offloaded there, least recently used evicted first); for ``"stream"``,
     the bytes of its blocks in flight; 0 when resident. It travels with the placement through ``remap``, so a plan
-    remapped onto the CPU keeps each GPU's eviction behaviour.
+    remapped onto the CPU keeps each GPU's eviction behaviour. ``"split"``: the component lives on several GPUs;
+    ``shards`` lists the blocks (module paths) placed away from ``device`` with their device and bytes, and
+    everything else stays on ``device``, where its inputs and outputs live.
     """
 
     component: str
@@ -36,10 +38,31 @@ class Placement:
     mode: str = "resident"
     execution_device: str = ""
     room: int = 0
+    shards: tuple[tuple[str, str, int], ...] = ()
 
     def __post_init__(self):
         if not self.execution_device:
             object.__setattr__(self, "execution_device", self.device)
+
+
+def _mode_text(p: Placement) -> str:
+    if p.mode == "split":
+        away: dict[str, int] = {}
+        for _, device, size in p.shards:
+            away[device] = away.get(device, 0) + size
+        return "split: " + ", ".join(f"{format_bytes(b)} on {d}" for d, b in away.items())
+    return p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan ``"auto"`` weighed: its strategy, predicted seconds per image (None: it does not fit, and
+    ``reason`` says why) and each device's peak bytes."""
+
+    strategy: str
+    seconds: float | None
+    peaks: tuple[tuple[str, int], ...]
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,7 @@ class Plan:
     dtype: str | None = None
     variant: str | None = None
     notes: tuple[str, ...] = field(default=())
+    candidates: tuple[Candidate, ...] = field(default=())
 
     @property
     def device_map(self) -> dict[str, str]:
@@ -87,7 +111,8 @@ class Plan:
         def dev(name: str) -> str:
             return move.get(name, name)
 
-        components = tuple(replace(p, device=dev(p.device), execution_device=dev(p.execution_device))
+        components = tuple(replace(p, device=dev(p.device), execution_device=dev(p.execution_device),
+                                   shards=tuple((path, dev(d), size) for path, d, size in p.shards))
                            for p in self.components)
         merged: dict[str, DeviceUse] = {}
         for d in self.devices:
@@ -108,8 +133,7 @@ class Plan:
         for column in ("component", "device", "mode", "runs on", "bytes"):
             table.add_column(column, justify="right" if column == "bytes" else "left")
         for p in self.components:
-            mode = p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})"
-            table.add_row(p.component, p.device, mode, p.execution_device, format_bytes(p.bytes))
+            table.add_row(p.component, p.device, _mode_text(p), p.execution_device, format_bytes(p.bytes))
         table.add_section()
         for d in self.devices:
             table.add_row(f"[{d.device}]", d.device, "total", "", f"{format_bytes(d.used)} of {format_bytes(d.budget)}")
@@ -120,6 +144,19 @@ class Plan:
         Console(file=buffer, width=100, color_system=None, force_terminal=False).print(self.table())
         return "\n".join([buffer.getvalue().rstrip(), *(f"note: {n}" for n in self.notes)])
 
+    def explain(self) -> str:
+        """Why this plan: the candidates ``"auto"`` weighed, their predicted seconds per image and per-device peaks,
+        and which won. Plans from a fixed strategy have no candidates and say so."""
+        if not self.candidates:
+            return f"strategy {self.strategy!r} was asked for; no other plan was weighed"
+        ranked = sorted(self.candidates, key=lambda c: (c.seconds is None, c.seconds or 0.0))
+        lines = [f"{'strategy':<34}{'s/image':>10}  peaks per device"]
+        for c in ranked:
+            peaks = ", ".join(f"{d} {format_bytes(b)}" for d, b in c.peaks)
+            figure = f"{c.seconds:>10.3g}" if c.seconds is not None else f"{'-':>10}"
+            lines.append(f"{c.strategy:<34}{figure}  {peaks or c.reason}")
+        return "\n".join(lines + [n for n in self.notes if n.startswith("auto:")])
+
     def to_dict(self) -> dict:
         return {
             "strategy": self.strategy,
@@ -128,9 +165,13 @@ class Plan:
             "variant": self.variant,
             "devices": {d.device: {"memory": d.memory, "budget": d.budget, "used": d.used} for d in self.devices},
             "components": {p.component: {"device": p.device, "mode": p.mode, "bytes": p.bytes,
-                                         "execution_device": p.execution_device, "room": p.room}
+                                         "execution_device": p.execution_device, "room": p.room,
+                                         **({"shards": {path: {"device": d, "bytes": size} for path, d, size
+                                                        in p.shards}} if p.shards else {})}
                            for p in self.components},
             "notes": list(self.notes),
+            **({"candidates": [{"strategy": c.strategy, "seconds": c.seconds, "peaks": dict(c.peaks),
+                                "reason": c.reason} for c in self.candidates]} if self.candidates else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -141,10 +182,13 @@ class Plan:
         devices = tuple(DeviceUse(name, d.get("memory", d["budget"]), d["budget"], d["used"])
                         for name, d in data["devices"].items())
         components = tuple(Placement(name, c["device"], c["bytes"], c.get("mode", "resident"),
-                                     c.get("execution_device", ""), c.get("room", 0))
+                                     c.get("execution_device", ""), c.get("room", 0),
+                                     tuple((path, s["device"], s["bytes"]) for path, s in c.get("shards", {}).items()))
                            for name, c in data["components"].items())
+        candidates = tuple(Candidate(c["strategy"], c["seconds"], tuple(c["peaks"].items()), c.get("reason", ""))
+                           for c in data.get("candidates", ()))
         return cls(data["strategy"], components, devices, data["execution_device"], data.get("dtype"),
-                   data.get("variant"), tuple(data.get("notes", ())))
+                   data.get("variant"), tuple(data.get("notes", ())), candidates)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

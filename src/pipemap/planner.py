@@ -22,9 +22,10 @@ from .errors import (
 )
 from .hardware import Hardware, is_accelerator, normalize_device
 from .inventory import Inventory, inspect
-from .plan import DeviceUse, Placement, Plan
+from .plan import Candidate, DeviceUse, Placement, Plan
 from .units import parse_bytes
 
+AUTO = "auto"
 DEFAULT_HEADROOM = 0.10  # of each GPU's memory, kept for activations until a dry run measures them
 DENOISERS = ("transformer", "unet", "prior", "decoder", "transformer_2")
 
@@ -42,14 +43,17 @@ class Request:
     strategy: str
     calls: tuple[tuple[str, int], ...] = ()
     in_flight: tuple[tuple[str, int], ...] = ()
+    blocks: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
 
 
 class Place(NamedTuple):
-    """Where a strategy puts one component: weights on ``device``, computed on ``execution_device``."""
+    """Where a strategy puts one component: weights on ``device``, computed on ``execution_device``; a split
+    component's blocks placed elsewhere in ``shards`` ((path, device, bytes), ...)."""
 
     device: str
     mode: str
     execution_device: str
+    shards: tuple[tuple[str, str, int], ...] = ()
 
 
 Strategy = Callable[[Request], dict[str, "str | Place"]]
@@ -95,7 +99,7 @@ def _balanced_ultra_low_memory(request: Request) -> dict[str, str | Place]:
     return _least_moved(request, "stream")
 
 
-def _least_moved(request: Request, mode: str) -> dict[str, str | Place]:
+def _least_moved(request: Request, mode: str, stay: Strategy = _balanced) -> dict[str, str | Place]:
     """All resident if balanced fits; else the set of components to move that fits and moves the fewest bytes per
     image (bytes x calls per image: the denoiser, called at every step, leaves the GPU last).
 
@@ -103,16 +107,16 @@ def _least_moved(request: Request, mode: str) -> dict[str, str | Place]:
     moving every component does not fit, nothing does, and the error names the component that fits no GPU.
     """
     try:
-        return _balanced(request)
+        return stay(request)
     except DoesNotFitError:
         pass
     sizes, calls = dict(request.components), dict(request.calls)
     need = {n: (dict(request.in_flight).get(n) or s) if mode == "stream" else s for n, s in sizes.items()}
     largest = max(need, key=lambda n: (need[n], n))
-    if _moving(request, frozenset(sizes), need, mode) is None:
+    if _moving(request, frozenset(sizes), need, mode, stay) is None:
         raise DoesNotFitError(largest, sizes[largest], max(r for _, r in request.rooms), request.strategy, ())
     for moved in _candidates(sizes, calls):
-        placed = _moving(request, moved, need, mode)
+        placed = _moving(request, moved, need, mode, stay)
         if placed is not None:
             return placed
     raise AssertionError("unreachable: moving every component fits")  # pragma: no cover
@@ -130,18 +134,18 @@ def _candidates(sizes: Mapping[str, int], calls: Mapping[str, int]) -> list[froz
     return [frozenset(c) for c in sorted(subsets, key=cost)]
 
 
-def _moving(request: Request, moved: frozenset[str], need: Mapping[str, int], mode: str
+def _moving(request: Request, moved: frozenset[str], need: Mapping[str, int], mode: str, stay: Strategy = _balanced
             ) -> dict[str, str | Place] | None:
     """The rest placed by balanced, each moved component run on the GPU with the most room left (a GPU's peak is
     its residents plus the one moved component running there); None if it does not fit."""
     rest = tuple(c for c in request.components if c[0] not in moved)
     try:
-        placed: dict[str, str | Place] = dict(_balanced(Request(rest, request.rooms, request.strategy)))
+        placed: dict[str, str | Place] = dict(stay(replace(request, components=rest)))
     except DoesNotFitError:
         return None
     rooms = dict(request.rooms)
     for name, size in rest:
-        rooms[placed[name]] -= size
+        _charge(rooms, placed[name], size)
     gpu = max(rooms, key=lambda d: (rooms[d], -list(rooms).index(d)))
     if any(need[n] > rooms[gpu] for n in moved):
         return None
@@ -149,9 +153,62 @@ def _moving(request: Request, moved: frozenset[str], need: Mapping[str, int], mo
     return placed
 
 
+def _charge(rooms: dict[str, int], place: str | Place, size: int) -> None:
+    """Take a placed component's bytes off the rooms of the GPUs it lives on."""
+    if isinstance(place, str):
+        rooms[place] -= size
+        return
+    rooms[place.device] -= size - sum(b for _, _, b in place.shards)
+    for _, device, block in place.shards:
+        rooms[device] -= block
+
+
+def _balanced_split(request: Request) -> dict[str, str | Place]:
+    """As balanced; a component that fits no GPU whole is cut between its blocks across the GPUs with the most
+    room (largest first), its inputs and outputs staying on the first of them."""
+    rooms = dict(request.rooms)
+    blocks = dict(request.blocks)
+    placed: dict[str, str | Place] = {}
+    for name, size in sorted(request.components, key=lambda c: (-c[1], c[0])):
+        order = sorted(rooms, key=lambda d: (-rooms[d], list(rooms).index(d)))
+        if size <= rooms[order[0]]:
+            rooms[order[0]] -= size
+            placed[name] = order[0]
+            continue
+        placed[name] = _cut(name, size, blocks.get(name, ()), order, rooms, request.strategy)
+    return placed
+
+
+def _cut(name: str, size: int, blocks: tuple[tuple[str, int], ...], order: list[str], rooms: dict[str, int],
+         strategy: str) -> Place:
+    """Fill the roomiest GPU with the component's loose tensors and as many blocks as fit, then the next GPU."""
+    home, shards = order[0], []
+    left = size - sum(b for _, b in blocks)  # what is not in a block stays home
+    if left > rooms[home] or not blocks:
+        raise DoesNotFitError(name, size, rooms[home], strategy, ())
+    rooms[home] -= left
+    devices = iter(order)
+    device = next(devices)
+    for path, block in blocks:
+        while block > rooms[device]:
+            device = next(devices, None)
+            if device is None:
+                raise DoesNotFitError(name, size, sum(rooms.values()) + size - block, strategy, ())
+        rooms[device] -= block
+        if device != home:
+            shards.append((path, device, block))
+    return Place(home, "split", home, tuple(shards))
+
+
 STRATEGIES: dict[str, Strategy] = {"balanced": _balanced, "sequential": _sequential,
                                    "balanced_low_memory": _balanced_low_memory,
-                                   "balanced_ultra_low_memory": _balanced_ultra_low_memory}
+                                   "balanced_ultra_low_memory": _balanced_ultra_low_memory,
+                                   "balanced_split": _balanced_split}
+# what "auto" weighs besides STRATEGIES: splitting what fits no GPU whole, and moving the least-called of the rest
+MIXED: dict[str, Strategy] = {
+    "balanced_split+low_memory": lambda r: _least_moved(r, "offload", _balanced_split),
+    "balanced_split+ultra_low_memory": lambda r: _least_moved(r, "stream", _balanced_split),
+}
 
 
 def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
@@ -185,8 +242,8 @@ def resolve_strategy(strategy: str | Mapping | None, device_map: str | Mapping |
     chosen = strategy if strategy is not None else device_map if device_map is not None else "balanced"
     if isinstance(chosen, Mapping):
         return dict(chosen)
-    if not isinstance(chosen, str) or chosen not in STRATEGIES:
-        raise UnknownStrategyError(chosen, tuple(STRATEGIES) + ("a dict {component: device}",))
+    if not isinstance(chosen, str) or (chosen not in STRATEGIES and chosen not in MIXED and chosen != AUTO):
+        raise UnknownStrategyError(chosen, (AUTO, *STRATEGIES, "a dict {component: device}"))
     return chosen
 
 
@@ -222,6 +279,8 @@ def _reserve(memory: int, headroom: float | int | str) -> int:
 
 def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, budget: Mapping[str, int]) -> Plan:
     """The plan for an inventory on given hardware and budgets; ``plan()`` without the argument handling."""
+    if strategy == AUTO:
+        return auto_plan(inventory, hw, budget)
     sizes = {c.name: c.bytes for c in inventory.models}
     fixed = _fixed(strategy, sizes, hw) if isinstance(strategy, dict) else {}
     name = strategy if isinstance(strategy, str) else "balanced"
@@ -235,7 +294,8 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
     else:
         calls = tuple((c.name, c.calls_per_image) for c in inventory.models)
         in_flight = tuple((c.name, c.in_flight) for c in inventory.models)
-        placed = _run(name, Request(rest, gpus, name, calls, in_flight))
+        blocks = tuple((c.name, c.blocks) for c in inventory.models)
+        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks))
     device_map = {**fixed, **placed}
     label = name if not fixed else ("map" if not rest else f"map+{name}")
     return _assemble(inventory, hw, budget, device_map, label, notes)
@@ -264,15 +324,16 @@ def _rooms_after(fixed: Mapping[str, str], sizes: Mapping[str, int], budget: Map
 
 def _run(name: str, request: Request) -> dict[str, str | Place]:
     try:
-        return STRATEGIES[name](request)
+        return {**STRATEGIES, **MIXED}[name](request)
     except DoesNotFitError as err:
         others = tuple(s for s in STRATEGIES if s != name and _works(s, request))
+        others += (AUTO,) if any(_works(s, request) for s in MIXED) or others else ()
         raise DoesNotFitError(err.component, err.bytes, err.largest_room, name, others) from None
 
 
 def _works(strategy: str, request: Request) -> bool:
     try:
-        STRATEGIES[strategy](Request(request.components, request.rooms, strategy, request.calls, request.in_flight))
+        {**STRATEGIES, **MIXED}[strategy](replace(request, strategy=strategy))
         return True
     except DoesNotFitError:
         return False
@@ -282,11 +343,15 @@ def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], dev
               label: str, notes: list[str]) -> Plan:
     places = {n: Place(p, "resident", p) if isinstance(p, str) else p for n, p in device_map.items()}
     placements = tuple(Placement(c.name, places[c.name].device, c.bytes, places[c.name].mode,
-                                 places[c.name].execution_device) for c in inventory.models)
+                                 places[c.name].execution_device, shards=places[c.name].shards)
+                       for c in inventory.models)
     in_flight = {c.name: min(c.in_flight or c.bytes, c.bytes) for c in inventory.models}
     resident = {d.name: 0 for d in hw.devices}
     for p in placements:
         resident[p.device] += p.bytes
+        for _, device, size in p.shards:  # a split component's blocks away from its first GPU
+            resident[p.device] -= size
+            resident[device] += size
     placements = _with_rooms(placements, in_flight, budget, resident)
     # a GPU's peak: its residents, the largest component onloaded there, the largest blocks in flight there
     used = {d: _peak(placements, d, resident) for d in resident}
@@ -320,6 +385,35 @@ def _peak(placements: tuple[Placement, ...], device: str, resident: Mapping[str,
     moved = [p for p in placements if p.mode != "resident" and p.execution_device == device]
     largest = max((p.bytes for p in moved if p.mode == "offload"), default=0)
     return resident[device] + largest + max((p.room for p in moved if p.mode == "stream"), default=0)
+
+
+def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int]) -> Plan:
+    """The fastest plan that fits: every strategy's plan, priced by the cost model, the quickest kept.
+
+    The plan carries every candidate (``plan.explain()``): its predicted seconds per image, its per-device peaks,
+    or why it does not fit.
+    """
+    from .cost import seconds_per_image
+
+    candidates, plans = [], {}
+    for name in (*STRATEGIES, *MIXED):
+        try:
+            plans[name] = plan_inventory(inventory, hw, name, budget)
+        except DoesNotFitError as err:
+            candidates.append(Candidate(name, None, (), f"{err.component} does not fit"))
+            continue
+        seconds = seconds_per_image(plans[name], inventory, hw.performance)
+        peaks = tuple((d.device, d.used) for d in plans[name].devices if d.used)
+        candidates.append(Candidate(name, seconds, peaks, ""))
+    fitting = sorted((c for c in candidates if c.seconds is not None), key=lambda c: c.seconds)
+    if not fitting:
+        largest = max(inventory.models, key=lambda c: c.bytes)
+        room = max((budget[d.name] for d in hw.gpus), default=0)
+        raise DoesNotFitError(largest.name, largest.bytes, room, AUTO, ())
+    best = plans[fitting[0].strategy]
+    why = f"auto: {fitting[0].strategy} is the fastest plan that fits ({fitting[0].seconds:.3g} s per image"
+    why += f"; next {fitting[1].strategy} at {fitting[1].seconds:.3g} s)" if len(fitting) > 1 else ")"
+    return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + (why,))
 
 
 def execution_device(placements: tuple[Placement, ...]) -> str:

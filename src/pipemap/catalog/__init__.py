@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import NotAPipelineError
-from ..inventory import Component, Inventory, _as_dtype, _keep_in_fp32, module_bytes
+from ..inventory import Component, Inventory, _as_dtype, _keep_in_fp32, _live_in_flight, live_blocks, module_bytes
 from ..quiet import quiet_diffusers
 
 _FOLDER = Path(__file__).parent
@@ -168,8 +168,11 @@ def _inventory(name: str, dtype: torch.dtype | None) -> Inventory:
             continue
         at = _component_dtype(found, component, dtype)
         keep = _keep_in_fp32(library, class_name, at)
-        size = module_bytes(_skeleton(name, component), at, keep)
-        components.append(Component(component, library, class_name, size, True))
+        skeleton = _skeleton(name, component)
+        size = module_bytes(skeleton, at, keep)
+        components.append(Component(component, library, class_name, size, True,
+                                    in_flight=min(size, _live_in_flight(skeleton, at)),
+                                    blocks=live_blocks(skeleton, at, keep)))
     label = str(dtype if dtype is not None else _as_dtype(found.dtype)).removeprefix("torch.")
     return Inventory(found.repo, found.pipeline_class, tuple(components), label, None)
 
