@@ -61,11 +61,20 @@ class PlacementHook(ModelHook):
         return f"PlacementHook({self.component!r}, device={self.device}, execution_device={self.execution_device})"
 
 
-@dataclass
-class _Saved:
-    """What dispatch changed on one component, to put back on failure or reset."""
+@dataclass(frozen=True)
+class Move:
+    """One tensor ``place_module`` moved: enough to put it back if the dispatch fails later."""
 
-    devices: dict[str, torch.device]
+    owner: torch.nn.Module
+    store: str  # "_parameters" or "_buffers"
+    key: str
+    original: torch.Tensor
+    device: torch.device
+
+    def undo(self) -> None:
+        if self.store == "_parameters" and self.original.device != self.device:
+            self.original.data = move_tensor(self.original.data, self.device)  # its .data was moved in place
+        getattr(self.owner, self.store)[self.key] = self.original
 
 
 def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
@@ -82,16 +91,17 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     modules = _check(pipe, plan)
     if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
         ensure_safe_transfers([p.device for p in plan.components] + [plan.execution_device])
-    saved: dict[str, _Saved] = {}
+    moves: list[Move] = []
     make_hook = _hook_maker(plan)
     for placement in plan.components:
         module = modules[placement.component]
-        saved[placement.component] = _Saved(_tensor_devices(module))
         try:
-            place_module(module, placement.device)
-            hook_component(module, make_hook(placement))
+            moves += place_module(module, placement.device)
+            hook = make_hook(placement)
+            hook_component(module, hook)
+            moves += getattr(hook, "moves", [])
         except Exception as err:
-            _undo(modules, saved)
+            _undo(modules.values(), moves)
             raise DispatchError(placement.component, placement.device, err) from err
     _mark(pipe, plan)
 
@@ -138,20 +148,25 @@ def planned(pipe) -> Plan | None:
     return pipe.__dict__.get("_pipemap_plan")
 
 
-def place_module(module: torch.nn.Module, device: str | torch.device) -> None:
-    """Move every parameter and buffer not yet on ``device`` there, through the one transfer function.
+def place_module(module: torch.nn.Module, device: str | torch.device) -> list[Move]:
+    """Move every parameter and buffer not yet on ``device`` there, through the one transfer function; returns what
+    it moved, so a failed dispatch can put exactly that back (a load places most tensors already where they go).
 
     ``module.to`` would do for real tensors, but it reassigns every tensor even when already in place (which fake
     weights of a dry run refuse) and bypasses pipemap's safe-copy routing.
     """
     target = torch.device(device)
+    moves = []
     for sub in module.modules():
         for key, param in sub._parameters.items():
             if param is not None and param.device != target:
+                moves.append(Move(sub, "_parameters", key, param, param.device))
                 _move_parameter(sub, key, param, target)
         for key, buffer in sub._buffers.items():
             if buffer is not None and buffer.device != target:
+                moves.append(Move(sub, "_buffers", key, buffer, buffer.device))
                 sub._buffers[key] = move_tensor(buffer, target)
+    return moves
 
 
 def _move_parameter(owner: torch.nn.Module, key: str, param: torch.nn.Parameter, target: torch.device) -> None:
@@ -173,9 +188,10 @@ class SplitHook(PlacementHook):
         self.shards = shards
 
     def init_hook(self, module):
+        self.moves: list[Move] = []
         for path, device, _ in self.shards:
             block = module.get_submodule(path)
-            place_module(block, device)
+            self.moves += place_module(block, device)
             add_hook_to_module(block, PlacementHook(f"{self.component}.{path}", device, str(self.device)))
         return module
 
@@ -245,27 +261,11 @@ def _modules(pipe) -> dict[str, torch.nn.Module]:
     return {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
 
 
-def _tensor_devices(module: torch.nn.Module) -> dict[str, torch.device]:
-    devices = {f"p:{k}": v.device for k, v in module.named_parameters(remove_duplicate=False)}
-    devices.update({f"b:{k}": v.device for k, v in module.named_buffers(remove_duplicate=False)})
-    return devices
-
-
-def _undo(modules: dict[str, torch.nn.Module], saved: dict[str, _Saved]) -> None:
-    for name, state in saved.items():
-        module = modules[name]
+def _undo(modules, moves: list[Move]) -> None:
+    for module in modules:
         unhook_component(module)
-        for key, device in state.devices.items():
-            kind, _, path = key.partition(":")
-            owner_path, _, attr = path.rpartition(".")
-            owner = module.get_submodule(owner_path)
-            tensor = getattr(owner, attr)
-            if tensor.device == device:
-                continue
-            if kind == "p":
-                tensor.data = move_tensor(tensor.data, device)
-            else:
-                owner._buffers[attr] = move_tensor(tensor, device)
+    for moved in reversed(moves):
+        moved.undo()
 
 
 def _mark(pipe, plan: Plan) -> None:
