@@ -11,13 +11,15 @@ from .hardware import Hardware
 from .inventory import inspect
 from .loading import load
 from .planner import budgets, plan_inventory, resolve_hardware, resolve_strategy
+from .quiet import quiet_progress
 
 
 def run_demo(folder: Path, hardware: str | None, strategy, output: Path) -> int:
     """Build the tiny Stable Diffusion pipeline, plan it for this machine (or ``hardware``), load it through
     ``pipemap.load``, generate one image, save it as PNG, and print the plan and the largest difference from an
     un-mapped run."""
-    path = tiny.save("sd", folder / "tiny-sd")
+    with quiet_progress():
+        path = tiny.save("sd", folder / "tiny-sd")
     print(f"built the tiny Stable Diffusion pipeline in code and saved it to {path}")
     hw = resolve_hardware(hardware, None)
     plan = plan_inventory(inspect(path), hw, resolve_strategy(strategy, None), budgets(hw))
@@ -29,7 +31,8 @@ def run_demo(folder: Path, hardware: str | None, strategy, output: Path) -> int:
     image = _generate(pipe)
     from diffusers import DiffusionPipeline
 
-    plain = DiffusionPipeline.from_pretrained(path)
+    with quiet_progress():
+        plain = DiffusionPipeline.from_pretrained(path)
     difference = float(np.abs(image - _generate(plain)).max())
     _save_png(image, output)
     print(f"saved {output} ({image.shape[1]}x{image.shape[0]}); largest difference from an un-mapped run: "

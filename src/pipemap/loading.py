@@ -19,6 +19,7 @@ from .hardware import Hardware
 from .inventory import Component, Inventory, inspect, module_bytes, read_model_index, resolve_dtype
 from .plan import Plan
 from .planner import budgets, plan_inventory, resolve_hardware, resolve_strategy
+from .quiet import quiet_progress
 
 
 def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str | None = None, max_memory=None,
@@ -44,6 +45,14 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
         plan = plan_inventory(inventory, hw, resolve_strategy(strategy, device_map), budgets(hw, headroom))
     dtype = dtype if dtype is not None else _plan_dtype(plan)
     variant = variant if variant is not None else plan.variant
+    with quiet_progress():
+        pipe = _load_onto(folder, index, plan, passed, dtype, variant, progress, kwargs)
+    dispatch(pipe, plan, check_transfers=check_transfers)
+    return pipe
+
+
+def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, variant, progress: bool, kwargs: dict):
+    """Each planned model loaded onto its device, then the pipeline assembled around them."""
     models = {}
     for placement in tqdm(plan.components, desc="pipemap: loading", unit="model", disable=not progress):
         if placement.component not in passed:
@@ -53,9 +62,7 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
     from diffusers import DiffusionPipeline  # here, not at import: it pulls in every pipeline class
 
     extra = {"dtype": dtype} if dtype is not None else {}
-    pipe = DiffusionPipeline.from_pretrained(folder, **models, **passed, variant=variant, **extra, **kwargs)
-    dispatch(pipe, plan, check_transfers=check_transfers)
-    return pipe
+    return DiffusionPipeline.from_pretrained(folder, **models, **passed, variant=variant, **extra, **kwargs)
 
 
 def load_component(folder: Path, name: str, library: str, class_name: str, device: str,

@@ -16,3 +16,20 @@ def quiet_diffusers():
         yield
     finally:
         logging.set_verbosity(level)
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """Hide diffusers' and transformers' own progress bars inside the block (pipemap shows one of its own), and
+    put each back as it was."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    libraries = [lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()]
+    for lib in libraries:
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib in libraries:
+            lib.enable_progress_bar()

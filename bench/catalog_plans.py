@@ -1,0 +1,56 @@
+"""Print the README's table: each catalog pipeline's "auto" plan in bf16 on three machines, with the cost model's
+predicted seconds per image and the layout. No download: sizes come from the catalog's published configs.
+
+    python bench/catalog_plans.py            # markdown table on stdout
+"""
+
+from __future__ import annotations
+
+import torch
+
+import pipemap
+from pipemap import catalog
+from pipemap.cost import seconds_per_image
+
+MACHINES = ("1x24GiB,cpu=64GiB", "2x16GiB,cpu=64GiB", "1x80GiB,cpu=128GiB")
+SHORT = {"text_encoder": "te", "text_encoder_2": "te2", "text_encoder_3": "te3", "transformer": "dit",
+         "unet": "unet", "vae": "vae", "safety_checker": "safety"}
+
+
+def layout(plan: pipemap.Plan) -> str:
+    """A compact layout: ``dit split cuda:0+1; te2 stream->0; vae 1``."""
+    parts = []
+    for p in plan.components:
+        name = SHORT.get(p.component, p.component)
+        gpu = p.execution_device.removeprefix("cuda:")
+        if p.mode == "resident":
+            parts.append(f"{name} {gpu}")
+        elif p.mode == "split":
+            away = sorted({d.removeprefix("cuda:") for _, d, _ in p.shards})
+            parts.append(f"{name} split {'+'.join([gpu, *away])}")
+        else:
+            parts.append(f"{name} {p.mode}->{gpu}")
+    return "; ".join(parts)
+
+
+def row(name: str, machine: str) -> str:
+    inventory = pipemap.inspect(name, dtype=torch.bfloat16)
+    hardware = pipemap.Hardware.parse(machine)
+    try:
+        plan = pipemap.plan(inventory, hardware=hardware, strategy="auto")
+    except pipemap.DoesNotFitError as err:
+        return f"does not fit ({err.component})"
+    seconds = seconds_per_image(plan, inventory, hardware.performance)
+    return f"{seconds:.0f} s: {layout(plan)}"
+
+
+def main() -> None:
+    header = ["pipeline", *(m.split(",")[0] for m in MACHINES)]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for name in catalog.names():
+        print("| " + " | ".join([name, *(row(name, m) for m in MACHINES)]) + " |")
+
+
+if __name__ == "__main__":
+    main()
