@@ -96,10 +96,8 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     for placement in plan.components:
         module = modules[placement.component]
         try:
-            moves += place_module(module, placement.device)
-            hook = make_hook(placement)
-            hook_component(module, hook)
-            moves += getattr(hook, "moves", [])
+            moves += _place(module, placement)
+            hook_component(module, make_hook(placement))
         except Exception as err:
             _undo(modules.values(), moves)
             raise DispatchError(placement.component, placement.device, err) from err
@@ -148,7 +146,18 @@ def planned(pipe) -> Plan | None:
     return pipe.__dict__.get("_pipemap_plan")
 
 
-def place_module(module: torch.nn.Module, device: str | torch.device) -> list[Move]:
+def _place(module: torch.nn.Module, placement) -> list[Move]:
+    """A component's tensors onto its planned devices; a split component's blocks straight to theirs, so no GPU
+    ever holds the whole of a component that was split because it fits none."""
+    moves, placed = [], set()
+    for path, device, _ in placement.shards:
+        block = module.get_submodule(path)
+        moves += place_module(block, device)
+        placed |= {id(m) for m in block.modules()}
+    return moves + place_module(module, placement.device, skip=placed)
+
+
+def place_module(module: torch.nn.Module, device: str | torch.device, skip: set[int] = frozenset()) -> list[Move]:
     """Move every parameter and buffer not yet on ``device`` there, through the one transfer function; returns what
     it moved, so a failed dispatch can put exactly that back (a load places most tensors already where they go).
 
@@ -158,6 +167,8 @@ def place_module(module: torch.nn.Module, device: str | torch.device) -> list[Mo
     target = torch.device(device)
     moves = []
     for sub in module.modules():
+        if id(sub) in skip:
+            continue
         for key, param in sub._parameters.items():
             if param is not None and param.device != target:
                 moves.append(Move(sub, "_parameters", key, param, param.device))
@@ -187,12 +198,10 @@ class SplitHook(PlacementHook):
         super().__init__(component, device, execution_device)
         self.shards = shards
 
-    def init_hook(self, module):
-        self.moves: list[Move] = []
+    def init_hook(self, module):  # dispatch has placed the blocks already (``_place``)
         for path, device, _ in self.shards:
-            block = module.get_submodule(path)
-            self.moves += place_module(block, device)
-            add_hook_to_module(block, PlacementHook(f"{self.component}.{path}", device, str(self.device)))
+            add_hook_to_module(module.get_submodule(path), PlacementHook(f"{self.component}.{path}", device,
+                                                                         str(self.device)))
         return module
 
     def detach_hook(self, module):

@@ -95,7 +95,9 @@ def with_passed(inventory: Inventory, passed: dict) -> Inventory:
 
 
 def _load_device(placement) -> str:
-    return placement.device if placement.mode in ("resident", "split") else "cpu"
+    # offloaded and streamed models live in CPU RAM; a split one is loaded there too and dispatch then moves each
+    # part to its GPU, since loading it whole onto its first GPU is what it was split for not fitting
+    return placement.device if placement.mode == "resident" else "cpu"
 
 
 def _plan_dtype(plan: Plan) -> torch.dtype | None:
