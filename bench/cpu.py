@@ -12,6 +12,11 @@ Sections (each one function ``bench_<name>(ctx) -> list[Row]``, registered in ``
   the CPU; interleaved repeats, medians, ratio dispatched / plain.
 - ``load``:  ``pipemap.load`` vs ``DiffusionPipeline.from_pretrained``, each in a fresh child process (wall time and
   peak RSS above the post-import baseline), alternating, medians, ratio pipemap / diffusers.
+- ``offload``: weights moved for one image under a one-GPU offloading plan (a budget that forces offload, remapped
+  onto the CPU) vs diffusers' ``enable_model_cpu_offload`` (``pipemap.offload.bytes_moved_per_image``).
+- ``catalog``: ``pipemap.plan(name, strategy="auto")`` for each catalog entry, first and cached call; the strategy
+  chosen and its predicted seconds per image.
+- ``dry_run``: ``pipemap.simulate`` wall time from a loaded pipeline and from a folder, first and second call.
 
 The table is printed and appended to ``bench/RESULTS.md``; the last line printed is ``summary: name=value ...``.
 See bench/README.md for how to read each figure.
@@ -395,10 +400,147 @@ def load_with(loader: str, folder: str):
         return DiffusionPipeline.from_pretrained(folder)
 
 
+# ---- section: offload, bytes moved per image -----------------------------------------------------------------------
+
+
+OFFLOADING = ("balanced_low_memory", "balanced_ultra_low_memory")
+SHORT_STRATEGY = {"balanced_low_memory": "low_memory", "balanced_ultra_low_memory": "ultra_low"}
+
+
+def bench_offload(ctx: Context) -> list[Row]:
+    """Weights moved for one image under an offloading plan (one GPU, a budget that forces offload, remapped onto
+    the CPU) vs diffusers' ``enable_model_cpu_offload``, through ``pipemap.offload.bytes_moved_per_image``."""
+    from diffusers import DiffusionPipeline
+
+    import pipemap
+    from pipemap import offload, tiny
+
+    rows = []
+    for kind in TINY_KINDS:
+        with quiet():
+            pipe = DiffusionPipeline.from_pretrained(ctx.folder(kind))
+        pipe.set_progress_bar_config(disable=True)
+        inv = pipemap.inspect(pipe)
+        call = tiny.default_call(pipe, kind)
+        cases = [(strategy, forcing_budget(inv, strategy), "largest budget where balanced fails")
+                 for strategy in OFFLOADING]
+        if "text_encoder_2" in {c.name for c in inv.models}:
+            # SDXL: the denoiser and the VAE stay resident, with room for one text encoder at a time
+            encoders = max(inv[n].bytes for n in ("text_encoder", "text_encoder_2"))
+            rest = inv["unet"].bytes + inv["vae"].bytes + encoders
+            cases.append(("balanced_low_memory", rest + 4096, "unet + vae + largest text encoder"))
+        cases.append(("balanced_low_memory", 2**30, "everything fits"))
+        for strategy, budget, why in cases:
+            hardware = pipemap.Hardware.parse(f"cuda:0={budget},cpu=1GiB")
+            gpu_plan = pipemap.plan(inv, hardware=hardware, strategy=strategy, headroom=0.0)
+            moved = offload.bytes_moved_per_image(pipe, gpu_plan.remap({"cuda:0": "cpu"}), **call)
+            away = ", ".join(f"{p.component} {p.mode}" for p in gpu_plan.components if p.mode != "resident")
+            metric = f"bytes moved / image, {SHORT_STRATEGY[strategy]}"
+            note = f"cuda:0={budget / 2**20:.2f} MiB ({why}); {away or 'all resident'}"
+            if moved.diffusers_bytes == 0:
+                raise RuntimeError(f"{kind}: diffusers' model offload moved nothing; the ratio would be void")
+            rows.append(Row("offload", kind, metric, moved.pipemap_bytes, moved.diffusers_bytes, "B", "<= 1.0", note))
+            if why == "everything fits" and moved.pipemap_bytes != 0:
+                raise RuntimeError(f"{kind}: {moved.pipemap_bytes} bytes moved where everything fits")
+    ctx.summary["offload_bytes_ratio_max"] = f"{max(r.ratio for r in rows):.3f}"
+    return rows
+
+
+def forcing_budget(inv, strategy: str, steps: int = 400) -> int:
+    """The largest one-GPU budget (in steps of 1/``steps`` of the pipeline) at which "balanced" fails and
+    ``strategy`` fits: a budget that forces offload (as tests/test_offload.py finds it)."""
+    import pipemap
+
+    total = sum(c.bytes for c in inv.models)
+    for budget in range(total, 0, -(total // steps)):
+        hardware = pipemap.Hardware.parse(f"cuda:0={budget},cpu=1GiB")
+        try:
+            pipemap.plan(inv, hardware=hardware, headroom=0.0)
+        except pipemap.DoesNotFitError:
+            try:
+                pipemap.plan(inv, hardware=hardware, strategy=strategy, headroom=0.0)
+                return budget
+            except pipemap.DoesNotFitError:
+                continue
+    raise RuntimeError(f"no one-GPU budget forces {strategy} for {inv.name}")
+
+
+# ---- section: planning from the catalog ----------------------------------------------------------------------------
+
+
+CATALOG_HARDWARE = "2x16GiB,cpu=64GiB"
+
+
+def bench_catalog(ctx: Context) -> list[Row]:
+    """``pipemap.plan(name, strategy="auto")`` for each catalog entry: the first call (builds the models on the meta
+    device and counts them) and a cached call; the strategy auto chose and its predicted seconds per image."""
+    import pipemap
+    from pipemap import catalog
+
+    rows = []
+    for name in catalog.names():
+        plan = lambda n=name: pipemap.plan(n, hardware=CATALOG_HARDWARE, strategy="auto")  # noqa: E731
+        first = timed(plan)
+        cached = statistics.median(timed(plan) for _ in range(5))
+        chosen = min((c for c in plan().candidates if c.seconds is not None), key=lambda c: c.seconds)
+        note = f"auto -> {chosen.strategy}, {chosen.seconds:.3g} s/image predicted"
+        rows.append(Row("catalog", name, "plan time, first call", first * 1e3, None, "ms", "", note))
+        rows.append(Row("catalog", name, "plan time, cached", cached * 1e3, None, "ms", "", "median of 5"))
+    ctx.summary["catalog_plan_ms_max"] = f"{max(r.ours for r in rows if r.metric.endswith('first call')):.0f}"
+    ctx.summary["catalog_plan_ms_cached_max"] = f"{max(r.ours for r in rows if r.metric.endswith('cached')):.1f}"
+    return rows
+
+
+# ---- section: dry run ----------------------------------------------------------------------------------------------
+
+
+DRY_RUN_HARDWARE = "2x5MiB,cpu=1GiB"
+
+
+def bench_dry_run(ctx: Context) -> list[Row]:
+    """Wall time of ``pipemap.simulate`` for each tiny pipeline, from a loaded pipeline and from its folder (no
+    weight read), first and second call in this process."""
+    from diffusers import DiffusionPipeline
+
+    import pipemap
+
+    rows = []
+    for kind in TINY_KINDS:
+        folder = ctx.folder(kind)
+        with quiet():
+            pipe = DiffusionPipeline.from_pretrained(folder)
+        plan, strategy = dry_run_plan(folder)
+        for label, source in (("loaded pipeline", pipe), ("folder", folder)):
+            for which in ("first", "second"):
+                with quiet():
+                    start = time.perf_counter()
+                    report = pipemap.simulate(source, plan)
+                    seconds = time.perf_counter() - start
+                if not report.ok:
+                    raise RuntimeError(f"{kind}: the dry run from a {label} failed: {report.error}")
+                rows.append(Row("dry_run", kind, f"simulate, {label}, {which} call", seconds, None, "s", "< 10",
+                                f"{strategy} on {DRY_RUN_HARDWARE}; call itself {report.seconds:.2f} s"))
+    ctx.summary["dry_run_s_max"] = f"{max(r.ours for r in rows):.2f}"
+    return rows
+
+
+def dry_run_plan(folder: Path):
+    """The plan the dry run follows: "balanced" on two 5 MiB stand-in GPUs, headroom 0; "auto" where it does not fit."""
+    import pipemap
+
+    try:
+        return pipemap.plan(folder, hardware=DRY_RUN_HARDWARE, headroom=0.0), "balanced"
+    except pipemap.DoesNotFitError:
+        return pipemap.plan(folder, hardware=DRY_RUN_HARDWARE, headroom=0.0, strategy="auto"), "auto"
+
+
 # ---- running, printing, recording ----------------------------------------------------------------------------------
 
 
-SECTIONS: dict[str, Callable[[Context], list[Row]]] = {"plan": bench_plan, "hooks": bench_hooks, "load": bench_load}
+SECTIONS: dict[str, Callable[[Context], list[Row]]] = {
+    "plan": bench_plan, "hooks": bench_hooks, "load": bench_load, "offload": bench_offload, "catalog": bench_catalog,
+    "dry_run": bench_dry_run,
+}
 
 
 def timed(fn) -> float:
@@ -468,16 +610,19 @@ def versions() -> str:
         return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True).stdout.strip()
 
     rev, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", "src")
-    commit = rev + ("+dirty src" if dirty else "")
+    commit = rev + ("+dirty src" if dirty else "") + (" (bench/ uncommitted)" if git("status", "--porcelain", "--",
+                                                                                        "bench") else "")
     return (f"torch {torch.__version__}, diffusers {diffusers.__version__}, transformers {transformers.__version__}, "
             f"python {platform.python_version()}, git {commit}")
 
 
-def record(rows: list[Row], summary: str, args: argparse.Namespace, took: dict[str, float]) -> None:
-    """Append the run to bench/RESULTS.md as a markdown section."""
+def record(rows: list[Row], summary: str, args: argparse.Namespace, took: dict[str, float], started: str) -> None:
+    """Append the run to bench/RESULTS.md as a markdown section; ``started`` is ``versions()`` at the start (the
+    commit that ran), and a commit made meanwhile is named too."""
     stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    now = versions()
     lines = [f"\n## {stamp} — `bench/cpu.py {' '.join(sys.argv[1:])}`".rstrip(), "",
-             f"- machine: {machine()}", f"- versions: {versions()}",
+             f"- machine: {machine()}", f"- versions: {started}" + ("" if now == started else f"; at the end: {now}"),
              f"- mid-size: sd x{args.scale}; repeats {args.repeats} (hooks), {args.load_repeats} processes x "
              f"(1 + {args.warm_loads}) loads (load)",
              "- took: " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()), "",
@@ -519,6 +664,7 @@ def main(argv=None) -> None:
     from rich.console import Console
 
     console = Console(width=max(Console().width, 150))
+    started = versions()
     start = time.perf_counter()
     rows: list[Row] = []
     took: dict[str, float] = {}
@@ -534,7 +680,7 @@ def main(argv=None) -> None:
     console.print(table(rows))
     summary = "summary: " + " ".join(f"{k}={v}" for k, v in ctx.summary.items())
     if not args.no_record:
-        record(rows, summary, args, took)
+        record(rows, summary, args, took, started)
     console.print("took " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items())
                   + ("" if args.no_record else f"; appended to {RESULTS}"))
     print(summary)

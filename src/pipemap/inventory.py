@@ -6,6 +6,7 @@ sizes come from its modules. Either way the bytes are those of the dtype the com
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -78,6 +79,9 @@ class Inventory:
     def models(self) -> tuple[Component, ...]:
         """The components that have weights, in pipeline order."""
         return tuple(c for c in self.components if c.has_weights)
+
+    def __contains__(self, name: object) -> bool:
+        return any(c.name == name for c in self.components)
 
     def __getitem__(self, name: str) -> Component:
         for component in self.components:
@@ -242,7 +246,8 @@ def streamed_bytes(sizes: Mapping[str, int]) -> int:
     """
     groups: dict[str, int] = {}
     for name, size in sizes.items():
-        groups[block_key(name)] = groups.get(block_key(name), 0) + size
+        key = block_key(name)
+        groups[key] = groups.get(key, 0) + size
     root = groups.pop("", 0)
     return root + sum(sorted(groups.values(), reverse=True)[:2])
 
@@ -265,16 +270,26 @@ def _natural(path: str) -> tuple:
 def live_blocks(module: torch.nn.Module, dtype: torch.dtype | None = None,
                 keep_fp32: Iterable[str] = ()) -> tuple[tuple[str, int], ...]:
     """``split_blocks`` of a live module (or one built on the meta device), at ``dtype`` if given."""
-    keep = tuple(keep_fp32)
-    sizes = {}
+    return split_blocks(tensor_sizes(module, dtype, keep_fp32))
+
+
+def tensor_sizes(module: torch.nn.Module, dtype: torch.dtype | None = None,
+                 keep_fp32: Iterable[str] = ()) -> dict[str, int]:
+    """``{state_dict key: bytes}`` of a module, each shared tensor under its first key only, at ``dtype`` if given
+    (floating tensors only, and those the model class keeps in float32 stay there)."""
+    keep, seen, sizes = tuple(keep_fp32), set(), {}
     for key, tensor in module.state_dict(keep_vars=True).items():
+        if tensor is None or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
         element = tensor.element_size()
         if dtype is not None and tensor.is_floating_point():
-            element = 4 if any(m in key.split(".") for m in keep) else torch.empty((), dtype=dtype).element_size()
+            element = 4 if any(m in key.split(".") for m in keep) else dtype.itemsize
         sizes[key] = tensor.numel() * element
-    return split_blocks(sizes)
+    return sizes
 
 
+@functools.lru_cache(maxsize=65536)  # the same names come back for every plan of a pipeline, and twice in each
 def block_key(name: str) -> str:
     """The block a tensor name belongs to (see ``streamed_bytes``); ``""`` for the root module's own tensors."""
     parts = name.split(".")
@@ -317,7 +332,7 @@ def _tensor_bytes(meta: Mapping, key: str, dtype: torch.dtype | None, keep_fp32:
         return numel * _ELEMENT_BYTES[code]
     if any(m in key.split(".") for m in keep_fp32):
         return numel * 4
-    return numel * (torch.empty((), dtype=dtype).element_size() if dtype is not None else 4)
+    return numel * (dtype.itemsize if dtype is not None else 4)
 
 
 def _keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> tuple[str, ...]:
@@ -356,16 +371,7 @@ def _inspect_pipeline(pipe, dtype: torch.dtype | None) -> Inventory:
 
 def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep_fp32: Iterable[str] = ()) -> int:
     """Bytes of a module's parameters and persistent buffers (shared tensors once), at ``dtype`` if given."""
-    keep, seen, total = tuple(keep_fp32), set(), 0
-    for key, tensor in module.state_dict(keep_vars=True).items():
-        if tensor is None or id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        element = tensor.element_size()
-        if dtype is not None and tensor.is_floating_point():
-            element = 4 if any(m in key.split(".") for m in keep) else torch.empty((), dtype=dtype).element_size()
-        total += tensor.numel() * element
-    return total
+    return sum(tensor_sizes(module, dtype, keep_fp32).values())
 
 
 def _live_in_flight(module: torch.nn.Module, dtype: torch.dtype | None) -> int:
