@@ -447,22 +447,11 @@ def bench_offload(ctx: Context) -> list[Row]:
 
 
 def forcing_budget(inv, strategy: str, steps: int = 400) -> int:
-    """The largest one-GPU budget (in steps of 1/``steps`` of the pipeline) at which "balanced" fails and
-    ``strategy`` fits: a budget that forces offload (as tests/test_offload.py finds it)."""
+    """The largest one-GPU budget at which "balanced" fails and ``strategy`` fits (``planner.forcing_hardware``)."""
     import pipemap
+    from pipemap.planner import forcing_hardware
 
-    total = sum(c.bytes for c in inv.models)
-    for budget in range(total, 0, -(total // steps)):
-        hardware = pipemap.Hardware.parse(f"cuda:0={budget},cpu=1GiB")
-        try:
-            pipemap.plan(inv, hardware=hardware, headroom=0.0)
-        except pipemap.DoesNotFitError:
-            try:
-                pipemap.plan(inv, hardware=hardware, strategy=strategy, headroom=0.0)
-                return budget
-            except pipemap.DoesNotFitError:
-                continue
-    raise RuntimeError(f"no one-GPU budget forces {strategy} for {inv.name}")
+    return pipemap.Hardware.parse(forcing_hardware(inv, strategy, 1, steps)).memory("cuda:0")
 
 
 # ---- section: planning from the catalog ----------------------------------------------------------------------------

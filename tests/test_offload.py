@@ -12,6 +12,7 @@ from pipemap import offload, tiny
 from pipemap.dispatch import hook_component, unhook_component
 from pipemap.inventory import Component, Inventory, stream_blocks
 from pipemap.plan import DeviceUse, Placement, Plan
+from pipemap.planner import forcing_hardware
 from test_planner import inventory, plan, problems
 
 OFFLOADING = ("balanced_low_memory", "balanced_ultra_low_memory")
@@ -35,20 +36,8 @@ def _state(pipe) -> dict:
 
 
 def _forcing(inv: Inventory, strategy: str, gpus: int) -> str:
-    """The largest equal GPU budget (in steps of 1/400 of the pipeline) at which balanced fails and ``strategy``
-    places something off its GPU: a budget that forces offload."""
-    total = sum(c.bytes for c in inv.models)
-    for budget in range(total, 0, -(total // 400)):
-        hardware = ",".join(f"cuda:{i}={budget}" for i in range(gpus)) + ",cpu=1GiB"
-        try:
-            pipemap.plan(inv, hardware=hardware, headroom=0.0)
-        except pipemap.DoesNotFitError:
-            try:
-                pipemap.plan(inv, hardware=hardware, strategy=strategy, headroom=0.0)
-                return hardware
-            except pipemap.DoesNotFitError:
-                continue
-    raise AssertionError(f"no budget forces {strategy} on {gpus} GPUs")
+    """A machine at which balanced fails and ``strategy`` places something off its GPU."""
+    return forcing_hardware(inv, strategy, gpus)
 
 
 # ---- planning ----------------------------------------------------------------------------------------------------

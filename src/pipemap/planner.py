@@ -387,6 +387,30 @@ def _peak(placements: tuple[Placement, ...], device: str, resident: Mapping[str,
     return resident[device] + largest + max((p.room for p in moved if p.mode == "stream"), default=0)
 
 
+def forcing_hardware(inventory: Inventory, strategy: str, gpus: int = 1, steps: int = 400) -> str:
+    """The hardware spec with the largest equal GPU budget (in steps of 1/``steps`` of the pipeline) at which
+    ``"balanced"`` fails and ``strategy`` fits: a machine that forces offloading, for tests and benchmarks.
+
+    >>> forcing_hardware(pipemap.inspect("path/to/sdxl"), "balanced_low_memory")        # doctest: +SKIP
+    'cuda:0=9663676416,cpu=1GiB'
+    """
+    total = sum(c.bytes for c in inventory.models)
+    for budget in range(total, 0, -max(1, total // steps)):
+        spec = ",".join(f"cuda:{i}={budget}" for i in range(gpus)) + ",cpu=1GiB"
+        hardware = Hardware.parse(spec)
+        if not _fits(inventory, hardware, "balanced") and _fits(inventory, hardware, strategy):
+            return spec
+    raise DoesNotFitError(max(inventory.models, key=lambda c: c.bytes).name, total, 0, strategy, ())
+
+
+def _fits(inventory: Inventory, hardware: Hardware, strategy: str) -> bool:
+    try:
+        plan_inventory(inventory, hardware, strategy, budgets(hardware, 0.0))
+        return True
+    except DoesNotFitError:
+        return False
+
+
 def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int]) -> Plan:
     """The fastest plan that fits: every strategy's plan, priced by the cost model, the quickest kept.
 
