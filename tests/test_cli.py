@@ -60,3 +60,13 @@ def test_simulate_through_the_command_line(tiny_folders):
                          "--strategy", "sequential", "--height", "64", "--width", "64", "--steps", "1")
     assert result.returncode == 0, result.stderr
     assert "dry run ok" in result.stdout and "cuda:2" in result.stdout
+
+
+def test_run_generates_an_image_with_an_offloading_plan(tiny_folders, tmp_path):
+    output = tmp_path / "run.png"
+    result = pipemap_cli("run", tiny_folders["sd"], "--prompt", "a tiny cat", "--hardware", "cuda:0=3.3MiB,cpu=1GiB",
+                         "--headroom", "0", "--strategy", "balanced_low_memory", "--steps", "2", "--output",
+                         str(output))
+    assert result.returncode == 0, result.stderr
+    assert "offload" in result.stdout and "bytes moved to its GPU" in result.stdout
+    assert Image.open(output).size == (32, 32)

@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--steps", type=int, default=2, help="denoising steps to run (default 2)")
     simulate.add_argument("--prompt", default="a dry run")
     simulate.set_defaults(run=_simulate)
+    _add_run(commands)
     demo = commands.add_parser("demo", help="plan, load and run the embedded tiny pipeline end to end")
     demo.add_argument("--hardware", help="plan for this profile; devices this machine lacks run on the CPU")
     demo.add_argument("--strategy", default="balanced")
@@ -50,6 +51,19 @@ def _parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="devices, versions, and whether copies between GPUs arrive intact")
     doctor.set_defaults(run=_doctor)
     return parser
+
+
+def _add_run(commands) -> None:
+    run = commands.add_parser("run", help="load a pipeline folder onto its plan and generate one image")
+    run.add_argument("path", help="a diffusers pipeline folder")
+    _plan_options(run)
+    run.add_argument("--prompt", required=True)
+    run.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
+    run.add_argument("--height", type=int)
+    run.add_argument("--width", type=int)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--output", default="pipemap-run.png", help="where to save the image (PNG)")
+    run.set_defaults(run=_run)
 
 
 def _plan_options(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +100,15 @@ def _simulate(args) -> int:
     report = simulate(args.path, result, steps=args.steps, prompt=args.prompt, **size)
     print(report)
     return 0 if report.ok else 1
+
+
+def _run(args) -> int:
+    from .demo import generate
+
+    options = {k: v for k, v in (("num_inference_steps", args.steps), ("height", args.height),
+                                 ("width", args.width)) if v}
+    return generate(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant, args.headroom,
+                    args.prompt, args.seed, options, Path(args.output))
 
 
 def _demo(args) -> int:

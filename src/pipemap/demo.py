@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from . import tiny
 from .hardware import Hardware
@@ -38,6 +39,32 @@ def run_demo(folder: Path, hardware: str | None, strategy, output: Path) -> int:
     print(f"saved {output} ({image.shape[1]}x{image.shape[0]}); largest difference from an un-mapped run: "
           f"{difference:.3g}")
     return 0 if difference <= 1e-5 else 1
+
+
+def generate(path, hardware, strategy, dtype, variant, headroom, prompt: str, seed: int, options: dict,
+             output: Path) -> int:
+    """``pipemap run``: plan a folder (for ``hardware``, or this machine), load it onto the plan, generate one image
+    from ``prompt`` and save it; prints the plan, the time and, for offloaded components, the bytes moved."""
+    import time
+
+    from .offload import stats
+    from .planner import plan as make_plan
+
+    plan = make_plan(path, hardware=hardware, strategy=strategy, dtype=dtype, variant=variant, headroom=headroom)
+    print(plan)
+    runnable = _runnable(plan)
+    if runnable != plan:
+        print("this machine lacks some planned devices: running the same plan with them on the CPU")
+    pipe = load(path, plan=runnable)
+    pipe.set_progress_bar_config(disable=True)
+    start = time.perf_counter()
+    image = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **options).images[0]
+    print(f"generated in {time.perf_counter() - start:.2f} s")
+    for component, moved in stats(pipe).items():
+        print(f"{component}: {moved['calls']} calls, {moved['h2d_bytes']} bytes moved to its GPU")
+    _save_png(image, output)
+    print(f"saved {output} ({image.shape[1]}x{image.shape[0]})")
+    return 0
 
 
 def _runnable(plan):
