@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import importlib
 import weakref
 from collections.abc import Mapping
@@ -279,6 +280,7 @@ class HostSchedule(torch.Tensor):
 
 
 def _on_host(method, name: str):
+    @functools.wraps(method)  # pipelines read set_timesteps' signature (does it take sigmas=?)
     def run(*args, **kwargs):
         if name == "set_timesteps" and "device" in kwargs:
             kwargs["device"] = "cpu"
@@ -301,13 +303,14 @@ def fused_attention():
     """
     original = F.scaled_dot_product_attention
 
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if isinstance(q, FakeTensor) and q.device.type == "meta" and not enable_gqa and (
+    # torch's own argument names: diffusers' attention dispatcher passes query=, key=, value= by keyword
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if isinstance(query, FakeTensor) and query.device.type == "meta" and not enable_gqa and (
                 attn_mask is None or attn_mask.dtype != torch.bool):
             return torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, attn_mask, False, dropout_p, is_causal, scale=scale)[0]
-        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
+                query, key, value, attn_mask, False, dropout_p, is_causal, scale=scale)[0]
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
 
     F.scaled_dot_product_attention = sdpa
     try:

@@ -20,11 +20,13 @@ from PIL import Image
 
 from .quiet import quiet_diffusers
 
-KINDS = ("sd", "sdxl", "controlnet")
+KINDS = ("sd", "sdxl", "controlnet")  # UNet pipelines
+ALL_KINDS = (*KINDS, "flux")  # and a transformer one with a T5 encoder
 SEED = 0
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 VOCAB_SIZE = 514
 MAX_LENGTH = 77
+FLUX_TOKENS = 32  # the T5 sequence length of the tiny Flux-like pipeline
 GROUPS = 8  # norm groups; divides every width (32 * scale, 64 * scale, their sums)
 
 
@@ -197,7 +199,41 @@ def build_controlnet(scale: int = 1):
     return StableDiffusionControlNetPipeline(controlnet=controlnet, **_sd_components(scale))
 
 
-_BUILDERS = {"sd": build_sd, "sdxl": build_sdxl, "controlnet": build_controlnet}
+def build_t5_tokenizer():
+    """A T5 tokenizer with no download: a unigram vocabulary of the printable ASCII characters and the word marker."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import T5TokenizerFast
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    vocab += [(chr(code), -1.0) for code in range(32, 127)]
+    backend = Tokenizer(models.Unigram(vocab, unk_id=2))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    return T5TokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                           extra_ids=0, model_max_length=FLUX_TOKENS)
+
+
+def build_flux(scale: int = 1):
+    """A tiny Flux-like pipeline: a transformer denoiser, CLIP and T5 text encoders, a flow-matching scheduler."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = build_tokenizer()
+    t5 = _seeded(lambda: T5EncoderModel(T5Config(vocab_size=99, d_model=32 * scale, d_kv=8 * scale, d_ff=37,
+                                                 num_layers=2, num_heads=4, relative_attention_num_buckets=8)))
+    transformer = _seeded(lambda: FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16 * scale,
+        num_attention_heads=2, joint_attention_dim=32 * scale, pooled_projection_dim=32 * scale,
+        axes_dims_rope=[4 * scale, 6 * scale, 6 * scale]))
+    vae = _seeded(lambda: AutoencoderKL(
+        block_out_channels=[32 * scale, 32 * scale], in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, norm_num_groups=GROUPS,
+        sample_size=32, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035))
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_text_encoder(scale),
+                        tokenizer=tokenizer, text_encoder_2=t5, tokenizer_2=build_t5_tokenizer(),
+                        transformer=transformer)
+
+
+_BUILDERS = {"sd": build_sd, "sdxl": build_sdxl, "controlnet": build_controlnet, "flux": build_flux}
 
 
 def build(kind: str, scale: int = 1):
@@ -241,4 +277,6 @@ def default_call(pipe, kind: str, output_type: str = "np") -> dict:
     )
     if kind == "controlnet":
         kwargs["image"] = control_image(pipe)
+    if kind == "flux":  # no negative prompt: Flux is guidance-distilled; its default side is far from tiny
+        kwargs.update(height=32, width=32, max_sequence_length=FLUX_TOKENS)
     return kwargs
