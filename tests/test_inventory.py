@@ -117,8 +117,20 @@ def test_missing_shard_is_named(tmp_path, tiny_folders):
 
 def test_read_header_reads_header_only(tiny_folders):
     path = f"{tiny_folders['sd']}/unet/diffusion_pytorch_model.safetensors"
+    with open(path, "rb") as f:
+        length = 8 + int.from_bytes(f.read(8), "little")
+    idle = -_bytes_read() + _bytes_read()  # what reading /proc/self/io itself costs
+    before = _bytes_read()
     header = read_header(path)
+    assert _bytes_read() - before - idle == length  # the length field and the JSON header, not one weight byte
     assert all({"dtype", "shape"} <= set(meta) for meta in header.values())
+
+
+def _bytes_read() -> int:
+    for line in open("/proc/self/io").read().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
 
 
 def test_unknown_dtype_is_typed():

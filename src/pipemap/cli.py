@@ -80,21 +80,24 @@ def _strategy(text: str):
     return json.loads(text) if text.strip().startswith("{") else text
 
 
-def _plan(args) -> int:
+def _planned(args):
+    """The plan the ``--hardware --strategy --dtype --variant --headroom`` options ask for."""
     from .planner import plan
 
-    result = plan(args.path, hardware=args.hardware, strategy=_strategy(args.strategy), dtype=args.dtype,
-                  variant=args.variant, headroom=args.headroom)
+    return plan(args.path, hardware=args.hardware, strategy=_strategy(args.strategy), dtype=args.dtype,
+                variant=args.variant, headroom=args.headroom)
+
+
+def _plan(args) -> int:
+    result = _planned(args)
     print(result.to_json() if args.json else result)
     return 0
 
 
 def _simulate(args) -> int:
-    from .planner import plan
     from .simulate import simulate
 
-    result = plan(args.path, hardware=args.hardware, strategy=_strategy(args.strategy), dtype=args.dtype,
-                  variant=args.variant, headroom=args.headroom)
+    result = _planned(args)
     print(result)
     size = {k: v for k, v in (("height", args.height), ("width", args.width)) if v}
     report = simulate(args.path, result, steps=args.steps, prompt=args.prompt, **size)

@@ -10,14 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import Performance, is_accelerator
-from .inventory import Component, Inventory
+from .inventory import PER_STEP, Component, Inventory
 from .plan import Placement, Plan
 
 # of the shorter of a streamed call's compute and copies, the part the other hides: copies on a side stream still
 # contend with the kernels for memory bandwidth, and the first block of each call waits
 STREAM_OVERLAP = 0.75
 ACTIVATION_BYTES = 6144  # per token crossing GPUs: a 3072-wide hidden state in 16 bits
-DENOISER_NAMES = ("unet", "transformer", "transformer_2", "prior", "decoder", "controlnet")
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class Cost:
 def tokens_per_call(component: Component, work: Workload) -> int:
     """How many positions one call of the component processes (what its FLOPs scale with)."""
     name, cls = component.name, (component.class_name or "").lower()
-    if name.startswith(DENOISER_NAMES):
+    if name in PER_STEP:
         return work.latent_tokens
     if name.startswith("vae") or "autoencoder" in cls:
         return work.pixels // 16  # the decoder's convolutions run at up to full resolution

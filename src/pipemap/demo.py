@@ -9,9 +9,8 @@ import torch
 
 from . import tiny
 from .hardware import Hardware
-from .inventory import inspect
 from .loading import load
-from .planner import budgets, plan_inventory, resolve_hardware, resolve_strategy
+from .planner import plan as make_plan
 from .quiet import quiet_progress
 
 
@@ -22,13 +21,7 @@ def run_demo(folder: Path, hardware: str | None, strategy, output: Path) -> int:
     with quiet_progress():
         path = tiny.save("sd", folder / "tiny-sd")
     print(f"built the tiny Stable Diffusion pipeline in code and saved it to {path}")
-    hw = resolve_hardware(hardware, None)
-    plan = plan_inventory(inspect(path), hw, resolve_strategy(strategy, None), budgets(hw))
-    print(plan)
-    runnable = _runnable(plan)
-    if runnable != plan:
-        print("this machine lacks some planned devices: running the same plan with them on the CPU")
-    pipe = load(path, plan=runnable)
+    pipe = _load_here(path, make_plan(path, hardware=hardware, strategy=strategy))
     image = _generate(pipe)
     from diffusers import DiffusionPipeline
 
@@ -48,14 +41,9 @@ def generate(path, hardware, strategy, dtype, variant, headroom, prompt: str, se
     import time
 
     from .offload import stats
-    from .planner import plan as make_plan
 
     plan = make_plan(path, hardware=hardware, strategy=strategy, dtype=dtype, variant=variant, headroom=headroom)
-    print(plan)
-    runnable = _runnable(plan)
-    if runnable != plan:
-        print("this machine lacks some planned devices: running the same plan with them on the CPU")
-    pipe = load(path, plan=runnable)
+    pipe = _load_here(path, plan)
     pipe.set_progress_bar_config(disable=True)
     start = time.perf_counter()
     image = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **options).images[0]
@@ -65,6 +53,15 @@ def generate(path, hardware, strategy, dtype, variant, headroom, prompt: str, se
     _save_png(image, output)
     print(f"saved {output} ({image.shape[1]}x{image.shape[0]})")
     return 0
+
+
+def _load_here(path, plan):
+    """Print the plan and load onto it; devices this machine lacks are replaced by the CPU, and it says so."""
+    print(plan)
+    runnable = _runnable(plan)
+    if runnable != plan:
+        print("this machine lacks some planned devices: running the same plan with them on the CPU")
+    return load(path, plan=runnable)
 
 
 def _runnable(plan):

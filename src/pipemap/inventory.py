@@ -31,7 +31,9 @@ _MAX_HEADER = 100 * 1024 * 1024
 # Nominal calls per image of a denoiser: 50 steps, twice each under classifier-free guidance. Every other model (text
 # encoders, VAE, image encoders) runs once per image; back-to-back calls (a prompt and its negative) need one onload.
 DENOISER_CALLS = 100
-_DENOISERS = ("unet", "transformer", "transformer_2", "controlnet", "prior", "decoder")
+# the components that run at every step; the first of them present is the pipeline's execution device
+DENOISERS = ("transformer", "unet", "prior", "decoder", "transformer_2")
+PER_STEP = (*DENOISERS, "controlnet")
 # Modules whose children are the blocks a streamed component is moved by: a list's own hook never fires.
 _LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
@@ -57,7 +59,7 @@ class Component:
 
 def profile_calls(name: str) -> int:
     """Nominal calls per image of a component named ``name``: a denoiser every step, anything else once."""
-    return DENOISER_CALLS if name in _DENOISERS else 1
+    return DENOISER_CALLS if name in PER_STEP else 1
 
 
 @dataclass(frozen=True)
@@ -284,7 +286,7 @@ def tensor_sizes(module: torch.nn.Module, dtype: torch.dtype | None = None,
         seen.add(id(tensor))
         element = tensor.element_size()
         if dtype is not None and tensor.is_floating_point():
-            element = 4 if any(m in key.split(".") for m in keep) else dtype.itemsize
+            element = 4 if kept_fp32(key, keep) else dtype.itemsize
         sizes[key] = tensor.numel() * element
     return sizes
 
@@ -330,9 +332,16 @@ def _tensor_bytes(meta: Mapping, key: str, dtype: torch.dtype | None, keep_fp32:
     code = meta["dtype"]
     if code not in _FLOATING:
         return numel * _ELEMENT_BYTES[code]
-    if any(m in key.split(".") for m in keep_fp32):
+    if kept_fp32(key, keep_fp32):
         return numel * 4
     return numel * (dtype.itemsize if dtype is not None else 4)
+
+
+def kept_fp32(key: str, keep_fp32: Iterable[str]) -> bool:
+    """Whether the tensor named ``key`` lies in one of the kept-fp32 modules (matched by whole name parts, as
+    diffusers' loader does)."""
+    parts = key.split(".")
+    return any(m in parts for m in keep_fp32)
 
 
 def _keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> tuple[str, ...]:
@@ -356,17 +365,24 @@ def _keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> t
 def _inspect_pipeline(pipe, dtype: torch.dtype | None) -> Inventory:
     components = []
     for name, value in pipe.components.items():
-        library, class_name = _origin(value)
         if isinstance(value, torch.nn.Module):
-            keep = _keep_in_fp32(library, class_name, dtype) if library else ()
-            size = module_bytes(value, dtype, keep)
-            components.append(Component(name, library, class_name, size, True,
-                                        in_flight=min(size, _live_in_flight(value, dtype)),
-                                        blocks=live_blocks(value, dtype, keep)))
+            components.append(live_component(name, value, dtype))
         else:
-            components.append(Component(name, library, class_name))
+            components.append(Component(name, *_origin(value)))
     source = str(getattr(pipe.config, "_name_or_path", "") or type(pipe).__name__)
     return Inventory(source, type(pipe).__name__, tuple(components), _dtype_name(dtype), None)
+
+
+def live_component(name: str, module: torch.nn.Module, dtype: torch.dtype | None = None,
+                   library: str | None = None, class_name: str | None = None) -> Component:
+    """A component sized from a live module (or one built on the meta device): its bytes, bytes in flight when
+    streamed, and blocks, at ``dtype`` if given (the model class's kept-fp32 modules staying float32)."""
+    if library is None:
+        library, class_name = _origin(module)
+    keep = _keep_in_fp32(library, class_name, dtype) if library else ()
+    size = module_bytes(module, dtype, keep)
+    return Component(name, library, class_name, size, True, in_flight=min(size, _live_in_flight(module, dtype)),
+                     blocks=live_blocks(module, dtype, keep))
 
 
 def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep_fp32: Iterable[str] = ()) -> int:

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .dispatch import dispatch
 from .hardware import Hardware
-from .inventory import Component, Inventory, inspect, module_bytes, read_model_index, resolve_dtype
+from .inventory import Component, Inventory, inspect, live_component, read_model_index, resolve_dtype
 from .plan import Plan
 from .planner import budgets, plan_inventory, resolve_hardware, resolve_strategy
 from .quiet import quiet_progress
@@ -85,8 +85,7 @@ def with_passed(inventory: Inventory, passed: dict) -> Inventory:
     for component in inventory.components:
         value = passed.get(component.name, component)
         if isinstance(value, torch.nn.Module):
-            library = type(value).__module__.split(".")[0]
-            component = Component(component.name, library, type(value).__name__, module_bytes(value), True)
+            component = live_component(component.name, value)
         elif component.name in passed:
             component = Component(component.name, component.library, component.class_name)
         components.append(component)

@@ -21,13 +21,12 @@ from .errors import (
     UnknownStrategyError,
 )
 from .hardware import Hardware, is_accelerator, normalize_device
-from .inventory import Inventory, inspect
+from .inventory import DENOISERS, Inventory, inspect
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .units import parse_bytes
 
 AUTO = "auto"
 DEFAULT_HEADROOM = 0.10  # of each GPU's memory, kept for activations until a dry run measures them
-DENOISERS = ("transformer", "unet", "prior", "decoder", "transformer_2")
 
 
 MAX_SEARCHED = 12  # components: beyond this, the offloading strategies try cheapest-first prefixes, not every set
@@ -64,12 +63,18 @@ def _balanced(request: Request) -> dict[str, str]:
     rooms = dict(request.rooms)
     placed = {}
     for name, size in sorted(request.components, key=lambda c: (-c[1], c[0])):
-        device = max(rooms, key=lambda d: (rooms[d], -list(rooms).index(d)))
+        device = _roomiest(rooms)
         if size > rooms[device]:
             raise DoesNotFitError(name, size, rooms[device], request.strategy, ())
         rooms[device] -= size
         placed[name] = device
     return placed
+
+
+def _roomiest(rooms: Mapping[str, int]) -> str:
+    """The GPU with the most room left; of equal ones, the first."""
+    order = list(rooms)
+    return max(order, key=lambda d: (rooms[d], -order.index(d)))
 
 
 def _sequential(request: Request) -> dict[str, str]:
@@ -146,7 +151,7 @@ def _moving(request: Request, moved: frozenset[str], need: Mapping[str, int], mo
     rooms = dict(request.rooms)
     for name, size in rest:
         _charge(rooms, placed[name], size)
-    gpu = max(rooms, key=lambda d: (rooms[d], -list(rooms).index(d)))
+    gpu = _roomiest(rooms)
     if any(need[n] > rooms[gpu] for n in moved):
         return None
     placed.update({n: Place("cpu", mode, gpu) for n in moved})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect as pyinspect
+import os
 import re
 import time
 import traceback
@@ -93,7 +94,7 @@ def simulate(source, plan: Plan, *, steps: int = 2, **call_kwargs) -> Simulation
 
 def _fake_pipeline(source, plan: Plan, mode: FakeTensorMode, standins: Mapping[str, str]):
     device_of = {p.component: standins[p.device] for p in plan.components}
-    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+    if isinstance(source, (str, os.PathLike)):
         return standin.pipeline_from_folder(source, plan, mode, device_of)
     return _fake_copy(source, mode, device_of)
 

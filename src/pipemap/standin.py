@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .errors import PipemapError
-from .inventory import _keep_in_fp32, default_dtype, read_model_index
+from .inventory import _keep_in_fp32, default_dtype, kept_fp32, read_model_index
 from .plan import Plan
 
 
@@ -120,7 +120,7 @@ def _fill_fakes(module: torch.nn.Module, mode: FakeTensorMode, device: str, dtyp
                     continue
                 if id(tensor) not in made:
                     name = f"{prefix}.{key}" if prefix else key
-                    kept = any(m in name.split(".") for m in keep_fp32)
+                    kept = kept_fp32(name, keep_fp32)
                     target = (torch.float32 if kept else dtype) if tensor.is_floating_point() else tensor.dtype
                     made[id(tensor)] = _fake(tensor, mode, device, target)
                 store[key] = made[id(tensor)]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import NotAPipelineError
-from ..inventory import Component, Inventory, _as_dtype, _keep_in_fp32, _live_in_flight, live_blocks, module_bytes
+from ..inventory import Component, Inventory, _as_dtype, live_component
 from ..quiet import quiet_diffusers
 
 _FOLDER = Path(__file__).parent
@@ -167,12 +167,7 @@ def _inventory(name: str, dtype: torch.dtype | None) -> Inventory:
             components.append(Component(component, library, class_name))
             continue
         at = _component_dtype(found, component, dtype)
-        keep = _keep_in_fp32(library, class_name, at)
-        skeleton = _skeleton(name, component)
-        size = module_bytes(skeleton, at, keep)
-        components.append(Component(component, library, class_name, size, True,
-                                    in_flight=min(size, _live_in_flight(skeleton, at)),
-                                    blocks=live_blocks(skeleton, at, keep)))
+        components.append(live_component(component, _skeleton(name, component), at, library, class_name))
     label = str(dtype if dtype is not None else _as_dtype(found.dtype)).removeprefix("torch.")
     return Inventory(found.repo, found.pipeline_class, tuple(components), label, None)
 
