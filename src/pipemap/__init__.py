@@ -1,42 +1,102 @@
-"""pipemap: place a multi-model pipeline across every GPU and the CPU RAM of a machine, and run it there."""
+"""pipemap: place a multi-model pipeline across every GPU and the CPU RAM of a machine, and run it there.
 
-from .dispatch import dispatch, reset
+Names are imported on first use (module ``__getattr__``, PEP 562): ``import pipemap`` and the command line's
+``--help`` then start in a fraction of a second, and diffusers, transformers and accelerate are imported only by
+the functions that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
+
 from .errors import (
     ArgumentConflictError,
+    ArgumentTypeError,
+    CallArgumentError,
     CheckpointError,
     DispatchError,
     DoesNotFitError,
+    FolderNotEmptyError,
     HardwareSpecError,
     HeadroomError,
     MemorySpecError,
     NotAPipelineError,
     PipelineMappedError,
     PipemapError,
+    PlanFormatError,
     PlanMismatchError,
     SimulationFailedError,
     UnknownComponentError,
     UnknownDeviceError,
     UnknownDtypeError,
     UnknownStrategyError,
+    VariantNotFoundError,
 )
-from .hardware import Device, Hardware, normalize_device
-from .inventory import Component, Inventory, inspect
-from .loading import load
-from .offload import stats
-from .plan import DeviceUse, Placement, Plan
-from .planner import STRATEGIES, plan
-from .simulate import Failure, SimulationReport, simulate
-from .transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it, imported when the name is first read
+_LAZY = {
+    "dispatch": "dispatch", "reset": "dispatch",
+    "Device": "hardware", "Hardware": "hardware", "normalize_device": "hardware",
+    "Component": "inventory", "Inventory": "inventory", "inspect": "planner",
+    "load": "loading", "stats": "offload",
+    "DeviceUse": "plan", "Placement": "plan", "Plan": "plan",
+    "STRATEGIES": "planner", "plan": "measure",
+    "Failure": "simulate", "SimulationReport": "simulate", "simulate": "simulate",
+    "PipemapWarning": "transfer", "TransferReport": "transfer", "UnsafeTransferWarning": "transfer",
+    "check_transfers": "transfer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later reads skip this function
+        return value
+    raise AttributeError(f"module 'pipemap' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``pipemap.plan`` sets the package's attribute ``plan`` to that module; the functions
+    ``plan``, ``dispatch`` and ``simulate`` share their modules' names and must not be hidden by them."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eagerly
+    from .dispatch import dispatch, reset
+    from .hardware import Device, Hardware, normalize_device
+    from .inventory import Component, Inventory
+    from .loading import load
+    from .measure import plan
+    from .offload import stats
+    from .plan import DeviceUse, Placement, Plan
+    from .planner import STRATEGIES, inspect
+    from .simulate import Failure, SimulationReport, simulate
+    from .transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
+
 __all__ = [
-    "ArgumentConflictError", "CheckpointError", "Component", "Device", "DeviceUse", "DispatchError",
-    "DoesNotFitError", "Hardware", "HardwareSpecError", "Inventory", "MemorySpecError", "NotAPipelineError",
-    "PipelineMappedError", "PipemapError", "Placement", "Plan", "PlanMismatchError", "STRATEGIES",
-    "UnknownComponentError", "UnknownDeviceError", "UnknownDtypeError", "UnknownStrategyError", "__version__",
-    "dispatch", "format_bytes", "inspect", "load", "normalize_device", "parse_bytes", "plan", "reset",
-    "Failure", "SimulationReport", "simulate", "PipemapWarning", "TransferReport", "UnsafeTransferWarning",
-    "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
+    "ArgumentConflictError", "ArgumentTypeError", "CallArgumentError", "CheckpointError", "Component", "Device",
+    "FolderNotEmptyError",
+    "DeviceUse", "DispatchError", "DoesNotFitError", "Hardware", "HardwareSpecError", "Inventory", "MemorySpecError",
+    "NotAPipelineError", "PipelineMappedError", "PipemapError", "Placement", "Plan", "PlanFormatError",
+    "PlanMismatchError", "STRATEGIES", "UnknownComponentError", "UnknownDeviceError", "UnknownDtypeError",
+    "UnknownStrategyError", "VariantNotFoundError", "__version__", "dispatch", "format_bytes", "inspect", "load",
+    "normalize_device", "parse_bytes", "plan", "reset", "Failure", "SimulationReport", "simulate", "PipemapWarning",
+    "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
 ]

@@ -1,4 +1,8 @@
-"""The command line: ``pipemap plan | simulate | demo | catalog | doctor``."""
+"""The command line: ``pipemap plan | simulate | run | demo | tiny | catalog | doctor``.
+
+Only the standard library is imported here: each command imports what it needs when it runs, so ``--help`` and
+``catalog`` answer at once.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import PipemapError
+from .errors import HeadroomError, PipemapError, UnknownStrategyError
+
+# the same names as planner.STRATEGIES and "auto" (a test checks they agree); written out so --help imports no torch
+STRATEGY_NAMES = ("balanced", "sequential", "balanced_low_memory", "balanced_ultra_low_memory", "balanced_split",
+                  "auto")
+TINY_KINDS = ("sd", "sdxl", "controlnet", "flux")  # tiny.ALL_KINDS, checked by the same test
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one ``pipemap`` command; returns the exit code (2 for bad input, with the error on stderr)."""
     args = _parser().parse_args(argv)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    _quiet_libraries()
     try:
         return args.run(args)
     except PipemapError as err:
@@ -24,8 +32,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _quiet_libraries() -> None:
+    """Library chatter that tells a command-line user nothing: info logs, and warnings about library internals."""
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for module in ("torch", "diffusers", "transformers", "accelerate", "huggingface_hub"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipemap", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pipemap", description="Place a diffusers pipeline across the GPUs and CPU "
+                                     "RAM of a machine: plan it, dry-run it, load and run it.")
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="print where each component of a pipeline folder would go")
     plan.add_argument("path", help="a diffusers pipeline folder, or a catalog name (see `pipemap catalog`)")
@@ -43,9 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_run(commands)
     demo = commands.add_parser("demo", help="plan, load and run the embedded tiny pipeline end to end")
     demo.add_argument("--hardware", help="plan for this profile; devices this machine lacks run on the CPU")
-    demo.add_argument("--strategy", default="balanced")
+    demo.add_argument("--strategy", default="balanced", help=_STRATEGY_HELP)
     demo.add_argument("--output", default="pipemap-demo.png", help="where to save the image (PNG)")
     demo.set_defaults(run=_demo)
+    tiny = commands.add_parser("tiny", help="save a tiny pipeline (random weights, a few MB) to try pipemap on")
+    tiny_commands = tiny.add_subparsers(dest="tiny_command", required=True)
+    save = tiny_commands.add_parser("save", help="build a tiny pipeline in code and save it to a folder")
+    save.add_argument("kind", choices=TINY_KINDS, help="sd, sdxl, controlnet (UNet pipelines) or flux (transformer)")
+    save.add_argument("folder", help="where to save it (made if missing; must be empty if it exists)")
+    save.set_defaults(run=_tiny_save)
     catalog = commands.add_parser("catalog", help="list the published pipelines `pipemap plan` takes by name")
     catalog.set_defaults(run=_catalog)
     doctor = commands.add_parser("doctor", help="devices, versions, and whether copies between GPUs arrive intact")
@@ -69,23 +97,42 @@ def _add_run(commands) -> None:
 def _plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", help="a profile such as 'cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB' or "
                         "'2x24GiB,cpu=64GiB' (default: this machine)")
-    parser.add_argument("--strategy", default="balanced", help="balanced, sequential, or a JSON dict "
-                        "'{\"vae\": \"cuda:1\"}'")
-    parser.add_argument("--dtype", help="the dtype to load in, e.g. float16 or bfloat16")
+    parser.add_argument("--strategy", default="balanced", help=_STRATEGY_HELP)
+    parser.add_argument("--dtype", help="the dtype to load in: float16, bfloat16 or float32 (default: the folder's)")
     parser.add_argument("--variant", help="the weights variant, e.g. fp16")
-    parser.add_argument("--headroom", type=float, help="fraction of each GPU kept for activations (default 0.1)")
+    parser.add_argument("--headroom", help="kept free on each GPU for activations: a fraction (0.1, the default), "
+                        "bytes ('2GiB'), a JSON dict per device ('{\"cuda:0\": \"4GiB\"}') or 'measure' (a dry "
+                        "run measures it)")
+
+
+_STRATEGY_HELP = (f"one of {', '.join(STRATEGY_NAMES)} (auto: the fastest plan that fits), or a JSON dict "
+                  "'{\"vae\": \"cuda:1\"}' whose missing components balanced places (default balanced)")
 
 
 def _strategy(text: str):
-    return json.loads(text) if text.strip().startswith("{") else text
+    try:
+        return json.loads(text) if text.strip().startswith("{") else text
+    except json.JSONDecodeError as err:
+        raise UnknownStrategyError(text, STRATEGY_NAMES, f"--strategy is not valid JSON: {err}") from None
+
+
+def _headroom(text: str | None):
+    """``--headroom`` as the API takes it: a JSON dict, a number (a fraction if it has a point, else bytes), a size
+    with a unit, or ``measure``."""
+    if text is None or text.strip() == "measure":
+        return text
+    try:
+        return json.loads(text) if text.strip().startswith("{") else text
+    except json.JSONDecodeError as err:
+        raise HeadroomError(text, f"--headroom is not valid JSON ({err})") from None
 
 
 def _planned(args):
     """The plan the ``--hardware --strategy --dtype --variant --headroom`` options ask for."""
-    from .planner import plan
+    from .measure import plan
 
     return plan(args.path, hardware=args.hardware, strategy=_strategy(args.strategy), dtype=args.dtype,
-                variant=args.variant, headroom=args.headroom)
+                variant=args.variant, headroom=_headroom(args.headroom))
 
 
 def _plan(args) -> int:
@@ -110,8 +157,8 @@ def _run(args) -> int:
 
     options = {k: v for k, v in (("num_inference_steps", args.steps), ("height", args.height),
                                  ("width", args.width)) if v}
-    return generate(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant, args.headroom,
-                    args.prompt, args.seed, options, Path(args.output))
+    return generate(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant,
+                    _headroom(args.headroom), args.prompt, args.seed, options, Path(args.output))
 
 
 def _demo(args) -> int:
@@ -119,6 +166,20 @@ def _demo(args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="pipemap-demo-") as folder:
         return run_demo(Path(folder), args.hardware, _strategy(args.strategy), Path(args.output))
+
+
+def _tiny_save(args) -> int:
+    from . import tiny
+    from .errors import FolderNotEmptyError
+    from .quiet import quiet_progress
+
+    folder = Path(args.folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise FolderNotEmptyError(str(folder))
+    with quiet_progress():
+        tiny.save(args.kind, folder)
+    print(f"saved the tiny {args.kind} pipeline to {folder}; try: pipemap plan {folder} --hardware 2x1MiB,cpu=1GiB")
+    return 0
 
 
 def _catalog(args) -> int:

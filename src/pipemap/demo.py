@@ -10,7 +10,7 @@ import torch
 from . import tiny
 from .hardware import Hardware
 from .loading import load
-from .planner import plan as make_plan
+from .measure import plan as make_plan
 from .quiet import quiet_progress
 
 

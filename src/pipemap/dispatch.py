@@ -16,7 +16,7 @@ import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
-from .errors import DispatchError, PipelineMappedError, PlanMismatchError
+from .errors import ArgumentTypeError, DispatchError, PipelineMappedError, PlanMismatchError
 from .plan import Plan
 from .transfer import ensure_safe_transfers, move, move_tensor
 
@@ -132,6 +132,7 @@ def reset(pipe) -> None:
     >>> pipemap.reset(pipe); pipe.hf_device_map is None                           # doctest: +SKIP
     True
     """
+    check_pipeline(pipe, "reset")
     for module in _modules(pipe).values():
         unhook_component(module)
         place_module(module, "cpu")
@@ -247,6 +248,9 @@ def _wrap_method(module, method, hook: ModelHook):
 
 
 def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
+    check_pipeline(pipe, "dispatch")
+    if not isinstance(plan, Plan):
+        raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
     if planned(pipe) is not None:
         raise PipelineMappedError("dispatching a pipeline that pipemap already placed")
     modules = _modules(pipe)
@@ -263,7 +267,28 @@ def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
         if name not in modules:
             raise PlanMismatchError(name, f"the plan places it but the pipeline has no such model (it has: "
                                     f"{', '.join(modules)})")
+    _check_standins(modules, plan)
     return modules
+
+
+def check_pipeline(pipe, operation: str) -> None:
+    """A diffusers pipeline (anything with a ``components`` dict), or an ``ArgumentTypeError`` naming ``operation``."""
+    if not isinstance(getattr(pipe, "components", None), dict):
+        raise ArgumentTypeError(f"{operation}(pipe)", pipe, "a loaded diffusers pipeline (DiffusionPipeline)")
+
+
+def _check_standins(modules: dict[str, torch.nn.Module], plan: Plan) -> None:
+    """A plan on stand-in devices (``meta:N``) applies only to a dry run's fake weights: moving real weights to the
+    meta device would destroy them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for p in plan.components:
+        devices = (p.device, p.execution_device, *(d for _, d, _ in p.shards))
+        if any(d.startswith("meta") for d in devices):
+            tensor = next(modules[p.component].parameters(), None)
+            if tensor is not None and not isinstance(tensor, FakeTensor):
+                raise PlanMismatchError(p.component, "the plan puts it on a dry run's stand-in device (meta), which "
+                                        "holds no data: its weights would be lost. Plan for real devices")
 
 
 def _modules(pipe) -> dict[str, torch.nn.Module]:

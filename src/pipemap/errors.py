@@ -34,13 +34,14 @@ class HardwareSpecError(PipemapError, ValueError):
 
 
 class UnknownDeviceError(PipemapError, ValueError):
-    """A device that this machine or the hardware profile lacks."""
+    """A device that this machine or the hardware profile lacks, or a name that is not a device pipemap runs on."""
 
-    def __init__(self, device: object, available: tuple[str, ...]):
-        self.device, self.available = device, tuple(available)
+    def __init__(self, device: object, available: tuple[str, ...], reason: str = ""):
+        self.device, self.available, self.reason = device, tuple(available), reason
+        what = reason or "is not on this machine or in the hardware profile"
         super().__init__(
-            f"device {device!r} is not on this machine or in the hardware profile; the devices are "
-            f"{', '.join(self.available) or 'none'}. Use one of them, or describe the target machine with "
+            f"device {device!r} {what}; the devices are {', '.join(self.available) or 'none'}. Use one of them "
+            "('cpu', 'cuda:N' or an index N), or describe the target machine with "
             "hardware='cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB'"
         )
 
@@ -59,11 +60,11 @@ class UnknownComponentError(PipemapError, ValueError):
 class UnknownStrategyError(PipemapError, ValueError):
     """A strategy name pipemap does not know."""
 
-    def __init__(self, strategy: object, known: tuple[str, ...]):
-        self.strategy, self.known = strategy, tuple(known)
+    def __init__(self, strategy: object, known: tuple[str, ...], reason: str = ""):
+        self.strategy, self.known, self.reason = strategy, tuple(known), reason
         super().__init__(
-            f"unknown strategy {strategy!r}: use one of {', '.join(self.known)}, or a dict "
-            "{component: device}"
+            f"unknown strategy {strategy!r}{f' ({reason})' if reason else ''}: use one of {', '.join(self.known)}, "
+            "or a dict {component: device}"
         )
 
 
@@ -108,12 +109,10 @@ class CheckpointError(PipemapError, ValueError):
 class ArgumentConflictError(PipemapError, ValueError):
     """Two arguments that say different things (``dtype`` and ``torch_dtype``, ``strategy`` and ``device_map``)."""
 
-    def __init__(self, first: str, first_value: object, second: str, second_value: object):
+    def __init__(self, first: str, first_value: object, second: str, second_value: object,
+                 fix: str = "they are two names for the same setting: pass only one"):
         self.first, self.first_value, self.second, self.second_value = first, first_value, second, second_value
-        super().__init__(
-            f"{first}={first_value!r} and {second}={second_value!r} disagree; they are two names for the same "
-            f"setting: pass only one"
-        )
+        super().__init__(f"{first}={_short(first_value)} and {second}={_short(second_value)} disagree; {fix}")
 
 
 class PipelineMappedError(PipemapError, RuntimeError):
@@ -138,18 +137,27 @@ class DispatchError(PipemapError, RuntimeError):
         )
 
 
-def _fmt(n: int) -> str:
-    from .units import format_bytes
+def format_bytes(n: int) -> str:
+    """A short human figure in powers of 1024: ``format_bytes(3 * 2**30) == "3.00 GiB"``.
 
-    return format_bytes(n)
+    It lives here, at the bottom of the package, because error messages need it; ``pipemap.units`` re-exports it.
+    """
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+_fmt = format_bytes
 
 
 class UnknownDtypeError(PipemapError, ValueError):
-    """A dtype name torch does not know."""
+    """A dtype name torch does not know, or one weights cannot be loaded in (integer, bool, complex)."""
 
-    def __init__(self, dtype: object):
-        self.dtype = dtype
-        super().__init__(f"unknown dtype {dtype!r}: use a torch dtype such as torch.float16, or 'float16'/'bfloat16'")
+    def __init__(self, dtype: object, reason: str = "torch has no such dtype"):
+        self.dtype, self.reason = dtype, reason
+        super().__init__(f"dtype {dtype!r}: {reason}. Use a floating dtype such as torch.float16, or "
+                         "'float16'/'bfloat16'/'float32'")
 
 
 class PlanMismatchError(PipemapError, ValueError):
@@ -177,3 +185,53 @@ class SimulationFailedError(PipemapError, RuntimeError):
     def __init__(self, report):
         self.report = report
         super().__init__(f"the dry run failed: {report.error}. Fix the plan or the call (call={{...}}) and retry")
+
+
+class ArgumentTypeError(PipemapError, ValueError, TypeError):
+    """An argument of the wrong type (``hardware=5``, ``dispatch(pipe, "balanced")``)."""
+
+    def __init__(self, argument: str, value: object, expected: str):
+        self.argument, self.value, self.expected = argument, value, expected
+        super().__init__(f"{argument}={_short(value)} is a {type(value).__name__}: give {expected}")
+
+
+class PlanFormatError(PipemapError, ValueError):
+    """A saved plan (``Plan.from_json``) that is not valid: bad JSON, a missing key, a wrong type, an unknown mode
+    or device."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"cannot read the plan: {reason}. Save plans with plan.to_json() and load them with "
+                         "Plan.from_json(), or make a new one with pipemap.plan()")
+
+
+class VariantNotFoundError(PipemapError, ValueError):
+    """A weights ``variant`` that no component of the pipeline folder has files for."""
+
+    def __init__(self, path: str, variant: str, available: tuple[str, ...]):
+        self.path, self.variant, self.available = path, variant, tuple(available)
+        super().__init__(f"no component of {path!r} has weights of variant {variant!r}; the variants there are: "
+                         f"{', '.join(self.available) or 'none (plain files only)'}. Pass one of them, or no variant")
+
+
+class CallArgumentError(PipemapError, ValueError):
+    """Keyword arguments for a pipeline call that the pipeline's ``__call__`` does not take."""
+
+    def __init__(self, pipeline: str, names: tuple[str, ...], accepted: tuple[str, ...]):
+        self.pipeline, self.names, self.accepted = pipeline, tuple(names), tuple(accepted)
+        super().__init__(f"{pipeline}.__call__ takes no argument {', '.join(map(repr, self.names))}; it takes: "
+                         f"{', '.join(self.accepted)}. Fix or drop the argument")
+
+
+class FolderNotEmptyError(PipemapError, ValueError):
+    """A folder to write into that already holds something: pipemap never overwrites a user's files."""
+
+    def __init__(self, path: str):
+        self.path = path
+        super().__init__(f"{path!r} exists and is not an empty folder; pipemap writes only into a new or empty one: "
+                         "give another path")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

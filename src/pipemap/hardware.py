@@ -13,11 +13,15 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
-from .errors import HardwareSpecError, UnknownDeviceError
+from .errors import ArgumentTypeError, HardwareSpecError, UnknownDeviceError
 from .units import format_bytes, parse_bytes
 
-_DEVICE = re.compile(r"^(cuda|cpu|meta|mps|xpu|npu)(?::(\d+))?$")
-_SHORTHAND = re.compile(r"^(\d+)\s*x\s*(.+)$")
+# ASCII digits only: "cuda:١" is no device; "meta" names a stand-in GPU of a dry run, never a real device
+_DEVICE = re.compile(r"^(cuda|cpu|meta)(?::(\d+))?$", re.ASCII)
+_OTHER = re.compile(r"^(mps|xpu|npu|hpu|xla|ipu|mtia|privateuseone|vulkan|opengl|opencl|ideep|fpga|maia|ve|lazy)"
+                    r"(?::\d+)?$", re.ASCII)
+_SHORTHAND = re.compile(r"^(\d+)\s*x\s*(.+)$", re.ASCII)
+MAX_GPUS = 1024  # a spec's COUNT: beyond this it is a typo, and 10**6 devices would take long to plan for
 
 
 def normalize_device(device: int | str | torch.device) -> str:
@@ -28,14 +32,28 @@ def normalize_device(device: int | str | torch.device) -> str:
         if device < 0:
             raise UnknownDeviceError(device, ())
         return f"cuda:{device}"
+    if not isinstance(device, (str, torch.device)):
+        raise UnknownDeviceError(device, (), "is not a device name")
     text = str(device).strip().lower()
     match = _DEVICE.match(text)
     if not match:
-        raise UnknownDeviceError(device, ())
+        reason = "is a device type pipemap does not run on (it runs on CUDA GPUs and the CPU)" if _OTHER.match(
+            text) else "is not a device name"
+        raise UnknownDeviceError(device, (), reason)
     kind, index = match.groups()
     if kind == "cpu":
+        if index and int(index) != 0:
+            raise UnknownDeviceError(device, (), "is not a device: the CPU is one device, 'cpu'")
         return "cpu"
-    return f"{kind}:{index or 0}"
+    return f"{kind}:{int(index or 0)}"  # int(): "cuda:01" is cuda:1
+
+
+def real_device(device: int | str | torch.device) -> str:
+    """``normalize_device`` for a device a user names for real work: a stand-in ``meta:N`` is refused."""
+    name = normalize_device(device)
+    if name.startswith("meta"):
+        raise UnknownDeviceError(device, (), "is the stand-in of a dry run, not a device weights can live on")
+    return name
 
 
 def is_accelerator(device: str) -> bool:
@@ -63,6 +81,13 @@ class Performance:
     host_bandwidth: float = 25e9
     peer_bandwidth: float = 20e9
     cpu_flops: float = 0.5e12
+
+    def __post_init__(self):
+        for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops"):
+            value = getattr(self, name)
+            # `not value > 0` also catches NaN; a zero figure would divide by zero in the cost model
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise HardwareSpecError(repr(self), f"{name}={value!r}", "a speed must be a positive finite number")
 
 
 # name fragment (lower case) -> (flops, host_bandwidth, peer_bandwidth); sustained figures, not datasheet peaks
@@ -116,6 +141,8 @@ class Hardware:
         may follow: ``gpu=4090`` (defaults for that model), ``flops=165T``, ``host_bw=25GB``, ``peer_bw=50GB``
         (bytes per second).
         """
+        if not isinstance(spec, str):
+            raise ArgumentTypeError("hardware", spec, "a spec string such as '2x24GiB,cpu=64GiB' or a Hardware")
         devices: dict[str, int] = {}
         settings: dict[str, str] = {}
         for part in (p.strip() for p in spec.split(",")):
@@ -140,9 +167,11 @@ class Hardware:
 
         As in accelerate, GPUs left out of ``max_memory`` are not used; the CPU keeps its figure unless given.
         """
-        given = {normalize_device(k): parse_bytes(v) for k, v in max_memory.items()}
+        if not isinstance(max_memory, Mapping):
+            raise ArgumentTypeError("max_memory", max_memory, "a dict such as {0: '20GiB', 'cpu': '64GiB'}")
+        given = {real_device(k): parse_bytes(v) for k, v in max_memory.items()}
         for name in given:
-            if name not in self.names and not name.startswith("meta:"):
+            if name not in self.names:
                 raise UnknownDeviceError(name, self.names)
         memory = {d.name: d.memory for d in self.devices if d.name == "cpu"}
         memory.update(given)
@@ -170,14 +199,16 @@ def _parse_part(spec: str, part: str, gpus: int) -> list[tuple[str, int]]:
     shorthand = _SHORTHAND.match(part)
     if shorthand:
         count, size = int(shorthand.group(1)), _size(spec, part, shorthand.group(2))
+        if not 0 < count <= MAX_GPUS:
+            raise HardwareSpecError(spec, part, f"COUNT must be between 1 and {MAX_GPUS}")
         return [(f"cuda:{gpus + i}", size) for i in range(count)]
     if "=" not in part:
         raise HardwareSpecError(spec, part, "each device is NAME=SIZE, or COUNTxSIZE for identical GPUs")
     name, size = part.split("=", 1)
     try:
-        device = normalize_device(name.strip())
+        device = real_device(name.strip())
     except UnknownDeviceError as err:
-        raise HardwareSpecError(spec, part, f"{name.strip()!r} is not a device name") from err
+        raise HardwareSpecError(spec, part, f"{name.strip()!r} {err.reason}") from err
     return [(device, _size(spec, part, size))]
 
 
@@ -187,18 +218,28 @@ def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
     if "flops" in settings:
         flops = _flops(spec, settings["flops"])
     if "host_bw" in settings:
-        host = float(_size(spec, f"host_bw={settings['host_bw']}", settings["host_bw"]))
+        host = _bandwidth(spec, "host_bw", settings["host_bw"])
     if "peer_bw" in settings:
-        peer = float(_size(spec, f"peer_bw={settings['peer_bw']}", settings["peer_bw"]))
+        peer = _bandwidth(spec, "peer_bw", settings["peer_bw"])
     return Performance(flops, host, peer, base.cpu_flops)
+
+
+def _bandwidth(spec: str, key: str, text: str) -> float:
+    value = float(_size(spec, f"{key}={text}", text))
+    if value <= 0:
+        raise HardwareSpecError(spec, f"{key}={text}", "a bandwidth must be above zero bytes per second")
+    return value
 
 
 def _flops(spec: str, text: str) -> float:
     scale = {"": 1.0, "g": 1e9, "t": 1e12, "p": 1e15}
-    match = re.match(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([gtpGTP]?)\s*$", text)
+    match = re.match(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([gtpGTP]?)\s*$", text, re.ASCII)
     if not match:
         raise HardwareSpecError(spec, f"flops={text}", "write FLOP/s as a number with an optional G, T or P")
-    return float(match.group(1)) * scale[match.group(2).lower()]
+    flops = float(match.group(1)) * scale[match.group(2).lower()]
+    if not 0 < flops < float("inf"):
+        raise HardwareSpecError(spec, f"flops={text}", "FLOP/s must be above zero")
+    return flops
 
 
 def _size(spec: str, part: str, text: str) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -18,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-from .errors import ArgumentConflictError, CheckpointError, NotAPipelineError, UnknownDtypeError
+from .errors import (
+    ArgumentConflictError,
+    ArgumentTypeError,
+    CheckpointError,
+    NotAPipelineError,
+    UnknownDtypeError,
+    VariantNotFoundError,
+)
 
 # safetensors dtype codes -> bytes per element
 _ELEMENT_BYTES = {
@@ -28,6 +36,7 @@ _ELEMENT_BYTES = {
 _FLOATING = {"F64", "F32", "F16", "BF16"}
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 _MAX_HEADER = 100 * 1024 * 1024
+_WEIGHTED_LIBRARIES = ("diffusers", "transformers")  # their components are loaded from a subfolder
 # Nominal calls per image of a denoiser: 50 steps, twice each under classifier-free guidance. Every other model (text
 # encoders, VAE, image encoders) runs once per image; back-to-back calls (a prompt and its negative) need one onload.
 DENOISER_CALLS = 100
@@ -108,13 +117,10 @@ def inspect(source, dtype: torch.dtype | str | None = None, variant: str | None 
     >>> [(c.name, c.bytes) for c in inv.models]                                      # doctest: +SKIP
     """
     target = resolve_dtype(dtype, torch_dtype)
+    if variant is not None and not isinstance(variant, str):
+        raise ArgumentTypeError("variant", variant, "a string such as 'fp16', or None")
     if isinstance(source, Inventory):
         return source
-    if isinstance(source, str) and not os.path.exists(source):
-        from . import catalog  # a published pipeline by name ("flux.1-dev"): sized from its configs, no download
-
-        if catalog.resolve(source) is not None:
-            return catalog.inventory(source, target)
     if isinstance(source, (str, os.PathLike)):
         return _inspect_folder(Path(source), target, variant)
     if hasattr(source, "components") and hasattr(source, "config"):
@@ -143,11 +149,13 @@ def read_model_index(folder: Path) -> dict:
 
 def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None) -> Inventory:
     index = read_model_index(folder)
+    check_variant(folder, index, variant)
     components = []
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
             continue
         library, class_name = entry
+        check_entry(folder, name, library, class_name)
         files = weight_files(folder / name, variant) if library is not None else []
         if not files:
             components.append(Component(name, library, class_name))
@@ -158,6 +166,46 @@ def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None
         components.append(Component(name, library, class_name, sum(sizes.values()), True,
                                     in_flight=streamed_bytes(sizes), blocks=split_blocks(sizes)))
     return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
+
+
+def check_entry(folder: Path, name: str, library, class_name) -> None:
+    """A ``model_index.json`` entry that names a library pipemap can import and a subfolder that exists."""
+    if library is None and class_name is None:
+        return  # an optional component left out (a safety checker), as diffusers writes it
+    if not isinstance(library, str) or not isinstance(class_name, str):
+        raise NotAPipelineError(str(folder), f"model_index.json entry {name!r} is {[library, class_name]!r}, "
+                                "not [library, class name]")
+    if importlib.util.find_spec(library.split(".")[0]) is None:
+        raise NotAPipelineError(str(folder), f"component {name!r} names the library {library!r}, which is not "
+                                "installed; install it, or fix model_index.json")
+    if not (folder / name).is_dir() and library in _WEIGHTED_LIBRARIES:
+        raise NotAPipelineError(str(folder), f"component {name!r} has no subfolder {name}/; restore it from the "
+                                "pipeline's repository, or set its entry to [null, null] if the pipeline allows")
+
+
+def check_variant(folder: Path, index: Mapping, variant: str | None) -> None:
+    """A ``variant`` that at least one component has files of (diffusers falls back per component, but a variant
+    none has is a typo that would silently load the plain weights)."""
+    if variant is None:
+        return
+    found: set[str] = set()
+    for name in index:
+        if not name.startswith("_") and (folder / name).is_dir():
+            found |= {v for v in map(_variant_of, (folder / name).iterdir()) if v}
+    if variant not in found:
+        raise VariantNotFoundError(str(folder), variant, tuple(sorted(found)))
+
+
+def _variant_of(path: Path) -> str | None:
+    """``fp16`` of ``model.fp16.safetensors``, ``model.fp16-00001-of-00002.safetensors`` or
+    ``model.safetensors.index.fp16.json``; None for plain files."""
+    name = path.name
+    if name.endswith(".json") and ".safetensors.index." in name:
+        return name[: -len(".json")].rpartition(".safetensors.index.")[2] or None
+    if name.endswith(".safetensors"):
+        stem = _SHARD.sub("", name[: -len(".safetensors")])
+        return stem.rpartition(".")[2] if "." in stem else None
+    return None
 
 
 def default_dtype(subfolder: Path, library: str) -> torch.dtype:
@@ -200,8 +248,13 @@ def _indexed_files(subfolder: Path, variant: str | None) -> list[Path]:
         for index in sorted(subfolder.glob(f"*{suffix}")):
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
                 raise CheckpointError(str(index), f"the shard index is unreadable ({err})") from err
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
+                    for k, v in weight_map.items()):
+                raise CheckpointError(str(index), "its weight_map is not a mapping of tensor names to file names "
+                                      "in the same folder")
             files = [subfolder / f for f in sorted(set(weight_map.values()))]
             missing = [str(f) for f in files if not f.is_file()]
             if missing:
@@ -230,11 +283,18 @@ def read_header(path: Path) -> dict[str, dict]:
         raise CheckpointError(str(path), str(err)) from err
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(str(path), f"the header is not valid JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise CheckpointError(str(path), f"the header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
     for key, meta in header.items():
-        if not isinstance(meta, dict) or meta.get("dtype") not in _ELEMENT_BYTES or "shape" not in meta:
-            raise CheckpointError(str(path), f"the entry for tensor {key!r} is malformed: {meta!r}")
+        if not isinstance(meta, dict) or meta.get("dtype") not in _ELEMENT_BYTES or not _is_shape(meta.get("shape")):
+            raise CheckpointError(str(path), f"the entry for tensor {key!r} is malformed: {str(meta)[:200]}")
     return header
+
+
+def _is_shape(shape) -> bool:
+    """A list of non-negative integers (JSON booleans are not sizes)."""
+    return isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
 
 
 def streamed_bytes(sizes: Mapping[str, int]) -> int:
@@ -403,12 +463,18 @@ def _origin(value) -> tuple[str | None, str | None]:
 
 
 def _as_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
+    if value is None:
         return value
-    name = str(value).removeprefix("torch.")
-    candidate = getattr(torch, name, None)
-    if not isinstance(candidate, torch.dtype):
-        raise UnknownDtypeError(value)
+    if isinstance(value, torch.dtype):
+        candidate = value
+    elif isinstance(value, str):
+        candidate = getattr(torch, value.strip().removeprefix("torch."), None)
+        if not isinstance(candidate, torch.dtype):
+            raise UnknownDtypeError(value)
+    else:
+        raise UnknownDtypeError(value, f"a {type(value).__name__} is not a dtype")
+    if not candidate.is_floating_point or candidate.itemsize < 2:  # int, bool, complex, fp8: weights don't load so
+        raise UnknownDtypeError(value, "pipemap loads weights in a floating dtype of 16 bits or more")
     return candidate
 
 

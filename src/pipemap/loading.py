@@ -9,17 +9,20 @@ parts (tokenizers, scheduler).
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from .dispatch import dispatch
-from .hardware import Hardware
+from .errors import ArgumentConflictError, ArgumentTypeError, PlanMismatchError, UnknownDeviceError
+from .hardware import Hardware, real_device
 from .inventory import Component, Inventory, inspect, live_component, read_model_index, resolve_dtype
 from .plan import Plan
 from .planner import budgets, plan_inventory, resolve_hardware, resolve_strategy
 from .quiet import quiet_progress
+from .units import parse_bytes
 
 
 def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str | None = None, max_memory=None,
@@ -35,20 +38,76 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
     >>> pipe.hf_device_map                                                              # doctest: +SKIP
     {'text_encoder': 'cuda:1', 'text_encoder_2': 'cuda:1', 'unet': 'cuda:0', 'vae': 'cuda:1'}
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError("path", path, "a pipeline folder (a str or a Path)")
+    if plan is not None and not isinstance(plan, Plan):
+        raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns, or None")
     folder = Path(path)
     index = read_model_index(folder)
     dtype = resolve_dtype(dtype, torch_dtype)
     passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index and not k.startswith("_")}
+    strategy = resolve_strategy(strategy, device_map) if strategy is not None or device_map is not None else None
+    inventory = with_passed(inspect(folder, dtype, variant), passed)  # headers only: checks before any load
     if plan is None:
-        inventory = with_passed(inspect(folder, dtype, variant), passed)
         hw = resolve_hardware(hardware, max_memory)
-        plan = plan_inventory(inventory, hw, resolve_strategy(strategy, device_map), budgets(hw, headroom))
+        plan = plan_inventory(inventory, hw, strategy or "balanced", budgets(hw, headroom))
+    else:
+        check_plan_arguments(plan, strategy, hardware, max_memory, dtype, variant, headroom)
+        check_plan_fits(plan, inventory)
     dtype = dtype if dtype is not None else _plan_dtype(plan)
     variant = variant if variant is not None else plan.variant
     with quiet_progress():
         pipe = _load_onto(folder, index, plan, passed, dtype, variant, progress, kwargs)
     dispatch(pipe, plan, check_transfers=check_transfers)
     return pipe
+
+
+def check_plan_arguments(plan: Plan, strategy, hardware, max_memory, dtype, variant, headroom) -> None:
+    """Arguments given beside a plan must say what the plan says (they were for making it): else an
+    ``ArgumentConflictError``, before anything loads."""
+    said = plan.device_map
+    if isinstance(strategy, dict) and any(said.get(c) != real_device(d) for c, d in strategy.items()):
+        raise _conflict("strategy", strategy, "plan", said)
+    if isinstance(strategy, str) and strategy != plan.strategy:
+        raise _conflict("strategy", strategy, "plan", f"a plan of strategy {plan.strategy!r}")
+    memory = {d.device: d.memory for d in plan.devices}
+    if hardware is not None and {d.name: d.memory for d in resolve_hardware(hardware, None).devices} != memory:
+        raise _conflict("hardware", str(hardware), "plan", f"a plan for {_machine(plan)}")
+    if max_memory is not None and any(memory.get(real_device(k)) != parse_bytes(v) for k, v in max_memory.items()):
+        raise _conflict("max_memory", max_memory, "plan", f"a plan for {_machine(plan)}")
+    if dtype is not None and str(dtype).removeprefix("torch.") != plan.dtype:
+        raise _conflict("dtype", dtype, "plan", f"a plan for dtype {plan.dtype}")
+    if variant is not None and variant != plan.variant:
+        raise _conflict("variant", variant, "plan", f"a plan for variant {plan.variant}")
+    if headroom is not None:
+        raise _conflict("headroom", headroom, "plan", "a plan whose budgets are set already")
+
+
+def check_plan_fits(plan: Plan, inventory: Inventory) -> None:
+    """The plan places exactly the folder's models, on devices this machine has, as ``dispatch`` will check; here
+    before any weight is loaded."""
+    models = {c.name for c in inventory.models}
+    for name in models - set(plan.device_map):
+        raise PlanMismatchError(name, "the folder has this model but the plan does not place it: it was made for "
+                                "another pipeline; re-plan from this folder (pipemap.plan(path, ...))")
+    for name in set(plan.device_map) - models:
+        raise PlanMismatchError(name, f"the plan places it but the folder has no such model (it has: "
+                                f"{', '.join(sorted(models))}); re-plan from this folder")
+    here = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+    for p in plan.components:
+        for device in (p.device, p.execution_device, *(d for _, d, _ in p.shards)):
+            if device not in here:
+                raise UnknownDeviceError(device, tuple(here), f"(where the plan puts {p.component!r}) is not on "
+                                         "this machine: re-plan here, or plan.remap() it onto devices it has")
+
+
+def _conflict(name: str, value, _plan: str, says) -> ArgumentConflictError:
+    return ArgumentConflictError(name, value, "plan", says, "the plan already settles it: drop the argument, or "
+                                 "make a new plan with it (pipemap.plan)")
+
+
+def _machine(plan: Plan) -> str:
+    return ",".join(f"{d.device}={d.memory}" for d in plan.devices)
 
 
 def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, variant, progress: bool, kwargs: dict):

@@ -9,10 +9,7 @@ import io
 import json
 from dataclasses import dataclass, field, replace
 
-from rich.console import Console
-from rich.table import Table
-
-from .hardware import normalize_device
+from .errors import PlanFormatError, UnknownDeviceError
 from .units import format_bytes
 
 MODES = ("resident", "offload", "stream", "split")
@@ -106,6 +103,8 @@ class Plan:
 
     def remap(self, mapping: dict[str, str]) -> Plan:
         """The same plan on other devices, every mode kept: ``plan.remap({"cuda:0": "cpu", "cuda:1": "cpu"})``."""
+        from .hardware import normalize_device  # here: hardware imports torch, which printing a plan does not need
+
         move = {normalize_device(k): normalize_device(v) for k, v in mapping.items()}
 
         def dev(name: str) -> str:
@@ -126,20 +125,26 @@ class Plan:
 
     # ---- printing and JSON -------------------------------------------------------------------------------------
 
-    def table(self) -> Table:
+    def table(self):
         """The plan as a rich table (components, then devices), for printing to a terminal."""
-        table = Table(title=f"pipemap plan: strategy {self.strategy!r}, execution device {self.execution_device}"
-                      + (f", dtype {self.dtype}" if self.dtype else ""))
+        from rich.table import Table
+        from rich.text import Text  # plain text: "[cuda:0]" or a component name is no rich markup
+
+        table = Table(title=Text(f"pipemap plan: strategy {self.strategy!r}, execution device "
+                                 f"{self.execution_device}" + (f", dtype {self.dtype}" if self.dtype else "")))
         for column in ("component", "device", "mode", "runs on", "bytes"):
             table.add_column(column, justify="right" if column == "bytes" else "left")
         for p in self.components:
-            table.add_row(p.component, p.device, _mode_text(p), p.execution_device, format_bytes(p.bytes))
+            table.add_row(*map(Text, (p.component, p.device, _mode_text(p), p.execution_device, format_bytes(p.bytes))))
         table.add_section()
         for d in self.devices:
-            table.add_row(f"[{d.device}]", d.device, "total", "", f"{format_bytes(d.used)} of {format_bytes(d.budget)}")
+            table.add_row(*map(Text, (f"[{d.device}]", d.device, "total", "",
+                                      f"{format_bytes(d.used)} of {format_bytes(d.budget)}")))
         return table
 
     def __str__(self) -> str:
+        from rich.console import Console
+
         buffer = io.StringIO()
         Console(file=buffer, width=100, color_system=None, force_terminal=False).print(self.table())
         return "\n".join([buffer.getvalue().rstrip(), *(f"note: {n}" for n in self.notes)])
@@ -179,17 +184,105 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
-        devices = tuple(DeviceUse(name, d.get("memory", d["budget"]), d["budget"], d["used"])
-                        for name, d in data["devices"].items())
-        components = tuple(Placement(name, c["device"], c["bytes"], c.get("mode", "resident"),
-                                     c.get("execution_device", ""), c.get("room", 0),
-                                     tuple((path, s["device"], s["bytes"]) for path, s in c.get("shards", {}).items()))
-                           for name, c in data["components"].items())
-        candidates = tuple(Candidate(c["strategy"], c["seconds"], tuple(c["peaks"].items()), c.get("reason", ""))
-                           for c in data.get("candidates", ()))
-        return cls(data["strategy"], components, devices, data["execution_device"], data.get("dtype"),
-                   data.get("variant"), tuple(data.get("notes", ())), candidates)
+        """A plan from ``to_dict``'s form, checked as ``pipemap.plan`` checks its input (``PlanFormatError``)."""
+        data = _mapping(data, "the plan")
+        devices = tuple(DeviceUse(_device(name), _size(d, "memory", d.get("budget")), _size(d, "budget"),
+                                  _size(d, "used")) for name, d in _items(data, "devices"))
+        components = tuple(_placement(name, c) for name, c in _items(data, "components"))
+        known = {d.device for d in devices}
+        for p in components:
+            for device in (p.device, p.execution_device, *(d for _, d, _ in p.shards)):
+                if device not in known:
+                    raise PlanFormatError(f"component {p.component!r} uses {device}, which is not among the "
+                                          f"plan's devices ({', '.join(sorted(known))})")
+        try:
+            candidates = tuple(Candidate(c["strategy"], c["seconds"], tuple(c["peaks"].items()), c.get("reason", ""))
+                               for c in data.get("candidates", ()))
+        except (KeyError, TypeError, AttributeError) as err:
+            raise PlanFormatError(f"the candidates are malformed ({type(err).__name__}: {err})") from None
+        return cls(_text(data, "strategy"), components, devices, _device(_text(data, "execution_device")),
+                   _text(data, "dtype", optional=True), _text(data, "variant", optional=True),
+                   tuple(_strings(data.get("notes", []), "notes")), candidates)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+        """A plan saved by ``to_json``: ``Plan.from_json(Path("plan.json").read_text())``."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise PlanFormatError(f"from_json takes the JSON text, not a {type(text).__name__}")
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise PlanFormatError(f"it is not valid JSON ({err})") from None
+        return cls.from_dict(data)
+
+
+# ---- checking a saved plan (PlanFormatError says what is wrong) ----------------------------------------------------
+
+
+def _mapping(value, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise PlanFormatError(f"{what} is a {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _items(data: dict, key: str):
+    if key not in data:
+        raise PlanFormatError(f"the key {key!r} is missing")
+    items = _mapping(data[key], repr(key)).items()
+    if key == "components" and not items:
+        raise PlanFormatError("it places no component")
+    return [(_string(name, key), _mapping(value, f"{key}[{name!r}]")) for name, value in items]
+
+
+def _string(value, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise PlanFormatError(f"{what}: {value!r} is not a name")
+    return value
+
+
+def _strings(value, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PlanFormatError(f"{what!r} is not a list of strings")
+    return value
+
+
+def _text(data: dict, key: str, optional: bool = False) -> str | None:
+    if key not in data and not optional:
+        raise PlanFormatError(f"the key {key!r} is missing")
+    value = data.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise PlanFormatError(f"{key!r} is {value!r}, not a string")
+    return value
+
+
+def _size(data: dict, key: str, default=None) -> int:
+    value = data.get(key, default)
+    if value is None:
+        raise PlanFormatError(f"a {key!r} figure is missing in {data!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PlanFormatError(f"{key!r} is {value!r}, not a whole number of bytes")
+    return value
+
+
+def _device(name) -> str:
+    from .hardware import real_device  # the same rule as pipemap.plan's: no stand-in, no unknown device type
+
+    try:
+        return real_device(_string(name, "device"))
+    except UnknownDeviceError as err:
+        raise PlanFormatError(f"{name!r} {err.reason}") from None
+
+
+def _placement(name: str, c: dict) -> Placement:
+    mode = c.get("mode", "resident")
+    if mode not in MODES:
+        raise PlanFormatError(f"component {name!r} has mode {mode!r}; the modes are {', '.join(MODES)}")
+    shards = tuple((_string(path, "shard"), _device(_mapping(s, f"shard {path!r}").get("device")), _size(s, "bytes"))
+                   for path, s in _mapping(c.get("shards", {}), f"{name!r} shards").items())
+    if (mode == "split") != bool(shards):
+        raise PlanFormatError(f"component {name!r}: a split component, and only one, lists shards")
+    execution = c.get("execution_device") or c.get("device")
+    return Placement(name, _device(c.get("device")), _size(c, "bytes"), mode, _device(execution), _size(c, "room", 0),
+                     shards)

@@ -8,20 +8,24 @@ the code around it validates input, applies dict maps and totals the budgets.
 from __future__ import annotations
 
 import itertools
+import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from .errors import (
     ArgumentConflictError,
+    ArgumentTypeError,
     DoesNotFitError,
     HeadroomError,
     UnknownComponentError,
     UnknownDeviceError,
     UnknownStrategyError,
 )
-from .hardware import Hardware, is_accelerator, normalize_device
-from .inventory import DENOISERS, Inventory, inspect
+from .hardware import Hardware, is_accelerator, real_device
+from .inventory import DENOISERS, Inventory, resolve_dtype
+from .inventory import inspect as inspect_source
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .units import parse_bytes
 
@@ -29,6 +33,7 @@ AUTO = "auto"
 DEFAULT_HEADROOM = 0.10  # of each GPU's memory, kept for activations until a dry run measures them
 
 
+_FRACTION = re.compile(r"^\s*(\d+\.\d*|\.\d+)\s*$", re.ASCII)  # "0.1" reads as the float it looks like
 MAX_SEARCHED = 12  # components: beyond this, the offloading strategies try cheapest-first prefixes, not every set
 
 
@@ -218,41 +223,67 @@ MIXED: dict[str, Strategy] = {
 
 def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
          max_memory: Mapping | None = None, dtype=None, variant: str | None = None, headroom=None, *,
-         device_map: str | Mapping | None = None, torch_dtype=None, call: Mapping | None = None) -> Plan:
-    """Where each component of a pipeline goes, before anything is loaded.
+         device_map: str | Mapping | None = None, torch_dtype=None) -> Plan:
+    """Where each component of a pipeline goes, before anything is loaded; ``pipemap.plan`` without
+    ``headroom="measure"`` (which ``pipemap.measure.plan`` composes above this and the dry run).
 
-    ``source`` is a pipeline folder (only headers are read), an ``Inventory`` or a loaded pipeline. ``strategy``
-    (or diffusers' name for it, ``device_map``) is ``"balanced"``, ``"sequential"`` or a dict
-    ``{component: device}`` whose missing components are placed by ``"balanced"``. ``headroom="measure"``
-    reserves on each device the activation peak a dry run of the pipeline's default call measures (``call=``
-    gives another call, e.g. a ControlNet image), re-planned until the reservation is stable.
+    ``source`` is a pipeline folder (only headers are read), a catalog name, an ``Inventory`` or a loaded pipeline.
+    ``strategy`` (or diffusers' name for it, ``device_map``) is one of ``STRATEGIES``, ``"auto"``, or a dict
+    ``{component: device}`` whose missing components are placed by ``"balanced"``.
 
-    >>> plan = pipemap.plan("path/to/sdxl", hardware="2x16GiB,cpu=64GiB", strategy={"vae": "cuda:1"},
-    ...                     dtype=torch.float16, variant="fp16")                         # doctest: +SKIP
-    >>> print(plan)                                                                    # doctest: +SKIP
+    >>> plan = pipemap.planner.plan("path/to/sdxl", hardware="2x16GiB,cpu=64GiB", strategy={"vae": "cuda:1"},
+    ...                             dtype=torch.float16, variant="fp16")                 # doctest: +SKIP
     """
+    if isinstance(headroom, str) and headroom.strip() == "measure":
+        raise HeadroomError(headroom, "a measured headroom needs a dry run, which pipemap.plan composes; call it")
     strategy = resolve_strategy(strategy, device_map)
-    inventory = inspect(source, dtype, variant, torch_dtype=torch_dtype)
     hw = resolve_hardware(hardware, max_memory)
-    if isinstance(headroom, str) and headroom == "measure":
-        from .simulate import measured_plan
-
-        return measured_plan(source, inventory, hw, strategy, call or {})
+    check_headroom(headroom)  # before the headers are read: bad input answers at once
+    inventory = inspect(source, dtype, variant, torch_dtype=torch_dtype)
     return plan_inventory(inventory, hw, strategy, budgets(hw, headroom))
 
 
+def inspect(source, dtype=None, variant: str | None = None, *, torch_dtype=None) -> Inventory:
+    """``inventory.inspect`` that also takes a published pipeline's name (``"flux.1-dev"``), sized by the catalog
+    from its configs, nothing downloaded.
+
+    >>> [c.name for c in pipemap.inspect("sdxl").models]                              # doctest: +SKIP
+    ['text_encoder', 'text_encoder_2', 'unet', 'vae']
+    """
+    if isinstance(source, str) and not os.path.exists(source):
+        from . import catalog  # here: it builds models on the meta device, which needs diffusers
+
+        if catalog.resolve(source) is not None:
+            return catalog.inventory(source, resolve_dtype(dtype, torch_dtype))
+    return inspect_source(source, dtype, variant, torch_dtype=torch_dtype)
+
+
 def resolve_strategy(strategy: str | Mapping | None, device_map: str | Mapping | None) -> str | dict:
+    """The one strategy asked for (``strategy`` or diffusers' ``device_map``), checked."""
     if strategy is not None and device_map is not None and strategy != device_map:
         raise ArgumentConflictError("strategy", strategy, "device_map", device_map)
     chosen = strategy if strategy is not None else device_map if device_map is not None else "balanced"
     if isinstance(chosen, Mapping):
-        return dict(chosen)
+        return _checked_map(chosen)
     if not isinstance(chosen, str) or (chosen not in STRATEGIES and chosen not in MIXED and chosen != AUTO):
         raise UnknownStrategyError(chosen, (AUTO, *STRATEGIES, "a dict {component: device}"))
     return chosen
 
 
+def _checked_map(mapping: Mapping) -> dict:
+    for component, device in mapping.items():
+        if not isinstance(component, str):
+            raise ArgumentTypeError("strategy", dict(mapping), "a dict {component name: device}, names as strings")
+        real_device(device)  # a bad device answers here, before any header is read
+    return dict(mapping)
+
+
 def resolve_hardware(hardware: Hardware | str | None, max_memory: Mapping | None) -> Hardware:
+    """The machine to plan for: a ``Hardware``, a spec string, or this machine (``None``), less ``max_memory``."""
+    if hardware is not None and not isinstance(hardware, (Hardware, str)):
+        raise ArgumentTypeError("hardware", hardware, "a spec string such as '2x24GiB,cpu=64GiB', a Hardware or None")
+    if max_memory is not None and not isinstance(max_memory, Mapping):
+        raise ArgumentTypeError("max_memory", max_memory, "a dict such as {0: '20GiB', 'cpu': '64GiB'} or None")
     hw = Hardware.parse(hardware) if isinstance(hardware, str) else hardware or Hardware.detect()
     return hw.with_max_memory(max_memory) if max_memory else hw
 
@@ -260,9 +291,12 @@ def resolve_hardware(hardware: Hardware | str | None, max_memory: Mapping | None
 def budgets(hw: Hardware, headroom=None) -> dict[str, int]:
     """Each device's budget: its memory less the headroom (a fraction of each GPU, bytes, or a per-device dict).
 
-    A dict sets the devices it names; the GPUs it leaves out keep the default 10%, the CPU none.
+    A dict sets the devices it names; the GPUs it leaves out keep the default 10%, the CPU none. A float or a string
+    with a decimal point (``"0.1"``) is a fraction; an int, or a string of digits with or without a unit
+    (``"2GiB"``, ``"100"``), is bytes.
     """
-    given = {normalize_device(k): v for k, v in headroom.items()} if isinstance(headroom, Mapping) else {}
+    check_headroom(headroom)
+    given = {real_device(k): v for k, v in headroom.items()} if isinstance(headroom, Mapping) else {}
     for name in given:
         if name not in hw.names:
             raise UnknownDeviceError(name, hw.names)
@@ -271,10 +305,26 @@ def budgets(hw: Hardware, headroom=None) -> dict[str, int]:
             for d in hw.devices}
 
 
+def check_headroom(headroom) -> None:
+    """Raise ``HeadroomError`` for a headroom ``budgets`` would refuse, without any hardware."""
+    if headroom is None:
+        return
+    values = headroom.values() if isinstance(headroom, Mapping) else (headroom,)
+    if isinstance(headroom, Mapping):
+        for key in headroom:
+            real_device(key)
+    for value in values:
+        _reserve(1 << 30, value)
+
+
 def _reserve(memory: int, headroom: float | int | str) -> int:
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float, str)):
+        raise HeadroomError(headroom, f"a {type(headroom).__name__} is no headroom")
+    if isinstance(headroom, str) and _FRACTION.match(headroom):
+        headroom = float(headroom)  # "0.1" is a fraction as 0.1 is; "100" is bytes as 100 is
     if isinstance(headroom, float):
         if not 0 <= headroom < 1:
-            raise HeadroomError(headroom, "a fraction must be at least 0 and below 1")
+            raise HeadroomError(headroom, "a fraction must be at least 0 and below 1 (for bytes, write a unit: '2GiB')")
         return int(memory * headroom)
     try:
         return min(memory, parse_bytes(headroom))
@@ -311,7 +361,7 @@ def _fixed(mapping: dict, sizes: Mapping[str, int], hw: Hardware) -> dict[str, s
     for component, device in mapping.items():
         if component not in sizes:
             raise UnknownComponentError(component, tuple(sizes))
-        name = normalize_device(device)
+        name = real_device(device)
         if name not in hw.names:
             raise UnknownDeviceError(device, hw.names)
         fixed[component] = name

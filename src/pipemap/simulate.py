@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import accelerate
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import standin
 from .dispatch import dispatch, planned, unhook_component
-from .errors import HeadroomError, PipelineMappedError, PipemapError, SimulationFailedError
-from .inventory import Inventory
+from .errors import CallArgumentError, PipelineMappedError, PipemapError
 from .plan import Plan
 from .units import format_bytes
 
@@ -130,6 +130,9 @@ def default_call(pipe, steps: int, overrides: Mapping) -> dict:
     if "image" in parameters and "controlnet" in pipe.components and "image" not in overrides:
         size = _resolution(pipe, overrides)
         call["image"] = torch.zeros(1, 3, size[0], size[1])
+    unknown = tuple(k for k in overrides if k not in parameters)
+    if unknown and not _takes_kwargs(parameters):
+        raise CallArgumentError(type(pipe).__name__, unknown, tuple(p for p in parameters if p != "self"))
     call.update(overrides)
     return {k: v for k, v in call.items() if k in parameters or _takes_kwargs(parameters)}
 
@@ -176,10 +179,18 @@ def _failure(err: Exception, component: str | None) -> Failure:
 
 def _where(err: Exception) -> str:
     """The two innermost frames of diffusers', transformers' or the user's code that the error passed through."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if "/torch/" not in f.filename and "/pipemap/" not in f.filename and "/accelerate/" not in f.filename]
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not _library_frame(f.filename)]
     return " -> ".join(f"{Path(f.filename).name}:{f.lineno} ({f.name}: {(f.line or '').strip()[:100]})"
                        for f in frames[-2:])
+
+
+_SKIPPED = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (torch, accelerate))
+_OWN = str(Path(__file__).resolve().parent) + os.sep  # this package's own folder, not any folder named pipemap
+
+
+def _library_frame(filename: str) -> bool:
+    path = str(Path(filename).resolve())
+    return path.startswith(_OWN) or path.startswith(_SKIPPED)
 
 
 def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str], seconds: float,
@@ -201,28 +212,3 @@ def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str
     return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
                             seconds, shown, {d: weight_peak.get(d, 0) for d in peak})
 
-
-
-
-def measured_plan(source, inventory, hw, strategy, call: Mapping, rounds: int = 4) -> Plan:
-    """The plan whose headroom on each device covers the activation peak a dry run of ``call`` measures there.
-
-    Placement changes what runs where, so it re-plans with the measured figures until a plan's own dry run fits
-    its reservations; each device keeps the largest figure seen, so two layouts cannot take turns for ever.
-    """
-    from .planner import budgets, plan_inventory
-
-    if isinstance(source, Inventory):
-        raise HeadroomError("measure", "a dry run needs a pipeline folder or a loaded pipeline, not an Inventory")
-    current = plan_inventory(inventory, hw, strategy, budgets(hw))
-    reserve: dict[str, int] = {}
-    for _ in range(rounds):
-        report = simulate(source, current, **call)
-        if not report.ok:
-            raise SimulationFailedError(report)
-        if reserve and all(v <= reserve.get(d, 0) for d, v in report.activation_bytes.items()):
-            break
-        reserve = {d: max(reserve.get(d, 0), report.activation_bytes.get(d, 0)) for d in hw.names}
-        current = plan_inventory(inventory, hw, strategy, budgets(hw, reserve))
-    note = "headroom measured by a dry run: " + ", ".join(f"{d} {format_bytes(b)}" for d, b in reserve.items())
-    return replace(current, notes=current.notes + (note,))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from .errors import MemorySpecError
+from .errors import MemorySpecError, format_bytes  # format_bytes lives below, for error messages
 
 _UNITS = {
     "": 1, "b": 1,
     "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)  # ASCII: "２GiB" is no size
 
 
 def parse_bytes(value: int | str) -> int:
@@ -32,9 +32,4 @@ def parse_bytes(value: int | str) -> int:
     return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def format_bytes(n: int) -> str:
-    """A short human figure in powers of 1024: ``format_bytes(3 * 2**30) == "3.00 GiB"``."""
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+__all__ = ["format_bytes", "parse_bytes"]

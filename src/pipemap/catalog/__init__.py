@@ -20,14 +20,19 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import NotAPipelineError
-from ..inventory import Component, Inventory, _as_dtype, live_component
-from ..quiet import quiet_diffusers
 
+if TYPE_CHECKING:
+    import torch
+
+    from ..inventory import Inventory
+
+# torch, diffusers and the inventory are imported inside the functions that build models: listing the catalog
+# (`pipemap catalog`) reads only the JSON files here, so it answers without importing torch
 _FOLDER = Path(__file__).parent
+_SIZES = _FOLDER / "_sizes.json"  # each pipeline's model bytes at its published dtype, as `inventory` computes them
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class Entry:
 def _entries() -> dict[str, Entry]:
     entries = {}
     for path in sorted(_FOLDER.glob("*.json")):
+        if path.name.startswith("_"):
+            continue
         data = json.loads(path.read_text())
         entries[data["name"]] = Entry(data["name"], data["repo"], tuple(data.get("aliases", ())),
                                       data.get("description", ""), data["dtype"], data.get("component_dtypes", {}),
@@ -112,6 +119,8 @@ def _skeleton(name: str, component: str) -> torch.nn.Module:
     from accelerate import init_empty_weights
     from transformers import PreTrainedModel
 
+    from ..quiet import quiet_diffusers
+
     found = _entries()[name]
     library, class_name = found.model_index[component]
     cls, config = _model_class(library, class_name), found.configs[component]
@@ -138,6 +147,8 @@ def _transformers_config(config: dict):
 
 
 def _component_dtype(found: Entry, component: str, dtype: torch.dtype | None) -> torch.dtype:
+    from ..inventory import _as_dtype
+
     if dtype is not None:
         return dtype
     return _as_dtype(found.component_dtypes.get(component, found.dtype))
@@ -155,11 +166,15 @@ def inventory(name: str, dtype: torch.dtype | str | None = None) -> Inventory:
     >>> inv = inventory("flux-dev", dtype=torch.float16)             # doctest: +SKIP
     >>> plan = pipemap.plan(inv, hardware="2x40GiB,cpu=64GiB")        # doctest: +SKIP
     """
+    from ..inventory import _as_dtype
+
     return _inventory(entry(name).name, _as_dtype(dtype))
 
 
 @functools.cache
 def _inventory(name: str, dtype: torch.dtype | None) -> Inventory:
+    from ..inventory import Component, Inventory, _as_dtype, live_component
+
     found = _entries()[name]
     components = []
     for component, library, class_name in found.components():
@@ -183,26 +198,45 @@ def parameter_count(name: str) -> dict[str, int]:
             for component, _, _ in found.components() if component in found.configs}
 
 
+def recorded_sizes() -> dict[str, dict[str, int]]:
+    """``{pipeline: {model: bytes}}`` at each pipeline's published dtype, as recorded in ``_sizes.json`` (a test
+    checks the record against ``inventory``; ``write_sizes()`` refreshes it)."""
+    try:
+        return json.loads(_SIZES.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def write_sizes() -> None:
+    """Record every pipeline's model bytes at its published dtype, for ``pipemap catalog`` to list at once."""
+    sizes = {name: {c.name: c.bytes for c in inventory(name).models} for name in names()}
+    _SIZES.write_text(json.dumps(sizes, indent=1) + "\n")
+
+
 def run_catalog() -> int:
-    """Print the catalog as a table (``pipemap catalog``): each pipeline, its models' sizes at the published
-    dtype, and the total. Returns the exit code."""
+    """Print the catalog as a table (``pipemap catalog``): each pipeline, the short names ``pipemap plan`` takes, its
+    models' sizes at the published dtype, and the total. Returns the exit code."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from ..units import format_bytes
 
-    table = Table(title="pipemap catalog: plan any of these by name; nothing is downloaded")
-    table.add_column("pipeline")
+    table = Table(title="pipemap catalog: `pipemap plan NAME` plans any of these by name; nothing is downloaded")
+    table.add_column("pipeline (names `plan` takes)")
     table.add_column("component", no_wrap=True)
     table.add_column("size", justify="right", no_wrap=True)
+    recorded = recorded_sizes()
     for name in names():
-        inv = inventory(name)
-        dtypes = ", ".join([inv.dtype] + [f"{c} {d}" for c, d in _entries()[name].component_dtypes.items()])
-        about = [name, f"[dim]{inv.source}[/dim]", f"[dim]{inv.pipeline_class}, {dtypes}[/dim]"]
-        for i, component in enumerate(inv.models):
-            table.add_row(about[i] if i < len(about) else "", component.name, format_bytes(component.bytes))
-        total = format_bytes(sum(c.bytes for c in inv.models))
-        table.add_row("\n".join(about[len(inv.models):]), "[bold]total[/bold]", f"[bold]{total}[/bold]",
-                      end_section=True)
+        found = _entries()[name]
+        sizes = recorded.get(name) or {c.name: c.bytes for c in inventory(name).models}
+        dtypes = ", ".join([found.dtype] + [f"{c} {d}" for c, d in found.component_dtypes.items()])
+        short = ", ".join(a for a in found.aliases if a != name and "/" not in a)
+        about = [Text(name, "bold"), Text(f"names: {short}"), Text(found.repo, "dim"),
+                 Text(f"{found.pipeline_class}, {dtypes}", "dim")]
+        for i, (component, size) in enumerate(sizes.items()):
+            table.add_row(about[i] if i < len(about) else "", Text(component), format_bytes(size))
+        rest = Text("\n").join(about[len(sizes):])
+        table.add_row(rest, Text("total", "bold"), Text(format_bytes(sum(sizes.values())), "bold"), end_section=True)
     Console().print(table)
     return 0
