@@ -70,10 +70,13 @@ class Move:
     key: str
     original: torch.Tensor
     device: torch.device
+    data: torch.Tensor | None = None  # a parameter's .data before the move, which the move replaces in place
 
     def undo(self) -> None:
-        if self.store == "_parameters" and self.original.device != self.device:
-            self.original.data = move_tensor(self.original.data, self.device)  # its .data was moved in place
+        # the data it had, not a copy back: nothing to allocate (a failed dispatch may be out of memory), and
+        # nothing lost when the move went where data cannot come back from
+        if self.data is not None and self.original.data is not self.data:
+            self.original.data = self.data
         getattr(self.owner, self.store)[self.key] = self.original
 
 
@@ -96,7 +99,7 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     for placement in plan.components:
         module = modules[placement.component]
         try:
-            moves += _place(module, placement)
+            _place(module, placement, moves)  # records each tensor as it moves, so a failure part-way undoes it
             hook_component(module, make_hook(placement))
         except Exception as err:
             _undo(modules.values(), moves)
@@ -147,32 +150,37 @@ def planned(pipe) -> Plan | None:
     return pipe.__dict__.get("_pipemap_plan")
 
 
-def _place(module: torch.nn.Module, placement) -> list[Move]:
+def _place(module: torch.nn.Module, placement, moves: list[Move] | None = None) -> list[Move]:
     """A component's tensors onto its planned devices; a split component's blocks straight to theirs, so no GPU
-    ever holds the whole of a component that was split because it fits none."""
-    moves, placed = [], set()
+    ever holds the whole of a component that was split because it fits none. Each move is appended to ``moves`` as
+    it happens (see ``place_module``)."""
+    moves = [] if moves is None else moves
+    placed: set[int] = set()
     for path, device, _ in placement.shards:
         block = module.get_submodule(path)
-        moves += place_module(block, device)
+        place_module(block, device, moves=moves)
         placed |= {id(m) for m in block.modules()}
-    return moves + place_module(module, placement.device, skip=placed)
+    return place_module(module, placement.device, skip=placed, moves=moves)
 
 
-def place_module(module: torch.nn.Module, device: str | torch.device, skip: set[int] = frozenset()) -> list[Move]:
+def place_module(module: torch.nn.Module, device: str | torch.device, skip: set[int] = frozenset(),
+                 moves: list[Move] | None = None) -> list[Move]:
     """Move every parameter and buffer not yet on ``device`` there, through the one transfer function; returns what
     it moved, so a failed dispatch can put exactly that back (a load places most tensors already where they go).
+    Each move is appended to ``moves`` (when given) before the tensor is replaced, so a failure at any tensor leaves
+    the caller a record of every tensor already moved.
 
     ``module.to`` would do for real tensors, but it reassigns every tensor even when already in place (which fake
     weights of a dry run refuse) and bypasses pipemap's safe-copy routing.
     """
     target = torch.device(device)
-    moves = []
+    moves = [] if moves is None else moves
     for sub in module.modules():
         if id(sub) in skip:
             continue
         for key, param in sub._parameters.items():
             if param is not None and param.device != target:
-                moves.append(Move(sub, "_parameters", key, param, param.device))
+                moves.append(Move(sub, "_parameters", key, param, param.device, param.data))
                 _move_parameter(sub, key, param, target)
         for key, buffer in sub._buffers.items():
             if buffer is not None and buffer.device != target:
