@@ -130,8 +130,8 @@ def default_call(pipe, steps: int, overrides: Mapping) -> dict:
     if "image" in parameters and "controlnet" in pipe.components and "image" not in overrides:
         size = _resolution(pipe, overrides)
         call["image"] = torch.zeros(1, 3, size[0], size[1])
-    unknown = tuple(k for k in overrides if k not in parameters)
-    if unknown and not _takes_kwargs(parameters):
+    unknown = tuple(k for k in overrides if k not in parameters)  # a pipeline's **kwargs only catch deprecated names
+    if unknown:
         raise CallArgumentError(type(pipe).__name__, unknown, tuple(p for p in parameters if p != "self"))
     call.update(overrides)
     return {k: v for k, v in call.items() if k in parameters or _takes_kwargs(parameters)}
