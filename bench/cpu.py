@@ -17,6 +17,9 @@ Sections (each one function ``bench_<name>(ctx) -> list[Row]``, registered in ``
 - ``catalog``: ``pipemap.plan(name, strategy="auto")`` for each catalog entry, first and cached call; the strategy
   chosen and its predicted seconds per image.
 - ``dry_run``: ``pipemap.simulate`` wall time from a loaded pipeline and from a folder, first and second call.
+- ``imports``: ``import pipemap``, ``pipemap --help`` and ``pipemap catalog`` in fresh processes vs
+  ``python -c "import torch"`` (alternating, medians, ratio pipemap / torch); and, where ``.venv`` is set up, a
+  second ``bash scripts/demo.sh`` (setup skipped by its stamp) in seconds.
 
 The table is printed and appended to ``bench/RESULTS.md``; the last line printed is ``summary: name=value ...``.
 See bench/README.md for how to read each figure.
@@ -523,12 +526,57 @@ def dry_run_plan(folder: Path):
         return pipemap.plan(folder, hardware=DRY_RUN_HARDWARE, headroom=0.0, strategy="auto"), "auto"
 
 
+# ---- section: imports and start-up ---------------------------------------------------------------------------------
+
+
+REPO = HERE.parent
+
+
+def bench_imports(ctx: Context) -> list[Row]:
+    """Start-up of the package and the command line, each in a fresh process, against importing torch alone."""
+    import importlib.util
+
+    src = str(Path(importlib.util.find_spec("pipemap").origin).parent.parent)
+    env = {**os.environ, "PYTHONPATH": src}
+    commands = {"torch": [sys.executable, "-c", "import torch"],
+                "import pipemap": [sys.executable, "-c", "import pipemap"],
+                "pipemap --help": [sys.executable, "-m", "pipemap", "--help"],
+                "pipemap catalog": [sys.executable, "-m", "pipemap", "catalog"]}
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(3 if ctx.quick else 7):
+        for name, command in commands.items():
+            times[name].append(timed(lambda c=command: subprocess.run(c, env=env, check=True, capture_output=True)))
+    torch_s = statistics.median(times["torch"])
+    rows = [Row("imports", "-", f"{name}, fresh process", statistics.median(times[name]), torch_s, "s", "< 0.2x",
+                f"median of {len(times[name])}; peer: python -c 'import torch'")
+            for name in commands if name != "torch"]
+    for row in rows:
+        ctx.summary[row.metric.split(",")[0].replace(" ", "_").replace("--", "")] = f"{row.ratio:.3f}x"
+    return rows + demo_rows(ctx, env)
+
+
+def demo_rows(ctx: Context, env: dict) -> list[Row]:
+    """A second ``bash scripts/demo.sh``: setup finds its stamp and skips every install. Needs ``.venv`` set up by
+    a first run (or ``bash scripts/setup.sh``); skipped otherwise."""
+    if not (REPO / ".venv" / ".pipemap-setup").is_file():
+        return [Row("imports", "demo", "second scripts/demo.sh", float("nan"), None, "s", "< 20",
+                    "skipped: run bash scripts/setup.sh first")]
+    output = ctx.work / "demo.png"
+    setup = timed(lambda: subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env, check=True))
+    demo = timed(lambda: subprocess.run(["bash", "scripts/demo.sh", "--output", str(output)], cwd=REPO, env=env,
+                                        check=True, capture_output=True))
+    ctx.summary["demo_second_s"] = f"{demo:.1f}"
+    return [Row("imports", "demo", "setup.sh, already set up", setup, None, "s", "< 1"),
+            Row("imports", "demo", "second scripts/demo.sh, whole", demo, None, "s", "< 20",
+                "setup skipped; builds, plans, loads and runs the tiny pipeline twice")]
+
+
 # ---- running, printing, recording ----------------------------------------------------------------------------------
 
 
 SECTIONS: dict[str, Callable[[Context], list[Row]]] = {
     "plan": bench_plan, "hooks": bench_hooks, "load": bench_load, "offload": bench_offload, "catalog": bench_catalog,
-    "dry_run": bench_dry_run,
+    "dry_run": bench_dry_run, "imports": bench_imports,
 }
 
 
