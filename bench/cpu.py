@@ -13,7 +13,7 @@ Sections (each one function ``bench_<name>(ctx) -> list[Row]``, registered in ``
 - ``load``:  ``pipemap.load`` vs ``DiffusionPipeline.from_pretrained``, each in a fresh child process (wall time and
   peak RSS above the post-import baseline), alternating, medians, ratio pipemap / diffusers.
 - ``offload``: weights moved for one image under a one-GPU offloading plan (a budget that forces offload, remapped
-  onto the CPU) vs diffusers' ``enable_model_cpu_offload`` (``pipemap.offload.bytes_moved_per_image``).
+  onto the CPU) vs diffusers' ``enable_model_cpu_offload`` (``pipemap.traffic.bytes_moved_per_image``).
 - ``catalog``: ``pipemap.plan(name, strategy="auto")`` for each catalog entry, first and cached call; the strategy
   chosen and its predicted seconds per image.
 - ``dry_run``: ``pipemap.simulate`` wall time from a loaded pipeline and from a folder, first and second call.
@@ -412,11 +412,11 @@ SHORT_STRATEGY = {"balanced_low_memory": "low_memory", "balanced_ultra_low_memor
 
 def bench_offload(ctx: Context) -> list[Row]:
     """Weights moved for one image under an offloading plan (one GPU, a budget that forces offload, remapped onto
-    the CPU) vs diffusers' ``enable_model_cpu_offload``, through ``pipemap.offload.bytes_moved_per_image``."""
+    the CPU) vs diffusers' ``enable_model_cpu_offload``, through ``pipemap.traffic.bytes_moved_per_image``."""
     from diffusers import DiffusionPipeline
 
     import pipemap
-    from pipemap import offload, tiny
+    from pipemap import tiny, traffic
 
     rows = []
     for kind in TINY_KINDS:
@@ -436,7 +436,7 @@ def bench_offload(ctx: Context) -> list[Row]:
         for strategy, budget, why in cases:
             hardware = pipemap.Hardware.parse(f"cuda:0={budget},cpu=1GiB")
             gpu_plan = pipemap.plan(inv, hardware=hardware, strategy=strategy, headroom=0.0)
-            moved = offload.bytes_moved_per_image(pipe, gpu_plan.remap({"cuda:0": "cpu"}), **call)
+            moved = traffic.bytes_moved_per_image(pipe, gpu_plan.remap({"cuda:0": "cpu"}), **call)
             away = ", ".join(f"{p.component} {p.mode}" for p in gpu_plan.components if p.mode != "resident")
             metric = f"bytes moved / image, {SHORT_STRATEGY[strategy]}"
             note = f"cuda:0={budget / 2**20:.2f} MiB ({why}); {away or 'all resident'}"

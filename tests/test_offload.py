@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 import pipemap
 from conftest import plain_pipeline, run
-from pipemap import offload, tiny
+from pipemap import offload, tiny, traffic
 from pipemap.dispatch import hook_component, unhook_component
 from pipemap.inventory import Component, Inventory, stream_blocks
 from pipemap.plan import DeviceUse, Placement, Plan
@@ -258,7 +258,7 @@ def _sizes(pipe) -> dict[str, int]:
 def test_nothing_moves_when_everything_fits(tiny_folders):
     pipe = plain_pipeline(tiny_folders["sdxl"])
     fits = pipemap.plan(pipe, hardware="cuda:0=1GiB,cpu=1GiB", strategy="balanced_low_memory", headroom=0.0)
-    result = offload.bytes_moved_per_image(pipe, fits.remap({"cuda:0": "cpu"}), **tiny.default_call(pipe, "sdxl"))
+    result = traffic.bytes_moved_per_image(pipe, fits.remap({"cuda:0": "cpu"}), **tiny.default_call(pipe, "sdxl"))
     assert set(_moved(result.pipemap).values()) == {0} and result.ratio == 0.0
 
 
@@ -269,7 +269,7 @@ def test_only_the_text_encoders_move_when_the_rest_fits(tiny_folders):
     gpu_plan = pipemap.plan(inv, hardware=f"cuda:0={rest + 4096},cpu=1GiB", strategy="balanced_low_memory",
                             headroom=0.0)
     assert {p.component for p in gpu_plan.components if p.mode == "offload"} == {"text_encoder", "text_encoder_2"}
-    result = offload.bytes_moved_per_image(pipe, gpu_plan.remap({"cuda:0": "cpu"}), **tiny.default_call(pipe, "sdxl"))
+    result = traffic.bytes_moved_per_image(pipe, gpu_plan.remap({"cuda:0": "cpu"}), **tiny.default_call(pipe, "sdxl"))
     # each text encoder once per image (room for one at a time), the unet and vae never
     assert _moved(result.pipemap) == {"vae": 0, "text_encoder": sizes["text_encoder"],
                                       "text_encoder_2": sizes["text_encoder_2"], "unet": 0}
@@ -287,7 +287,7 @@ def test_text_encoder_called_twice_moves_once(tiny_folders, kind):
                             headroom=0.0)
     # one GPU: the cheapest set that fits moves the text encoder and the vae (the denoisers stay)
     assert {p.component for p in gpu_plan.components if p.mode == "offload"} == {"text_encoder", "vae"}
-    result = offload.bytes_moved_per_image(pipe, gpu_plan.remap({"cuda:0": "cpu"}), **tiny.default_call(pipe, kind))
+    result = traffic.bytes_moved_per_image(pipe, gpu_plan.remap({"cuda:0": "cpu"}), **tiny.default_call(pipe, kind))
     assert result.pipemap["text_encoder"]["calls"] == 2  # the prompt and the negative prompt
     assert _moved(result.pipemap) == {n: sizes[n] if n in ("text_encoder", "vae") else 0 for n in sizes}
     assert result.ratio <= 1.0
@@ -299,7 +299,7 @@ def test_bytes_moved_at_most_diffusers_model_offload(tiny_folders, kind, strateg
     pipe = plain_pipeline(tiny_folders[kind])
     gpu_plan = pipemap.plan(pipe, hardware=_forcing(pipemap.inspect(pipe), strategy, 1), strategy=strategy,
                             headroom=0.0)
-    result = offload.bytes_moved_per_image(pipe, gpu_plan.remap({"cuda:0": "cpu"}), **tiny.default_call(pipe, kind))
+    result = traffic.bytes_moved_per_image(pipe, gpu_plan.remap({"cuda:0": "cpu"}), **tiny.default_call(pipe, kind))
     assert 0 < result.ratio <= 1.0
     assert all(result.pipemap[d]["h2d_bytes"] == 0 for d in DENOISERS if d in result.pipemap)
     assert not any(hasattr(m, "_hf_hook") for m in _models(pipe).values()) and pipe.hf_device_map is None
@@ -309,7 +309,7 @@ def test_model_offload_stats_leave_the_pipeline_as_it_was(tiny_folders):
     pipe = plain_pipeline(tiny_folders["sd"])
     run(pipe, "sd")  # transformers installs hooks of its own at the first call
     before = _state(pipe)
-    counts = offload.model_offload_stats(pipe, **tiny.default_call(pipe, "sd"))
+    counts = traffic.model_offload_stats(pipe, **tiny.default_call(pipe, "sd"))
     assert counts["unet"]["calls"] == 2 and counts["text_encoder"]["calls"] == 2
     assert _moved(counts) == {n: 2 * s for n, s in _sizes(pipe).items()}
     after = _state(pipe)

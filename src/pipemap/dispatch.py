@@ -17,48 +17,17 @@ from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_mod
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
 from .errors import ArgumentTypeError, DispatchError, PipelineMappedError, PlanMismatchError
+from .hooks import Moved, PlacementHook
 from .plan import Plan
-from .transfer import ensure_safe_transfers, move, move_tensor
+from .transfer import ensure_safe_transfers, move_tensor
+
+__all__ = ["Moved", "PlacementHook", "SplitHook", "dispatch", "reset"]  # the hooks live in hooks.py, below offload
 
 # diffusers' VAEs run `encode`/`decode` through `apply_forward_hook`, which calls `pre_forward(module)` with no
 # arguments, so inputs would stay where they are; those methods get a wrapper of their own (found by this code).
 _FORWARD_HOOK_CODE = apply_forward_hook(lambda self: None).__code__
 _GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload",
             "reset_device_map")
-
-
-@dataclass
-class Moved:
-    """What a component's hook counted: calls, and weight bytes moved host to device and back."""
-
-    calls: int = 0
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-
-
-class PlacementHook(ModelHook):
-    """Inputs to ``device``; outputs to the pipeline's execution device.
-
-    ``execution_device`` is the attribute diffusers' ``DiffusionPipeline._execution_device`` reads from the first
-    hooked component: it names the pipeline's execution device (where latents and embeddings live), which is why
-    every pipemap hook carries that one, and the component's own device is ``device``.
-    """
-
-    def __init__(self, component: str, device: str, execution_device: str):
-        self.component = component
-        self.device = torch.device(device)
-        self.execution_device = torch.device(execution_device)
-        self.moved = Moved()
-
-    def pre_forward(self, module, *args, **kwargs):
-        self.moved.calls += 1
-        return move(args, self.device), move(kwargs, self.device)
-
-    def post_forward(self, module, output):
-        return move(output, self.execution_device)
-
-    def __repr__(self) -> str:
-        return f"PlacementHook({self.component!r}, device={self.device}, execution_device={self.execution_device})"
 
 
 @dataclass(frozen=True)
@@ -111,7 +80,7 @@ def _hook_maker(plan: Plan):
     """``placement -> hook``; the offloading hooks of one dispatch share one ledger of what is onloaded where."""
     if all(p.mode in ("resident", "split") for p in plan.components):
         return lambda p: _resident_hook(p, plan.execution_device)
-    from . import offload  # it builds on this module
+    from . import offload  # here: a plan without offloading needs none of it
 
     ledger = offload.Ledger()
 
