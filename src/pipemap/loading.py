@@ -71,7 +71,8 @@ def check_plan_arguments(plan: Plan, strategy, hardware, max_memory, dtype, vari
     if isinstance(strategy, str) and strategy != plan.strategy:
         raise _conflict("strategy", strategy, "plan", f"a plan of strategy {plan.strategy!r}")
     memory = {d.device: d.memory for d in plan.devices}
-    if hardware is not None and {d.name: d.memory for d in resolve_hardware(hardware, None).devices} != memory:
+    gpus = {d: m for d, m in memory.items() if d != "cpu"}  # a spec without cpu= takes the RAM free now: not compared
+    if hardware is not None and {d.name: d.memory for d in resolve_hardware(hardware, None).gpus} != gpus:
         raise _conflict("hardware", str(hardware), "plan", f"a plan for {_machine(plan)}")
     if max_memory is not None and any(memory.get(real_device(k)) != parse_bytes(v) for k, v in max_memory.items()):
         raise _conflict("max_memory", max_memory, "plan", f"a plan for {_machine(plan)}")
