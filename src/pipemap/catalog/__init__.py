@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 # torch, diffusers and the inventory are imported inside the functions that build models: listing the catalog
 # (`pipemap catalog`) reads only the JSON files here, so it answers without importing torch
 _FOLDER = Path(__file__).parent
-_SIZES = _FOLDER / "_sizes.json"  # each pipeline's model bytes at its published dtype, as `inventory` computes them
+# each pipeline's model bytes at its published dtype, as `inventory` computes them (JSON; not *.json, which are entries)
+_SIZES = _FOLDER / "sizes.record"
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,6 @@ class Entry:
 def _entries() -> dict[str, Entry]:
     entries = {}
     for path in sorted(_FOLDER.glob("*.json")):
-        if path.name.startswith("_"):
-            continue
         data = json.loads(path.read_text())
         entries[data["name"]] = Entry(data["name"], data["repo"], tuple(data.get("aliases", ())),
                                       data.get("description", ""), data["dtype"], data.get("component_dtypes", {}),
@@ -199,7 +198,7 @@ def parameter_count(name: str) -> dict[str, int]:
 
 
 def recorded_sizes() -> dict[str, dict[str, int]]:
-    """``{pipeline: {model: bytes}}`` at each pipeline's published dtype, as recorded in ``_sizes.json`` (a test
+    """``{pipeline: {model: bytes}}`` at each pipeline's published dtype, as recorded in ``sizes.record`` (a test
     checks the record against ``inventory``; ``write_sizes()`` refreshes it)."""
     try:
         return json.loads(_SIZES.read_text())
