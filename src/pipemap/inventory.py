@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import ArgumentConflictError, CheckpointError, NotAPipelineError, UnknownDtypeError
+from .streams import aligned, stream_charge
 
 # safetensors dtype codes -> bytes per element
 _ELEMENT_BYTES = {
@@ -48,7 +49,7 @@ class Component:
     bytes: int = 0
     has_weights: bool = False
     calls_per_image: int = 0  # 0: from the profile by name (``profile_calls``)
-    in_flight: int = 0  # bytes on the GPU while it runs streamed (its two largest blocks and loose tensors); 0: unknown
+    in_flight: int = 0  # GPU bytes while it runs streamed (``streams.stream_charge``); 0: unknown
     # the repeated blocks a split may cut between, in order: ((module path, bytes), ...); the rest stays whole
     blocks: tuple[tuple[str, int], ...] = ()
 
@@ -238,8 +239,8 @@ def read_header(path: Path) -> dict[str, dict]:
 
 
 def streamed_bytes(sizes: Mapping[str, int]) -> int:
-    """Bytes in flight when a component is streamed, from its tensor names: its two largest blocks plus its root's
-    own tensors.
+    """Bytes in flight when a component is streamed, from its tensor names: its root's own tensors and two buffers
+    the size of its largest block (``streams.stream_charge``), each tensor aligned as in a buffer.
 
     A block is a tensor name up to its first integer part (``down_blocks.1``, ``text_model.encoder.layers.3``, the
     elements of a ModuleList or Sequential); the other names group by their first part (``conv_in``,
@@ -249,9 +250,9 @@ def streamed_bytes(sizes: Mapping[str, int]) -> int:
     groups: dict[str, int] = {}
     for name, size in sizes.items():
         key = block_key(name)
-        groups[key] = groups.get(key, 0) + size
+        groups[key] = groups.get(key, 0) + aligned(size)  # as the tensors sit in a streaming buffer
     root = groups.pop("", 0)
-    return root + sum(sorted(groups.values(), reverse=True)[:2])
+    return stream_charge(root, groups.values())
 
 
 def split_blocks(sizes: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
@@ -392,8 +393,11 @@ def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep
 
 def _live_in_flight(module: torch.nn.Module, dtype: torch.dtype | None) -> int:
     """``streamed_bytes`` of a live module, from the blocks streaming will really use."""
-    sizes = sorted((module_bytes(block, dtype) for _, block in stream_blocks(module)), reverse=True)
-    return module_bytes(module, dtype) - sum(sizes) + sum(sizes[:2])
+    def packed(m: torch.nn.Module) -> int:
+        return sum(aligned(size) for size in tensor_sizes(m, dtype).values())
+
+    sizes = [packed(block) for _, block in stream_blocks(module)]
+    return stream_charge(packed(module) - sum(sizes), sizes)
 
 
 def _origin(value) -> tuple[str | None, str | None]:
