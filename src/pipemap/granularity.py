@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .streams import stream_charge
+
 if TYPE_CHECKING:
     from .inventory import Block
 
@@ -50,9 +52,10 @@ class Layout:
     @property
     def in_flight(self) -> int:
         """Bytes on the GPU for the call beyond the resident ones: the loose tensors (unless resident) and the
-        largest pieces that can be in flight together (the running one and those fetched ahead)."""
-        sizes = sorted((size for _, size in self.streamed), reverse=True)
-        return (0 if LOOSE in self.resident else self.loose) + sum(sizes[: self.prefetch + 1])
+        buffers the streamed pieces cycle through (``streams.stream_charge``: the running one and those fetched
+        ahead, each the size of the largest)."""
+        return stream_charge(0 if LOOSE in self.resident else self.loose, [s for _, s in self.streamed],
+                             self.prefetch)
 
     @property
     def moved_per_call(self) -> int:
@@ -84,8 +87,8 @@ def _loose_of(block: Block) -> int:
 
 
 def finest_in_flight(tree: Block) -> int:
-    """The fewest bytes a streamed component needs on its GPU: every module cut to its leaves, the two largest
-    leaves in flight with the tensors outside every leaf."""
+    """The fewest bytes a streamed component needs on its GPU: every module cut to its leaves, two buffers the size
+    of the largest leaf beside the tensors outside every leaf."""
     if not tree.children:
         return tree.bytes
     leaves, loose = [], 0
@@ -97,7 +100,7 @@ def finest_in_flight(tree: Block) -> int:
             stack.extend(block.children)
         else:
             leaves.append(block.bytes)
-    return loose + sum(heapq.nlargest(2, leaves))
+    return stream_charge(loose, leaves)
 
 
 def layout(tree: Block, room: int, resident_room: int | None = None) -> Layout | None:
@@ -105,7 +108,7 @@ def layout(tree: Block, room: int, resident_room: int | None = None) -> Layout |
     ``resident_room`` bytes of them resident: what may stay while other components run); None when even leaf
     modules do not fit.
 
-    The coarsest cut whose two largest pieces fit comes first; finer cuts (largest piece halved each time) are
+    The coarsest cut whose two buffers (each the size of its largest piece) fit comes first; finer cuts (largest piece halved each time) are
     weighed too, since smaller buffers leave more room to keep pieces resident. Each copy counts as
     ``COPY_BYTES`` more, so of two cuts that move about the same, the coarser one wins.
 
@@ -149,25 +152,26 @@ def _score(candidate: Layout) -> int:
 
 
 def _arrange(pieces: list[tuple[str, int]], loose: int, level: int, room: int, cap: int) -> Layout:
-    sizes = sorted((size for _, size in pieces), reverse=True)
+    sizes = [size for _, size in pieces]
     prefetch = 1
     for depth in range(MAX_PREFETCH, 1, -1):
-        if len(sizes) > depth and loose + sum(sizes[: depth + 1]) <= room // PREFETCH_SHARE:
+        if len(sizes) > depth and stream_charge(loose, sizes, depth) <= room // PREFETCH_SHARE:
             prefetch = depth
             break
     return Layout(tuple(pieces), loose, _resident(pieces, loose, prefetch, room, cap), prefetch, level)
 
 
 def _cut(tree: Block, room: int, limit: int) -> tuple[list[tuple[str, int]], int, int] | None:
-    """Cut the largest piece into its children until the two largest fit the room beside the loose tensors and
-    none is larger than ``limit``; None when a leaf is too large. Returns (pieces, loose bytes, level)."""
+    """Cut the largest piece into its children until two buffers of its size fit the room beside the loose tensors
+    (or every piece once, if less) and none is larger than ``limit``; None when a leaf is too large. Returns
+    (pieces, loose bytes, level)."""
     loose = _loose_of(tree)
     heap = [(-b.bytes, i, b, 0) for i, b in enumerate(top_pieces(tree))]
     heapq.heapify(heap)
     order = len(heap)
     while heap:
-        largest, second = -heap[0][0], (-min(heap[1:3])[0] if len(heap) > 1 else 0)
-        fits = loose + largest + second <= room
+        largest = -heap[0][0]
+        fits = loose + min(2 * largest, tree.bytes - loose) <= room  # the pieces hold all that is not loose
         if fits and largest <= limit:
             break
         if not heap[0][2].children:
@@ -198,20 +202,24 @@ def _opened_children(block: Block) -> Iterator[Block]:
 
 
 def _resident(pieces: list[tuple[str, int]], loose: int, prefetch: int, room: int, cap: int) -> tuple[str, ...]:
-    """Largest first, each piece that fits beside the buffers the pieces still streamed need (the ``prefetch`` + 1
-    largest of them): keeping a large piece also shrinks the buffers."""
+    """Largest first, each piece that fits beside the buffers the pieces still streamed need (``prefetch`` + 1 the
+    size of the largest of them, or each once if less): keeping a large piece also shrinks the buffers."""
     order = sorted(range(len(pieces)), key=lambda i: (-pieces[i][1], i))
     keep_loose = 0 < loose <= cap  # the loose tensors run at every call: the cheapest bytes to keep
     held, kept, streamed = (loose if keep_loose else 0), [], []  # streamed: the pieces passed over, largest first
+    rest = sum(size for _, size in pieces)  # bytes of the pieces not yet decided, and those passed over
     for at, i in enumerate(order):
         size = pieces[i][1]
-        after = [pieces[j][1] for j in order[at + 1: at + 2 + prefetch]]
-        buffers = sum(sorted(streamed[: prefetch + 1] + after, reverse=True)[: prefetch + 1])
+        rest -= size
+        after = pieces[order[at + 1]][1] if at + 1 < len(order) else 0
+        largest = max(streamed[0] if streamed else 0, after)
+        buffers = min((prefetch + 1) * largest, rest)
         if held + size <= cap and held + size + buffers + (0 if keep_loose else loose) <= room:
             kept.append(i)
             held += size
         else:
             streamed.append(size)
+            rest += size
     names = tuple(pieces[i][0] for i in sorted(kept))
     return ((LOOSE,) if keep_loose else ()) + names
 

@@ -21,6 +21,7 @@ import torch
 
 from .granularity import finest_in_flight
 from .errors import ArgumentConflictError, CheckpointError, NotAPipelineError, UnknownDtypeError
+from .streams import aligned
 
 # safetensors dtype codes -> bytes per element
 _ELEMENT_BYTES = {
@@ -63,7 +64,7 @@ class Component:
     bytes: int = 0
     has_weights: bool = False
     calls_per_image: int = 0  # 0: from the profile by name (``profile_calls``)
-    in_flight: int = 0  # bytes on the GPU while it runs streamed (its two largest blocks and loose tensors); 0: unknown
+    in_flight: int = 0  # GPU bytes while it runs streamed (``streams.stream_charge``); 0: unknown
     # the repeated blocks a split may cut between, in order: ((module path, bytes), ...); the rest stays whole
     blocks: tuple[tuple[str, int], ...] = ()
     # its modules as a tree (``Block``): what streaming may move as one piece, down to leaf modules; None: unknown
@@ -175,7 +176,8 @@ def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None
         keep = _keep_in_fp32(library, class_name, at)
         sizes = {key: _tensor_bytes(meta, key, at, keep) for f in files for key, meta in read_header(f).items()}
         tree = block_tree(sizes)
-        components.append(Component(name, library, class_name, tree.bytes, True, in_flight=finest_in_flight(tree),
+        components.append(Component(name, library, class_name, sum(sizes.values()), True,
+                                    in_flight=finest_in_flight(tree),
                                     blocks=split_blocks(sizes), tree=tree,
                                     attention_width=attention_width(sizes, at.itemsize)))
     return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
@@ -278,14 +280,14 @@ def attention_width(sizes: Mapping[str, int], itemsize: int) -> int:
 
 
 def block_tree(sizes: Mapping[str, int], containers: Iterable[str] | None = None) -> Block:
-    """The module tree of a component from its tensor names and bytes: a tensor belongs to the module its name
-    names without the last part. ``containers`` names the ModuleLists and ModuleDicts (from a live module); without
+    """The module tree of a component from its tensor names and bytes (each aligned as in a streaming buffer): a
+    tensor belongs to the module its name names without the last part. ``containers`` names the ModuleLists and ModuleDicts (from a live module); without
     it, a module whose children are all numbered is taken for one."""
     own: dict[str, int] = {}
     kids: dict[str, set[str]] = {"": set()}
     for key, size in sizes.items():
         module = key.rpartition(".")[0]
-        own[module] = own.get(module, 0) + size
+        own[module] = own.get(module, 0) + aligned(size)  # as the tensor sits in a streaming buffer
         path = module
         while path:
             parent = path.rpartition(".")[0]
@@ -435,7 +437,7 @@ def live_component(name: str, module: torch.nn.Module, dtype: torch.dtype | None
     sizes = tensor_sizes(module, dtype, keep)
     tree = block_tree(sizes, (n for n, m in module.named_modules() if isinstance(m, _LISTS)))
     itemsize = dtype.itemsize if dtype is not None else next((p.element_size() for p in module.parameters()), 4)
-    return Component(name, library, class_name, tree.bytes, True, in_flight=finest_in_flight(tree),
+    return Component(name, library, class_name, sum(sizes.values()), True, in_flight=finest_in_flight(tree),
                      blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, itemsize))
 
 
