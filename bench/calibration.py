@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import pipemap
-from pipemap.cost import Mechanism, Workload, component_cost, seconds_per_image, workload_for
+from pipemap.cost import PIPEMAP, Mechanism, Workload, component_cost, seconds_per_image, workload_for
 from pipemap.inventory import Inventory
 from pipemap.plan import Placement
 
@@ -53,7 +53,7 @@ def _hardware(gpu: str, gib: float) -> pipemap.Hardware:
     return pipemap.Hardware.parse(f"cuda:0={int(gib * 2**30)},cpu=256GiB,gpu={gpu}")
 
 
-def pipeline_seconds(name: str, gpu: str, gib: float, strategy: str, mechanism: Mechanism = Mechanism(),
+def pipeline_seconds(name: str, gpu: str, gib: float, strategy: str, mechanism: Mechanism = PIPEMAP,
                      ahead: int | None = None) -> float:
     """Seconds per image of a catalog pipeline planned by ``strategy`` on one GPU of ``gib`` GiB (no headroom),
     with ``ahead`` pieces prefetched where the source fixed it."""

@@ -108,9 +108,9 @@ def layout(tree: Block, room: int, resident_room: int | None = None) -> Layout |
     ``resident_room`` bytes of them resident: what may stay while other components run); None when even leaf
     modules do not fit.
 
-    The coarsest cut whose two buffers (each the size of its largest piece) fit comes first; finer cuts (largest piece halved each time) are
-    weighed too, since smaller buffers leave more room to keep pieces resident. Each copy counts as
-    ``COPY_BYTES`` more, so of two cuts that move about the same, the coarser one wins.
+    The coarsest cut whose two buffers (each the size of its largest piece) fit comes first; finer cuts (largest
+    piece halved each time) are weighed too, since smaller buffers leave more room to keep pieces resident. Each
+    copy counts as ``COPY_BYTES`` more, so of two cuts that move about the same, the coarser one wins.
 
     >>> layout(pipemap.inspect("path/to/sdxl")["unet"].tree, 2 * 2**30)        # doctest: +SKIP
     """

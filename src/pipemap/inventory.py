@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .granularity import finest_in_flight
 from .errors import ArgumentConflictError, CheckpointError, NotAPipelineError, UnknownDtypeError
+from .granularity import finest_in_flight
 from .streams import aligned
 
 # safetensors dtype codes -> bytes per element
@@ -281,8 +281,8 @@ def attention_width(sizes: Mapping[str, int], itemsize: int) -> int:
 
 def block_tree(sizes: Mapping[str, int], containers: Iterable[str] | None = None) -> Block:
     """The module tree of a component from its tensor names and bytes (each aligned as in a streaming buffer): a
-    tensor belongs to the module its name names without the last part. ``containers`` names the ModuleLists and ModuleDicts (from a live module); without
-    it, a module whose children are all numbered is taken for one."""
+    tensor belongs to the module its name names without the last part. ``containers`` names the ModuleLists and
+    ModuleDicts (from a live module); without it, a module whose children are all numbered is taken for one."""
     own: dict[str, int] = {}
     kids: dict[str, set[str]] = {"": set()}
     for key, size in sizes.items():

@@ -20,8 +20,8 @@ from .errors import (
     UnknownDeviceError,
     UnknownStrategyError,
 )
-from .hardware import Hardware, is_accelerator, normalize_device
 from .granularity import Layout, layout
+from .hardware import Hardware, is_accelerator, normalize_device
 from .inventory import DENOISERS, Block, Component, Inventory, inspect
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .units import parse_bytes
