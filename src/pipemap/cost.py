@@ -21,8 +21,8 @@ from .plan import Placement, Plan
 # of the shorter of a streamed call's compute and copies, the part the other hides, by pieces fetched ahead: copies
 # on a side stream still contend with the kernels for memory bandwidth, and a piece that computes faster than the
 # next one copies leaves the GPU waiting unless more are already on their way. From cache-dit's L20 figures
-# (bench/CALIBRATION.md): ~0.35 hidden with one piece ahead, ~0.6-0.65 with four.
-STREAM_OVERLAP = {0: 0.0, 1: 0.35, 2: 0.5, 3: 0.6}
+# (bench/CALIBRATION.md): ~0.35 hidden with one piece ahead, most of it with four and a large resident share.
+STREAM_OVERLAP = {0: 0.0, 1: 0.35, 2: 0.55, 3: 0.75}
 COPY_LATENCY = 10e-6  # seconds per copy beyond its bytes: the launch, the event, the hook around the block
 # host-to-GPU bandwidth from pageable memory (``module.to`` without pinning: accelerate's and diffusers' offloads), as
 # a share of the pinned figure: staged through a driver buffer, ~2 GB/s on PCIe 4 (bench/CALIBRATION.md)
