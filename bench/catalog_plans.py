@@ -1,5 +1,6 @@
 """Print the README's table: each catalog pipeline's "auto" plan in bf16 on three machines, with the cost model's
-predicted seconds per image and the layout. No download: sizes come from the catalog's published configs.
+predicted seconds per image (at the pipeline's own default call: steps, guidance, resolution, frames) and the
+layout. No download: sizes come from the catalog's published configs.
 
     python bench/catalog_plans.py            # markdown table on stdout
 """
@@ -10,7 +11,7 @@ import torch
 
 import pipemap
 from pipemap import catalog
-from pipemap.cost import seconds_per_image
+from pipemap.cost import seconds_per_image, workload_for
 
 MACHINES = ("1x24GiB,cpu=64GiB", "2x16GiB,cpu=64GiB", "1x80GiB,cpu=128GiB")
 SHORT = {"text_encoder": "te", "text_encoder_2": "te2", "text_encoder_3": "te3", "transformer": "dit",
@@ -28,6 +29,9 @@ def layout(plan: pipemap.Plan) -> str:
         elif p.mode == "split":
             away = sorted({d.removeprefix("cuda:") for _, d, _ in p.shards})
             parts.append(f"{name} split {'+'.join([gpu, *away])}")
+        elif p.mode == "stream" and p.resident_bytes:
+            share = round(100 * p.resident_bytes / p.bytes)
+            parts.append(f"{name} stream->{gpu} ({share}% resident)")
         else:
             parts.append(f"{name} {p.mode}->{gpu}")
     return "; ".join(parts)
@@ -45,11 +49,12 @@ def row(name: str, machine: str) -> str:
 
 
 def main() -> None:
-    header = ["pipeline", *(m.split(",")[0] for m in MACHINES)]
+    header = ["pipeline", "default call", *(m.split(",")[0] for m in MACHINES)]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in catalog.names():
-        print("| " + " | ".join([name, *(row(name, m) for m in MACHINES)]) + " |")
+        call = workload_for(pipemap.inspect(name)).describe()
+        print("| " + " | ".join([name, call, *(row(name, m) for m in MACHINES)]) + " |")
 
 
 if __name__ == "__main__":

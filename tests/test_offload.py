@@ -214,9 +214,8 @@ def test_stream_swaps_weights_block_by_block(tiny_folders):
     run(pipe, "sd")
     unhook_component(unet)
     assert seen and all(onloaded for _, onloaded, _ in seen)
-    largest_two = sum(sorted((offload._Group(offload._slots(b.modules()).values()).nbytes for _, b in blocks),
-                             reverse=True)[:2])
-    assert max(live for *_, live in seen) <= largest_two + hook.root.nbytes  # never more than two blocks in flight
+    largest = max(offload._Group(offload._slots(b.modules()).values()).layout.nbytes for _, b in blocks)
+    assert max(live for *_, live in seen) == hook.charge == 2 * largest + hook.root.layout.nbytes  # two buffers
     assert {name: id(t) for name, t in [*unet.named_parameters(), *unet.named_buffers()]} == masters
     assert ledger.live["cpu"] == 0
 

@@ -189,15 +189,32 @@ class SplitHook(PlacementHook):
 
 
 def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
-    """Attach ``hook`` at the component's root, and to the methods diffusers routes through ``apply_forward_hook``."""
+    """Attach ``hook`` at the component's root, and to the methods diffusers routes through ``apply_forward_hook``.
+
+    A call that raises skips accelerate's ``post_forward``: a forward hook that always runs then tells the hook
+    (``abort``, where it has one), so an offloaded or streamed component leaves nothing onloaded.
+    """
     add_hook_to_module(module, hook)
+    if hasattr(hook, "abort"):
+        hook.abort_handle = module.register_forward_hook(_aborting(hook), always_call=True)
     for name in _hooked_methods(module):
-        module.__dict__[name] = _wrap_method(module, getattr(type(module), name).__get__(module), hook)
+        module.__dict__[name] = _wrap_method(module, getattr(type(module), name), hook)
+
+
+def _aborting(hook: ModelHook):
+    def after(module, args, output):
+        if output is None:  # torch passes None when the forward raised
+            hook.abort(module)
+
+    return after
 
 
 def unhook_component(module: torch.nn.Module) -> None:
     """Remove what ``hook_component`` added, leaving no trace in the module's ``__dict__``."""
-    if isinstance(getattr(module, "_hf_hook", None), ModelHook):
+    hook = getattr(module, "_hf_hook", None)
+    if isinstance(hook, ModelHook):
+        if getattr(hook, "abort_handle", None) is not None:
+            hook.abort_handle.remove()
         remove_hook_from_module(module)
         forward = module.__dict__.get("forward")
         if getattr(forward, "__func__", None) is type(module).forward:
@@ -215,11 +232,27 @@ def _hooked_methods(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def _wrap_method(module, method, hook: ModelHook):
-    @functools.wraps(method)
+def _wrap_method(module, function, hook: ModelHook):
+    # the function under `apply_forward_hook`, whose own `pre_forward(module)` would count the call twice and enter
+    # a streaming hook twice; a nested call (decode -> tiled_decode) runs plain inside the outer one
+    raw = getattr(function, "__wrapped__", function).__get__(module)
+    inside = []
+
+    @functools.wraps(raw)
     def wrapper(*args, **kwargs):
-        args, kwargs = hook.pre_forward(module, *args, **kwargs)
-        return hook.post_forward(module, method(*args, **kwargs))
+        if inside:
+            return raw(*args, **kwargs)
+        inside.append(True)
+        try:
+            args, kwargs = hook.pre_forward(module, *args, **kwargs)
+            output = raw(*args, **kwargs)
+        except BaseException:
+            if hasattr(hook, "abort"):
+                hook.abort(module)
+            raise
+        finally:
+            inside.clear()
+        return hook.post_forward(module, output)
 
     return wrapper
 

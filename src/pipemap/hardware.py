@@ -90,10 +90,13 @@ class Performance:
                 raise HardwareSpecError(repr(self), f"{name}={value!r}", "a speed must be a positive finite number")
 
 
-# name fragment (lower case) -> (flops, host_bandwidth, peer_bandwidth); sustained figures, not datasheet peaks
+# name fragment (lower case) -> (flops, host_bandwidth, peer_bandwidth); sustained figures as the cost model counts
+# FLOPs (2 per parameter per token, which overcounts a joint transformer's text stream), not datasheet peaks;
+# l20, l40s and h100 fitted to published measurements (bench/CALIBRATION.md)
 GPU_PERFORMANCE = {
     "h200": (600e12, 50e9, 300e9), "h100": (600e12, 50e9, 300e9), "a100": (230e12, 25e9, 200e9),
-    "l40s": (220e12, 25e9, 25e9), "a6000": (90e12, 25e9, 25e9), "4090": (120e12, 25e9, 20e9),
+    "l40s": (250e12, 20e9, 25e9), "l20": (150e12, 25e9, 25e9), "a6000": (90e12, 25e9, 25e9),
+    "4090": (120e12, 25e9, 20e9),
     "3090": (55e12, 25e9, 20e9), "4080": (80e12, 25e9, 20e9), "l4": (70e12, 25e9, 20e9), "t4": (40e12, 12e9, 10e9),
 }
 _PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw"}

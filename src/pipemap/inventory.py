@@ -10,11 +10,12 @@ import functools
 import importlib
 import importlib.util
 import json
+import math
 import os
 import re
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from .errors import (
     UnknownDtypeError,
     VariantNotFoundError,
 )
+from .granularity import finest_in_flight
+from .streams import aligned
 
 # safetensors dtype codes -> bytes per element
 _ELEMENT_BYTES = {
@@ -48,6 +51,19 @@ _LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
 @dataclass(frozen=True)
+class Block:
+    """A module of a component as streaming sees it: its path, the bytes of its subtree, the bytes of its own
+    tensors (not in a child) and its children in natural order. ``container``: a ModuleList or ModuleDict (from
+    names: all children numbered), whose own forward never runs, so it is never moved as one piece."""
+
+    path: str
+    bytes: int
+    own: int = 0
+    children: tuple[Block, ...] = ()
+    container: bool = False
+
+
+@dataclass(frozen=True)
 class Component:
     """One entry of a pipeline: a model with weights (``bytes`` > 0) or a weightless part (tokenizer, scheduler)."""
 
@@ -57,9 +73,13 @@ class Component:
     bytes: int = 0
     has_weights: bool = False
     calls_per_image: int = 0  # 0: from the profile by name (``profile_calls``)
-    in_flight: int = 0  # bytes on the GPU while it runs streamed (its two largest blocks and loose tensors); 0: unknown
+    in_flight: int = 0  # GPU bytes while it runs streamed (``streams.stream_charge``); 0: unknown
     # the repeated blocks a split may cut between, in order: ((module path, bytes), ...); the rest stays whole
     blocks: tuple[tuple[str, int], ...] = ()
+    # its modules as a tree (``Block``): what streaming may move as one piece, down to leaf modules; None: unknown
+    tree: Block | None = field(default=None, repr=False)
+    # weight width summed over its self-attention layers (a transformer's): the cost model's attention FLOPs
+    attention_width: int = 0
 
     def __post_init__(self):
         if not self.calls_per_image:
@@ -163,8 +183,11 @@ def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None
         at = dtype if dtype is not None else default_dtype(folder / name, library)
         keep = _keep_in_fp32(library, class_name, at)
         sizes = {key: _tensor_bytes(meta, key, at, keep) for f in files for key, meta in read_header(f).items()}
+        tree = block_tree(sizes)
         components.append(Component(name, library, class_name, sum(sizes.values()), True,
-                                    in_flight=streamed_bytes(sizes), blocks=split_blocks(sizes)))
+                                    in_flight=finest_in_flight(tree),
+                                    blocks=split_blocks(sizes), tree=tree,
+                                    attention_width=attention_width(sizes, at.itemsize)))
     return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
 
 
@@ -298,20 +321,51 @@ def _is_shape(shape) -> bool:
 
 
 def streamed_bytes(sizes: Mapping[str, int]) -> int:
-    """Bytes in flight when a component is streamed, from its tensor names: its two largest blocks plus its root's
-    own tensors.
+    """The fewest bytes in flight when a component is streamed, from its tensor names: its blocks as fine as they
+    go (leaf modules), the two largest of them plus every tensor outside them (``granularity.finest_in_flight``).
 
-    A block is a tensor name up to its first integer part (``down_blocks.1``, ``text_model.encoder.layers.3``, the
-    elements of a ModuleList or Sequential); the other names group by their first part (``conv_in``,
-    ``text_model``), which can only join blocks that streaming moves separately, so the figure errs high. Buffers
-    that are not saved (``position_ids``) are not counted.
+    Buffers that are not saved (``position_ids``) are not counted.
     """
-    groups: dict[str, int] = {}
-    for name, size in sizes.items():
-        key = block_key(name)
-        groups[key] = groups.get(key, 0) + size
-    root = groups.pop("", 0)
-    return root + sum(sorted(groups.values(), reverse=True)[:2])
+    return finest_in_flight(block_tree(sizes))
+
+
+# the query projection of a self-attention layer: diffusers' ``attn``/``attn1`` (``attn2`` is cross-attention),
+# transformers' CLIP ``self_attn``, T5 ``SelfAttention``
+_SELF_QUERY = re.compile(r"(?:^|\.)(?:attn1?|self_attn|SelfAttention)\.(?:to_q|q_proj|q)\.weight$")
+
+
+def attention_width(sizes: Mapping[str, int], itemsize: int) -> int:
+    """The widths of a component's self-attention layers, summed (a square query projection of ``w`` x ``w``)."""
+    return sum(math.isqrt(size // itemsize) for key, size in sizes.items() if _SELF_QUERY.search(key))
+
+
+def block_tree(sizes: Mapping[str, int], containers: Iterable[str] | None = None) -> Block:
+    """The module tree of a component from its tensor names and bytes (each aligned as in a streaming buffer): a
+    tensor belongs to the module its name names without the last part. ``containers`` names the ModuleLists and
+    ModuleDicts (from a live module); without it, a module whose children are all numbered is taken for one."""
+    own: dict[str, int] = {}
+    kids: dict[str, set[str]] = {"": set()}
+    for key, size in sizes.items():
+        module = key.rpartition(".")[0]
+        own[module] = own.get(module, 0) + aligned(size)  # as the tensor sits in a streaming buffer
+        path = module
+        while path:
+            parent = path.rpartition(".")[0]
+            kids.setdefault(parent, set()).add(path)
+            kids.setdefault(path, set())
+            path = parent
+    return _node("", own, kids, None if containers is None else frozenset(containers))
+
+
+def _node(path: str, own: Mapping[str, int], kids: Mapping[str, set[str]], containers: frozenset[str] | None
+          ) -> Block:
+    children = tuple(_node(k, own, kids, containers) for k in sorted(kids[path], key=_natural))
+    if containers is not None:
+        container = path in containers
+    else:
+        container = bool(children) and all(c.path.rpartition(".")[2].isdigit() for c in children)
+    mine = own.get(path, 0)
+    return Block(path, mine + sum(c.bytes for c in children), mine, children, container and bool(path))
 
 
 def split_blocks(sizes: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
@@ -440,20 +494,16 @@ def live_component(name: str, module: torch.nn.Module, dtype: torch.dtype | None
     if library is None:
         library, class_name = _origin(module)
     keep = _keep_in_fp32(library, class_name, dtype) if library else ()
-    size = module_bytes(module, dtype, keep)
-    return Component(name, library, class_name, size, True, in_flight=min(size, _live_in_flight(module, dtype)),
-                     blocks=live_blocks(module, dtype, keep))
+    sizes = tensor_sizes(module, dtype, keep)
+    tree = block_tree(sizes, (n for n, m in module.named_modules() if isinstance(m, _LISTS)))
+    itemsize = dtype.itemsize if dtype is not None else next((p.element_size() for p in module.parameters()), 4)
+    return Component(name, library, class_name, sum(sizes.values()), True, in_flight=finest_in_flight(tree),
+                     blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, itemsize))
 
 
 def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep_fp32: Iterable[str] = ()) -> int:
     """Bytes of a module's parameters and persistent buffers (shared tensors once), at ``dtype`` if given."""
     return sum(tensor_sizes(module, dtype, keep_fp32).values())
-
-
-def _live_in_flight(module: torch.nn.Module, dtype: torch.dtype | None) -> int:
-    """``streamed_bytes`` of a live module, from the blocks streaming will really use."""
-    sizes = sorted((module_bytes(block, dtype) for _, block in stream_blocks(module)), reverse=True)
-    return module_bytes(module, dtype) - sum(sizes) + sum(sizes[:2])
 
 
 def _origin(value) -> tuple[str | None, str | None]:

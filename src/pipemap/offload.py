@@ -20,13 +20,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from .hooks import Moved, PlacementHook
 from .inventory import stream_blocks
 from .plan import Placement
+from .streams import Queues, aligned, queues_for, stream_charge
 from .transfer import move_tensor
 
 _START = -1  # the block "before" the first one, in the recorded block order
@@ -34,8 +37,10 @@ _START = -1  # the block "before" the first one, in the recorded block order
 
 def hook_for(placement: Placement, execution_device: str, ledger: Ledger) -> PlacementHook:
     """The hook that runs ``placement`` (mode ``"offload"`` or ``"stream"``) on its execution device."""
-    kind = OffloadHook if placement.mode == "offload" else StreamHook
-    return kind(placement.component, placement.execution_device, execution_device, ledger, placement.room)
+    p = placement
+    if p.mode == "offload":
+        return OffloadHook(p.component, p.execution_device, execution_device, ledger, p.room)
+    return StreamHook(p.component, p.execution_device, execution_device, ledger, p.room, stream_spec(p))
 
 
 def stats(pipe, reset: bool = False) -> dict[str, dict[str, int]]:
@@ -66,7 +71,7 @@ def onload_peaks(pipe) -> dict[str, int]:
     return {}
 
 
-# ---- tensors and their masters -----------------------------------------------------------------------------------
+# ---- tensors, their masters and the packed layout ----------------------------------------------------------------
 
 
 class _Slot:
@@ -122,37 +127,94 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _copy(master: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
-    if master.device == device:
-        return master.clone()  # a plan remapped onto the CPU: swap for real, so the same code path runs
-    if non_blocking:
-        # transfer.move_tensor has no non_blocking; host-to-GPU copies are never staged (only GPU pairs are), and
-        # from pinned memory this one is queued on the current stream without the host waiting for it.
-        return master.to(device, non_blocking=True)
-    return move_tensor(master, device)
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a group sits in one packed buffer, each start aligned to ``streams.ALIGN``.
+
+    The pinned host copy and the GPU buffers share it: one allocation per group of exactly ``nbytes`` (torch's
+    allocators round each small allocation up, its pinned host allocator to a power of two: 1.3x to 1.6x the
+    weights of a catalog denoiser pinned tensor by tensor), and a GPU buffer sized for the largest block of a
+    streamed component can hold any of its blocks in turn.
+
+    >>> Layout.of([torch.zeros(3), torch.zeros(2, dtype=torch.float16)])
+    Layout(entries=((0, torch.float32, (3,)), (16, torch.float16, (2,))), nbytes=20)
+    """
+
+    entries: tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]  # (offset, dtype, shape) per tensor
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensors: Iterable[torch.Tensor]) -> Layout:
+        offset, entries, end = 0, [], 0
+        for tensor in tensors:
+            entries.append((offset, tensor.dtype, tuple(tensor.shape)))
+            end = offset + _nbytes(tensor)
+            offset = aligned(end)
+        return cls(tuple(entries), end)
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's place in ``buffer`` (uint8, at least ``nbytes``), as a tensor of its dtype and shape."""
+        return [buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for offset, dtype, shape in self.entries]
+
+    def fits(self, tensors: Iterable[torch.Tensor]) -> bool:
+        return [(d, s) for _, d, s in self.entries] == [(t.dtype, tuple(t.shape)) for t in tensors]
+
+
+def _pin_host(buffer: torch.Tensor) -> None:
+    # page-lock the exact bytes (cudaHostRegister), bypassing the pinned host allocator's rounding and its cache,
+    # without touching the process-wide allocator settings; portable (flag 1): every GPU copies from it at full speed
+    torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1)))
+
+
+def _unpin_host(buffer: torch.Tensor) -> None:
+    torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())))
+
+
+_PINNED: dict[int, int] = {}  # host address -> bytes, of every buffer pinned here
+
+
+def pinned_bytes() -> int:
+    """Host bytes pinned by offload and stream hooks now (exactly their groups' ``Layout.nbytes``)."""
+    return sum(_PINNED.values())
 
 
 class _Group:
-    """Tensors moved together (a whole component, one block, or a streamed component's loose tensors)."""
+    """Tensors moved together (a whole component, one block, or a streamed component's loose tensors).
 
-    def __init__(self, slots: Iterable[_Slot]):
-        self.slots = list(slots)
+    Onloaded into a buffer (``install``) its tensors are views of it, one layout for every buffer; pinned
+    (``pin``) its CPU masters are views of one page-locked buffer of the same layout.
+    """
+
+    def __init__(self, slots: Iterable[_Slot], name: str = ""):
+        self.slots, self.name = list(slots), name
         self.loaded = False
-        self.event = None  # set when prefetched on a side stream: the copy is done once it has passed
+        self.host: torch.Tensor | None = None  # the pinned buffer the masters are views of
+        self._layout: Layout | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """The layout of the tensors as they are now: a ``.to(dtype)`` made meanwhile gives a new one."""
+        tensors = [s.get() for s in self.slots]
+        if self._layout is None or not self._layout.fits(tensors):
+            self._layout = Layout.of(tensors)
+        return self._layout
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its tensors (what a copy moves); ``layout.nbytes`` adds the alignment gaps a buffer holds."""
         return sum(_nbytes(s.get()) for s in self.slots)
 
-    def onload(self, device: torch.device, non_blocking: bool) -> int:
-        moved = 0
-        for slot in self.slots:
+    def install(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Point every tensor at its place in ``buffer``; returns the ``(place, master)`` copies to queue."""
+        copies = []
+        for slot, view in zip(self.slots, self.layout.views(buffer)):
             slot.master = slot.get()  # what it holds while evicted: a `.to(dtype)` made meanwhile is kept
-            slot.onloaded = slot.wrap(_copy(slot.master.detach(), device, non_blocking))
+            slot.onloaded = slot.wrap(view)
             slot.set(slot.onloaded)
-            moved += _nbytes(slot.master)
+            copies.append((view, slot.master.detach()))
         self.loaded = True
-        return moved
+        return copies
 
     def evict(self) -> int:
         """Put every master back; returns the bytes copied back (only tensors whose dtype changed meanwhile)."""
@@ -164,29 +226,58 @@ class _Group:
                 slot.set_data(move_tensor(current.detach(), torch.device("cpu")))
                 copied += _nbytes(current)
             slot.onloaded = None
-        self.loaded, self.event = False, None
+        self.loaded = False
         return copied
 
     def pin(self) -> None:
-        """Masters in page-locked memory: host-to-GPU copies then run at full speed and without the host waiting."""
-        for slot in self.slots:
-            tensor = slot.get()
-            if tensor.device.type == "cpu" and not tensor.is_pinned():
-                slot.set_data(tensor.detach().pin_memory())
+        """Masters as views of one exact-size page-locked buffer: host-to-GPU copies then run at full speed and
+        without the host waiting. Copied tensor by tensor into pageable memory first, each original dropped as it
+        goes, then locked: the host holds the group about once, not twice."""
+        tensors = [s.get() for s in self.slots]
+        if self.host is not None or not tensors or any(t.device.type != "cpu" for t in tensors):
+            return
+        host = torch.empty(self.layout.nbytes, dtype=torch.uint8)
+        for slot, view in zip(self.slots, self.layout.views(host)):
+            view.copy_(slot.get().detach())
+            slot.set_data(view)
+        _pin_host(host)
+        _PINNED[host.data_ptr()] = host.numel()
+        self.host = host
+
+    def pinned(self) -> bool:
+        """Are the masters still the views of its pinned buffer (a ``.to(dtype)`` replaces them)?"""
+        if self.host is None:
+            return False
+        start, end = self.host.data_ptr(), self.host.data_ptr() + self.host.numel()
+        return self.layout.nbytes == self.host.numel() and all(
+            start <= s.get().data_ptr() < end or _nbytes(s.get()) == 0 for s in self.slots)
 
     def unpin(self) -> None:
+        """Each master back in a pageable tensor of its own, and the pinned buffer given back to the system."""
+        if self.host is None:
+            return
+        start, end = self.host.data_ptr(), self.host.data_ptr() + self.host.numel()
         for slot in self.slots:
             tensor = slot.get()
-            if tensor.device.type == "cpu" and tensor.is_pinned():
-                plain = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
-                slot.set_data(plain.copy_(tensor.detach()))
+            if tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
+                slot.set_data(tensor.detach().clone())
+        _unpin_host(self.host)
+        _PINNED.pop(self.host.data_ptr(), None)
+        self.host = None
+
+    def repin(self) -> None:
+        """After a dtype change: the new masters pinned, the old buffer given back."""
+        if self.host is not None and not self.pinned():
+            self.unpin()
+            self.pin()
 
 
 # ---- budgets -----------------------------------------------------------------------------------------------------
 
 
 class Ledger:
-    """What one dispatch onloads: an LRU cache per execution device and the bytes onloaded on each, with the peak.
+    """What one dispatch onloads: an LRU cache per execution device, the device memory each holds for onloaded
+    weights (buffers, counted at their size) with the peak, and each device's queues (``streams``).
 
     Caches are keyed by device and room (``Placement.room``), so a plan remapped onto the CPU keeps one cache per
     original GPU (two GPUs of equal room then share one, which can only evict more).
@@ -196,9 +287,13 @@ class Ledger:
         self.caches: dict[tuple[str, int], _Cache] = {}
         self.live: collections.Counter = collections.Counter()
         self.peak: collections.Counter = collections.Counter()
+        self._queues: dict[str, Queues] = {}
 
     def cache(self, device: str, room: int) -> _Cache:
         return self.caches.setdefault((device, room), _Cache(room))
+
+    def queues(self, device: torch.device) -> Queues:
+        return self._queues.setdefault(str(device), queues_for(device))
 
     def add(self, device: str, size: int) -> None:
         self.live[device] += size
@@ -216,7 +311,7 @@ class _Cache:
         if hook in self.loaded:
             self.loaded.move_to_end(hook)
             return
-        size = hook.group.nbytes
+        size = hook.group.layout.nbytes  # at the dtype in use: a vae upcast to float32 takes its float32 bytes
         for other in list(self.loaded):
             if sum(self.loaded.values()) + size <= self.room:
                 break
@@ -233,42 +328,91 @@ class _Cache:
 
 
 class _MovingHook(PlacementHook):
-    """What offload and stream hooks share: weights in CPU RAM, run on ``device``, counted in ``moved``."""
+    """What offload and stream hooks share: weights in CPU RAM, run on ``device``, counted in ``moved``.
+
+    A failure inside the component's call (an out-of-memory error, most likely) skips accelerate's
+    ``post_forward``; ``dispatch.hook_component`` then calls ``abort``, which evicts what the call onloaded, so the
+    next call starts with the memory the first one had.
+    """
 
     def __init__(self, component: str, device: str, execution_device: str, ledger: Ledger, room: int):
         super().__init__(component, device, execution_device)
         self.ledger, self.room = ledger, room
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self.queues = ledger.queues(self.device)
 
-    def _onload(self, group: _Group) -> None:
-        size = group.onload(self.device, self.cuda)
-        self.moved.h2d_bytes += size
-        self.ledger.add(str(self.device), size)
+    def _onload(self, group: _Group, buffer: torch.Tensor | None = None, after=None, side: bool = False):
+        """Copy ``group`` into ``buffer`` (a new one of its own when None) once ``after`` passed; returns the
+        buffer and the copy's event."""
+        if self.cuda:
+            group.repin()
+        own = buffer is None
+        if own:
+            buffer = self._alloc(group.layout.nbytes)
+        try:
+            event = self.queues.copy(group.install(buffer), after=after, side=side, name=group.name)
+        except BaseException:  # nothing half onloaded: the masters back, the buffer freed
+            if group.loaded:
+                group.evict()
+            if own:
+                self._free(buffer)
+            raise
+        self.moved.h2d_bytes += group.nbytes
+        return buffer, event
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        self.ledger.add(str(self.device), nbytes)
+        return self.queues.alloc(nbytes)
+
+    def _free(self, buffer: torch.Tensor, copies=()) -> None:
+        self.ledger.add(str(self.device), -buffer.numel())
+        self.queues.free(buffer, copies)
 
     def _evict(self, group: _Group) -> None:
-        self.ledger.add(str(self.device), -group.nbytes)
         self.moved.d2h_bytes += group.evict()
+
+    def abort(self, module) -> None:
+        """Undo what an unfinished call onloaded (its ``post_forward`` never ran)."""
 
 
 class OffloadHook(_MovingHook):
-    """The whole component onloaded at its call through its device's LRU cache, kept there while room allows."""
+    """The whole component onloaded at its call through its device's LRU cache, kept there while room allows.
+
+    The buffer is allocated and filled on the compute queue, so once evicted it serves the next onload at once.
+    """
 
     def init_hook(self, module):
-        self.group = _Group(_slots(module.modules()).values())
+        self.group = _Group(_slots(module.modules()).values(), self.component)
         self.cache = self.ledger.cache(str(self.device), self.room)
+        self.buffer: torch.Tensor | None = None
+        self.running = 0
         if self.cuda:
             self.group.pin()
         return module
 
     def pre_forward(self, module, *args, **kwargs):
+        self.running += 1  # first: an onload that fails is undone by abort
         self.cache.use(self)
         return super().pre_forward(module, *args, **kwargs)
 
+    def post_forward(self, module, output):
+        self.running -= 1
+        return super().post_forward(module, output)
+
+    def abort(self, module) -> None:
+        if self.running:
+            self.running = 0
+            self.cache.drop(self)
+            if self.group.loaded:
+                self.evict()
+
     def onload(self) -> None:
-        self._onload(self.group)
+        self.buffer, _ = self._onload(self.group)
 
     def evict(self) -> None:
         self._evict(self.group)
+        self._free(self.buffer)
+        self.buffer = None
 
     def detach_hook(self, module):
         self.cache.drop(self)
@@ -281,100 +425,204 @@ class OffloadHook(_MovingHook):
         return f"OffloadHook({self.component!r}, device={self.device}, room={self.room})"
 
 
-class StreamHook(_MovingHook):
-    """The component's loose tensors onloaded for its call; its blocks one by one, the next one prefetched.
+@dataclass(frozen=True)
+class StreamSpec:
+    """How a streamed component moves: the seam between choosing blocks (the planner) and moving them (here).
 
-    The block order is learnt as the component runs (the last block seen after each block), so the first call
-    prefetches nothing it has not seen and a wrong guess costs only a copy: a block that finds another one
-    prefetched evicts it first, so at most two blocks are in flight.
+    ``blocks``: module paths, each one block moved as a whole (None: ``inventory.stream_blocks``); tensors in no
+    block (or shared by two) travel with the root for the whole call. ``resident``: of those paths, the ones kept
+    on the GPU from the first call to ``reset``. ``depth``: blocks prefetched ahead of the running one; the hook
+    holds ``depth + 1`` buffers the size of the largest streamed block (``streams.stream_charge``).
     """
 
+    blocks: tuple[str, ...] | None = None
+    resident: tuple[str, ...] = ()
+    depth: int = 1
+
+
+def stream_spec(placement: Placement) -> StreamSpec:
+    """The ``StreamSpec`` a placement asks for: the pieces, resident pieces (``""``: the root's tensors) and prefetch
+    depth its plan chose by room; a placement without pieces streams every ``stream_blocks`` block, depth 1."""
+    if not placement.blocks:
+        return StreamSpec()
+    return StreamSpec(tuple(path for path, _ in placement.blocks), tuple(placement.resident_blocks),
+                      max(1, placement.prefetch))
+
+
+@dataclass(eq=False)
+class _Buffer:
+    """One GPU buffer of a streamed component: the block it holds, the copy into it, the end of its last use."""
+
+    tensor: torch.Tensor
+    home: int | None = None  # the only block it takes (every block its own buffer), or None: any block
+    block: int | None = None
+    copied: object = None  # the event of the copy into it not yet waited for
+    free_after: object = None  # the event that ends its last use on the compute queue
+
+
+class StreamHook(_MovingHook):
+    """The root's tensors onloaded for the call; the blocks one by one through a fixed set of buffers, the next
+    ``depth`` blocks prefetched on the copy queue while the current one computes.
+
+    Bounded by construction: the buffers are allocated once per call on the compute queue; a copy into one waits
+    for the event recorded when the block that last used it finished, and a block waits for its copy before it
+    runs. However far the host runs ahead, the component holds ``charge`` bytes. The block order is learnt as the
+    component runs (the block seen after each block), so the first call prefetches nothing it has not seen and a
+    wrong guess costs only a copy.
+    """
+
+    def __init__(self, component, device, execution_device, ledger, room, spec: StreamSpec = StreamSpec()):
+        super().__init__(component, device, execution_device, ledger, room)
+        self.spec = spec
+
     def init_hook(self, module):
-        blocks = [b for _, b in stream_blocks(module)]
-        every = _slots(module.modules())
+        paths = self.spec.blocks if self.spec.blocks is not None else [p for p, _ in stream_blocks(module)]
+        blocks = [module.get_submodule(p) for p in paths]
         owner: dict[int, int] = {}
         for index, block in enumerate(blocks):
             for key in _slots(block.modules()):
                 owner[key] = index if key not in owner else _START  # shared by two blocks: it stays for the call
         groups: dict[int, list[_Slot]] = collections.defaultdict(list)
-        for key, slot in every.items():
+        for key, slot in _slots(module.modules()).items():
             groups[owner.get(key, _START)].append(slot)
-        self.root, self.blocks = _Group(groups[_START]), [_Group(groups[i]) for i in range(len(blocks))]
-        self.handles = [h for i, b in enumerate(blocks) if self.blocks[i].slots for h in self._attach(i, b)]
+        self.root = _Group(groups[_START], f"{self.component} (root)")
+        self.blocks = [_Group(groups[i], p) for i, p in enumerate(paths)]
+        kept = set(self.spec.resident)
+        self.kept = [g for g, p in zip(self.blocks, paths) if p in kept and g.slots]
+        self.root_kept = "" in kept and bool(self.root.slots)  # the root's tensors stay too: only blocks move
+        if self.root_kept:
+            self.kept.append(self.root)
+        self.streamed = [i for i, p in enumerate(paths) if p not in kept and self.blocks[i].slots]
+        self.handles = [h for i in self.streamed for h in self._attach(i, blocks[i])]
         self.next_of: dict[int, int] = {}
-        self.previous, self.prefetched, self.depth = _START, None, 0
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.previous, self.depth = _START, 0
+        self.buffers: list[_Buffer] = []
+        self.root_buffer: torch.Tensor | None = None
+        self.kept_buffers: list[torch.Tensor] = []
         if self.cuda:
             for group in [self.root, *self.blocks]:
                 group.pin()
         return module
+
+    @property
+    def charge(self) -> int:
+        """GPU bytes this component holds while it runs (kept blocks from their first call on)."""
+        return sum(g.layout.nbytes for g in self.kept) + stream_charge(
+            0 if self.root_kept else self.root.layout.nbytes, [self.blocks[i].layout.nbytes for i in self.streamed],
+            self.spec.depth)
 
     def _attach(self, index: int, block: torch.nn.Module) -> list:
         return [block.register_forward_pre_hook(functools.partial(self._enter, index)),
                 block.register_forward_hook(functools.partial(self._leave, index), always_call=True)]
 
     def pre_forward(self, module, *args, **kwargs):
-        if self.depth == 0:
-            self._onload(self.root)
-            self.previous = _START
-            self._prefetch(self.next_of.get(_START))
-        self.depth += 1
+        self.depth += 1  # first: a _begin that fails (out of memory) is undone by abort
+        if self.depth == 1:
+            self._begin()
         return super().pre_forward(module, *args, **kwargs)  # counts the call
 
     def post_forward(self, module, output):
         self.depth -= 1
         if self.depth == 0:
-            for group in [self.root, *self.blocks]:
-                if group.loaded:
-                    self._evict(group)
-            self.prefetched = None
+            self._end()
         return super().post_forward(module, output)
 
+    def abort(self, module) -> None:
+        if self.depth:
+            self.depth = 0
+            self._end()
+
+    # ---- one call: buffers in, blocks through them, buffers out
+
+    def _begin(self) -> None:
+        for group in self.kept:
+            if not group.loaded:
+                self.kept_buffers.append(self._onload(group)[0])
+        if not self.root_kept:
+            self.root_buffer, _ = self._onload(self.root)  # on the compute queue: ordered before every use
+        for size, home in self._buffer_sizes():
+            self.buffers.append(_Buffer(self._alloc(size), home))
+            # its memory may have served the compute queue until now: copies into it wait for this point
+            self.buffers[-1].free_after = self.queues.record(self.buffers[-1].tensor)
+        self.previous = _START
+        self._prefetch(_START)
+
+    def _buffer_sizes(self) -> list[tuple[int, int | None]]:
+        sizes = {i: self.blocks[i].layout.nbytes for i in self.streamed}
+        count = min(self.spec.depth + 1, len(sizes))
+        if count * max(sizes.values(), default=0) >= sum(sizes.values()):
+            return [(size, i) for i, size in sizes.items()]  # every block at once is less: each its own buffer
+        return [(max(sizes.values()), None)] * count
+
+    def _end(self) -> None:
+        for buffer in self.buffers:
+            if buffer.block is not None:
+                self._evict(self.blocks[buffer.block])
+            self._free(buffer.tensor, [buffer.copied])
+        if self.root.loaded and not self.root_kept:
+            self._evict(self.root)
+        if self.root_buffer is not None:
+            self._free(self.root_buffer)
+        self.buffers, self.root_buffer = [], None
+
     def _enter(self, index: int, block, args) -> None:
-        group = self.blocks[index]
-        if self.prefetched is not None and self.prefetched != index and self.blocks[self.prefetched].loaded:
-            self._evict(self.blocks[self.prefetched])  # a wrong guess: keep two blocks in flight at most
-        if not group.loaded:
-            self._onload(group)
-        elif group.event is not None:
-            self._wait(group)
-        self.prefetched = None
+        buffer = self._holding(index) or self._fill(index, self._free_buffer(index, evict_guess=True))
+        self.queues.wait(buffer.copied)
+        self.queues.used(buffer.copied, self.blocks[index].name)
+        buffer.copied = None
         self.next_of[self.previous] = index
         self.previous = index
-        self._prefetch(self.next_of.get(index))
+        self._prefetch(index)
 
     def _leave(self, index: int, block, args, output) -> None:
-        if self.blocks[index].loaded:
+        buffer = self._holding(index)
+        if buffer is not None:  # None: an abort emptied the buffers meanwhile
+            buffer.free_after = self.queues.record(buffer.tensor)
+            buffer.block = None
             self._evict(self.blocks[index])
 
-    def _prefetch(self, index: int | None) -> None:
-        if index is None or self.blocks[index].loaded:
-            return
-        group = self.blocks[index]
-        if self.stream is None:
-            self._onload(group)  # no CUDA stream: onload now, the same bytes in flight, no overlap
-        else:
-            with torch.cuda.stream(self.stream):
-                self._onload(group)
-                group.event = torch.cuda.Event()
-                group.event.record(self.stream)
-        self.prefetched = index
+    def _prefetch(self, index: int) -> None:
+        """The next ``depth`` blocks in the learnt order, each into a free buffer, on the copy queue."""
+        for _ in range(self.spec.depth):
+            index = self.next_of.get(index)
+            if index is None or index == self.previous:
+                return
+            if self._holding(index) is None:
+                buffer = self._free_buffer(index)
+                if buffer is None:
+                    return
+                self._fill(index, buffer)
 
-    def _wait(self, group: _Group) -> None:
-        # the compute stream waits for the copy on the GPU, the host does not; the copies were made on the side
-        # stream, so tell the allocator they are used on this one or it may reuse their memory too early
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(group.event)
-        for slot in group.slots:
-            slot.onloaded.record_stream(compute)
-        group.event = None
+    def _holding(self, index: int) -> _Buffer | None:
+        return next((b for b in self.buffers if b.block == index), None)
+
+    def _free_buffer(self, index: int, evict_guess: bool = False) -> _Buffer | None:
+        """A buffer for block ``index``: an empty one, else (``evict_guess``) one holding a wrong guess."""
+        fitting = [b for b in self.buffers if b.home in (None, index) and b.block != self.previous]
+        empty = next((b for b in fitting if b.block is None), None)
+        if empty is not None or not evict_guess:
+            return empty
+        guess = fitting[0]  # the block prefetched first: the furthest from any use now
+        self._evict(self.blocks[guess.block])
+        guess.block = None
+        return guess
+
+    def _fill(self, index: int, buffer: _Buffer) -> _Buffer:
+        _, buffer.copied = self._onload(self.blocks[index], buffer.tensor, after=buffer.free_after, side=True)
+        buffer.block = index
+        return buffer
 
     def detach_hook(self, module):
         for handle in self.handles:
             handle.remove()
+        if self.depth:
+            self.abort(module)
+        for group, buffer in zip(self.kept, self.kept_buffers):
+            self._evict(group)
+            self._free(buffer)
+        self.kept_buffers = []
+        self.queues.synchronize()
         for group in [self.root, *self.blocks]:
-            if group.loaded:
-                self._evict(group)
             group.unpin()
         return module
 

@@ -27,6 +27,12 @@ class Placement:
     remapped onto the CPU keeps each GPU's eviction behaviour. ``"split"``: the component lives on several GPUs;
     ``shards`` lists the blocks (module paths) placed away from ``device`` with their device and bytes, and
     everything else stays on ``device``, where its inputs and outputs live.
+
+    A streamed component's pieces: ``blocks`` ((module path, bytes), ...), as fine as its room needs; of them
+    ``resident_blocks`` (paths; ``""``: the tensors outside every piece) stay on its execution device,
+    ``resident_bytes`` in all, and the rest cross the host link at each call, ``prefetch`` pieces fetched ahead of
+    the running one. ``granularity``: how many times the deepest piece was cut below the top-level modules. Empty
+    ``blocks``: the pieces are the component's top-level modules, none resident (plans made without a module tree).
     """
 
     component: str
@@ -36,6 +42,11 @@ class Placement:
     execution_device: str = ""
     room: int = 0
     shards: tuple[tuple[str, str, int], ...] = ()
+    blocks: tuple[tuple[str, int], ...] = ()
+    resident_blocks: tuple[str, ...] = ()
+    resident_bytes: int = 0
+    prefetch: int = 0
+    granularity: int = 0
 
     def __post_init__(self):
         if not self.execution_device:
@@ -48,6 +59,10 @@ def _mode_text(p: Placement) -> str:
         for _, device, size in p.shards:
             away[device] = away.get(device, 0) + size
         return "split: " + ", ".join(f"{format_bytes(b)} on {d}" for d, b in away.items())
+    if p.mode == "stream" and p.blocks:
+        kept = len([b for b in p.resident_blocks if b])
+        return (f"stream: {len(p.blocks)} blocks, level {p.granularity}, {kept} resident "
+                f"({format_bytes(p.resident_bytes)}), prefetch {p.prefetch}, in flight {format_bytes(p.room)}")
     return p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})"
 
 
@@ -172,7 +187,10 @@ class Plan:
             "components": {p.component: {"device": p.device, "mode": p.mode, "bytes": p.bytes,
                                          "execution_device": p.execution_device, "room": p.room,
                                          **({"shards": {path: {"device": d, "bytes": size} for path, d, size
-                                                        in p.shards}} if p.shards else {})}
+                                                        in p.shards}} if p.shards else {}),
+                                         **({"blocks": dict(p.blocks), "resident_blocks": list(p.resident_blocks),
+                                             "resident_bytes": p.resident_bytes, "prefetch": p.prefetch,
+                                             "granularity": p.granularity} if p.blocks else {})}
                            for p in self.components},
             "notes": list(self.notes),
             **({"candidates": [{"strategy": c.strategy, "seconds": c.seconds, "peaks": dict(c.peaks),
@@ -284,5 +302,8 @@ def _placement(name: str, c: dict) -> Placement:
     if (mode == "split") != bool(shards):
         raise PlanFormatError(f"component {name!r}: a split component, and only one, lists shards")
     execution = c.get("execution_device") or c.get("device")
+    blocks = _mapping(c.get("blocks", {}), f"{name!r} blocks")
+    blocks = tuple((path, _size(blocks, path)) for path in blocks)
     return Placement(name, _device(c.get("device")), _size(c, "bytes"), mode, _device(execution), _size(c, "room", 0),
-                     shards)
+                     shards, blocks, tuple(_strings(c.get("resident_blocks", []), f"{name} resident_blocks")),
+                     _size(c, "resident_bytes", 0), _size(c, "prefetch", 0), _size(c, "granularity", 0))

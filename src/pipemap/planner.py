@@ -23,8 +23,9 @@ from .errors import (
     UnknownDeviceError,
     UnknownStrategyError,
 )
+from .granularity import Layout, layout
 from .hardware import Hardware, is_accelerator, real_device
-from .inventory import DENOISERS, Inventory, resolve_dtype
+from .inventory import DENOISERS, Block, Component, Inventory, resolve_dtype
 from .inventory import inspect as inspect_source
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .units import parse_bytes
@@ -48,6 +49,7 @@ class Request:
     calls: tuple[tuple[str, int], ...] = ()
     in_flight: tuple[tuple[str, int], ...] = ()
     blocks: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
+    trees: tuple[tuple[str, Block | None], ...] = ()  # module trees: a streamed component's pieces and residency
 
 
 class Place(NamedTuple):
@@ -125,11 +127,52 @@ def _least_moved(request: Request, mode: str, stay: Strategy = _balanced) -> dic
     largest = max(need, key=lambda n: (need[n], n))
     if _moving(request, frozenset(sizes), need, mode, stay) is None:
         raise DoesNotFitError(largest, sizes[largest], max(r for _, r in request.rooms), request.strategy, ())
-    for moved in _candidates(sizes, calls):
-        placed = _moving(request, moved, need, mode, stay)
-        if placed is not None:
-            return placed
-    raise AssertionError("unreachable: moving every component fits")  # pragma: no cover
+    fitting = (p for p in (_moving(request, m, need, mode, stay) for m in _candidates(sizes, calls)) if p is not None)
+    if mode != "stream" or not request.trees:
+        return next(fitting)
+    # a streamed component keeps resident what its room allows, so moving one more rarely-called component can
+    # leave the denoiser room to move far less: weigh the cheapest few sets by the bytes their layouts move
+    first = list(itertools.islice(fitting, WEIGHED))
+    return min(first, key=lambda placed: _bytes_per_image(request, placed))
+
+
+WEIGHED = 8  # fitting sets of components to move weighed by their layouts' bytes per image (cheapest by size first)
+
+
+def _bytes_per_image(request: Request, placed: Mapping[str, str | Place]) -> int:
+    """Bytes a placement moves per image: each streamed component's non-resident pieces at each of its calls."""
+    sizes, calls, trees = dict(request.components), dict(request.calls), dict(request.trees)
+    rooms = dict(request.rooms)
+    for name, place in placed.items():
+        if not (isinstance(place, Place) and place.mode == "stream"):
+            _charge(rooms, place, sizes[name])
+    streams: dict[str, list[str]] = {}
+    for name, place in placed.items():
+        if isinstance(place, Place) and place.mode == "stream":
+            streams.setdefault(place.execution_device, []).append(name)
+    total = 0
+    for device, names in streams.items():
+        layouts = stream_layouts(names, trees, sizes, calls, dict(request.in_flight), rooms[device], 0)
+        total += sum(calls.get(n, 1) * (layouts[n].moved_per_call if layouts[n] else sizes[n]) for n in names)
+    return total
+
+
+def stream_layouts(names: list[str], trees: Mapping[str, Block | None], sizes: Mapping[str, int],
+                   calls: Mapping[str, int], in_flight: Mapping[str, int], room: int, offloaded: int
+                   ) -> dict[str, Layout | None]:
+    """The layouts of the components streamed to one GPU with ``room`` bytes beside its residents (and ``offloaded``
+    bytes, the largest component offloaded there): the most called keeps pieces resident, leaving what the others
+    need for their calls; the others stream in the room that leaves, none of their pieces resident."""
+    order = sorted(names, key=lambda n: (-calls.get(n, 1), -sizes[n], n))
+    others = max([0, *((in_flight.get(n) or sizes[n]) for n in order[1:])])
+    layouts: dict[str, Layout | None] = {}
+    kept, room = 0, room - offloaded  # an offloaded component may stay onloaded while these run
+    for index, name in enumerate(order):
+        tree = trees.get(name)
+        cap = room - others if index == 0 else 0
+        layouts[name] = layout(tree, room - kept, max(0, cap)) if tree is not None else None
+        kept += layouts[name].resident_bytes if layouts[name] else 0
+    return layouts
 
 
 def _candidates(sizes: Mapping[str, int], calls: Mapping[str, int]) -> list[frozenset[str]]:
@@ -350,7 +393,8 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         calls = tuple((c.name, c.calls_per_image) for c in inventory.models)
         in_flight = tuple((c.name, c.in_flight) for c in inventory.models)
         blocks = tuple((c.name, c.blocks) for c in inventory.models)
-        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks))
+        trees = tuple((c.name, c.tree) for c in inventory.models)
+        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks, trees))
     device_map = {**fixed, **placed}
     label = name if not fixed else ("map" if not rest else f"map+{name}")
     return _assemble(inventory, hw, budget, device_map, label, notes)
@@ -400,14 +444,13 @@ def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], dev
     placements = tuple(Placement(c.name, places[c.name].device, c.bytes, places[c.name].mode,
                                  places[c.name].execution_device, shards=places[c.name].shards)
                        for c in inventory.models)
-    in_flight = {c.name: min(c.in_flight or c.bytes, c.bytes) for c in inventory.models}
     resident = {d.name: 0 for d in hw.devices}
     for p in placements:
         resident[p.device] += p.bytes
         for _, device, size in p.shards:  # a split component's blocks away from its first GPU
             resident[p.device] -= size
             resident[device] += size
-    placements = _with_rooms(placements, in_flight, budget, resident)
+    placements = _with_rooms(placements, {c.name: c for c in inventory.models}, budget, resident)
     # a GPU's peak: its residents, the largest component onloaded there, the largest blocks in flight there
     used = {d: _peak(placements, d, resident) for d in resident}
     if used.get("cpu", 0) > budget.get("cpu", 0):
@@ -417,29 +460,46 @@ def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], dev
                 tuple(notes))
 
 
-def _with_rooms(placements: tuple[Placement, ...], in_flight: Mapping[str, int], budget: Mapping[str, int],
+def _with_rooms(placements: tuple[Placement, ...], components: Mapping[str, Component], budget: Mapping[str, int],
                 resident: Mapping[str, int]) -> tuple[Placement, ...]:
-    """Each offloaded component's room (its GPU's budget less residents and the largest stream in flight there) and
-    each streamed component's bytes in flight."""
-    streams: dict[str, int] = {}
-    for p in placements:
-        if p.mode == "stream":
-            streams[p.execution_device] = max(streams.get(p.execution_device, 0), in_flight[p.component])
+    """Each streamed component's pieces, residency and bytes in flight (``room``), from the room its GPU has beside
+    its residents; each offloaded component's room (its GPU's budget less residents, the streamed components'
+    resident pieces and the largest stream in flight there)."""
+    layouts: dict[str, Layout | None] = {}
+    for device in {p.execution_device for p in placements if p.mode == "stream"}:
+        names = [p.component for p in placements if p.mode == "stream" and p.execution_device == device]
+        offloaded = max((p.bytes for p in placements if p.mode == "offload" and p.execution_device == device),
+                        default=0)
+        layouts.update(stream_layouts(names, {n: components[n].tree for n in names},
+                                      {n: components[n].bytes for n in names},
+                                      {n: components[n].calls_per_image for n in names},
+                                      {n: components[n].in_flight for n in names},
+                                      budget[device] - resident[device], offloaded))
+    streamed = [_streamed(p, components[p.component], layouts.get(p.component)) if p.mode == "stream" else p
+                for p in placements]
     out = []
-    for p in placements:
+    for p in streamed:
         if p.mode == "offload":
             d = p.execution_device
-            p = replace(p, room=max(0, budget[d] - resident[d] - streams.get(d, 0)))
-        elif p.mode == "stream":
-            p = replace(p, room=in_flight[p.component])
+            there = [s for s in streamed if s.mode == "stream" and s.execution_device == d]
+            kept = sum(s.resident_bytes for s in there)
+            p = replace(p, room=max(0, budget[d] - resident[d] - kept - max((s.room for s in there), default=0)))
         out.append(p)
     return tuple(out)
+
+
+def _streamed(p: Placement, component: Component, found: Layout | None) -> Placement:
+    if found is None:  # no module tree (an inventory built by hand): its top-level blocks, none resident
+        return replace(p, room=min(component.in_flight or component.bytes, component.bytes))
+    return replace(p, room=found.in_flight, blocks=found.blocks, resident_blocks=found.resident,
+                   resident_bytes=found.resident_bytes, prefetch=found.prefetch, granularity=found.level)
 
 
 def _peak(placements: tuple[Placement, ...], device: str, resident: Mapping[str, int]) -> int:
     moved = [p for p in placements if p.mode != "resident" and p.execution_device == device]
     largest = max((p.bytes for p in moved if p.mode == "offload"), default=0)
-    return resident[device] + largest + max((p.room for p in moved if p.mode == "stream"), default=0)
+    kept = sum(p.resident_bytes for p in moved if p.mode == "stream")
+    return resident[device] + kept + largest + max((p.room for p in moved if p.mode == "stream"), default=0)
 
 
 def forcing_hardware(inventory: Inventory, strategy: str, gpus: int = 1, steps: int = 400) -> str:

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from .errors import PipemapError
 from .inventory import _keep_in_fp32, default_dtype, kept_fp32, read_model_index
 from .plan import Plan
+from .streams import ALLOCATING_WEIGHTS
 
 
 class DeviceMixError(PipemapError, RuntimeError):
@@ -157,10 +158,10 @@ class StrictDevices(TorchDispatchMode):
 class StorageTracker(TorchDispatchMode):
     """Live bytes per device, every storage counted once and freed when it dies; ``peak`` is the high mark.
 
-    Weights are told apart from activations: the module tensors present at ``track_module_tensors`` and their
-    copies to another device (what offload and stream hooks onload), so ``weight_peak`` is the most weight bytes a
-    device held at once and ``activation_peak`` the most of everything else. Written for fake tensors, which
-    PyTorch's own ``torch.cuda`` memory statistics cannot see.
+    Weights are told apart from activations: the module tensors present at ``track_module_tensors``, their copies
+    to another device and the buffers offload and stream hooks onload into (``streams.ALLOCATING_WEIGHTS``), so
+    ``weight_peak`` is the most weight bytes a device held at once and ``activation_peak`` the most of everything
+    else. Written for fake tensors, which PyTorch's own ``torch.cuda`` memory statistics cannot see.
     """
 
     def __init__(self):
@@ -214,7 +215,7 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        weight = self._onloads_weight(func, args, out)
+        weight = ALLOCATING_WEIGHTS[0] or self._onloads_weight(func, args, out)
         tree_map_only(torch.Tensor, lambda t: self._track(t, weight), out)
         return out
 
