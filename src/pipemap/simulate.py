@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import dryrun, standin
+from . import catalog, dryrun, standin
+from .catalog import dryrun as catalog_dryrun
 from .dispatch import dispatch, planned, unhook_component
 from .errors import HeadroomError, PipelineMappedError, PipemapError, SimulationFailedError
 from .inventory import Inventory
@@ -122,8 +123,14 @@ def _tiling_advice(source, plan: Plan, steps: int, call_kwargs: Mapping, report:
 
 def _fake_pipeline(source, plan: Plan, mode: FakeTensorMode, standins: Mapping[str, str]):
     device_of = {p.component: standins[p.device] for p in plan.components}
+    if isinstance(source, str) and not Path(source).exists() and catalog.resolve(source) is not None:
+        return catalog_dryrun.pipeline(catalog.resolve(source), plan, mode, device_of)
     if isinstance(source, (str, os.PathLike)):
-        return standin.pipeline_from_folder(source, plan, mode, device_of)
+        pipe = standin.pipeline_from_folder(source, plan, mode, device_of)
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.eval()  # as from_pretrained leaves a model: no training branch (dropout, HiDream's MoE)
+        return pipe
     return _fake_copy(source, mode, device_of)
 
 
