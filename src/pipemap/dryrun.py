@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from . import standin
 
@@ -254,3 +254,30 @@ class PhasedTracker(ConvertingTracker):
         if self.peak[device] > before:
             self.peak_phase[device] = self.phases.current
         return tracked
+
+
+@contextlib.contextmanager
+def host_copies():
+    """``.numpy()`` of a stand-in (a value computed from weights, which no dry run knows) reads as zeros.
+
+    Pipeline code copies model outputs to the host for checks that do not change device memory: the safety
+    checker's scores (``.cpu().float().numpy()``), an image processor reading a decoded image. A read-only
+    broadcast of one zero has the right shape and dtype and costs no memory. Decoded outputs never get here
+    (``tensor_outputs`` keeps them tensors).
+    """
+    import numpy as np
+
+    original = torch.Tensor.numpy
+
+    def numpy(self, *args, **kwargs):
+        if isinstance(self, FakeTensor):
+            with unset_fake_temporarily():
+                zero = original(torch.zeros((), dtype=self.dtype))
+            return np.broadcast_to(zero, tuple(self.shape))
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.numpy = numpy
+    try:
+        yield
+    finally:
+        torch.Tensor.numpy = original

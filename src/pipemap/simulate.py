@@ -188,7 +188,7 @@ def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict):
         dispatch(pipe, plan)
         tracker.track_module_tensors(pipe)
         with standin.host_scheduler(pipe.scheduler), phases.watching(pipe.scheduler), standin.fused_attention(), \
-                dryrun.module_conversions(tracker), dryrun.tensor_outputs(), components, mode, \
+                dryrun.module_conversions(tracker), dryrun.tensor_outputs(), dryrun.host_copies(), components, mode, \
                 standin.StrictDevices(), tracker:
             pipe(**call)
     except Exception as err:  # a dry run reports what broke instead of raising it

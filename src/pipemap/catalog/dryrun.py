@@ -53,7 +53,9 @@ def _fake_model(found, component: str, plan: Plan, mode: FakeTensorMode, device:
 
     library, class_name = found.model_index[component]
     cls = _model_class(library, class_name)
-    with init_empty_weights(include_buffers=False), quiet_diffusers():
+    # buffers on meta too: a buffer computed at init (SD3's 192x192 sincos position table) would take seconds on
+    # the CPU only to be replaced by a fake
+    with init_empty_weights(include_buffers=True), quiet_diffusers():
         if issubclass(cls, PreTrainedModel):
             module = cls._from_config(_transformers_config(found.configs[component]))
         else:
