@@ -60,6 +60,8 @@ def _fake_model(found, component: str, plan: Plan, mode: FakeTensorMode, device:
             module = cls._from_config(_transformers_config(found.configs[component]))
         else:
             module = cls.from_config(found.configs[component])
+    if hasattr(module, "tie_weights"):  # init_empty_weights unties tied weights (T5's shared embedding)
+        module.tie_weights()
     dtype = _dtype(found, component, plan)
     keep = _keep_in_fp32(library if library in ("diffusers", "transformers") else "diffusers", class_name, dtype)
     return standin._fill_fakes(module, mode, device, dtype, keep).eval()
