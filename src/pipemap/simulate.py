@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import catalog, dryrun, standin
+from . import catalog, dryrun, known, standin
 from .catalog import dryrun as catalog_dryrun
 from .dispatch import dispatch, planned, unhook_component
 from .errors import HeadroomError, PipelineMappedError, PipemapError, SimulationFailedError
@@ -60,6 +60,8 @@ class SimulationReport:
     weight_peak_bytes: dict[str, int] = field(default_factory=dict)  # resident weights plus those onloaded at once
     peak_phase: dict[str, str] = field(default_factory=dict)  # the phase of the call that set each device's peak
     advice: tuple[str, ...] = ()  # what would make a peak that does not fit fit (VAE tiling)
+    # devices whose peak is an upper bound, not exact, with the value the dry run had to assume (MoE routing)
+    bound_peaks: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"dry run {'ok' if self.ok else 'FAILED'} in {self.seconds:.2f} s; call {self.call}"]
@@ -71,7 +73,9 @@ class SimulationReport:
             lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>12}"
                          f"{format_bytes(self.activation_bytes[device]):>13}"
                          f"{format_bytes(self.peak_bytes[device]):>12}{format_bytes(memory.get(device, 0)):>12}"
-                         f"  {self.peak_phase.get(device, '')}")
+                         f"  {self.peak_phase.get(device, '')}{'  (bound)' if device in self.bound_peaks else ''}")
+        for note in dict.fromkeys(self.bound_peaks.values()):
+            lines.append(f"(bound): a peak at most this high; the dry run assumed {note}")
         return "\n".join(lines + list(self.advice))
 
 
@@ -187,9 +191,9 @@ def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict):
     try:
         dispatch(pipe, plan)
         tracker.track_module_tensors(pipe)
-        with standin.host_scheduler(pipe.scheduler), phases.watching(pipe.scheduler), standin.fused_attention(), \
-                dryrun.module_conversions(tracker), dryrun.tensor_outputs(), dryrun.host_copies(), components, mode, \
-                standin.StrictDevices(), tracker:
+        with phases.watching(pipe.scheduler), standin.fused_attention(), dryrun.module_conversions(tracker), \
+                dryrun.tensor_outputs(), dryrun.host_copies(), components, mode, standin.StrictDevices(), tracker, \
+                known.known_values(tracker.assume):  # innermost: the trackers see what it rewrites
             pipe(**call)
     except Exception as err:  # a dry run reports what broke instead of raising it
         failure = _failure(err, components.current)
@@ -236,9 +240,10 @@ def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str
     shown = {k: (v if not isinstance(v, torch.Generator) else "generator") for k, v in call.items()
              if not isinstance(v, torch.Tensor)}
     phases = {back.get(d, d): str(p) for d, p in tracker.peak_phase.items()}
+    bound = {back.get(d, d): note for d, note in tracker.peak_bound.items()}
     return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
                             seconds, shown, {d: weight_peak.get(d, 0) for d in peak},
-                            {d: phases[d] for d in peak if d in phases})
+                            {d: phases[d] for d in peak if d in phases}, bound)
 
 
 
