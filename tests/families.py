@@ -457,7 +457,7 @@ def hidream():
 
     transformer = _seeded(lambda: HiDreamImageTransformer2DModel(
         patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
-        num_attention_heads=4, caption_channels=[32, 16], text_emb_dim=64, num_routed_experts=4,
+        num_attention_heads=1, caption_channels=[32, 16], text_emb_dim=64, num_routed_experts=4,
         num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(32, 32), llama_layers=(0, 1)))
     specials = dict(pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>")
     tokenizer_4 = unigram_tokenizer(LlamaTokenizerFast, specials, 128)
