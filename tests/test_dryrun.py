@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+import families
 import pipemap
 from conftest import plain_pipeline
 from pipemap import dryrun, standin, tiny
@@ -83,15 +84,15 @@ def test_module_conversions_on_stand_in_weights_keep_ties_and_count_bytes():
 
 def test_phases_name_each_peak_and_tiling_advice_when_decode_does_not_fit(tiny_folders):
     folder = tiny_folders["sd"]
-    # the VAE alone on a 4 MiB GPU: its weights fit, a 256x256 decode does not, a tiled decode does
+    # the VAE alone on a 4 MiB GPU: its weights fit, a 128x128 decode does not, a tiled decode does
     plan = pipemap.plan(folder, hardware="2x4MiB,cpu=1GiB", headroom=0.0,
                         strategy={"unet": "cuda:0", "text_encoder": "cpu", "vae": "cuda:1"})
-    report = pipemap.simulate(folder, plan, height=256, width=256)
+    report = pipemap.simulate(folder, plan, height=128, width=128)
     assert report.ok, report.error
     assert report.peak_phase["cuda:0"] in ("denoising (step 1)", "denoising (step 2)")
     assert report.peak_phase["cuda:1"] == "VAE decode" and report.peak_phase["cpu"] == "prompt encoding"
     assert report.peak_bytes["cuda:1"] > 4 * 2**20
-    tiled = pipemap.simulate(folder, plan, height=256, width=256, vae_tiling=True)
+    tiled = pipemap.simulate(folder, plan, height=128, width=128, vae_tiling=True)
     assert tiled.peak_bytes["cuda:1"] < report.peak_bytes["cuda:1"]
     assert len(report.advice) == 1 and "cuda:1" in report.advice[0] and "enable_tiling" in report.advice[0]
     assert report.advice[0].endswith("fits") == (tiled.peak_bytes["cuda:1"] <= 4 * 2**20)
@@ -106,16 +107,24 @@ def test_folder_built_models_are_in_eval_mode(flux_folder):
     assert len(models) == 4 and not any(m.training for m in [*models, *(s for m in models for s in m.modules())])
 
 
-def test_folder_and_loaded_t5_on_its_own_gpu_give_the_same_peaks(flux_folder):
-    folder = flux_folder
-    plan = pipemap.plan(folder, hardware="2x20MiB,cpu=1GiB", headroom=0.0,
+def test_hunyuan_dit_from_a_folder_places_and_peaks_as_the_loaded_pipeline(tmp_path):
+    # two causes of issue 17's meta/meta:1 mix, both fixed: from_pretrained loaded text_encoder_2 (an __init__
+    # argument with a default, not an optional component) from disk in place of the one passed in, and
+    # init_empty_weights untied T5's shared embedding from its encoder's (counted twice)
+    built, call = families.build("hunyuan_dit")
+    built.save_pretrained(tmp_path)
+    pipe = plain_pipeline(str(tmp_path))  # loaded, not as built: BertModel loads with the pooler built without
+    plan = pipemap.plan(str(tmp_path), hardware="2x8MiB,cpu=1GiB", headroom=0.0,
                         strategy={"text_encoder_2": "cuda:1", "transformer": "cuda:0", "vae": "cuda:0",
                                   "text_encoder": "cuda:0"})
-    from_folder = pipemap.simulate(folder, plan)
-    from_pipe = pipemap.simulate(plain_pipeline(folder), plan)
+    from_folder = pipemap.simulate(str(tmp_path), plan, **families.fresh(call))
+    from_pipe = pipemap.simulate(pipe, plan, **families.fresh(call))
     assert from_folder.ok and from_pipe.ok, (from_folder.error, from_pipe.error)
     assert from_folder.peak_bytes == from_pipe.peak_bytes
+    assert from_folder.weight_bytes == from_pipe.weight_bytes
     assert from_folder.peak_phase == from_pipe.peak_phase
+    t5 = pipe.text_encoder_2
+    assert from_pipe.weight_bytes["cuda:1"] == sum(p.numel() * p.element_size() for p in t5.parameters())
 
 
 def test_a_catalog_pipeline_plans_with_measured_headroom_and_dry_runs_with_nothing_downloaded():

@@ -192,7 +192,8 @@ def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict):
         dispatch(pipe, plan)
         tracker.track_module_tensors(pipe)
         with phases.watching(pipe.scheduler), standin.fused_attention(), dryrun.module_conversions(tracker), \
-                dryrun.tensor_outputs(), dryrun.host_copies(), components, mode, standin.StrictDevices(), tracker, \
+                dryrun.tensor_outputs(), dryrun.host_copies(), dryrun.safety_checks(pipe), components, mode, \
+                standin.StrictDevices(), tracker, \
                 known.known_values(tracker.assume):  # innermost: the trackers see what it rewrites
             pipe(**call)
     except Exception as err:  # a dry run reports what broke instead of raising it

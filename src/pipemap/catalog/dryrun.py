@@ -19,8 +19,9 @@ from ..plan import Plan
 from ..quiet import quiet_diffusers
 from . import _component_dtype, _entries, _model_class, _transformers_config
 
-# a word-level vocabulary: every word is one token (<unk>), close to the token counts of the real subword
-# tokenizers, and every id is valid for any text encoder's embedding
+# a word-level vocabulary: every word and every run of punctuation is one token (<unk>), close to the token counts
+# of the real subword tokenizers (Qwen-Image drops its 34-token prompt template by count), and every id is valid
+# for any text encoder's embedding
 _SPECIAL = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<s>": 3}
 
 
@@ -95,7 +96,7 @@ def _backend():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     backend = Tokenizer(models.WordLevel(dict(_SPECIAL), unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return backend
 
 
