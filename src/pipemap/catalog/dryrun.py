@@ -54,9 +54,9 @@ def _fake_model(found, component: str, plan: Plan, mode: FakeTensorMode, device:
 
     library, class_name = found.model_index[component]
     cls = _model_class(library, class_name)
-    # buffers on meta too: a buffer computed at init (SD3's 192x192 sincos position table) would take seconds on
-    # the CPU only to be replaced by a fake
-    with init_empty_weights(include_buffers=True), quiet_diffusers():
+    # parameters on meta only: include_buffers=True would also put on meta the plain tensors a model computes at
+    # init and keeps outside its buffers (Qwen-Image's rotary tables), which no fake then replaces
+    with init_empty_weights(include_buffers=False), quiet_diffusers():
         if issubclass(cls, PreTrainedModel):
             module = cls._from_config(_transformers_config(found.configs[component]))
         else:
