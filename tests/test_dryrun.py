@@ -84,19 +84,18 @@ def test_module_conversions_on_stand_in_weights_keep_ties_and_count_bytes():
 
 def test_phases_name_each_peak_and_tiling_advice_when_decode_does_not_fit(tiny_folders):
     folder = tiny_folders["sd"]
-    # the VAE alone on a 4 MiB GPU: its weights fit, a 128x128 decode does not, a tiled decode does
+    # the VAE alone on a 4 MiB GPU: its 2.5 MiB of weights fit, a 96x96 decode does not, a tiled decode does
     plan = pipemap.plan(folder, hardware="2x4MiB,cpu=1GiB", headroom=0.0,
                         strategy={"unet": "cuda:0", "text_encoder": "cpu", "vae": "cuda:1"})
-    report = pipemap.simulate(folder, plan, height=128, width=128)
+    report = pipemap.simulate(folder, plan, height=96, width=96)
     assert report.ok, report.error
     assert report.peak_phase["cuda:0"] in ("denoising (step 1)", "denoising (step 2)")
     assert report.peak_phase["cuda:1"] == "VAE decode" and report.peak_phase["cpu"] == "prompt encoding"
     assert report.peak_bytes["cuda:1"] > 4 * 2**20
-    tiled = pipemap.simulate(folder, plan, height=128, width=128, vae_tiling=True)
-    assert tiled.peak_bytes["cuda:1"] < report.peak_bytes["cuda:1"]
-    assert len(report.advice) == 1 and "cuda:1" in report.advice[0] and "enable_tiling" in report.advice[0]
-    assert report.advice[0].endswith("fits") == (tiled.peak_bytes["cuda:1"] <= 4 * 2**20)
-    assert "VAE decode" in str(report) and report.advice[0] in str(report)
+    # the advice comes from a second dry run with vae.enable_tiling()
+    assert len(report.advice) == 1 and report.advice[0].startswith("cuda:1: VAE decode peaks at")
+    assert "pipe.vae.enable_tiling()" in report.advice[0] and report.advice[0].endswith(": fits")
+    assert report.advice[0] in str(report)
 
 
 def test_folder_built_models_are_in_eval_mode(flux_folder):
