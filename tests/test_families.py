@@ -46,8 +46,6 @@ DRYRUN_PENDING: dict[str, str] = {
     "stable_cascade_prior": "timesteps[:-1] slices the host schedule",
     "stable_cascade_decoder": "timesteps[:-1] slices the host schedule",
     "lcm": "LCMScheduler.step multiplies a host-schedule value with a fake tensor (TypeError)",
-    "hunyuan_dit": "DDPMScheduler.step does arithmetic of the host schedule with fakes (TypeError); from the folder, "
-                   "text_encoder_2 (T5) mixes meta and meta:1 in its embedding",
     "deepfloyd_if": "DDPM thresholding: torch.quantile's q tensor is not on the input's device",
     "aura_flow": "torch.tensor([t / 1000]) on a timestep: the tensor has no data",
     "kandinsky3": _FAKE_READ + "boolean-mask indexing of the embeddings by the attention mask (aten.nonzero)",
