@@ -38,11 +38,14 @@ def test_help_and_catalog_import_no_torch():
 
 
 def imports_of(module: str) -> set[str]:
-    """The pipemap modules ``module`` imports, at the top or inside functions."""
+    """The pipemap modules ``module`` imports, at the top or inside functions (not those for type checkers only)."""
     path = PACKAGE / f"{module}.py" if (PACKAGE / f"{module}.py").exists() else PACKAGE / module / "__init__.py"
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(block)}
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level and id(node) not in typing_only:
             base = (node.module or "").split(".")[0]
             found |= {base} if base else {alias.name for alias in node.names}
     return found
