@@ -7,6 +7,8 @@ tried; the dry run on 2 stand-in GPUs is ok from the folder and from the loaded 
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -151,6 +153,34 @@ def test_components_from_pipeline_modules_are_sized_from_the_folder(saved, name)
     for component in from_modules:
         module = getattr(family.plain, component.name)
         assert component.bytes == pipemap.inventory.module_bytes(module) > 0
+
+
+_CUSTOM = """
+from diffusers.pipelines.deepfloyd_if import IFWatermarker
+
+
+class CustomWatermarker(IFWatermarker):
+    pass
+"""
+
+
+def test_custom_class_in_the_folder_is_sized_and_loaded(saved, tmp_path):
+    # model_index.json names a class defined in the component's own folder: diffusers loads it with trust_remote_code
+    family = saved("deepfloyd_if")
+    folder = tmp_path / "custom_if"
+    shutil.copytree(family.folder, folder)
+    (folder / "watermarker" / "custom_watermarker.py").write_text(_CUSTOM)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["watermarker"] = ["custom_watermarker", "CustomWatermarker"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    inventory = pipemap.inspect(folder)
+    assert inventory["watermarker"].bytes == pipemap.inventory.module_bytes(family.plain.watermarker) > 0
+    plan = pipemap.plan(folder, hardware=family.roomy, headroom=0.0)
+    pipe = pipemap.load(folder, plan=plan.remap(ON_CPU), progress=False, trust_remote_code=True)
+    assert type(pipe.watermarker).__name__ == "CustomWatermarker"
+    assert pipe.hf_device_map == plan.remap(ON_CPU).device_map
+    torch.testing.assert_close(families.output(pipe(**families.fresh(family.call))), family.reference,
+                               atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", _pending(LOADABLE))
