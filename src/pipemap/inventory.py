@@ -7,7 +7,6 @@ sizes come from its modules. Either way the bytes are those of the dtype the com
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import os
 import re
@@ -344,13 +343,31 @@ def kept_fp32(key: str, keep_fp32: Iterable[str]) -> bool:
     return any(m in parts for m in keep_fp32)
 
 
+def component_class(library: str, class_name: str, folder: Path | None = None, name: str | None = None,
+                    trust_remote_code: bool = False) -> type:
+    """The class ``DiffusionPipeline.from_pretrained`` loads a ``model_index.json`` entry with.
+
+    diffusers' own resolution, so that every library name it accepts works here too: a diffusers pipeline module
+    (DeepFloyd IF's ``["deepfloyd_if", "IFWatermarker"]``, Shap-E's ``["shap_e", "ShapERenderer"]``), a custom
+    class in the component's folder, renamed transformers classes; importing the library name would miss them.
+    """
+    from diffusers import pipelines
+    from diffusers.pipelines.pipeline_loading_utils import ALL_IMPORTABLE_CLASSES, get_class_obj_and_candidates
+
+    cls, _ = get_class_obj_and_candidates(library, class_name, ALL_IMPORTABLE_CLASSES, pipelines,
+                                          hasattr(pipelines, library), component_name=name,
+                                          cache_dir=None if folder is None else str(folder),
+                                          trust_remote_code=trust_remote_code)
+    return cls
+
+
 def _keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> tuple[str, ...]:
     """The module names the model class keeps in float32 at ``dtype``, as its library's loader decides."""
     if dtype is None or dtype == torch.float32:
         return ()
     try:
-        cls = getattr(importlib.import_module(library), class_name)
-    except (ImportError, AttributeError):
+        cls = component_class(library, class_name)
+    except (ImportError, AttributeError, ValueError):
         return ()
     keep = list(getattr(cls, "_keep_in_fp32_modules_strict", None) or []) if dtype in (
         torch.float16, torch.bfloat16) else []

@@ -8,7 +8,6 @@ parts (tokenizers, scheduler).
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from tqdm.auto import tqdm
 
 from .dispatch import dispatch
 from .hardware import Hardware
-from .inventory import Component, Inventory, inspect, live_component, read_model_index, resolve_dtype
+from .inventory import Component, Inventory, component_class, inspect, live_component, read_model_index, resolve_dtype
 from .plan import Plan
 from .planner import budgets, plan_inventory, resolve_hardware, resolve_strategy
 from .quiet import quiet_progress
@@ -68,7 +67,7 @@ def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, varia
 def load_component(folder: Path, name: str, library: str, class_name: str, device: str,
                    dtype: torch.dtype | None, variant: str | None) -> torch.nn.Module:
     """One model loaded by its library onto ``device`` (``device_map=device``), at ``dtype`` if given."""
-    cls = getattr(importlib.import_module(library), class_name)
+    cls = component_class(library, class_name, folder, name)
     options = {"subfolder": name}
     if device != "cpu":  # the CPU is where from_pretrained loads anyway; a device_map there only adds a dispatch
         options["device_map"] = device
