@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import standin
+from . import known, standin
 from .dispatch import dispatch, planned, unhook_component
 from .errors import HeadroomError, PipelineMappedError, PipemapError, SimulationFailedError
 from .inventory import Inventory
@@ -57,6 +57,8 @@ class SimulationReport:
     seconds: float = 0.0
     call: dict = field(default_factory=dict)
     weight_peak_bytes: dict[str, int] = field(default_factory=dict)  # resident weights plus those onloaded at once
+    # devices whose peak is an upper bound, not exact, with the value the dry run had to assume (MoE routing)
+    bound_peaks: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"dry run {'ok' if self.ok else 'FAILED'} in {self.seconds:.2f} s; call {self.call}"]
@@ -67,7 +69,10 @@ class SimulationReport:
         for device in self.peak_bytes:
             lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>14}"
                          f"{format_bytes(self.activation_bytes[device]):>14}"
-                         f"{format_bytes(self.peak_bytes[device]):>14}{format_bytes(budgets.get(device, 0)):>14}")
+                         f"{format_bytes(self.peak_bytes[device]):>14}{format_bytes(budgets.get(device, 0)):>14}"
+                         f"{'  (bound)' if device in self.bound_peaks else ''}")
+        for note in dict.fromkeys(self.bound_peaks.values()):
+            lines.append(f"(bound): a peak at most this high; the dry run assumed {note}")
         return "\n".join(lines)
 
 
@@ -151,8 +156,8 @@ def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict):
     try:
         dispatch(pipe, plan)
         tracker.track_module_tensors(pipe)
-        with standin.host_scheduler(pipe.scheduler), standin.fused_attention(), components, mode, \
-                standin.StrictDevices(), tracker:
+        with standin.fused_attention(), components, mode, standin.StrictDevices(), tracker, \
+                known.known_values(tracker.assume):  # innermost: the trackers see what it rewrites
             pipe(**call)
     except Exception as err:  # a dry run reports what broke instead of raising it
         failure = _failure(err, components.current)
@@ -199,7 +204,8 @@ def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str
     shown = {k: (v if not isinstance(v, torch.Generator) else "generator") for k, v in call.items()
              if not isinstance(v, torch.Tensor)}
     return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
-                            seconds, shown, {d: weight_peak.get(d, 0) for d in peak})
+                            seconds, shown, {d: weight_peak.get(d, 0) for d in peak},
+                            {back.get(d, d): note for d, note in tracker.peak_bound.items()})
 
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import functools
 import importlib
 import weakref
 from collections.abc import Mapping
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import init_empty_weights
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -173,6 +172,12 @@ class StorageTracker(TorchDispatchMode):
         self.activation_peak: collections.Counter = collections.Counter()
         self._seen: dict[int, tuple[str, int]] = {}
         self._weight_keys: set[int] = set()
+        self.bound: str | None = None  # the first value assumed (an upper bound) in this run
+        self.peak_bound: dict[str, str] = {}  # devices whose peak was last raised after it: a bound, not exact
+
+    def assume(self, note: str) -> None:
+        """From here on, sizes may be upper bounds: a peak raised after this is marked as one."""
+        self.bound = self.bound or note
 
     def track_module_tensors(self, pipe) -> None:
         for module in pipe.components.values():
@@ -193,7 +198,10 @@ class StorageTracker(TorchDispatchMode):
             self._weight_keys.add(key)
             self.weight_live[device] += size
             self.weight_peak[device] = max(self.weight_peak[device], self.weight_live[device])
-        self.peak[device] = max(self.peak[device], self.live[device])
+        if self.live[device] > self.peak[device]:
+            self.peak[device] = self.live[device]
+            if self.bound is not None:
+                self.peak_bound[device] = self.bound
         self.activation_peak[device] = max(self.activation_peak[device],
                                            self.live[device] - self.weight_live[device])
         weakref.finalize(storage, self._free, key)
@@ -250,48 +258,6 @@ class ComponentTracker:
     def __exit__(self, *exc):
         for handle in self._handles:
             handle.remove()
-
-
-@contextlib.contextmanager
-def host_scheduler(scheduler):
-    """Keep the scheduler on real CPU tensors: its timestep schedule is read as host numbers (``.item()``,
-    ``nonzero``), which fake tensors cannot give."""
-    names = [n for n in ("set_timesteps", "step", "scale_model_input", "add_noise", "index_for_timestep")
-             if hasattr(scheduler, n)]
-    for name in names:
-        scheduler.__dict__[name] = _on_host(getattr(type(scheduler), name).__get__(scheduler), name)
-    try:
-        yield scheduler
-    finally:
-        for name in names:
-            scheduler.__dict__.pop(name, None)
-
-
-class HostSchedule(torch.Tensor):
-    """A real timestep schedule whose iteration yields real CPU scalars even under fake mode.
-
-    The pipeline loops ``for t in timesteps``; under fake mode that ``unbind`` would turn each ``t`` into a fake,
-    and schedulers read ``t`` as a host number (``alphas_cumprod[t]``, ``if prev_t >= 0``), which a fake cannot give.
-    """
-
-    def __iter__(self):
-        with unset_fake_temporarily():
-            return iter(list(self.as_subclass(torch.Tensor)))
-
-
-def _on_host(method, name: str):
-    @functools.wraps(method)  # pipelines read set_timesteps' signature (does it take sigmas=?)
-    def run(*args, **kwargs):
-        if name == "set_timesteps" and "device" in kwargs:
-            kwargs["device"] = "cpu"
-        with unset_fake_temporarily():
-            result = method(*args, **kwargs)
-            if name == "set_timesteps":
-                scheduler = method.__self__
-                scheduler.timesteps = scheduler.timesteps.as_subclass(HostSchedule)
-            return result
-
-    return run
 
 
 @contextlib.contextmanager
