@@ -33,13 +33,18 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     plan.set_defaults(run=_plan)
     simulate = commands.add_parser("simulate", help="dry-run a plan on stand-in devices: does it run, what peaks")
-    simulate.add_argument("path", help="a diffusers pipeline folder; no weight is read")
+    simulate.add_argument("path", help="a diffusers pipeline folder (no weight is read) or a catalog name (nothing "
+                          "is downloaded; see `pipemap catalog`)")
     _plan_options(simulate)
     simulate.add_argument("--height", type=int)
     simulate.add_argument("--width", type=int)
-    simulate.add_argument("--steps", type=int, default=2, help="denoising steps to run (default 2)")
+    simulate.add_argument("--steps", type=int, default=2, help="denoising steps to run (default 2; steps repeat, "
+                          "so the peak of 2 is the peak of 50)")
+    simulate.add_argument("--output-type", help="the pipeline's output_type (pil, np, pt, latent; default pt)")
+    simulate.add_argument("--vae-tiling", action="store_true", help="call vae.enable_tiling() before the call")
     simulate.add_argument("--prompt", default="a dry run")
-    simulate.set_defaults(run=_simulate)
+    # the dry run asks "does it fit, and how": auto weighs every strategy, splits and offloads included
+    simulate.set_defaults(run=_simulate, strategy="auto")
     _add_run(commands)
     demo = commands.add_parser("demo", help="plan, load and run the embedded tiny pipeline end to end")
     demo.add_argument("--hardware", help="plan for this profile; devices this machine lacks run on the CPU")
@@ -99,8 +104,9 @@ def _simulate(args) -> int:
 
     result = _planned(args)
     print(result)
-    size = {k: v for k, v in (("height", args.height), ("width", args.width)) if v}
-    report = simulate(args.path, result, steps=args.steps, prompt=args.prompt, **size)
+    options = {k: v for k, v in (("height", args.height), ("width", args.width), ("output_type", args.output_type))
+               if v}
+    report = simulate(args.path, result, steps=args.steps, vae_tiling=args.vae_tiling, prompt=args.prompt, **options)
     print(report)
     return 0 if report.ok else 1
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import known, standin
+from . import catalog, dryrun, known, standin
+from .catalog import dryrun as catalog_dryrun
 from .dispatch import dispatch, planned, unhook_component
 from .errors import HeadroomError, PipelineMappedError, PipemapError, SimulationFailedError
 from .inventory import Inventory
@@ -57,6 +58,8 @@ class SimulationReport:
     seconds: float = 0.0
     call: dict = field(default_factory=dict)
     weight_peak_bytes: dict[str, int] = field(default_factory=dict)  # resident weights plus those onloaded at once
+    peak_phase: dict[str, str] = field(default_factory=dict)  # the phase of the call that set each device's peak
+    advice: tuple[str, ...] = ()  # what would make a peak that does not fit fit (VAE tiling)
     # devices whose peak is an upper bound, not exact, with the value the dry run had to assume (MoE routing)
     bound_peaks: dict[str, str] = field(default_factory=dict)
 
@@ -64,43 +67,74 @@ class SimulationReport:
         lines = [f"dry run {'ok' if self.ok else 'FAILED'} in {self.seconds:.2f} s; call {self.call}"]
         if self.error:
             lines.append(f"error: {self.error}")
-        lines.append(f"{'device':<10}{'weights':>14}{'activations':>14}{'peak':>14}{'budget':>14}")
-        budgets = {d.device: d.budget for d in self.plan.devices}
+        lines.append(f"{'device':<10}{'weights':>12}{'activations':>13}{'peak':>12}{'memory':>12}  peak set by")
+        memory = {d.device: d.memory for d in self.plan.devices}
         for device in self.peak_bytes:
-            lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>14}"
-                         f"{format_bytes(self.activation_bytes[device]):>14}"
-                         f"{format_bytes(self.peak_bytes[device]):>14}{format_bytes(budgets.get(device, 0)):>14}"
-                         f"{'  (bound)' if device in self.bound_peaks else ''}")
+            lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>12}"
+                         f"{format_bytes(self.activation_bytes[device]):>13}"
+                         f"{format_bytes(self.peak_bytes[device]):>12}{format_bytes(memory.get(device, 0)):>12}"
+                         f"  {self.peak_phase.get(device, '')}{'  (bound)' if device in self.bound_peaks else ''}")
         for note in dict.fromkeys(self.bound_peaks.values()):
             lines.append(f"(bound): a peak at most this high; the dry run assumed {note}")
-        return "\n".join(lines)
+        return "\n".join(lines + list(self.advice))
 
 
-def simulate(source, plan: Plan, *, steps: int = 2, **call_kwargs) -> SimulationReport:
+def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **call_kwargs) -> SimulationReport:
     """Run ``source``'s own call on stand-in devices as ``plan`` places it; never touches the caller's pipeline.
 
-    ``source`` is a loaded pipeline or a pipeline folder (no weight byte is read from a folder). Extra keyword
-    arguments go to the pipeline call (``height=``, ``width=``, ``image=`` for a ControlNet, ...).
+    ``source`` is a loaded pipeline, a pipeline folder (no weight byte is read) or a catalog name such as
+    ``"flux.1-dev"`` (models built from its published configs; nothing is downloaded). Steps repeat, so ``steps``
+    (default 2) need not be the real count. ``vae_tiling=True`` calls ``vae.enable_tiling()`` first. Extra keyword
+    arguments go to the pipeline call (``height=``, ``width=``, ``image=`` for a ControlNet, ``output_type=``...).
 
-    >>> plan = pipemap.plan("path/to/sdxl", hardware="2x16GiB", dtype=torch.float16)     # doctest: +SKIP
-    >>> report = pipemap.simulate("path/to/sdxl", plan, height=1024, width=1024)          # doctest: +SKIP
-    >>> report.ok, report.peak_bytes["cuda:0"]                                            # doctest: +SKIP
-    (True, 7864320000)
+    >>> plan = pipemap.plan("flux.1-dev", hardware="2x16GiB", strategy="auto")          # doctest: +SKIP
+    >>> report = pipemap.simulate("flux.1-dev", plan, height=1024, width=1024)         # doctest: +SKIP
+    >>> report.ok, report.peak_bytes["cuda:0"], report.peak_phase["cuda:0"]            # doctest: +SKIP
+    (True, 15301233664, 'denoising (step 1)')
     """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     standins = standin.devices_for(plan)
     pipe = _fake_pipeline(source, plan, mode, standins)
+    if vae_tiling:
+        pipe.vae.enable_tiling()
     call = default_call(pipe, steps, call_kwargs)
     start = time.perf_counter()
     tracker, failure = _run(pipe, plan.remap(standins), mode, call)
     back = {v: k for k, v in standins.items()}
-    return _report(tracker, failure, plan, back, time.perf_counter() - start, call)
+    report = _report(tracker, failure, plan, back, time.perf_counter() - start, call)
+    if not vae_tiling and hasattr(pipe.vae if hasattr(pipe, "vae") else None, "enable_tiling"):
+        report = replace(report, advice=_tiling_advice(source, plan, steps, call_kwargs, report))
+    return report
+
+
+def _tiling_advice(source, plan: Plan, steps: int, call_kwargs: Mapping, report: SimulationReport) -> tuple:
+    """When VAE decode sets a peak above its device's memory, whether ``vae.enable_tiling()`` brings it under."""
+    memory = {d.device: d.memory for d in plan.devices}
+    over = [d for d, peak in report.peak_bytes.items()
+            if peak > memory.get(d, peak) and report.peak_phase.get(d, "").startswith("VAE decode")]
+    if not over:
+        return ()
+    tiled = simulate(source, plan, steps=steps, vae_tiling=True, **call_kwargs)
+    advice = []
+    for device in over:
+        after = tiled.peak_bytes.get(device, 0)
+        verdict = "fits" if tiled.ok and after <= memory[device] else "still does not fit"
+        advice.append(f"{device}: VAE decode peaks at {format_bytes(report.peak_bytes[device])}, above its "
+                      f"{format_bytes(memory[device])}; with pipe.vae.enable_tiling() the peak is "
+                      f"{format_bytes(after)}: {verdict}")
+    return tuple(advice)
 
 
 def _fake_pipeline(source, plan: Plan, mode: FakeTensorMode, standins: Mapping[str, str]):
     device_of = {p.component: standins[p.device] for p in plan.components}
+    if isinstance(source, str) and not Path(source).exists() and catalog.resolve(source) is not None:
+        return catalog_dryrun.pipeline(catalog.resolve(source), plan, mode, device_of)
     if isinstance(source, (str, os.PathLike)):
-        return standin.pipeline_from_folder(source, plan, mode, device_of)
+        pipe = standin.pipeline_from_folder(source, plan, mode, device_of)
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.eval()  # as from_pretrained leaves a model: no training branch (dropout, HiDream's MoE)
+        return pipe
     return _fake_copy(source, mode, device_of)
 
 
@@ -150,13 +184,16 @@ def _resolution(pipe, overrides: Mapping) -> tuple[int, int]:
 
 
 def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict):
-    tracker = standin.StorageTracker()
+    phases = dryrun.PhaseTracker(pipe)
+    tracker = dryrun.PhasedTracker(phases)
     components = standin.ComponentTracker(pipe)
     failure = None
     try:
         dispatch(pipe, plan)
         tracker.track_module_tensors(pipe)
-        with standin.fused_attention(), components, mode, standin.StrictDevices(), tracker, \
+        with phases.watching(pipe.scheduler), standin.fused_attention(), dryrun.module_conversions(tracker), \
+                dryrun.tensor_outputs(), dryrun.host_copies(), dryrun.safety_checks(pipe), components, mode, \
+                standin.StrictDevices(), tracker, \
                 known.known_values(tracker.assume):  # innermost: the trackers see what it rewrites
             pipe(**call)
     except Exception as err:  # a dry run reports what broke instead of raising it
@@ -203,9 +240,11 @@ def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str
         failure = replace(failure, devices=tuple(back.get(d, d) for d in failure.devices))
     shown = {k: (v if not isinstance(v, torch.Generator) else "generator") for k, v in call.items()
              if not isinstance(v, torch.Tensor)}
+    phases = {back.get(d, d): str(p) for d, p in tracker.peak_phase.items()}
+    bound = {back.get(d, d): note for d, note in tracker.peak_bound.items()}
     return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
                             seconds, shown, {d: weight_peak.get(d, 0) for d in peak},
-                            {back.get(d, d): note for d, note in tracker.peak_bound.items()})
+                            {d: phases[d] for d in peak if d in phases}, bound)
 
 
 

@@ -93,9 +93,34 @@ def pipeline_from_folder(folder, plan: Plan, mode: FakeTensorMode, device_of: Ma
         at = dtype if dtype is not None else default_dtype(folder / name, library)
         models[name] = _fill_fakes(module, mode, device_of.get(name, "cpu"), at,
                                    _keep_in_fp32(library, class_name, at))
-    pipe = DiffusionPipeline.from_pretrained(folder, **models)
+    with _passed_models_kept(index.get("_class_name"), models) as cls:
+        pipe = (cls or DiffusionPipeline).from_pretrained(folder, **models)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@contextlib.contextmanager
+def _passed_models_kept(class_name, models: Mapping):
+    """``from_pretrained`` loads from disk, and keeps, a component whose ``__init__`` argument has a default but
+    is not in ``_optional_components`` (HunyuanDiT's ``text_encoder_2``), even when one is passed in: real weights
+    read, real tensors in the dry run. Listed as optional for a call on the pipeline's own class (``DiffusionPipeline
+    .from_pretrained`` reads its own list), the passed model is used."""
+    import diffusers
+
+    cls = getattr(diffusers, str(class_name), None)
+    if cls is None:
+        yield None
+        return
+    original = cls.__dict__.get("_optional_components")
+    cls._optional_components = list(cls._optional_components) + [n for n in models
+                                                                 if n not in cls._optional_components]
+    try:
+        yield cls
+    finally:
+        if original is None:
+            del cls._optional_components
+        else:
+            cls._optional_components = original
 
 
 def _empty_module(folder: Path, name: str, library: str, class_name: str) -> torch.nn.Module:
@@ -106,7 +131,12 @@ def _empty_module(folder: Path, name: str, library: str, class_name: str) -> tor
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(folder / name)
-        return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+        module = cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+    # init_empty_weights makes a new parameter on each assignment, which unties tied weights (T5's shared
+    # embedding): tie them again, as a real load leaves them
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+    return module
 
 
 def _fill_fakes(module: torch.nn.Module, mode: FakeTensorMode, device: str, dtype: torch.dtype,

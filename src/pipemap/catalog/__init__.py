@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,8 @@ class Entry:
     component_dtypes: dict
     model_index: dict
     configs: dict
+    scheduler_config: dict = field(default_factory=dict)  # the published scheduler_config.json, for the dry run
+    tokenizer_max_length: dict = field(default_factory=dict)  # each tokenizer's model_max_length, for the dry run
 
     @property
     def pipeline_class(self) -> str:
@@ -60,7 +62,8 @@ def _entries() -> dict[str, Entry]:
         data = json.loads(path.read_text())
         entries[data["name"]] = Entry(data["name"], data["repo"], tuple(data.get("aliases", ())),
                                       data.get("description", ""), data["dtype"], data.get("component_dtypes", {}),
-                                      data["model_index"], data["configs"])
+                                      data["model_index"], data["configs"], data.get("scheduler_config", {}),
+                                      data.get("tokenizer_max_length", {}))
     return entries
 
 

@@ -1,0 +1,111 @@
+"""A catalog pipeline at full size for the dry run, with nothing downloaded.
+
+Models are the real classes built from the published configs with fake weights (as a folder's dry run builds them);
+tokenizers are stand-ins with the published maximum lengths, the scheduler the published class and config.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .. import standin
+from ..inventory import _as_dtype, _keep_in_fp32
+from ..plan import Plan
+from ..quiet import quiet_diffusers
+from . import _component_dtype, _entries, _model_class, _transformers_config
+
+# a word-level vocabulary: every word and every run of punctuation is one token (<unk>), close to the token counts
+# of the real subword tokenizers (Qwen-Image drops its 34-token prompt template by count), and every id is valid
+# for any text encoder's embedding
+_SPECIAL = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<s>": 3}
+
+
+def pipeline(name: str, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str, str]):
+    """``name``'s pipeline class holding fake-weight models on ``device_of``'s devices, stand-in tokenizers and the
+    published scheduler; in eval mode, as ``from_pretrained`` leaves a pipeline."""
+    import diffusers
+
+    found = _entries()[name]
+    parts = {}
+    for component, library, class_name in found.components():
+        if component in found.configs:
+            parts[component] = _fake_model(found, component, plan, mode, device_of.get(component, "cpu"))
+        elif component == "scheduler":
+            parts[component] = _scheduler(class_name, found.scheduler_config)
+        elif component.startswith("tokenizer"):
+            parts[component] = tokenizer(found.tokenizer_max_length.get(component, 77))
+        else:
+            parts[component] = _other(library, class_name)
+    cls = getattr(diffusers, found.pipeline_class)
+    accepted = set(inspect.signature(cls.__init__).parameters)
+    pipe = cls(**{k: v for k, v in parts.items() if k in accepted})
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _fake_model(found, component: str, plan: Plan, mode: FakeTensorMode, device: str) -> torch.nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import PreTrainedModel
+
+    library, class_name = found.model_index[component]
+    cls = _model_class(library, class_name)
+    # buffers on meta too: a buffer computed at init (SD3's 192x192 sincos position table) would take seconds on
+    # the CPU only to be replaced by a fake
+    with init_empty_weights(include_buffers=True), quiet_diffusers():
+        if issubclass(cls, PreTrainedModel):
+            module = cls._from_config(_transformers_config(found.configs[component]))
+        else:
+            module = cls.from_config(found.configs[component])
+    if hasattr(module, "tie_weights"):  # init_empty_weights unties tied weights (T5's shared embedding)
+        module.tie_weights()
+    dtype = _dtype(found, component, plan)
+    keep = _keep_in_fp32(library if library in ("diffusers", "transformers") else "diffusers", class_name, dtype)
+    return standin._fill_fakes(module, mode, device, dtype, keep).eval()
+
+
+def _dtype(found, component: str, plan: Plan) -> torch.dtype:
+    # a plan made at the published dtype keeps each component's own (Wan's VAE: float32); another applies to all
+    if plan.dtype is None or _as_dtype(plan.dtype) == _as_dtype(found.dtype):
+        return _component_dtype(found, component, None)
+    return _as_dtype(plan.dtype)
+
+
+def _scheduler(class_name: str, config: dict):
+    import diffusers
+
+    return getattr(diffusers, class_name).from_config(config)
+
+
+def _other(library: str, class_name: str):
+    """A feature extractor or other processor, built with its defaults (its config changes no device memory)."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(library), class_name)()
+    except Exception:  # a component the pipeline can run without (as from_pretrained leaves a missing one)
+        return None
+
+
+@functools.cache
+def _backend():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel(dict(_SPECIAL), unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return backend
+
+
+def tokenizer(max_length: int):
+    """A stand-in tokenizer: one token per word, padding, truncation and masks as transformers' tokenizers give
+    them, ``model_max_length`` as published."""
+    import copy
+
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=copy.deepcopy(_backend()), pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>", bos_token="<s>", model_max_length=max_length)
