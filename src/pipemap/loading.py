@@ -114,10 +114,11 @@ def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, varia
     """Each planned model loaded onto its device, then the pipeline assembled around them."""
     models = {}
     for placement in tqdm(plan.components, desc="pipemap: loading", unit="model", disable=not progress):
-        if placement.component not in passed:
-            library, class_name = index[placement.component]
-            models[placement.component] = load_component(folder, placement.component, library, class_name,
-                                                          _load_device(placement), dtype, variant)
+        library, class_name = index[placement.component]
+        if placement.component not in passed and not _custom_code(library):
+            models[placement.component] = load_component(
+                folder, placement.component, library, class_name, _load_device(placement), dtype, variant,
+                trust_remote_code=kwargs.get("trust_remote_code", False))
     from diffusers import DiffusionPipeline  # here, not at import: it pulls in every pipeline class
 
     extra = {"dtype": dtype} if dtype is not None else {}
@@ -125,9 +126,11 @@ def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, varia
 
 
 def load_component(folder: Path, name: str, library: str, class_name: str, device: str,
-                   dtype: torch.dtype | None, variant: str | None) -> torch.nn.Module:
-    """One model loaded by its library onto ``device`` (``device_map=device``), at ``dtype`` if given."""
-    cls = component_class(library, class_name, folder, name)
+                   dtype: torch.dtype | None, variant: str | None, *,
+                   trust_remote_code: bool = False) -> torch.nn.Module:
+    """One model loaded by its library onto ``device`` (``device_map=device``), at ``dtype`` if given; a custom
+    class in the component's folder only with ``trust_remote_code``, as diffusers asks."""
+    cls = component_class(library, class_name, folder, name, trust_remote_code)
     options = {"subfolder": name}
     if device != "cpu":  # the CPU is where from_pretrained loads anyway; a device_map there only adds a dispatch
         options["device_map"] = device
@@ -136,6 +139,16 @@ def load_component(folder: Path, name: str, library: str, class_name: str, devic
     if variant is not None and _has_variant(folder / name, variant):
         options["variant"] = variant
     return cls.from_pretrained(folder, **options)
+
+
+def _custom_code(library: str) -> bool:
+    """Whether ``library`` names custom code in the component's folder. diffusers refuses such a component passed in
+    built (it checks a passed model against its library by importing the name), so it is left to diffusers to load,
+    in CPU RAM; dispatch then moves it to its planned device."""
+    from diffusers import pipelines
+    from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
+
+    return library not in LOADABLE_CLASSES and not hasattr(pipelines, library)
 
 
 def with_passed(inventory: Inventory, passed: dict) -> Inventory:
