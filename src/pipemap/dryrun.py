@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -143,12 +145,17 @@ def tensor_outputs():
 
 
 def _as_tensors(original):
-    def postprocess(self, image, output_type="pil", *args, **kwargs):
-        if isinstance(image, FakeTensor) and output_type in ("pil", "np"):
-            output_type = "pt"
-        return original(self, image, output_type, *args, **kwargs)
+    signature = inspect.signature(original)
+    data = list(signature.parameters)[1]  # image or video, passed by position or by name
 
-    return postprocess
+    def postprocess(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if isinstance(bound.arguments[data], FakeTensor) and bound.arguments["output_type"] in ("pil", "np"):
+            bound.arguments["output_type"] = "pt"
+        return original(*bound.args, **bound.kwargs)
+
+    return functools.wraps(original)(postprocess)
 
 
 @contextlib.contextmanager
@@ -300,11 +307,14 @@ def host_copies():
     original = torch.Tensor.numpy
 
     def numpy(self, *args, **kwargs):
-        if isinstance(self, FakeTensor) and known.real_value(self) is None:  # a known value answers for itself
-            with unset_fake_temporarily():
-                zero = original(torch.zeros((), dtype=self.dtype))
-            return np.broadcast_to(zero, tuple(self.shape))
-        return original(self, *args, **kwargs)
+        if not isinstance(self, FakeTensor):
+            return original(self, *args, **kwargs)
+        real = known.real_value(self)  # a known value answers for itself
+        with unset_fake_temporarily():
+            if real is not None:
+                return original(real, *args, **kwargs)
+            zero = original(torch.zeros((), dtype=self.dtype))
+        return np.broadcast_to(zero, tuple(self.shape))
 
     torch.Tensor.numpy = numpy
     try:

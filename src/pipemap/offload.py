@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .granularity import layout
 from .hooks import Moved, PlacementHook
-from .inventory import stream_blocks
+from .inventory import live_component, stream_blocks
 from .plan import Placement
 from .streams import Queues, aligned, queues_for, stream_charge
 from .transfer import move_tensor
@@ -438,6 +439,28 @@ class StreamSpec:
     blocks: tuple[str, ...] | None = None
     resident: tuple[str, ...] = ()
     depth: int = 1
+    room: int = 0  # the GPU bytes the plan gave it, resident pieces included: for a layout redone on the live module
+    resident_room: int = 0
+
+    def on(self, module: torch.nn.Module, name: str) -> StreamSpec:
+        """This spec for the live ``module``: as planned when every piece names one of its modules; else laid out
+        again on its own module tree in the same room. A checkpoint's tensor names need not be the model's
+        (transformers renames on load: Qwen2.5-VL's ``visual.*`` lives at ``model.visual.*``), and a plan made from
+        the files names the checkpoint's."""
+        if self.blocks is None or all(_has_module(module, p) for p in self.blocks if p):
+            return self
+        found = layout(live_component(name, module).tree, self.room, self.resident_room)
+        if found is None:
+            return StreamSpec(depth=self.depth)
+        return StreamSpec(tuple(p for p, _ in found.blocks), found.resident, max(1, found.prefetch))
+
+
+def _has_module(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def stream_spec(placement: Placement) -> StreamSpec:
@@ -446,7 +469,8 @@ def stream_spec(placement: Placement) -> StreamSpec:
     if not placement.blocks:
         return StreamSpec()
     return StreamSpec(tuple(path for path, _ in placement.blocks), tuple(placement.resident_blocks),
-                      max(1, placement.prefetch))
+                      max(1, placement.prefetch), placement.room + placement.resident_bytes,
+                      placement.resident_bytes)
 
 
 @dataclass(eq=False)
@@ -476,14 +500,18 @@ class StreamHook(_MovingHook):
         self.spec = spec
 
     def init_hook(self, module):
+        self.spec = self.spec.on(module, self.component)
         paths = self.spec.blocks if self.spec.blocks is not None else [p for p, _ in stream_blocks(module)]
         blocks = [module.get_submodule(p) for p in paths]
         owner: dict[int, int] = {}
         for index, block in enumerate(blocks):
             for key in _slots(block.modules()):
                 owner[key] = index if key not in owner else _START  # shared by two blocks: it stays for the call
+        inside = {id(m) for block in blocks for m in block.modules()}
         groups: dict[int, list[_Slot]] = collections.defaultdict(list)
         for key, slot in _slots(module.modules()).items():
+            if any(id(m) not in inside for m, _ in slot.owners):
+                owner[key] = _START  # also held outside every block (T5's encoder.embed_tokens ties shared): kept
             groups[owner.get(key, _START)].append(slot)
         self.root = _Group(groups[_START], f"{self.component} (root)")
         self.blocks = [_Group(groups[i], p) for i, p in enumerate(paths)]

@@ -152,7 +152,10 @@ def _fake_copy(pipe, mode: FakeTensorMode, device_of: Mapping[str, str]):
             parts[name] = module
         else:
             parts[name] = copy.deepcopy(value) if "scheduler" in name else value
-    fake = type(pipe)(**{k: v for k, v in parts.items() if k in _init_names(pipe)})
+    names = _init_names(pipe)
+    # registered options beside the components (SDXL img2img's requires_aesthetics_score, force_zeros_for_empty_prompt)
+    options = {k: v for k, v in pipe.config.items() if k in names and k not in pipe.components}
+    fake = type(pipe)(**options, **{k: v for k, v in parts.items() if k in names})
     fake.set_progress_bar_config(disable=True)
     return fake
 
@@ -255,5 +258,5 @@ def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str
     bound = {back.get(d, d): note for d, note in tracker.peak_bound.items()}
     return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
                             seconds, shown, {d: weight_peak.get(d, 0) for d in peak},
-                            {d: phases[d] for d in peak if d in phases}, bound)
+                            {d: phases[d] for d in peak if d in phases}, bound_peaks=bound)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import importlib
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .errors import PipemapError
-from .inventory import _keep_in_fp32, default_dtype, kept_fp32, read_model_index
+from .inventory import _keep_in_fp32, component_class, default_dtype, kept_fp32, read_model_index
 from .plan import Plan
 from .streams import ALLOCATING_WEIGHTS
 
@@ -51,9 +50,12 @@ def devices_for(plan: Plan) -> dict[str, str]:
 
 
 def _fake(tensor: torch.Tensor, mode: FakeTensorMode, device: str, dtype: torch.dtype | None = None):
+    # as .to(device) copies it: a view into a larger storage (a slice kept as a buffer) arrives as just its elements
+    dense = tensor.is_meta or tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     with mode:
-        fake = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype or tensor.dtype,
-                                   device=device)
+        fake = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()) if dense else
+                                   torch.empty(tuple(tensor.shape), device="meta").stride(),
+                                   dtype=dtype or tensor.dtype, device=device)
     if isinstance(tensor, torch.nn.Parameter):
         return torch.nn.Parameter(fake, requires_grad=False)
     return fake
@@ -85,17 +87,20 @@ def pipeline_from_folder(folder, plan: Plan, mode: FakeTensorMode, device_of: Ma
     dtype = getattr(torch, plan.dtype) if plan.dtype else None
     models = {}
     for name, entry in index.items():
-        if name.startswith("_") or not isinstance(entry, list) or entry[0] not in ("diffusers", "transformers"):
+        if name.startswith("_") or not isinstance(entry, list) or None in entry:
             continue
         if not (folder / name / "config.json").is_file():
             continue
-        library, class_name = entry
-        module = _empty_module(folder, name, library, class_name)
+        cls, library = _model_class(folder, name, *entry)
+        if cls is None:
+            continue  # a tokenizer, scheduler or processor: from_pretrained loads it, no weights
+        class_name = entry[1]
+        module = _empty_module(folder, name, cls, library)
         at = dtype if dtype is not None else default_dtype(folder / name, library)
         models[name] = _fill_fakes(module, mode, device_of.get(name, "cpu"), at,
-                                   _keep_in_fp32(library, class_name, at))
-    with _passed_models_kept(index.get("_class_name"), models) as cls:
-        pipe = (cls or DiffusionPipeline).from_pretrained(folder, **models)
+                                   _keep_in_fp32(library, class_name, at), cast_built=dtype is not None)
+    with _passed_models_kept(index.get("_class_name"), models) as pipeline_class:
+        pipe = (pipeline_class or DiffusionPipeline).from_pretrained(folder, **models)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -124,8 +129,24 @@ def _passed_models_kept(class_name, models: Mapping):
             cls._optional_components = original
 
 
-def _empty_module(folder: Path, name: str, library: str, class_name: str) -> torch.nn.Module:
-    cls = getattr(importlib.import_module(library), class_name)
+def _model_class(folder: Path, name: str, library: str, class_name: str) -> tuple[type | None, str]:
+    """The model class an entry names, as diffusers resolves it (a pipeline module's model too: Shap-E's renderer,
+    DeepFloyd IF's watermarker), and the library whose loader builds it; ``None`` for what has no weights."""
+    from diffusers import ModelMixin
+    from transformers import PreTrainedModel
+
+    try:
+        cls = component_class(library, class_name, folder, name)
+    except (ImportError, AttributeError, ValueError):
+        return None, library
+    if isinstance(cls, type) and issubclass(cls, ModelMixin):
+        return cls, "diffusers"
+    if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+        return cls, "transformers"
+    return None, library
+
+
+def _empty_module(folder: Path, name: str, cls: type, library: str) -> torch.nn.Module:
     with init_empty_weights(include_buffers=False):
         if library == "diffusers":
             return cls.from_config(cls.load_config(folder, subfolder=name))
@@ -141,7 +162,10 @@ def _empty_module(folder: Path, name: str, library: str, class_name: str) -> tor
 
 
 def _fill_fakes(module: torch.nn.Module, mode: FakeTensorMode, device: str, dtype: torch.dtype,
-                keep_fp32: tuple[str, ...]) -> torch.nn.Module:
+                keep_fp32: tuple[str, ...], cast_built: bool = True) -> torch.nn.Module:
+    """Fakes for ``module``'s tensors at ``dtype``; with ``cast_built=False`` (no ``torch_dtype`` given) buffers
+    the checkpoint does not hold keep the dtype the model built them in (CogVideoX's float64 positions), as a
+    real load leaves them."""
     made: dict[int, torch.Tensor] = {}
     for prefix, sub in module.named_modules():
         for store in (sub._parameters, sub._buffers):
@@ -151,7 +175,9 @@ def _fill_fakes(module: torch.nn.Module, mode: FakeTensorMode, device: str, dtyp
                 if id(tensor) not in made:
                     name = f"{prefix}.{key}" if prefix else key
                     kept = kept_fp32(name, keep_fp32)
-                    target = (torch.float32 if kept else dtype) if tensor.is_floating_point() else tensor.dtype
+                    built = not cast_built and key in sub._non_persistent_buffers_set and store is sub._buffers
+                    target = (torch.float32 if kept else dtype) if tensor.is_floating_point() and not built \
+                        else tensor.dtype
                     made[id(tensor)] = _fake(tensor, mode, device, target)
                 store[key] = made[id(tensor)]
     return module
