@@ -7,6 +7,7 @@ figures it uses live in ``Hardware.performance`` (FLOP/s, link bandwidths), over
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from .hardware import Performance, is_accelerator
@@ -17,6 +18,12 @@ from .plan import Placement, Plan
 # contend with the kernels for memory bandwidth, and the first block of each call waits
 STREAM_OVERLAP = 0.75
 ACTIVATION_BYTES = 6144  # per token crossing GPUs: a 3072-wide hidden state in 16 bits
+# A denoiser copy's share of a call crosses GPUs as latents (in and out: 4 latent pixels per token, 16 channels, 16
+# bits) and the prompt's embeddings (512 tokens of 4096 in 16 bits); a call under guidance carries both halves,
+# each of which DENOISER_CALLS counts as a call.
+REPLICA_BYTES_PER_TOKEN = 2 * 4 * 16 * 2
+PROMPT_BYTES = 512 * 4096 * 2
+GUIDANCE_BATCH = 2
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,18 @@ def component_cost(placement: Placement, component: Component, dtype_bytes: int,
     elif placement.mode == "split":  # each block away from home: its activations go there and back at every call
         transfer = calls * 2 * len(placement.shards) * work.latent_tokens * ACTIVATION_BYTES / perf.peer_bandwidth
         total = compute + transfer
+    elif placement.mode == "replicated":
+        return replicated_cost(placement, compute, calls, perf, work)
     return Cost(component.name, compute, transfer, total)
+
+
+def replicated_cost(placement: Placement, compute: float, calls: int, perf: Performance, work: Workload) -> Cost:
+    """A denoiser with copies: the parts of each batched call (both guidance halves) run at once, so its compute
+    divides by the copies that get a part; each part away from home sends its latents and prompt there and back."""
+    parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas))
+    per_call = (parts - 1) * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES)
+    transfer = calls / GUIDANCE_BATCH * per_call / perf.peer_bandwidth
+    return Cost(placement.component, compute / parts, transfer, compute / parts + transfer)
 
 
 def _blocks(component: Component) -> int:
@@ -98,3 +116,32 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
 def seconds_per_image(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None) -> float:
     """The predicted seconds per image of a plan."""
     return sum(c.total for c in predict(plan, inventory, perf, work).values())
+
+
+def device_seconds(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None
+                   ) -> dict[str, float]:
+    """Each device's busy seconds per image: a component's time on the device it computes on, a split
+    component's compute shared by its GPUs in proportion to their bytes, a replicated one's on each copy's device."""
+    busy: collections.Counter = collections.Counter()
+    placements = {p.component: p for p in plan.components}
+    for name, cost in predict(plan, inventory, perf, work).items():
+        p = placements[name]
+        if p.mode == "replicated":
+            for device in (p.execution_device, *p.replicas):
+                busy[device] += cost.total
+        elif p.mode == "split" and p.bytes:
+            away = sum(size for _, _, size in p.shards)
+            busy[p.execution_device] += cost.compute * (p.bytes - away) / p.bytes + cost.transfer
+            for _, device, size in p.shards:
+                busy[device] += cost.compute * size / p.bytes
+        else:
+            busy[p.execution_device] += cost.total
+    return dict(busy)
+
+
+def images_per_second(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None
+                      ) -> float | None:
+    """The predicted images per second with requests overlapped (``pipemap.run_many``): each device works on one
+    request at a time, so the busiest device's seconds per image set the pace. None for an empty plan."""
+    slowest = max(device_seconds(plan, inventory, perf, work).values(), default=0.0)
+    return 1.0 / slowest if slowest > 0 else None

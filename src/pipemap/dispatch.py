@@ -17,7 +17,6 @@ import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
-from . import parallel
 from .errors import DispatchError, PipelineMappedError, PlanMismatchError
 from .plan import Plan
 from .transfer import ensure_safe_transfers, move, move_tensor
@@ -128,7 +127,7 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
 
 def _hook_maker(plan: Plan):
     """``placement -> hook``; the offloading hooks of one dispatch share one ledger of what is onloaded where."""
-    if all(p.mode in ("resident", "split") for p in plan.components):
+    if all(p.mode in ("resident", "split", "replicated") for p in plan.components):
         return lambda p: _resident_hook(p, plan.execution_device)
     from . import offload  # it builds on this module
 
@@ -146,6 +145,10 @@ def _hook_maker(plan: Plan):
 
 
 def _resident_hook(p, execution_device: str) -> PlacementHook:
+    if p.mode == "replicated":
+        from .parallel import ReplicaHook  # it builds on this module
+
+        return ReplicaHook(p.component, p.device, execution_device, p.replicas)
     if p.mode == "split":
         return SplitHook(p.component, p.device, execution_device, p.shards)
     return PlacementHook(p.component, p.device, execution_device)
@@ -164,7 +167,9 @@ def reset(pipe) -> None:
         pipe.__dict__.pop(name, None)
     pipe.__dict__.pop("_pipemap_plan", None)
     pipe.__dict__.pop("hf_device_map", None)  # back to the class's None, as before dispatch
-    parallel.unguard_calls(pipe)
+    from .parallel import unguard_calls
+
+    unguard_calls(pipe)
 
 
 def planned(pipe) -> Plan | None:
@@ -317,7 +322,9 @@ def _mark(pipe, plan: Plan) -> None:
     for name in _GUARDED:
         pipe.__dict__[name] = _refuse(f"pipe.{name}()")
     pipe.__dict__["reset_device_map"] = functools.partial(reset, pipe)  # diffusers' own undo does ours
-    parallel.guard_calls(pipe)  # calls from several threads take turns: a call's state lives on the pipeline
+    from .parallel import guard_calls
+
+    guard_calls(pipe)  # calls from several threads take turns: a call's state lives on the pipeline
 
 
 def _refuse(operation: str):

@@ -15,7 +15,7 @@ from rich.table import Table
 from .hardware import normalize_device
 from .units import format_bytes
 
-MODES = ("resident", "offload", "stream", "split")
+MODES = ("resident", "offload", "stream", "split", "replicated")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class Placement:
     the bytes of its blocks in flight; 0 when resident. It travels with the placement through ``remap``, so a plan
     remapped onto the CPU keeps each GPU's eviction behaviour. ``"split"``: the component lives on several GPUs;
     ``shards`` lists the blocks (module paths) placed away from ``device`` with their device and bytes, and
-    everything else stays on ``device``, where its inputs and outputs live.
+    everything else stays on ``device``, where its inputs and outputs live. ``"replicated"``: resident on ``device``
+    with a whole copy on each of ``replicas``; each call's batch is split across them (``pipemap.parallel``).
     """
 
     component: str
@@ -39,6 +40,7 @@ class Placement:
     execution_device: str = ""
     room: int = 0
     shards: tuple[tuple[str, str, int], ...] = ()
+    replicas: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.execution_device:
@@ -51,18 +53,22 @@ def _mode_text(p: Placement) -> str:
         for _, device, size in p.shards:
             away[device] = away.get(device, 0) + size
         return "split: " + ", ".join(f"{format_bytes(b)} on {d}" for d, b in away.items())
+    if p.mode == "replicated":
+        return "replicated: copies on " + ", ".join(p.replicas)
     return p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})"
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One plan ``"auto"`` weighed: its strategy, predicted seconds per image (None: it does not fit, and
-    ``reason`` says why) and each device's peak bytes."""
+    ``reason`` says why), each device's peak bytes, and the images per second of requests overlapped
+    (``pipemap.run_many``: the busiest device's work per image sets the pace)."""
 
     strategy: str
     seconds: float | None
     peaks: tuple[tuple[str, int], ...]
     reason: str = ""
+    images_per_second: float | None = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,8 @@ class Plan:
             return move.get(name, name)
 
         components = tuple(replace(p, device=dev(p.device), execution_device=dev(p.execution_device),
-                                   shards=tuple((path, dev(d), size) for path, d, size in p.shards))
+                                   shards=tuple((path, dev(d), size) for path, d, size in p.shards),
+                                   replicas=tuple(dev(d) for d in p.replicas))
                            for p in self.components)
         merged: dict[str, DeviceUse] = {}
         for d in self.devices:
@@ -145,17 +152,21 @@ class Plan:
         return "\n".join([buffer.getvalue().rstrip(), *(f"note: {n}" for n in self.notes)])
 
     def explain(self) -> str:
-        """Why this plan: the candidates ``"auto"`` weighed, their predicted seconds per image and per-device peaks,
-        and which won. Plans from a fixed strategy have no candidates and say so."""
+        """Why this plan: the candidates ``"auto"`` weighed, their predicted seconds per image, images per second
+        with requests overlapped (``run_many``) and per-device peaks, and which won. Plans from a fixed strategy
+        have no candidates and say so."""
         if not self.candidates:
             return f"strategy {self.strategy!r} was asked for; no other plan was weighed"
         ranked = sorted(self.candidates, key=lambda c: (c.seconds is None, c.seconds or 0.0))
-        lines = [f"{'strategy':<34}{'s/image':>10}  peaks per device"]
+        lines = [f"{'strategy':<34}{'s/image':>10}{'images/s':>10}  peaks per device"]
         for c in ranked:
             peaks = ", ".join(f"{d} {format_bytes(b)}" for d, b in c.peaks)
             figure = f"{c.seconds:>10.3g}" if c.seconds is not None else f"{'-':>10}"
-            lines.append(f"{c.strategy:<34}{figure}  {peaks or c.reason}")
-        return "\n".join(lines + [n for n in self.notes if n.startswith("auto:")])
+            rate = f"{c.images_per_second:>10.3g}" if c.images_per_second is not None else f"{'-':>10}"
+            lines.append(f"{c.strategy:<34}{figure}{rate}  {peaks or c.reason}")
+        lines.append("s/image: one request at a time; images/s: requests overlapped (pipemap.run_many), paced by "
+                     "the busiest device")
+        return "\n".join(lines + [n for n in self.notes if n.startswith(("auto:", "parallel:"))])
 
     def to_dict(self) -> dict:
         return {
@@ -167,11 +178,13 @@ class Plan:
             "components": {p.component: {"device": p.device, "mode": p.mode, "bytes": p.bytes,
                                          "execution_device": p.execution_device, "room": p.room,
                                          **({"shards": {path: {"device": d, "bytes": size} for path, d, size
-                                                        in p.shards}} if p.shards else {})}
+                                                        in p.shards}} if p.shards else {}),
+                                         **({"replicas": list(p.replicas)} if p.replicas else {})}
                            for p in self.components},
             "notes": list(self.notes),
             **({"candidates": [{"strategy": c.strategy, "seconds": c.seconds, "peaks": dict(c.peaks),
-                                "reason": c.reason} for c in self.candidates]} if self.candidates else {}),
+                                "reason": c.reason, "images_per_second": c.images_per_second}
+                               for c in self.candidates]} if self.candidates else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -183,9 +196,11 @@ class Plan:
                         for name, d in data["devices"].items())
         components = tuple(Placement(name, c["device"], c["bytes"], c.get("mode", "resident"),
                                      c.get("execution_device", ""), c.get("room", 0),
-                                     tuple((path, s["device"], s["bytes"]) for path, s in c.get("shards", {}).items()))
+                                     tuple((path, s["device"], s["bytes"]) for path, s in c.get("shards", {}).items()),
+                                     tuple(c.get("replicas", ())))
                            for name, c in data["components"].items())
-        candidates = tuple(Candidate(c["strategy"], c["seconds"], tuple(c["peaks"].items()), c.get("reason", ""))
+        candidates = tuple(Candidate(c["strategy"], c["seconds"], tuple(c["peaks"].items()), c.get("reason", ""),
+                                     c.get("images_per_second"))
                            for c in data.get("candidates", ()))
         return cls(data["strategy"], components, devices, data["execution_device"], data.get("dtype"),
                    data.get("variant"), tuple(data.get("notes", ())), candidates)
