@@ -126,6 +126,8 @@ def test_run_many_errors(staged):
     with pytest.raises(pipemap.RunManyCallError) as err:
         pipemap.run_many(staged, [{"prompt": "a"}], workers=0)
     assert err.value.argument == "workers" and isinstance(err.value, ValueError)
+    with pytest.raises(pipemap.RunManyCallError):
+        pipemap.iter_many(staged, [], workers=0)  # checked at the call, not at the first result
     with pytest.raises(pipemap.RunManyCallError) as err:
         pipemap.run_many(staged, ["a cat"])
     assert err.value.argument == "calls[0]" and err.value.value == "a cat"
@@ -265,3 +267,15 @@ def test_auto_weighs_replicas_and_explains_both_speeds():
     assert "images/s" in text and "parallel" in text
     rates = {c.strategy: c.images_per_second for c in plan.candidates}
     assert rates["balanced"] == pytest.approx(1 / max(busy.values()))
+
+
+def test_loaded_onto_a_parallel_plan_and_run_many_over_replicas(tiny_folders, reference_outputs):
+    from conftest import run
+
+    plan = pipemap.plan(tiny_folders["sd"], hardware=PARALLEL_GPUS[2], strategy="parallel", headroom=0.0)
+    pipe = pipemap.load(tiny_folders["sd"], plan=plan.remap(ON_CPU), progress=False)
+    assert len(pipe.unet._hf_hook.replicas) == 1
+    torch.testing.assert_close(run(pipe, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
+    one_by_one = _images(pipe(**call) for call in _calls(3))
+    for got, want in zip(_images(pipemap.run_many(pipe, _calls(3), workers=2)), one_by_one, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

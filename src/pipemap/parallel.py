@@ -78,6 +78,10 @@ def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_except
     if not isinstance(workers, int) or workers < 1:
         raise RunManyCallError("workers", workers, "give workers=N with N >= 1 requests in flight")
     _check_hooks(pipe)
+    return _results(pipe, calls, workers, return_exceptions)  # checked now, run as it is iterated
+
+
+def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bool) -> Iterator:
     twins: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(workers):
         twins.put(twin(pipe))
