@@ -28,7 +28,7 @@ from pipemap.planner import forcing_hardware
 
 httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
 pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
-from pipemap.serve import Background, Options, Service  # noqa: E402
+from pipemap.serve import Background, Options, Service, resolve_folder  # noqa: E402
 
 GENERATIONS = "/v1/images/generations"
 STEPS = 2
@@ -273,7 +273,7 @@ def test_pipemap_serve_finishes_running_work_on_sigterm_and_refuses_new(tiny_fol
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as session:
             wait_until(lambda: _up(session) or server.poll() is not None, 240)
             assert server.poll() is None, (tmp_path / "serve.log").read_text()
-            running = in_background(ask, session, prompt="a slow cat", seed=3, num_inference_steps=60)
+            running = in_background(ask, session, prompt="a slow cat", seed=3, num_inference_steps=30)
             wait_until(lambda: session.get("/health").json()["running"] == 1)
             server.send_signal(signal.SIGTERM)
             assert pngs(running())  # the request running when the signal came is answered
@@ -293,9 +293,7 @@ def _up(session) -> bool:
         return False
 
 
-def test_pipemap_serve_of_a_name_not_in_the_cache_says_so(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "pipemap", "serve", "flux.1-dev"], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 2
-    assert "black-forest-labs/FLUX.1-dev" in result.stderr and "Hugging Face cache" in result.stderr
+def test_a_name_not_in_the_cache_says_so():
+    # HF_HUB_OFFLINE is set for every test, and no test downloads: a published name resolves to nothing
+    with pytest.raises(pipemap.NotAPipelineError, match="'black-forest-labs/FLUX.1-dev' is not in the Hugging Face"):
+        resolve_folder("flux.1-dev")
