@@ -6,6 +6,7 @@ from .errors import (
     CheckpointError,
     DispatchError,
     DoesNotFitError,
+    ForeignHookError,
     HardwareSpecError,
     HeadroomError,
     MemorySpecError,
@@ -13,6 +14,7 @@ from .errors import (
     PipelineMappedError,
     PipemapError,
     PlanMismatchError,
+    RunManyCallError,
     SimulationFailedError,
     UnknownComponentError,
     UnknownDeviceError,
@@ -23,6 +25,7 @@ from .hardware import Device, Hardware, normalize_device
 from .inventory import Component, Inventory, inspect
 from .loading import load
 from .offload import stats
+from .parallel import current_request, iter_many, run_many
 from .plan import DeviceUse, Placement, Plan
 from .planner import STRATEGIES, plan
 from .simulate import Failure, SimulationReport, simulate
@@ -39,4 +42,5 @@ __all__ = [
     "dispatch", "format_bytes", "inspect", "load", "normalize_device", "parse_bytes", "plan", "reset",
     "Failure", "SimulationReport", "simulate", "PipemapWarning", "TransferReport", "UnsafeTransferWarning",
     "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
+    "ForeignHookError", "RunManyCallError", "current_request", "iter_many", "run_many",
 ]

@@ -10,12 +10,14 @@ placing any component fails, every component is put back where it was and the er
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
+from . import parallel
 from .errors import DispatchError, PipelineMappedError, PlanMismatchError
 from .plan import Plan
 from .transfer import ensure_safe_transfers, move, move_tensor
@@ -36,6 +38,25 @@ class Moved:
     d2h_bytes: int = 0
 
 
+class CallLock:
+    """A re-entrant lock a component's hook holds for the whole of each call, so calls from several threads (
+    ``pipemap.run_many``) take turns on a component while different components run at once. A copy (a dry run
+    deep-copies hooked modules) gets a lock of its own."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def __deepcopy__(self, memo) -> CallLock:
+        return CallLock()
+
+
 class PlacementHook(ModelHook):
     """Inputs to ``device``; outputs to the pipeline's execution device.
 
@@ -49,6 +70,7 @@ class PlacementHook(ModelHook):
         self.device = torch.device(device)
         self.execution_device = torch.device(execution_device)
         self.moved = Moved()
+        self.lock = CallLock()
 
     def pre_forward(self, module, *args, **kwargs):
         self.moved.calls += 1
@@ -111,10 +133,13 @@ def _hook_maker(plan: Plan):
     from . import offload  # it builds on this module
 
     ledger = offload.Ledger()
+    moving = CallLock()  # the moving hooks share a ledger (and evict each other): one at a time
 
     def make(p):
         if p.mode in ("offload", "stream"):
-            return offload.hook_for(p, plan.execution_device, ledger)
+            hook = offload.hook_for(p, plan.execution_device, ledger)
+            hook.lock = moving
+            return hook
         return _resident_hook(p, plan.execution_device)
 
     return make
@@ -139,6 +164,7 @@ def reset(pipe) -> None:
         pipe.__dict__.pop(name, None)
     pipe.__dict__.pop("_pipemap_plan", None)
     pipe.__dict__.pop("hf_device_map", None)  # back to the class's None, as before dispatch
+    parallel.unguard_calls(pipe)
 
 
 def planned(pipe) -> Plan | None:
@@ -213,6 +239,8 @@ class SplitHook(PlacementHook):
 def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
     """Attach ``hook`` at the component's root, and to the methods diffusers routes through ``apply_forward_hook``."""
     add_hook_to_module(module, hook)
+    # accelerate's forward runs pre_forward, the call and post_forward; the lock spans them, exceptions included
+    module.forward = functools.update_wrapper(functools.partial(_locked, hook.lock, module.forward), module.forward)
     for name in _hooked_methods(module):
         module.__dict__[name] = _wrap_method(module, getattr(type(module), name).__get__(module), hook)
 
@@ -240,10 +268,16 @@ def _hooked_methods(module: torch.nn.Module) -> list[str]:
 def _wrap_method(module, method, hook: ModelHook):
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
-        args, kwargs = hook.pre_forward(module, *args, **kwargs)
-        return hook.post_forward(module, method(*args, **kwargs))
+        with hook.lock:
+            args, kwargs = hook.pre_forward(module, *args, **kwargs)
+            return hook.post_forward(module, method(*args, **kwargs))
 
     return wrapper
+
+
+def _locked(lock: CallLock, forward, *args, **kwargs):
+    with lock:
+        return forward(*args, **kwargs)
 
 
 def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
@@ -283,6 +317,7 @@ def _mark(pipe, plan: Plan) -> None:
     for name in _GUARDED:
         pipe.__dict__[name] = _refuse(f"pipe.{name}()")
     pipe.__dict__["reset_device_map"] = functools.partial(reset, pipe)  # diffusers' own undo does ours
+    parallel.guard_calls(pipe)  # calls from several threads take turns: a call's state lives on the pipeline
 
 
 def _refuse(operation: str):

@@ -1,0 +1,156 @@
+"""parallel: overlapped requests (run_many), calls from several threads, denoiser replicas."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import pipemap
+from pipemap import tiny
+from pipemap.dispatch import CallLock
+from pipemap.parallel import current_request
+
+TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny sd: unet 3.0 MiB; vae 2.5 + text encoder 0.2
+ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def staged():
+    """The tiny SD pipeline planned for two GPUs (text encoder and VAE on one, the unet on the other), on the CPU."""
+    pipe = tiny.build("sd")
+    pipe.set_progress_bar_config(disable=True)
+    plan = pipemap.plan(pipe, hardware=TWO_GPUS, headroom=0.0)
+    assert plan.device_map["unet"] != plan.device_map["text_encoder"] == plan.device_map["vae"]
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
+    yield pipe
+    pipemap.reset(pipe)
+
+
+def _calls(n: int) -> list[dict]:
+    return [dict(prompt=f"a tiny cat number {i}", num_inference_steps=2 + i % 2, guidance_scale=(5.0, 7.5, 1.0)[i % 3],
+                 generator=torch.Generator().manual_seed(i), output_type="np") for i in range(n)]
+
+
+def _images(outputs) -> list[torch.Tensor]:
+    return [torch.as_tensor(o.images) for o in outputs]
+
+
+def test_run_many_equals_one_by_one(staged):
+    one_by_one = _images(staged(**call) for call in _calls(4))
+    for got, want in zip(_images(pipemap.run_many(staged, _calls(4), workers=2)), one_by_one, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    lazily = pipemap.iter_many(staged, iter(_calls(3)), workers=3)  # an iterator in, a generator out
+    for got, want in zip(_images(lazily), one_by_one[:3], strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def _inner(module: torch.nn.Module) -> torch.nn.Module:
+    """A submodule that runs inside the component's call, hence inside the lock its hook holds."""
+    return next(m for m in module.modules() if m is not module and not list(m.children()))
+
+
+def test_run_many_overlaps_stages_of_different_requests(staged):
+    """Request 1's text encoder starts only once request 0's unet runs, and request 0's unet call (its lock held)
+    waits for it: the run finishes with both waits met only if one request's text encoder runs while another's
+    denoiser works. No timing: were requests run one after another, request 0 would wait in vain."""
+    log, met = [], []
+    denoising, encoded = threading.Event(), threading.Event()
+
+    def gate(module, args):  # outside the text encoder's lock, so request 0 can still encode
+        if current_request() == 1:
+            denoising.wait(timeout=60)
+
+    def record(component):
+        def hook(module, args):
+            log.append((current_request(), component))
+            if component == "text_encoder" and current_request() == 1:
+                encoded.set()
+            if component == "unet" and current_request() == 0 and not met:
+                denoising.set()
+                met.append(encoded.wait(timeout=60))
+        return hook
+
+    handles = [staged.text_encoder.register_forward_pre_hook(gate)]
+    handles += [_inner(getattr(staged, name)).register_forward_pre_hook(record(name))
+                for name in ("text_encoder", "unet", "vae")]
+    try:
+        outputs = pipemap.run_many(staged, _calls(3), workers=2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert met == [True]
+    first_unet, last_unet = (log.index((0, "unet")), len(log) - 1 - log[::-1].index((0, "unet")))
+    assert (1, "text_encoder") in log[first_unet:last_unet]  # interleaved, not one request after another
+    assert [o.images.shape for o in outputs] == [(1, 32, 32, 3)] * 3
+
+
+def test_threads_calling_a_mapped_pipeline_take_turns(staged):
+    """A second thread's call waits for the first to finish, so neither sees the other's scheduler state."""
+    calls = _calls(2)
+    want = _images(staged(**call) for call in _calls(2))
+    got, entered = {}, threading.Event()
+    second = threading.Thread(target=lambda: got.setdefault(1, staged(**calls[1])))
+    te_hook = _inner(staged.text_encoder).register_forward_pre_hook(
+        lambda m, a: entered.set() if threading.current_thread() is second else None)
+    started = []
+
+    def unet_hook(module, args):
+        if threading.current_thread() is threading.main_thread() and not started:
+            second.start()
+            started.append(entered.wait(timeout=1.0))  # would be True at once if the second call ran beside ours
+
+    handle = _inner(staged.unet).register_forward_pre_hook(unet_hook)
+    try:
+        got[0] = staged(**calls[0])
+        second.join()
+    finally:
+        handle.remove()
+        te_hook.remove()
+    assert started == [False]
+    for i in range(2):
+        torch.testing.assert_close(torch.as_tensor(got[i].images), want[i], atol=0, rtol=0)
+
+
+def test_mapped_class_keeps_its_name_and_reset_gives_it_back():
+    pipe = tiny.build("sd")
+    cls = type(pipe)
+    pipemap.dispatch(pipe, pipemap.plan(pipe, hardware="cpu=1GiB"))
+    assert isinstance(pipe, cls) and type(pipe).__name__ == cls.__name__ and type(pipe).__module__ == cls.__module__
+    pipemap.reset(pipe)
+    assert type(pipe) is cls and "_pipemap_call_lock" not in pipe.__dict__
+
+
+def test_run_many_errors(staged):
+    with pytest.raises(pipemap.RunManyCallError) as err:
+        pipemap.run_many(staged, [{"prompt": "a"}], workers=0)
+    assert err.value.argument == "workers" and isinstance(err.value, ValueError)
+    with pytest.raises(pipemap.RunManyCallError) as err:
+        pipemap.run_many(staged, ["a cat"])
+    assert err.value.argument == "calls[0]" and err.value.value == "a cat"
+    bad = dict(_calls(1)[0], prompt=None)  # neither a prompt nor embeddings: the pipeline refuses
+    results = pipemap.run_many(staged, [bad, _calls(1)[0]], return_exceptions=True)
+    assert isinstance(results[0], ValueError) and results[1].images.shape == (1, 32, 32, 3)
+    with pytest.raises(ValueError):
+        pipemap.run_many(staged, [bad])
+
+
+def test_run_many_refuses_hooks_it_cannot_lock():
+    from accelerate.hooks import CpuOffload, add_hook_to_module
+
+    pipe = tiny.build("sd")
+    add_hook_to_module(pipe.unet, CpuOffload(execution_device="cpu"))
+    with pytest.raises(pipemap.ForeignHookError) as err:
+        pipemap.run_many(pipe, [{"prompt": "a"}])
+    assert err.value.component == "unet" and err.value.hook == "CpuOffload"
+
+
+def test_call_lock_copies_are_new_locks():
+    import copy
+
+    lock = CallLock()
+    with lock:
+        other = copy.deepcopy(lock)
+        assert other._lock.acquire(blocking=False)  # not the held one
+        other._lock.release()
