@@ -37,11 +37,11 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def service(tiny_folders):
     """The tiny SD pipeline on a plan that offloads (so bytes move), remapped onto the CPU; one waiting request at
-    most, so a second one waiting is refused."""
+    most, so a second one waiting is refused; two requests in flight through run_many."""
     folder = tiny_folders["sd"]
     hardware = forcing_hardware(pipemap.inspect(folder), "balanced_low_memory")
     return Service.load(Options(folder, hardware=hardware, strategy="balanced_low_memory", headroom=0.0,
-                                max_queue=1, timeout=120.0, max_n=2))
+                                max_queue=1, timeout=120.0, max_n=2, workers=2))
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,8 @@ def _add_serve(commands) -> None:
     serve.add_argument("--max-queue", type=int, default=16, help="requests waiting at most; then 429 (default 16)")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take; then 504")
     serve.add_argument("--max-n", type=int, default=4, help="images a request may ask for (default 4)")
+    serve.add_argument("--workers", type=int, help="requests run together, their stages overlapped (run_many; "
+                       "default: one per device the plan computes on)")
     serve.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment (pipemap[ray])")
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: this many replicas")
     serve.add_argument("--autoscale", metavar="MIN:MAX", help="with --ray: replicas scaled on queue length")
@@ -134,7 +136,7 @@ def _serve(args) -> int:
     from .serve import Options
 
     options = Options(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant, args.headroom,
-                      args.max_queue, args.timeout, args.max_n)
+                      args.max_queue, args.timeout, args.max_n, args.workers)
     if args.ray:
         from .serve.deployment import run_on_ray
 

@@ -16,7 +16,7 @@ from ray import serve
 from ..errors import PipemapError
 from ..hardware import normalize_device
 from ..plan import Plan
-from .service import Options, resolve_folder
+from .service import Options, default_workers, resolve_folder
 
 
 class AutoscaleSpecError(PipemapError, ValueError):
@@ -82,7 +82,7 @@ def application(options: Options, replicas: int = 1, autoscale: str | None = Non
     plan = make_plan(resolve_folder(options.path), hardware=options.hardware, strategy=options.strategy,
                      dtype=options.dtype, variant=options.variant, headroom=options.headroom)
     # a request waits in Ray's router rather than being refused by a replica whose own queue is full
-    max_ongoing = options.max_queue + options.workers
+    max_ongoing = options.max_queue + (options.workers or default_workers(plan))
     scaling = {"autoscaling_config": autoscaling(autoscale, max_ongoing)} if autoscale else {"num_replicas": replicas}
     deployment = serve.deployment(PipemapReplica, name="pipemap", max_ongoing_requests=max_ongoing,
                                   ray_actor_options={"num_gpus": gpus(plan), "num_cpus": num_cpus},

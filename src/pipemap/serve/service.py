@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import NotAPipelineError
+from ..parallel import run_many
 from ..plan import Plan
 from .metrics import Metrics
 from .requests import Generation, GenerationRequest, Limits
-from .worker import Job, Worker, run_sequential
+from .worker import Job, Worker
 
 
 @dataclass(frozen=True)
@@ -32,16 +33,18 @@ class Options:
     max_queue: int = 16
     timeout: float = 300.0
     max_n: int = 4
-    workers: int = 1
+    workers: int | None = None  # requests in flight together; None: one per device the plan computes on
 
 
 def pipeline_runner(workers: int):
-    """``runner(pipe, calls) -> outcomes`` for the worker: the calls in order, a failed call's error in its place."""
-    if workers <= 1:
-        return run_sequential
-    from ..parallel import run_many  # requests in flight together: their stages overlap across devices
-
+    """``runner(pipe, calls) -> outcomes`` for the worker: ``run_many``, so the stages of the requests taken
+    together overlap across devices; outcomes in order, a failed call's error in its place."""
     return functools.partial(run_many, workers=workers, return_exceptions=True)
+
+
+def default_workers(plan: Plan) -> int:
+    """Requests in flight at once: one per device a component computes on, the most that can overlap."""
+    return len({p.execution_device for p in plan.components}) or 1
 
 
 class Service:
@@ -52,11 +55,12 @@ class Service:
     """
 
     def __init__(self, pipe, plan: Plan, running_plan: Plan | None = None, *, max_queue: int = 16,
-                 timeout: float = 300.0, max_n: int = 4, workers: int = 1, runner=None):
+                 timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None):
         self.pipe, self.plan, self.running_plan = pipe, plan, running_plan or plan
         self.timeout = timeout
         self.limits = Limits.of(pipe, max_n)
         pipe.set_progress_bar_config(disable=True)
+        workers = workers or default_workers(self.running_plan)
         self.worker = Worker(pipe, runner or pipeline_runner(workers), max_queue, workers)
         self.metrics = Metrics(pipe, self.worker)
         self.worker.on_finished = self.metrics.finished
