@@ -35,7 +35,7 @@ class Metrics:
         self.recent_seconds_per_image: float | None = None
 
     def finished(self, finished: Finished) -> None:
-        """Count one batch the worker ran (its ``on_finished``)."""
+        """Count one job the worker answered (its ``on_finished``)."""
         if finished.images:
             per_image = finished.seconds / finished.images
             self.images.inc(finished.images)

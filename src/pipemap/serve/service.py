@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import NotAPipelineError
-from ..parallel import run_many
+from ..parallel import iter_many
 from ..plan import Plan
 from .metrics import Metrics
 from .requests import Generation, GenerationRequest, Limits
@@ -37,9 +37,10 @@ class Options:
 
 
 def pipeline_runner(workers: int):
-    """``runner(pipe, calls) -> outcomes`` for the worker: ``run_many``, so the stages of the requests taken
-    together overlap across devices; outcomes in order, a failed call's error in its place."""
-    return functools.partial(run_many, workers=workers, return_exceptions=True)
+    """``runner(pipe, calls) -> outcomes`` for the worker: ``iter_many`` (``run_many`` as a stream), so the stages
+    of ``workers`` requests in flight overlap across devices; outcomes in order, a failed call's error in its
+    place."""
+    return functools.partial(iter_many, workers=workers, return_exceptions=True)
 
 
 def default_workers(plan: Plan) -> int:
@@ -61,7 +62,8 @@ class Service:
         self.limits = Limits.of(pipe, max_n)
         pipe.set_progress_bar_config(disable=True)
         workers = workers or default_workers(self.running_plan)
-        self.worker = Worker(pipe, runner or pipeline_runner(workers), max_queue, workers)
+        self.workers = workers
+        self.worker = Worker(pipe, runner or pipeline_runner(workers), max_queue)
         self.metrics = Metrics(pipe, self.worker)
         self.worker.on_finished = self.metrics.finished
 

@@ -1,17 +1,22 @@
 """The queue between the HTTP handlers and the pipeline, and the one thread that feeds the pipeline from it.
 
-Handlers ``submit`` jobs (bounded: a full queue refuses at once, so a client can retry elsewhere); the worker takes
-what is waiting, up to ``batch`` jobs, and hands their calls to the runner, ``runner(pipe, calls) -> outcomes``
-(each an output or the exception its call raised), then answers each job's future. A job past its deadline is
-dropped: skipped if still waiting, stopped at its next denoising step if running (``callback_on_step_end``).
+Handlers ``submit`` jobs (bounded: a full queue refuses at once, so a client can retry elsewhere). While jobs
+wait, the worker streams their calls into the runner, ``runner(pipe, calls) -> outcomes`` (``pipemap.iter_many``:
+several requests in flight, each outcome an output or the exception its call raised, in order) and answers each
+job as its outcome comes. The stream of calls never blocks: when the queue is empty it ends, the runner finishes
+what it holds, and the worker waits for the next job (a stream that blocked would hold back the answers the runner
+has ready). A job past its deadline is dropped: skipped if still waiting, stopped at its next denoising step if
+running (``callback_on_step_end``).
 """
 
 from __future__ import annotations
 
 import collections
 import inspect
+import math
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -43,15 +48,13 @@ class WorkDropped(PipemapError):
         super().__init__(f"the request timed out; its work was dropped after step {step}")
 
 
-def run_sequential(pipe, calls: list[dict]) -> list:
+def run_sequential(pipe, calls: Iterable[dict]) -> Iterator:
     """The plain runner: one call after another, a failed call's exception in its place."""
-    outcomes = []
     for call in calls:
         try:
-            outcomes.append(pipe(**call))
+            yield pipe(**call)
         except Exception as error:  # noqa: BLE001 - a request's failure is its answer, not the worker's end
-            outcomes.append(error)
-    return outcomes
+            yield error
 
 
 @dataclass(eq=False)
@@ -63,6 +66,7 @@ class Job:
     images: int
     deadline: float  # time.monotonic()
     future: Future = field(default_factory=Future)
+    started: float = 0.0  # time.perf_counter() when the worker took it
     dropped: threading.Event = field(default_factory=threading.Event)
 
     def wanted(self) -> bool:
@@ -74,18 +78,18 @@ class Job:
 
 @dataclass(frozen=True)
 class Finished:
-    """What the worker reports per batch: images made, seconds taken, jobs failed."""
+    """What the worker reports per job answered: images made (0 if it failed) and the pipeline seconds it took,
+    counted from its start or the previous answer, whichever is later, so overlapped jobs are not counted twice."""
 
     images: int
     seconds: float
-    failed: int
 
 
 class Worker:
     """A bounded queue of jobs and the thread that runs them through ``runner`` on ``pipe``."""
 
-    def __init__(self, pipe, runner=run_sequential, max_queue: int = 16, batch: int = 1, on_finished=None):
-        self.pipe, self.runner, self.max_queue, self.batch = pipe, runner, max_queue, batch
+    def __init__(self, pipe, runner=run_sequential, max_queue: int = 16, on_finished=None):
+        self.pipe, self.runner, self.max_queue = pipe, runner, max_queue
         self.on_finished = on_finished or (lambda finished: None)
         self.running = 0
         self.draining = False
@@ -93,7 +97,8 @@ class Worker:
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
         self._steps = "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
-        self._recent = 1.0  # seconds per job, smoothed: the Retry-After estimate
+        self._recent = 1.0  # seconds between answers, smoothed: the Retry-After estimate
+        self._last = 0.0  # time.perf_counter() of the last answer
         self.dropped = 0  # jobs dropped (timed out or abandoned) since the start
 
     @property
@@ -117,8 +122,8 @@ class Worker:
         return job.future
 
     def retry_after(self) -> int:
-        """Seconds until the queue has room, from the recent seconds per job; at least 1."""
-        return max(1, round(self._recent * (len(self._waiting) + self.running) / self.batch))
+        """Seconds until the queue has room: about one answer's time, from the recent ones; at least 1."""
+        return max(1, math.ceil(self._recent))
 
     def drain(self) -> None:
         """Take no new job; those waiting and running still finish."""
@@ -140,45 +145,52 @@ class Worker:
                 self._waiting.remove(job)
                 self.dropped += 1
 
-    def _take(self) -> list[Job] | None:
+    def _loop(self) -> None:
+        while self._work_waits():
+            taken: collections.deque[Job] = collections.deque()
+            try:
+                for outcome in self.runner(self.pipe, self._stream(taken)):
+                    self._answer(taken.popleft(), outcome)
+            except Exception as error:  # noqa: BLE001 - a runner that fails whole fails each job it holds
+                while taken:
+                    self._answer(taken.popleft(), error)
+
+    def _work_waits(self) -> bool:
         with self._ready:
             while not self._waiting and not self.draining:
                 self._ready.wait()
-            if not self._waiting:
-                return None
-            jobs = [self._waiting.popleft() for _ in range(min(self.batch, len(self._waiting)))]
-            # a future marked running can no longer be cancelled by its handler, so its answer can always be set
-            taken = [job for job in jobs if job.wanted() and job.future.set_running_or_notify_cancel()]
-            self.dropped += len(jobs) - len(taken)
-            self.running = len(taken)
-            return taken
+            return bool(self._waiting)
 
-    def _loop(self) -> None:
-        while (jobs := self._take()) is not None:
-            try:
-                self._run(jobs)
-            finally:
-                self.running = 0
+    def _stream(self, taken: collections.deque) -> Iterator[dict]:
+        """The waiting jobs' calls, as the runner asks for them; ends (never blocks) when none waits."""
+        while (job := self._take()) is not None:
+            taken.append(job)
+            yield self._armed(job)
 
-    def _run(self, jobs: list[Job]) -> None:
-        start = time.perf_counter()
-        try:
-            outcomes = self.runner(self.pipe, [self._armed(job) for job in jobs]) if jobs else []
-        except Exception as error:  # noqa: BLE001 - a runner that fails whole fails each of its jobs
-            outcomes = [error] * len(jobs)
-        seconds = time.perf_counter() - start
-        images = failed = 0
-        for job, outcome in zip(jobs, outcomes):
-            if isinstance(outcome, BaseException):
-                failed += not isinstance(outcome, WorkDropped)
-                self.dropped += isinstance(outcome, WorkDropped)
-                job.future.set_exception(outcome)
-            else:
-                images += job.images
-                job.future.set_result(outcome)
-        if jobs:
-            self._recent = 0.7 * self._recent + 0.3 * seconds / len(jobs)
-        self.on_finished(Finished(images, seconds, failed))
+    def _take(self) -> Job | None:
+        with self._ready:
+            while self._waiting:
+                job = self._waiting.popleft()
+                # a future marked running can no longer be cancelled by its handler: its answer can always be set
+                if job.wanted() and job.future.set_running_or_notify_cancel():
+                    self.running += 1
+                    job.started = time.perf_counter()
+                    return job
+                self.dropped += 1
+            return None
+
+    def _answer(self, job: Job, outcome) -> None:
+        now = time.perf_counter()
+        seconds, self._last = now - max(job.started, self._last), now
+        self._recent = 0.7 * self._recent + 0.3 * seconds
+        with self._ready:
+            self.running -= 1
+            self.dropped += isinstance(outcome, WorkDropped)
+        if isinstance(outcome, BaseException):
+            job.future.set_exception(outcome)
+        else:
+            job.future.set_result(outcome)
+        self.on_finished(Finished(0 if isinstance(outcome, BaseException) else job.images, seconds))
 
     def _armed(self, job: Job) -> dict:
         """The job's call with its generator, and a step callback that stops it once it is no longer wanted."""
