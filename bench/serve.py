@@ -1,6 +1,6 @@
 """``pipemap serve`` against direct ``run_many``: a burst of requests, on CPU, in the same run.
 
-    python bench/serve.py                 # a burst of 16 requests, 3 rounds, tiny SD at scale 2 (about a minute)
+    python bench/serve.py                 # a burst of 16 requests, 3 rounds, tiny SD 32x32 (a minute or two)
     python bench/serve.py --burst 32 --steps 4 --workers 2 --no-record
 
 Each round sends the burst to the server at once (one client thread per request, over loopback HTTP) and then
@@ -64,8 +64,8 @@ def _arguments():
     parser.add_argument("--burst", type=int, default=16, help="requests sent at once (default 16)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--size", type=int, default=64, help="image side in pixels (default 64)")
-    parser.add_argument("--scale", type=int, default=2, help="tiny pipeline channel scale (default 2)")
+    parser.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
+    parser.add_argument("--scale", type=int, default=1, help="tiny pipeline channel scale (default 1)")
     parser.add_argument("--workers", type=int, default=2, help="requests in flight, both ways (default 2)")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to bench/RESULTS.md")
     return parser.parse_args()
