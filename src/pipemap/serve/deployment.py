@@ -68,8 +68,8 @@ class PipemapReplica:
 
     def __del__(self):
         service = getattr(self, "service", None)
-        if service is not None:
-            service.stop()
+        if service is not None:  # Ray Serve has already waited for the replica's requests in flight
+            service.worker.drain()
 
 
 def application(options: Options, replicas: int = 1, autoscale: str | None = None, num_cpus: float = 1.0):
