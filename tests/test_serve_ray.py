@@ -91,7 +91,8 @@ def test_ray_serve_generates_and_survives_a_replica_killed_mid_request(ray_url, 
         ray.kill(_replica(), no_restart=True)  # Serve's controller, not Ray, replaces it
         request.join(90)
         assert not request.is_alive(), "the client of a killed replica hung"
-        # an error (the replica died under it) or an answer (retried on the restarted replica): never a hang
+        # an error (the replica died under it: Ray Serve 2.60 answers 500) or an answer (retried on the restarted
+        # replica): never a hang
         assert isinstance(answer["r"], Exception) or answer["r"].status_code in (200, 500, 502, 503)
         _wait(lambda: _healthy(client), 90)
         np.testing.assert_array_equal(image(client.post(GENERATIONS, json=body)), got)
