@@ -8,7 +8,6 @@ ongoing requests (queue plus running) rise above or fall below the target.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from ray import serve
@@ -16,7 +15,7 @@ from ray import serve
 from ..errors import PipemapError
 from ..hardware import normalize_device
 from ..plan import Plan
-from .service import Options, default_workers, resolve_folder
+from .service import Options, Service, default_workers, make_plan
 
 
 class AutoscaleSpecError(PipemapError, ValueError):
@@ -50,15 +49,8 @@ class PipemapReplica:
     """One replica: loads the pipeline onto the plan made on the driver and serves the pipemap app."""
 
     def __init__(self, options: Options, plan: dict):
-        from ..demo import _runnable
-        from ..loading import load
-        from .service import Service
-
-        planned = Plan.from_dict(plan)
-        running = _runnable(planned)  # devices as this replica sees them (Ray sets CUDA_VISIBLE_DEVICES)
-        pipe = load(resolve_folder(options.path), plan=running, progress=False)
-        self.service = Service(pipe, planned, running, max_queue=options.max_queue, timeout=options.timeout,
-                               max_n=options.max_n, workers=options.workers)
+        # cuda:N in the plan are this replica's GPUs: Ray sets CUDA_VISIBLE_DEVICES to those it was given
+        self.service = Service.load(options, Plan.from_dict(plan))
         self.service.start()
 
     def __serve_build_asgi_app__(self):
@@ -77,17 +69,14 @@ def application(options: Options, replicas: int = 1, autoscale: str | None = Non
 
     >>> serve.run(application(Options("path/to/sdxl", hardware="2x24GiB"), autoscale="1:4"))   # doctest: +SKIP
     """
-    from ..planner import plan as make_plan
-
-    plan = make_plan(resolve_folder(options.path), hardware=options.hardware, strategy=options.strategy,
-                     dtype=options.dtype, variant=options.variant, headroom=options.headroom)
+    plan = make_plan(options)
     # a request waits in Ray's router rather than being refused by a replica whose own queue is full
     max_ongoing = options.max_queue + (options.workers or default_workers(plan))
     scaling = {"autoscaling_config": autoscaling(autoscale, max_ongoing)} if autoscale else {"num_replicas": replicas}
     deployment = serve.deployment(PipemapReplica, name="pipemap", max_ongoing_requests=max_ongoing,
                                   ray_actor_options={"num_gpus": gpus(plan), "num_cpus": num_cpus},
                                   health_check_period_s=2, health_check_timeout_s=30, **scaling)
-    return deployment.bind(dataclasses.replace(options, path=str(options.path)), plan.to_dict())
+    return deployment.bind(options, plan.to_dict())
 
 
 def run_on_ray(options: Options, host: str, port: int, replicas: int = 1, autoscale: str | None = None) -> int:

@@ -61,23 +61,20 @@ class Service:
         self.timeout = timeout
         self.limits = Limits.of(pipe, max_n)
         pipe.set_progress_bar_config(disable=True)
-        workers = workers or default_workers(self.running_plan)
-        self.workers = workers
-        self.worker = Worker(pipe, runner or pipeline_runner(workers), max_queue)
+        self.workers = workers or default_workers(self.running_plan)
+        self.worker = Worker(pipe, runner or pipeline_runner(self.workers), max_queue)
         self.metrics = Metrics(pipe, self.worker)
         self.worker.on_finished = self.metrics.finished
 
     @classmethod
-    def load(cls, options: Options) -> Service:
-        """Plan ``options.path`` (for ``options.hardware``, or this machine), load it onto the plan, and serve it;
-        planned devices this machine lacks run on the CPU."""
+    def load(cls, options: Options, plan: Plan | None = None) -> Service:
+        """Plan ``options.path`` (for ``options.hardware``, or this machine) unless ``plan`` is given, load it onto
+        the plan, and serve it; planned devices this machine lacks run on the CPU."""
         from ..demo import _runnable
         from ..loading import load
-        from ..planner import plan as make_plan
 
         folder = resolve_folder(options.path)
-        plan = make_plan(folder, hardware=options.hardware, strategy=options.strategy, dtype=options.dtype,
-                         variant=options.variant, headroom=options.headroom)
+        plan = plan or make_plan(options)
         running = _runnable(plan)
         pipe = load(folder, plan=running, progress=False)
         return cls(pipe, plan, running, max_queue=options.max_queue, timeout=options.timeout, max_n=options.max_n,
@@ -107,6 +104,14 @@ class Service:
     def health(self) -> dict:
         return {"status": "draining" if self.worker.draining else "ok", "queue_depth": self.worker.depth,
                 "running": self.worker.running}
+
+
+def make_plan(options: Options) -> Plan:
+    """The plan ``options`` ask for."""
+    from ..planner import plan
+
+    return plan(resolve_folder(options.path), hardware=options.hardware, strategy=options.strategy,
+                dtype=options.dtype, variant=options.variant, headroom=options.headroom)
 
 
 def resolve_folder(name: str) -> Path:
