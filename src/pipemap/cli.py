@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("path", help="a diffusers pipeline folder, or a catalog name (see `pipemap catalog`)")
     _plan_options(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    plan.add_argument("--picture", action="store_true", help="draw each device's memory as a bar (80 columns)")
+    plan.add_argument("--svg", metavar="FILE", help="also write the picture as an SVG file")
     plan.set_defaults(run=_plan)
     simulate = commands.add_parser("simulate", help="dry-run a plan on stand-in devices: does it run, what peaks")
     simulate.add_argument("path", help="a diffusers pipeline folder (no weight is read) or a catalog name (nothing "
@@ -161,7 +163,24 @@ def _planned(args):
 def _plan(args) -> int:
     result = _planned(args)
     print(result.to_json() if args.json else result)
+    if args.picture or args.svg:
+        _draw(args, result)
     return 0
+
+
+def _draw(args, result) -> None:
+    from rich.console import Console
+
+    from .inventory import inspect
+    from .picture import moved_per_image
+
+    moved = moved_per_image(result, inspect(args.path, args.dtype, args.variant))
+    picture = result.picture(moved)
+    if args.picture:
+        Console(width=80).print(picture)
+    if args.svg:
+        Path(args.svg).write_text(picture.svg(), encoding="utf-8")
+        print(f"wrote {args.svg}")
 
 
 def _simulate(args) -> int:

@@ -188,6 +188,21 @@ class Plan:
                      "the busiest device")
         return "\n".join(lines + [n for n in self.notes if n.startswith(("auto:", "parallel:"))])
 
+    def picture(self, moved=None):
+        """The plan drawn: each device a bar of its memory (``print(plan.picture())`` in a terminal,
+        ``plan.picture().svg()`` for a file); ``moved`` maps components to bytes moved per image, for the links.
+        See ``pipemap.picture``."""
+        from .picture import plan_picture
+
+        return plan_picture(self, moved)
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the picture, then the table's notes."""
+        from html import escape
+
+        notes = "".join(f"<li>{escape(n)}</li>" for n in self.notes)
+        return f"<div class='pipemap-plan'>{self.picture().svg()}" + (f"<ul>{notes}</ul>" if notes else "") + "</div>"
+
     def to_dict(self) -> dict:
         return {
             "strategy": self.strategy,
