@@ -221,6 +221,33 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
             for p in plan.components if p.component in by_name}
 
 
+def bytes_moved(plan: Plan, inventory: Inventory, work: Workload | None = None) -> dict[str, int]:
+    """Bytes each planned component moves per image (the pipeline's default call unless ``work`` is given): an
+    offloaded one once (the LRU keeps it while the others run), a streamed one its non-resident pieces at each
+    call, a split one its activations to each shard and back at each call, a replicated one its batch halves."""
+    work = work or workload_for(inventory)
+    by_name = {c.name: c for c in inventory.models}
+    moved = {}
+    for p in plan.components:
+        component = by_name.get(p.component)
+        if component is None:
+            continue
+        calls = calls_per_image(component, work)
+        if p.mode == "offload":
+            moved[p.component] = component.bytes
+        elif p.mode == "stream":
+            moved[p.component] = calls * _moved_per_call(p, component)[0]
+        elif p.mode == "split":
+            moved[p.component] = calls * 2 * len(p.shards) * work.latent_tokens * ACTIVATION_BYTES
+        elif p.mode == "replicated":
+            parts = min(GUIDANCE_BATCH, 1 + len(p.replicas))
+            moved[p.component] = round(calls / GUIDANCE_BATCH * (parts - 1) * (
+                work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES))
+        else:
+            moved[p.component] = 0
+    return moved
+
+
 def seconds_per_image(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None,
                       mechanism: Mechanism = PIPEMAP) -> float:
     """The predicted seconds per image of a plan (the pipeline's default call unless ``work`` is given)."""

@@ -19,7 +19,7 @@ from .units import format_bytes
 PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#145a32", "#f9e79f", "#4d5656",
            "#f1948a")
 HEADROOM_FILL = "#e5e7e9"
-KIND_PATTERN = {"offload": "hatch", "stream": "dots", "split": "hatch"}
+KIND_PATTERN = {"offload": "hatch", "stream": "dots", "split": "hatch", "replicated": "hatch"}
 GIB = 1 << 30
 
 
@@ -83,7 +83,7 @@ def plan_picture(plan: Plan, moved: Mapping[str, int] | None = None) -> Picture:
     """The picture of ``plan``: per device, each component it holds (offloaded and streamed components as the most
     they hold there at once), the headroom and the budget line.
 
-    ``moved`` maps components to the bytes one image moves for them (``pipemap.cost.bytes_per_image``); without it
+    ``moved`` maps components to the bytes one image moves for them (``pipemap.cost.bytes_moved``); without it
     the links are left out.
 
     >>> plan = pipemap.plan("path/to/sdxl", hardware="2x8GiB", strategy="balanced_low_memory")  # doctest: +SKIP
@@ -101,7 +101,11 @@ def _bar(plan: Plan, device: str, memory: int, budget: int, used: int) -> Bar:
                  for p in plan.components if any(d == device for _, d, _s in p.shards)]
     moved = [p for p in plan.components if p.mode in ("offload", "stream") and p.execution_device == device
              and p.device != device]
+    segments += [Segment(f"{p.component} (resident pieces)", p.resident_bytes, "stream")
+                 for p in moved if p.mode == "stream" and p.resident_bytes]
     segments += [Segment(f"{p.component} (blocks in flight)", p.room, "stream") for p in moved if p.mode == "stream"]
+    segments += [Segment(f"{p.component} (copy)", p.bytes, "replicated") for p in plan.components
+                 if device in p.replicas]
     # the planner charges an execution GPU its largest offloaded component (the LRU keeps what fits): whatever of
     # ``used`` the segments above leave is that charge
     rest = used - sum(s.bytes for s in segments)
@@ -112,18 +116,10 @@ def _bar(plan: Plan, device: str, memory: int, budget: int, used: int) -> Bar:
 
 
 def moved_per_image(plan: Plan, inventory) -> dict[str, int]:
-    """Bytes each component moves per image as placed, as the cost model counts them: an offloaded component
-    once (the LRU keeps it while the others run), a streamed one at every call, a split one its activations."""
-    from .cost import ACTIVATION_BYTES, Workload
+    """Bytes each component moves per image as placed, as the cost model counts them (``cost.bytes_moved``)."""
+    from .cost import bytes_moved
 
-    calls = {c.name: max(1, c.calls_per_image) for c in inventory.models}
-    tokens = Workload().latent_tokens
-    moved = {}
-    for p in plan.components:
-        n = calls.get(p.component, 1)
-        moved[p.component] = {"offload": p.bytes, "stream": n * p.bytes,
-                              "split": n * 2 * len(p.shards) * tokens * ACTIVATION_BYTES}.get(p.mode, 0)
-    return {k: v for k, v in moved.items() if v}
+    return {k: v for k, v in bytes_moved(plan, inventory).items() if v}
 
 
 def _held_at_home(p: Placement) -> int:

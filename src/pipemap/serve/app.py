@@ -15,7 +15,7 @@ import time
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from .metrics import CONTENT_TYPE
@@ -86,7 +86,13 @@ async def metrics(service: Service, request: Request) -> Response:
     return Response(service.metrics.text(), media_type=CONTENT_TYPE)
 
 
+async def home(service: Service, request: Request) -> Response:
+    """``GET /``: the plan's picture, live figures from ``/metrics`` and a prompt box (``home.home_page``)."""
+    return HTMLResponse(service.home_page())
+
+
 ROUTES = [
+    ("GET", "/", home),
     ("POST", "/v1/images/generations", generations),
     ("GET", "/health", health),
     ("GET", "/v1/plan", plan),

@@ -65,6 +65,7 @@ class Service:
         self.worker = Worker(pipe, runner or pipeline_runner(self.workers), max_queue)
         self.metrics = Metrics(pipe, self.worker)
         self.worker.on_finished = self.metrics.finished
+        self._home: str | None = None
 
     @classmethod
     def load(cls, options: Options, plan: Plan | None = None) -> Service:
@@ -100,6 +101,17 @@ class Service:
         if self.running_plan != self.plan:
             data["runs_on"] = self.running_plan.device_map
         return data
+
+    def home_page(self) -> str:
+        """The server's home page: the plan as made, drawn with its bytes moved per image, and a prompt box."""
+        from ..cost import bytes_moved
+        from ..inventory import inspect
+        from .home import home_page
+
+        if self._home is None:
+            moved = bytes_moved(self.plan, inspect(self.pipe))
+            self._home = home_page(self.plan, type(self.pipe).__name__, moved={k: v for k, v in moved.items() if v})
+        return self._home
 
     def health(self) -> dict:
         return {"status": "draining" if self.worker.draining else "ok", "queue_depth": self.worker.depth,

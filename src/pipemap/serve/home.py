@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from html import escape
 
-from .plan import Plan
+from ..plan import Plan
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>pipemap serve: {title}</title>
@@ -32,7 +32,7 @@ body {{ font-family: sans-serif; margin: 2em; max-width: 60em; color: #222; }}
 </form>
 <div id="result"></div>
 <script>
-const size = "{size}";
+const size = "{size}" || null;
 function metric(text, name) {{
   let total = null;
   for (const line of text.split("\\n")) {{
@@ -77,13 +77,13 @@ refresh(); setInterval(refresh, 2000);
 """
 
 
-def home_page(plan: Plan, title: str, *, size: str = "512x512", steps: int = 20, moved=None,
+def home_page(plan: Plan, title: str, *, size: str = "", steps: int = 20, moved=None,
               generate: str = "/v1/images/generations", metrics: str = "/metrics",
               names: dict[str, str] | None = None) -> str:
     """The home page for a served pipeline: ``plan``'s picture inline, live figures read from ``metrics``
     (Prometheus text; ``names`` maps queue/requests/moved/seconds to the metric names) and a prompt box."""
     names = {"queue": "pipemap_queue_depth", "requests": "pipemap_requests_total",
-             "moved": "pipemap_bytes_moved_total", "seconds": "pipemap_seconds_per_image", **(names or {})}
+             "moved": "pipemap_bytes_moved_total", "seconds": "pipemap_image_seconds", **(names or {})}
     return PAGE.format(title=escape(title), svg=plan.picture(moved).svg(), size=escape(size), steps=int(steps),
                        generate=generate, metrics=metrics, queue_metric=names["queue"],
                        requests_metric=names["requests"], moved_metric=names["moved"],
