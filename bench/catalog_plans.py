@@ -1,6 +1,7 @@
 """Print the README's table: each catalog pipeline's "auto" plan in bf16 on three machines, with the cost model's
 predicted seconds per image (at the pipeline's own default call: steps, guidance, resolution, frames) and the
-layout. No download: sizes come from the catalog's published configs.
+layout, and a column of speed from two GPUs (``SPEED_MACHINE``). No download: sizes come from the catalog's
+published configs.
 
     python bench/catalog_plans.py            # markdown table on stdout
 """
@@ -11,9 +12,10 @@ import torch
 
 import pipemap
 from pipemap import catalog
-from pipemap.cost import seconds_per_image, workload_for
+from pipemap.cost import images_per_second, seconds_per_image, workload_for
 
 MACHINES = ("1x24GiB,cpu=64GiB", "2x16GiB,cpu=64GiB", "1x80GiB,cpu=128GiB")
+SPEED_MACHINE = "2x80GiB,cpu=128GiB"  # room for a copy of every catalog denoiser on each GPU
 SHORT = {"text_encoder": "te", "text_encoder_2": "te2", "text_encoder_3": "te3", "transformer": "dit",
          "unet": "unet", "vae": "vae", "safety_checker": "safety"}
 
@@ -26,6 +28,8 @@ def layout(plan: pipemap.Plan) -> str:
         gpu = p.execution_device.removeprefix("cuda:")
         if p.mode == "resident":
             parts.append(f"{name} {gpu}")
+        elif p.mode == "replicated":
+            parts.append(f"{name} x{1 + len(p.replicas)}")
         elif p.mode == "split":
             away = sorted({d.removeprefix("cuda:") for _, d, _ in p.shards})
             parts.append(f"{name} split {'+'.join([gpu, *away])}")
@@ -48,13 +52,29 @@ def row(name: str, machine: str) -> str:
     return f"{seconds:.0f} s: {layout(plan)}"
 
 
+def speed(name: str, machine: str = SPEED_MACHINE) -> str:
+    """Two GPUs as the cost model sees them: seconds per image of one request against the 1-GPU plan of the same
+    GPU, and images per second with requests overlapped (``pipemap.run_many``), for the "auto" plan."""
+    inventory = pipemap.inspect(name, dtype=torch.bfloat16)
+    two = pipemap.Hardware.parse(machine)
+    one = pipemap.Hardware.parse(machine.replace("2x", "1x", 1))
+    figures = {}
+    for label, hardware in (("one", one), ("two", two)):
+        plan = pipemap.plan(inventory, hardware=hardware, strategy="auto")
+        figures[label] = (seconds_per_image(plan, inventory, hardware.performance),
+                          images_per_second(plan, inventory, hardware.performance), plan)
+    (s1, r1, _), (s2, r2, plan) = figures["one"], figures["two"]
+    how = "replicas" if any(p.mode == "replicated" for p in plan.components) else "no replicas"
+    return f"{s2:.0f} s ({s1 / s2:.2f}x, {how}); {r2 * 60:.2g}/min overlapped ({r2 / r1:.2f}x)"
+
+
 def main() -> None:
-    header = ["pipeline", "default call", *(m.split(",")[0] for m in MACHINES)]
+    header = ["pipeline", "default call", *(m.split(",")[0] for m in MACHINES), f"{SPEED_MACHINE.split(',')[0]} speed"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in catalog.names():
         call = workload_for(pipemap.inspect(name)).describe()
-        print("| " + " | ".join([name, call, *(row(name, m) for m in MACHINES)]) + " |")
+        print("| " + " | ".join([name, call, *(row(name, m) for m in MACHINES), speed(name)]) + " |")
 
 
 if __name__ == "__main__":

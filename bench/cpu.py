@@ -20,6 +20,10 @@ Sections (each one function ``bench_<name>(ctx) -> list[Row]``, registered in ``
 - ``imports``: ``import pipemap``, ``pipemap --help`` and ``pipemap catalog`` in fresh processes vs
   ``python -c "import torch"`` (alternating, medians, ratio pipemap / torch); and, where ``.venv`` is set up, a
   second ``bash scripts/demo.sh`` (setup skipped by its stamp) in seconds.
+- ``parallel``: speed from a second device, on the mid-size SD with 2 Python threads on 2 cores (1 intra-op thread
+  each): ``pipemap.run_many`` (2 workers) against the same calls one by one on a 2-stage layout (text encoder and
+  VAE on one GPU, unet on the other, remapped onto the CPU), images per second; denoiser replicas (strategy
+  ``"parallel"``, each copy on its own thread) against one device (1 intra-op thread, then 2), seconds per image.
 
 The table is printed and appended to ``bench/RESULTS.md``; the last line printed is ``summary: name=value ...``.
 See bench/README.md for how to read each figure.
@@ -569,6 +573,91 @@ def demo_rows(ctx: Context, env: dict) -> list[Row]:
     return [Row("imports", "demo", "setup.sh, already set up", setup, None, "s", "< 1"),
             Row("imports", "demo", "second scripts/demo.sh, whole", demo, None, "s", "< 20",
                 "setup skipped; builds, plans, loads and runs the tiny pipeline twice")]
+# ---- section: speed from a second device ---------------------------------------------------------------------------
+
+
+def bench_parallel(ctx: Context) -> list[Row]:
+    """run_many against one-by-one calls (images/s), and replicas against one device (seconds per image)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    with quiet():
+        pipe = DiffusionPipeline.from_pretrained(ctx.folder("sd", ctx.scale))
+    pipe.set_progress_bar_config(disable=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = [overlap_row(pipe, ctx), *replica_rows(pipe, ctx)]
+    finally:
+        torch.set_num_threads(threads)
+    ctx.summary["run_many_speedup"] = f"{rows[0].ratio:.2f}"
+    ctx.summary["replicas_speedup"] = f"{1 / rows[1].ratio:.2f}"
+    return rows
+
+
+def speed_calls(pipe, n: int) -> list[dict]:
+    import torch
+
+    from pipemap import tiny
+
+    return [dict(tiny.default_call(pipe, "sd"), prompt=f"a tiny cat number {i}",
+                 generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+def overlap_row(pipe, ctx: Context) -> Row:
+    """Images per second of ``run_many`` (2 workers) and of a loop over the same calls, interleaved repeats."""
+    import numpy as np
+
+    import pipemap
+
+    plan = pipemap.plan(pipe, hardware="2x24GiB")
+    stages = {plan.device_map["unet"]} ^ {plan.device_map["text_encoder"], plan.device_map["vae"]}
+    if len(stages) != 2:
+        raise RuntimeError(f"not a 2-stage layout: {plan.device_map}")
+    pipemap.dispatch(pipe, plan.remap({"cuda:0": "cpu", "cuda:1": "cpu"}))
+    n, repeats = (4, 3) if ctx.quick else (8, 5)
+    many = lambda: [o.images for o in pipemap.run_many(pipe, speed_calls(pipe, n), workers=2)]  # noqa: E731
+    one = lambda: [pipe(**call).images for call in speed_calls(pipe, n)]  # noqa: E731
+    if not all(np.array_equal(a, b) for a, b in zip(many(), one(), strict=True)):  # also warms both
+        raise RuntimeError("run_many's images differ from the one-by-one calls'")
+    times: dict[str, list[float]] = {"many": [], "one": []}
+    for i in range(repeats):
+        for name in ("many", "one") if i % 2 == 0 else ("one", "many"):
+            times[name].append(timed(many if name == "many" else one))
+    pipemap.reset(pipe)
+    ours, peer = (n / statistics.median(times[k]) for k in ("many", "one"))
+    return Row("parallel", f"sd x{ctx.scale}", "run_many (2 workers) / one by one, 2-stage layout", ours, peer,
+               "images/s", ">= 1 (higher is better)", f"{n} calls, n={repeats}; te+vae | unet, each stage locked")
+
+
+def replica_rows(pipe, ctx: Context) -> list[Row]:
+    """Seconds per image with the unet's batch (guidance: 2) split over two copies on two threads, against one
+    device at 1 and at 2 intra-op threads."""
+    import torch
+
+    import pipemap
+
+    on_cpu = {"cuda:0": "cpu", "cuda:1": "cpu"}
+    plans = {"replicas": pipemap.plan(pipe, hardware="2x24GiB", strategy="parallel").remap(on_cpu),
+             "one": pipemap.plan(pipe, hardware=CPU_HARDWARE), "one x2": pipemap.plan(pipe, hardware=CPU_HARDWARE)}
+    if plans["replicas"].placement("unet").mode != "replicated":
+        raise RuntimeError(f"no replicas: {plans['replicas'].notes}")
+    repeats = 3 if ctx.quick else 6
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    names = list(plans)
+    for i in range(repeats + 1):  # the first round warms each variant and is not kept
+        for name in names[i % 3:] + names[: i % 3]:
+            pipemap.dispatch(pipe, plans[name])
+            torch.set_num_threads(2 if name == "one x2" else 1)
+            took = timed(lambda: pipe(**speed_calls(pipe, 1)[0]))
+            torch.set_num_threads(1)
+            pipemap.reset(pipe)
+            if i:
+                times[name].append(took)
+    ours = statistics.median(times["replicas"])
+    return [Row("parallel", f"sd x{ctx.scale}", f"replicas (2 copies, 2 threads) / {peer}", ours,
+                statistics.median(times[key]), "s/image", "< 1" if key == "one" else "", f"n={repeats}")
+            for key, peer in (("one", "one device, 1 thread"), ("one x2", "one device, 2 intra-op threads"))]
 
 
 # ---- running, printing, recording ----------------------------------------------------------------------------------
@@ -576,7 +665,7 @@ def demo_rows(ctx: Context, env: dict) -> list[Row]:
 
 SECTIONS: dict[str, Callable[[Context], list[Row]]] = {
     "plan": bench_plan, "hooks": bench_hooks, "load": bench_load, "offload": bench_offload, "catalog": bench_catalog,
-    "dry_run": bench_dry_run, "imports": bench_imports,
+    "dry_run": bench_dry_run, "imports": bench_imports, "parallel": bench_parallel,
 }
 
 

@@ -520,6 +520,67 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
+# ---- speed from a second GPU -----------------------------------------------------------------------------------
+
+SPEED_SPEC = "2x200GiB,cpu=1TiB"  # room for everything: the layout is measured here, not a budget
+
+
+def speed_check(args, models, device: str) -> dict:
+    """Denoiser replicas (strategy "parallel") against one device, seconds per image; ``pipemap.run_many`` (2
+    workers, 4 calls) against the same calls one by one on a 2-stage layout, images per second. With two GPUs
+    they run on two; with one, both layouts are remapped onto it (the copies share its weights and its compute):
+    the control, which shows what the threads alone cost or give."""
+    import pipemap
+
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    to = {"cuda:0": device, "cuda:1": "cuda:1" if gpus >= 2 else device}
+    out: dict = {"layout": "two GPUs" if gpus >= 2 else f"both 'GPUs' on {device} (the control)"}
+    pipe = fresh_pipeline(models)
+    plans = {"one": pipemap.plan(pipe, hardware=SPEED_SPEC.replace("2x", "1x", 1)).remap({"cuda:0": device}),
+             "replicas": pipemap.plan(pipe, hardware=SPEED_SPEC, strategy="parallel").remap(to),
+             "stages": pipemap.plan(pipe, hardware=SPEED_SPEC).remap(to)}
+    out["plans"] = {k: p.device_map | {"unet_mode": p.placement("unet").mode} for k, p in plans.items()}
+    images = {}
+    for name in ("one", "replicas"):
+        pipemap.dispatch(pipe, plans[name], check_transfers=False)
+        images[name], out[f"{name}_s_per_image"] = _timed_calls(args, pipe, 1, max(1, args.repeats))
+        pipemap.reset(pipe)
+    out["replicas_max_diff"] = float((images["one"] - images["replicas"]).abs().max())
+    pipemap.dispatch(pipe, plans["stages"], check_transfers=False)
+    calls = lambda: [dict(prompt=f"{PROMPT} {i}", height=args.size, width=args.size,  # noqa: E731
+                          num_inference_steps=args.steps, guidance_scale=5.0, output_type="pt",
+                          generator=torch.Generator("cpu").manual_seed(i)) for i in range(4)]
+    pipemap.run_many(pipe, calls()[:2], workers=2)  # warm-up
+    out["one_by_one_images_per_s"] = 4 / _clock(lambda: [pipe(**c) for c in calls()])
+    out["run_many_images_per_s"] = 4 / _clock(lambda: pipemap.run_many(pipe, calls(), workers=2))
+    pipemap.reset(pipe)
+    out["replicas_speedup"] = out["one_s_per_image"] / out["replicas_s_per_image"]
+    out["run_many_speedup"] = out["run_many_images_per_s"] / out["one_by_one_images_per_s"]
+    return out
+
+
+def _sync() -> None:
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
+def _clock(run) -> float:
+    _sync()
+    start = time.perf_counter()
+    run()
+    _sync()
+    return time.perf_counter() - start
+
+
+def _timed_calls(args, pipe, warm: int, repeats: int) -> tuple[torch.Tensor, float]:
+    call = lambda: pipe(prompt=PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps,  # noqa: E731
+                        guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(0), output_type="pt").images
+    for _ in range(warm):
+        image = call()
+    times = [_clock(call) for _ in range(repeats)]
+    return image.float().cpu(), statistics.median(times)
+
+
 # ---- transfers and doctor --------------------------------------------------------------------------------------
 
 
@@ -709,6 +770,7 @@ class Report:
     results: dict = field(default_factory=dict)
     transfers: dict = field(default_factory=dict)
     doctor: str = ""
+    speed: dict = field(default_factory=dict)
 
     def write(self) -> str:
         found = targets(self.results)
@@ -717,7 +779,7 @@ class Report:
         (self.out / "table.md").write_text(text, encoding="utf-8")
         data = {"args": self.args, "env": self.env, "budgets": self.budgets, "targets": [asdict(t) for t in found],
                 "results": {k: asdict(v) for k, v in self.results.items()}, "transfers": self.transfers,
-                "doctor": self.doctor, "summary": self.summary(found), "elapsed_s": elapsed()}
+                "doctor": self.doctor, "summary": self.summary(found), "elapsed_s": elapsed(), "speed": self.speed}
         (self.out / "results.json").write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
         return text
 
@@ -738,6 +800,8 @@ class Report:
                 f"its s/step. Ratios are ours / peer (below 1: faster, smaller).", ""]
         transfer = [f"- {name}: {v.get('seconds', 0):.3f} s, " + (v.get("error") or v.get("note") or
                     ", ".join(f"{p}={s}" for p, s in v["pairs"].items())) for name, v in self.transfers.items()]
+        speed = [f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in self.speed.items()]
+        head += ["## Speed from a second GPU (replicas; run_many)", "", *speed, ""] if speed else []
         return head + methods_table(self.results) + ["", "## Targets", ""] + targets_table(found) + (
             ["", "## Transfer self-test (pipemap.check_transfers(refresh=True))", ""] + transfer if transfer else [])
 
@@ -749,6 +813,9 @@ class Report:
             parts.append(f"{key}_s={secs(r.s_per_image) if r.status == 'ok' else r.status.replace(' ', '_')}")
         if "gpus" in self.transfers:
             parts.append(f"transfer_check_s={self.transfers['gpus'].get('seconds', 0):.3f}")
+        for key in ("replicas_speedup", "run_many_speedup"):
+            if isinstance(self.speed.get(key), float):
+                parts.append(f"{key}={self.speed[key]:.3g}")
         parts.append(f"offload_budget_gib={gib(self.budgets['offload'])}")
         parts.append(f"stream_budget_gib={gib(self.budgets['stream'])}")
         parts.append(f"total_s={elapsed():.0f}")
@@ -777,6 +844,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(twice that for sequential offload)")
     p.add_argument("--no-matched", dest="matched", action="store_false",
                    help="skip ultra_low re-run at the group / sequential offload peaks")
+    p.add_argument("--no-speed", dest="speed", action="store_false",
+                   help="skip the replicas / run_many measurements (speed_check)")
     p.add_argument("--only", help="comma-separated method key prefixes (plain,pipemap_low,diffusers_group,...)")
     p.add_argument("--time-budget", type=float, default=255.0, help="seconds for the whole run, imports included: "
                    "each method is capped to what is left (less 30 s for the self-test and report), or skipped")
@@ -812,6 +881,12 @@ def main(argv=None) -> int:
         report.write()
 
     report.results = run_all(args, Runner(args, models, device), budgets, write)
+    if args.speed and elapsed() < args.time_budget - RESERVE - 20:
+        try:
+            report.speed = speed_check(args, models, device)
+        except Exception as err:  # the other figures stand without these
+            report.speed = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
+        print(f"speed: {report.speed}", flush=True)
     report.transfers = transfer_check(device != "cpu")
     report.doctor = doctor()
     print("\n" + report.doctor)

@@ -109,7 +109,8 @@ def test_sequential_never_goes_back_and_its_error_names_the_room_it_may_use():
         plan(inv, TWO_GPUS, strategy="sequential")
     err = info.value
     assert (err.component, err.bytes, err.largest_room) == ("vae", 45, 40)
-    assert (err.strategy, err.strategies) == ("sequential", ("balanced", *OFFLOADING, "balanced_split", "auto"))
+    assert (err.strategy, err.strategies) == ("sequential", ("balanced", *OFFLOADING, "balanced_split", "parallel",
+                                                             "auto"))
     # balanced: unet -> cuda:0, te -> cuda:1, vae -> cuda:1 (50 left)
     assert plan(inv, TWO_GPUS).device_map == {"text_encoder": "cuda:1", "unet": "cuda:0", "vae": "cuda:1"}
 

@@ -20,6 +20,7 @@ from .errors import (
     DispatchError,
     DoesNotFitError,
     FolderNotEmptyError,
+    ForeignHookError,
     HardwareSpecError,
     HeadroomError,
     MemorySpecError,
@@ -28,6 +29,7 @@ from .errors import (
     PipemapError,
     PlanFormatError,
     PlanMismatchError,
+    RunManyCallError,
     SimulationFailedError,
     UnknownComponentError,
     UnknownDeviceError,
@@ -45,6 +47,7 @@ _LAZY = {
     "Device": "hardware", "Hardware": "hardware", "normalize_device": "hardware",
     "Component": "inventory", "Inventory": "inventory", "inspect": "planner",
     "load": "loading", "stats": "offload",
+    "current_request": "parallel", "iter_many": "parallel", "run_many": "parallel",
     "DeviceUse": "plan", "Placement": "plan", "Plan": "plan",
     "STRATEGIES": "planner", "plan": "measure",
     "Failure": "simulate", "SimulationReport": "simulate", "simulate": "simulate",
@@ -85,6 +88,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .loading import load
     from .measure import plan
     from .offload import stats
+    from .parallel import current_request, iter_many, run_many
     from .plan import DeviceUse, Placement, Plan
     from .planner import STRATEGIES, inspect
     from .simulate import Failure, SimulationReport, simulate
@@ -92,11 +96,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
 
 __all__ = [
     "ArgumentConflictError", "ArgumentTypeError", "CallArgumentError", "CheckpointError", "Component", "Device",
-    "FolderNotEmptyError",
+    "FolderNotEmptyError", "ForeignHookError", "RunManyCallError",
     "DeviceUse", "DispatchError", "DoesNotFitError", "Hardware", "HardwareSpecError", "Inventory", "MemorySpecError",
     "NotAPipelineError", "PipelineMappedError", "PipemapError", "Placement", "Plan", "PlanFormatError",
     "PlanMismatchError", "STRATEGIES", "UnknownComponentError", "UnknownDeviceError", "UnknownDtypeError",
     "UnknownStrategyError", "VariantNotFoundError", "__version__", "dispatch", "format_bytes", "inspect", "load",
     "normalize_device", "parse_bytes", "plan", "reset", "Failure", "SimulationReport", "simulate", "PipemapWarning",
     "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
+    "current_request", "iter_many", "run_many",
 ]

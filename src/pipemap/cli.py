@@ -1,4 +1,4 @@
-"""The command line: ``pipemap plan | simulate | run | demo | tiny | catalog | doctor``.
+"""The command line: ``pipemap plan | simulate | run | serve | demo | tiny | catalog | doctor``.
 
 Only the standard library is imported here: each command imports what it needs when it runs, so ``--help`` and
 ``catalog`` answer at once.
@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("path", help="a diffusers pipeline folder, or a catalog name (see `pipemap catalog`)")
     _plan_options(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    plan.add_argument("--picture", action="store_true", help="draw each device's memory as a bar (80 columns)")
+    plan.add_argument("--svg", metavar="FILE", help="also write the picture as an SVG file")
     plan.set_defaults(run=_plan)
     simulate = commands.add_parser("simulate", help="dry-run a plan on stand-in devices: does it run, what peaks")
     simulate.add_argument("path", help="a diffusers pipeline folder (no weight is read) or a catalog name (nothing "
@@ -68,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     # the dry run asks "does it fit, and how": auto weighs every strategy, splits and offloads included
     simulate.set_defaults(run=_simulate, strategy="auto")
     _add_run(commands)
+    _add_serve(commands)
     demo = commands.add_parser("demo", help="plan, load and run the embedded tiny pipeline end to end")
     demo.add_argument("--hardware", help="plan for this profile; devices this machine lacks run on the CPU")
     demo.add_argument("--strategy", default="balanced", help=_STRATEGY_HELP)
@@ -97,6 +100,23 @@ def _add_run(commands) -> None:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--output", default="pipemap-run.png", help="where to save the image (PNG)")
     run.set_defaults(run=_run)
+
+
+def _add_serve(commands) -> None:
+    serve = commands.add_parser("serve", help="serve a pipeline over HTTP (OpenAI images API), or on Ray Serve")
+    serve.add_argument("path", help="a diffusers pipeline folder, or a catalog name / Hub repo id in the HF cache")
+    _plan_options(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-queue", type=int, default=16, help="requests waiting at most; then 429 (default 16)")
+    serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take; then 504")
+    serve.add_argument("--max-n", type=int, default=4, help="images a request may ask for (default 4)")
+    serve.add_argument("--workers", type=int, help="requests run together, their stages overlapped (run_many; "
+                       "default: one per device the plan computes on)")
+    serve.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment (pipemap[ray])")
+    serve.add_argument("--replicas", type=int, default=1, help="with --ray: this many replicas")
+    serve.add_argument("--autoscale", metavar="MIN:MAX", help="with --ray: replicas scaled on queue length")
+    serve.set_defaults(run=_serve)
 
 
 def _plan_options(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +163,24 @@ def _planned(args):
 def _plan(args) -> int:
     result = _planned(args)
     print(result.to_json() if args.json else result)
+    if args.picture or args.svg:
+        _draw(args, result)
     return 0
+
+
+def _draw(args, result) -> None:
+    from rich.console import Console
+
+    from .inventory import inspect
+    from .picture import moved_per_image
+
+    moved = moved_per_image(result, inspect(args.path, args.dtype, args.variant))
+    picture = result.picture(moved)
+    if args.picture:
+        Console(width=80).print(picture)
+    if args.svg:
+        Path(args.svg).write_text(picture.svg(), encoding="utf-8")
+        print(f"wrote {args.svg}")
 
 
 def _simulate(args) -> int:
@@ -165,6 +202,25 @@ def _run(args) -> int:
                                  ("width", args.width)) if v}
     return generate(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant,
                     _headroom(args.headroom), args.prompt, args.seed, options, Path(args.output))
+
+
+def _serve(args) -> int:
+    from .serve import Options
+
+    options = Options(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant,
+                      _headroom(args.headroom),
+                      args.max_queue, args.timeout, args.max_n, args.workers)
+    if args.ray:
+        from .serve.deployment import run_on_ray
+
+        return run_on_ray(options, args.host, args.port, args.replicas, args.autoscale)
+    from .serve import Service, run
+
+    service = Service.load(options)
+    print(service.plan)
+    print(f"pipemap: serving on http://{args.host}:{args.port} (POST /v1/images/generations)", flush=True)
+    run(service, args.host, args.port)
+    return 0
 
 
 def _demo(args) -> int:

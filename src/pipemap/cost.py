@@ -10,6 +10,7 @@ hardware spec; ``bench/calibration.py`` holds its predictions against published 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -28,6 +29,12 @@ COPY_LATENCY = 10e-6  # seconds per copy beyond its bytes: the launch, the event
 # a share of the pinned figure: staged through a driver buffer, ~2 GB/s on PCIe 4 (bench/CALIBRATION.md)
 PAGEABLE_SHARE = 0.085
 ACTIVATION_BYTES = 6144  # per token crossing GPUs: a 3072-wide hidden state in 16 bits
+# A denoiser copy's share of a call crosses GPUs as latents (in and out: 4 latent pixels per token, 16 channels, 16
+# bits) and the prompt's embeddings (512 tokens of 4096 in 16 bits); a call under guidance carries both halves,
+# each of which DENOISER_CALLS counts as a call.
+REPLICA_BYTES_PER_TOKEN = 2 * 4 * 16 * 2
+PROMPT_BYTES = 512 * 4096 * 2
+GUIDANCE_BATCH = 2
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,8 @@ def component_cost(placement: Placement, component: Component, dtype_bytes: int,
     elif placement.mode == "split":  # each block away from home: its activations go there and back at every call
         transfer = calls * 2 * len(placement.shards) * work.latent_tokens * ACTIVATION_BYTES / perf.peer_bandwidth
         total = compute + transfer
+    elif placement.mode == "replicated":
+        return replicated_cost(placement, compute, calls, perf, work)
     return Cost(component.name, compute, transfer, total)
 
 
@@ -179,6 +188,15 @@ def _stream_seconds(placement: Placement, component: Component, compute: float, 
     hidden = overlap * min(compute, transfer)
     total = compute + transfer - hidden + calls * (copies * COPY_LATENCY + (first / bandwidth if overlap else 0))
     return transfer, total
+
+
+def replicated_cost(placement: Placement, compute: float, calls: int, perf: Performance, work: Workload) -> Cost:
+    """A denoiser with copies: the parts of each batched call (both guidance halves) run at once, so its compute
+    divides by the copies that get a part; each part away from home sends its latents and prompt there and back."""
+    parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas))
+    per_call = (parts - 1) * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES)
+    transfer = calls / GUIDANCE_BATCH * per_call / perf.peer_bandwidth
+    return Cost(placement.component, compute / parts, transfer, compute / parts + transfer)
 
 
 def _moved_per_call(placement: Placement, component: Component) -> tuple[int, int, int]:
@@ -203,7 +221,63 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
             for p in plan.components if p.component in by_name}
 
 
+def bytes_moved(plan: Plan, inventory: Inventory, work: Workload | None = None) -> dict[str, int]:
+    """Bytes each planned component moves per image (the pipeline's default call unless ``work`` is given): an
+    offloaded one once (the LRU keeps it while the others run), a streamed one its non-resident pieces at each
+    call, a split one its activations to each shard and back at each call, a replicated one its batch halves."""
+    work = work or workload_for(inventory)
+    by_name = {c.name: c for c in inventory.models}
+    moved = {}
+    for p in plan.components:
+        component = by_name.get(p.component)
+        if component is None:
+            continue
+        calls = calls_per_image(component, work)
+        if p.mode == "offload":
+            moved[p.component] = component.bytes
+        elif p.mode == "stream":
+            moved[p.component] = calls * _moved_per_call(p, component)[0]
+        elif p.mode == "split":
+            moved[p.component] = calls * 2 * len(p.shards) * work.latent_tokens * ACTIVATION_BYTES
+        elif p.mode == "replicated":
+            parts = min(GUIDANCE_BATCH, 1 + len(p.replicas))
+            moved[p.component] = round(calls / GUIDANCE_BATCH * (parts - 1) * (
+                work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES))
+        else:
+            moved[p.component] = 0
+    return moved
+
+
 def seconds_per_image(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None,
                       mechanism: Mechanism = PIPEMAP) -> float:
     """The predicted seconds per image of a plan (the pipeline's default call unless ``work`` is given)."""
     return sum(c.total for c in predict(plan, inventory, perf, work, mechanism).values())
+
+
+def device_seconds(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None
+                   ) -> dict[str, float]:
+    """Each device's busy seconds per image: a component's time on the device it computes on, a split
+    component's compute shared by its GPUs in proportion to their bytes, a replicated one's on each copy's device."""
+    busy: collections.Counter = collections.Counter()
+    placements = {p.component: p for p in plan.components}
+    for name, cost in predict(plan, inventory, perf, work).items():
+        p = placements[name]
+        if p.mode == "replicated":
+            for device in (p.execution_device, *p.replicas):
+                busy[device] += cost.total
+        elif p.mode == "split" and p.bytes:
+            away = sum(size for _, _, size in p.shards)
+            busy[p.execution_device] += cost.compute * (p.bytes - away) / p.bytes + cost.transfer
+            for _, device, size in p.shards:
+                busy[device] += cost.compute * size / p.bytes
+        else:
+            busy[p.execution_device] += cost.total
+    return dict(busy)
+
+
+def images_per_second(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None
+                      ) -> float | None:
+    """The predicted images per second with requests overlapped (``pipemap.run_many``): each device works on one
+    request at a time, so the busiest device's seconds per image set the pace. None for an empty plan."""
+    slowest = max(device_seconds(plan, inventory, perf, work).values(), default=0.0)
+    return 1.0 / slowest if slowest > 0 else None

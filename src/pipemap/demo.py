@@ -58,13 +58,14 @@ def generate(path, hardware, strategy, dtype, variant, headroom, prompt: str, se
 def _load_here(path, plan):
     """Print the plan and load onto it; devices this machine lacks are replaced by the CPU, and it says so."""
     print(plan)
-    runnable = _runnable(plan)
-    if runnable != plan:
+    running = runnable(plan)
+    if running != plan:
         print("this machine lacks some planned devices: running the same plan with them on the CPU")
-    return load(path, plan=runnable)
+    return load(path, plan=running)
 
 
-def _runnable(plan):
+def runnable(plan):
+    """``plan`` with the devices this machine lacks remapped onto the CPU."""
     local = set(Hardware.detect().names)
     missing = {d.device: "cpu" for d in plan.devices if d.device not in local}
     return plan.remap(missing) if missing else plan

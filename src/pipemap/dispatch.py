@@ -17,7 +17,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_mod
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
 from .errors import ArgumentTypeError, DispatchError, PipelineMappedError, PlanMismatchError
-from .hooks import Moved, PlacementHook
+from .hooks import CallLock, Moved, PlacementHook
 from .plan import Plan
 from .transfer import ensure_safe_transfers, move_tensor
 
@@ -78,21 +78,28 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
 
 def _hook_maker(plan: Plan):
     """``placement -> hook``; the offloading hooks of one dispatch share one ledger of what is onloaded where."""
-    if all(p.mode in ("resident", "split") for p in plan.components):
+    if all(p.mode in ("resident", "split", "replicated") for p in plan.components):
         return lambda p: _resident_hook(p, plan.execution_device)
     from . import offload  # here: a plan without offloading needs none of it
 
     ledger = offload.Ledger()
+    moving = CallLock()  # the moving hooks share a ledger (and evict each other): one at a time
 
     def make(p):
         if p.mode in ("offload", "stream"):
-            return offload.hook_for(p, plan.execution_device, ledger)
+            hook = offload.hook_for(p, plan.execution_device, ledger)
+            hook.lock = moving
+            return hook
         return _resident_hook(p, plan.execution_device)
 
     return make
 
 
 def _resident_hook(p, execution_device: str) -> PlacementHook:
+    if p.mode == "replicated":
+        from .parallel import ReplicaHook  # it builds on this module
+
+        return ReplicaHook(p.component, p.device, execution_device, p.replicas)
     if p.mode == "split":
         return SplitHook(p.component, p.device, execution_device, p.shards)
     return PlacementHook(p.component, p.device, execution_device)
@@ -112,6 +119,9 @@ def reset(pipe) -> None:
         pipe.__dict__.pop(name, None)
     pipe.__dict__.pop("_pipemap_plan", None)
     pipe.__dict__.pop("hf_device_map", None)  # back to the class's None, as before dispatch
+    from .parallel import unguard_calls
+
+    unguard_calls(pipe)
 
 
 def planned(pipe) -> Plan | None:
@@ -197,6 +207,8 @@ def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
     add_hook_to_module(module, hook)
     if hasattr(hook, "abort"):
         hook.abort_handle = module.register_forward_hook(_aborting(hook), always_call=True)
+    # accelerate's forward runs pre_forward, the call and post_forward; the lock spans them, exceptions included
+    module.forward = functools.update_wrapper(functools.partial(_locked, hook.lock, module.forward), module.forward)
     for name in _hooked_methods(module):
         module.__dict__[name] = _wrap_method(module, getattr(type(module), name), hook)
 
@@ -240,21 +252,27 @@ def _wrap_method(module, function, hook: ModelHook):
 
     @functools.wraps(raw)
     def wrapper(*args, **kwargs):
-        if inside:
-            return raw(*args, **kwargs)
-        inside.append(True)
-        try:
-            args, kwargs = hook.pre_forward(module, *args, **kwargs)
-            output = raw(*args, **kwargs)
-        except BaseException:
-            if hasattr(hook, "abort"):
-                hook.abort(module)
-            raise
-        finally:
-            inside.clear()
-        return hook.post_forward(module, output)
+        with hook.lock:  # another thread's call of this component waits (pipemap.run_many)
+            if inside:
+                return raw(*args, **kwargs)
+            inside.append(True)
+            try:
+                args, kwargs = hook.pre_forward(module, *args, **kwargs)
+                output = raw(*args, **kwargs)
+            except BaseException:
+                if hasattr(hook, "abort"):
+                    hook.abort(module)
+                raise
+            finally:
+                inside.clear()
+            return hook.post_forward(module, output)
 
     return wrapper
+
+
+def _locked(lock: CallLock, forward, *args, **kwargs):
+    with lock:
+        return forward(*args, **kwargs)
 
 
 def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
@@ -318,6 +336,9 @@ def _mark(pipe, plan: Plan) -> None:
     for name in _GUARDED:
         pipe.__dict__[name] = _refuse(f"pipe.{name}()")
     pipe.__dict__["reset_device_map"] = functools.partial(reset, pipe)  # diffusers' own undo does ours
+    from .parallel import guard_calls
+
+    guard_calls(pipe)  # calls from several threads take turns: a call's state lives on the pipeline
 
 
 def _refuse(operation: str):

@@ -235,3 +235,24 @@ class FolderNotEmptyError(PipemapError, ValueError):
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+# ---- parallel.py: overlapped requests and denoiser replicas --------------------------------------------------------
+
+
+class RunManyCallError(PipemapError, ValueError):
+    """An argument of ``run_many`` it cannot use: ``workers`` below 1, a call that is not a keyword dict."""
+
+    def __init__(self, argument: str, value: object, fix: str):
+        self.argument, self.value, self.fix = argument, value, fix
+        super().__init__(f"run_many: {argument} is {value!r}: {fix}")
+
+
+class ForeignHookError(PipemapError, RuntimeError):
+    """A component carries a hook pipemap did not put there (``enable_model_cpu_offload``, a device_map)."""
+
+    def __init__(self, component: str, hook: str):
+        self.component, self.hook = component, hook
+        super().__init__(
+            f"{component!r} carries the hook {hook}, which moves weights without a lock, so requests run at once "
+            "would evict each other's weights: call pipe.remove_all_hooks() and place the pipeline with "
+            "pipemap.dispatch(pipe, pipemap.plan(pipe, ...)) instead"
+        )

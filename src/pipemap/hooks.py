@@ -6,6 +6,7 @@ imports the other's upper half.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,25 @@ class Moved:
     d2h_bytes: int = 0
 
 
+class CallLock:
+    """A re-entrant lock a component's hook holds for the whole of each call, so calls from several threads (
+    ``pipemap.run_many``) take turns on a component while different components run at once. A copy (a dry run
+    deep-copies hooked modules) gets a lock of its own."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def __deepcopy__(self, memo) -> CallLock:
+        return CallLock()
+
+
 class PlacementHook(ModelHook):
     """Inputs to ``device``; outputs to the pipeline's execution device.
 
@@ -36,6 +56,7 @@ class PlacementHook(ModelHook):
         self.device = torch.device(device)
         self.execution_device = torch.device(execution_device)
         self.moved = Moved()
+        self.lock = CallLock()
 
     def pre_forward(self, module, *args, **kwargs):
         self.moved.calls += 1

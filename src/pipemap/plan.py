@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from .errors import PlanFormatError, UnknownDeviceError
 from .units import format_bytes
 
-MODES = ("resident", "offload", "stream", "split")
+MODES = ("resident", "offload", "stream", "split", "replicated")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class Placement:
     the bytes of its blocks in flight; 0 when resident. It travels with the placement through ``remap``, so a plan
     remapped onto the CPU keeps each GPU's eviction behaviour. ``"split"``: the component lives on several GPUs;
     ``shards`` lists the blocks (module paths) placed away from ``device`` with their device and bytes, and
-    everything else stays on ``device``, where its inputs and outputs live.
+    everything else stays on ``device``, where its inputs and outputs live. ``"replicated"``: resident on ``device``
+    with a whole copy on each of ``replicas``; each call's batch is split across them (``pipemap.parallel``).
 
     A streamed component's pieces: ``blocks`` ((module path, bytes), ...), as fine as its room needs; of them
     ``resident_blocks`` (paths; ``""``: the tensors outside every piece) stay on its execution device,
@@ -47,6 +48,7 @@ class Placement:
     resident_bytes: int = 0
     prefetch: int = 0
     granularity: int = 0
+    replicas: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.execution_device:
@@ -63,18 +65,22 @@ def _mode_text(p: Placement) -> str:
         kept = len([b for b in p.resident_blocks if b])
         return (f"stream: {len(p.blocks)} blocks, level {p.granularity}, {kept} resident "
                 f"({format_bytes(p.resident_bytes)}), prefetch {p.prefetch}, in flight {format_bytes(p.room)}")
+    if p.mode == "replicated":
+        return "replicated: copies on " + ", ".join(p.replicas)
     return p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})"
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One plan ``"auto"`` weighed: its strategy, predicted seconds per image (None: it does not fit, and
-    ``reason`` says why) and each device's peak bytes."""
+    ``reason`` says why), each device's peak bytes, and the images per second of requests overlapped
+    (``pipemap.run_many``: the busiest device's work per image sets the pace)."""
 
     strategy: str
     seconds: float | None
     peaks: tuple[tuple[str, int], ...]
     reason: str = ""
+    images_per_second: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,8 @@ class Plan:
             return move.get(name, name)
 
         components = tuple(replace(p, device=dev(p.device), execution_device=dev(p.execution_device),
-                                   shards=tuple((path, dev(d), size) for path, d, size in p.shards))
+                                   shards=tuple((path, dev(d), size) for path, d, size in p.shards),
+                                   replicas=tuple(dev(d) for d in p.replicas))
                            for p in self.components)
         merged: dict[str, DeviceUse] = {}
         for d in self.devices:
@@ -165,17 +172,36 @@ class Plan:
         return "\n".join([buffer.getvalue().rstrip(), *(f"note: {n}" for n in self.notes)])
 
     def explain(self) -> str:
-        """Why this plan: the candidates ``"auto"`` weighed, their predicted seconds per image and per-device peaks,
-        and which won. Plans from a fixed strategy have no candidates and say so."""
+        """Why this plan: the candidates ``"auto"`` weighed, their predicted seconds per image, images per second
+        with requests overlapped (``run_many``) and per-device peaks, and which won. Plans from a fixed strategy
+        have no candidates and say so."""
         if not self.candidates:
             return f"strategy {self.strategy!r} was asked for; no other plan was weighed"
         ranked = sorted(self.candidates, key=lambda c: (c.seconds is None, c.seconds or 0.0))
-        lines = [f"{'strategy':<34}{'s/image':>10}  peaks per device"]
+        lines = [f"{'strategy':<34}{'s/image':>10}{'images/s':>10}  peaks per device"]
         for c in ranked:
             peaks = ", ".join(f"{d} {format_bytes(b)}" for d, b in c.peaks)
             figure = f"{c.seconds:>10.3g}" if c.seconds is not None else f"{'-':>10}"
-            lines.append(f"{c.strategy:<34}{figure}  {peaks or c.reason}")
-        return "\n".join(lines + [n for n in self.notes if n.startswith("auto:")])
+            rate = f"{c.images_per_second:>10.3g}" if c.images_per_second is not None else f"{'-':>10}"
+            lines.append(f"{c.strategy:<34}{figure}{rate}  {peaks or c.reason}")
+        lines.append("s/image: one request at a time; images/s: requests overlapped (pipemap.run_many), paced by "
+                     "the busiest device")
+        return "\n".join(lines + [n for n in self.notes if n.startswith(("auto:", "parallel:"))])
+
+    def picture(self, moved=None):
+        """The plan drawn: each device a bar of its memory (``print(plan.picture())`` in a terminal,
+        ``plan.picture().svg()`` for a file); ``moved`` maps components to bytes moved per image, for the links.
+        See ``pipemap.picture``."""
+        from .picture import plan_picture
+
+        return plan_picture(self, moved)
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the picture, then the table's notes."""
+        from html import escape
+
+        notes = "".join(f"<li>{escape(n)}</li>" for n in self.notes)
+        return f"<div class='pipemap-plan'>{self.picture().svg()}" + (f"<ul>{notes}</ul>" if notes else "") + "</div>"
 
     def to_dict(self) -> dict:
         return {
@@ -190,11 +216,13 @@ class Plan:
                                                         in p.shards}} if p.shards else {}),
                                          **({"blocks": dict(p.blocks), "resident_blocks": list(p.resident_blocks),
                                              "resident_bytes": p.resident_bytes, "prefetch": p.prefetch,
-                                             "granularity": p.granularity} if p.blocks else {})}
+                                             "granularity": p.granularity} if p.blocks else {}),
+                                         **({"replicas": list(p.replicas)} if p.replicas else {})}
                            for p in self.components},
             "notes": list(self.notes),
             **({"candidates": [{"strategy": c.strategy, "seconds": c.seconds, "peaks": dict(c.peaks),
-                                "reason": c.reason} for c in self.candidates]} if self.candidates else {}),
+                                "reason": c.reason, "images_per_second": c.images_per_second}
+                               for c in self.candidates]} if self.candidates else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -209,13 +237,13 @@ class Plan:
         components = tuple(_placement(name, c) for name, c in _items(data, "components"))
         known = {d.device for d in devices}
         for p in components:
-            for device in (p.device, p.execution_device, *(d for _, d, _ in p.shards)):
+            for device in (p.device, p.execution_device, *(d for _, d, _ in p.shards), *p.replicas):
                 if device not in known:
                     raise PlanFormatError(f"component {p.component!r} uses {device}, which is not among the "
                                           f"plan's devices ({', '.join(sorted(known))})")
         try:
-            candidates = tuple(Candidate(c["strategy"], c["seconds"], tuple(c["peaks"].items()), c.get("reason", ""))
-                               for c in data.get("candidates", ()))
+            candidates = tuple(Candidate(c["strategy"], c["seconds"], tuple(c["peaks"].items()), c.get("reason", ""),
+                                         c.get("images_per_second")) for c in data.get("candidates", ()))
         except (KeyError, TypeError, AttributeError) as err:
             raise PlanFormatError(f"the candidates are malformed ({type(err).__name__}: {err})") from None
         return cls(_text(data, "strategy"), components, devices, _device(_text(data, "execution_device")),
@@ -306,4 +334,5 @@ def _placement(name: str, c: dict) -> Placement:
     blocks = tuple((path, _size(blocks, path)) for path in blocks)
     return Placement(name, _device(c.get("device")), _size(c, "bytes"), mode, _device(execution), _size(c, "room", 0),
                      shards, blocks, tuple(_strings(c.get("resident_blocks", []), f"{name} resident_blocks")),
-                     _size(c, "resident_bytes", 0), _size(c, "prefetch", 0), _size(c, "granularity", 0))
+                     _size(c, "resident_bytes", 0), _size(c, "prefetch", 0), _size(c, "granularity", 0),
+                     tuple(_device(d) for d in _strings(c.get("replicas", []), f"{name} replicas")))

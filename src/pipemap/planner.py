@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from . import parallel
 from .errors import (
     ArgumentConflictError,
     ArgumentTypeError,
@@ -50,6 +51,7 @@ class Request:
     in_flight: tuple[tuple[str, int], ...] = ()
     blocks: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
     trees: tuple[tuple[str, Block | None], ...] = ()  # module trees: a streamed component's pieces and residency
+    replicable: tuple[str, ...] = ()  # denoisers whose calls carry a batch to split (``parallel.replicable``)
 
 
 class Place(NamedTuple):
@@ -60,6 +62,7 @@ class Place(NamedTuple):
     mode: str
     execution_device: str
     shards: tuple[tuple[str, str, int], ...] = ()
+    replicas: tuple[str, ...] = ()
 
 
 Strategy = Callable[[Request], dict[str, "str | Place"]]
@@ -214,6 +217,8 @@ def _charge(rooms: dict[str, int], place: str | Place, size: int) -> None:
     rooms[place.device] -= size - sum(b for _, _, b in place.shards)
     for _, device, block in place.shards:
         rooms[device] -= block
+    for device in place.replicas:
+        rooms[device] -= size
 
 
 def _balanced_split(request: Request) -> dict[str, str | Place]:
@@ -253,10 +258,40 @@ def _cut(name: str, size: int, blocks: tuple[tuple[str, int], ...], order: list[
     return Place(home, "split", home, tuple(shards))
 
 
+def _parallel(request: Request) -> dict[str, str | Place]:
+    """A copy of the denoiser on as many GPUs as can hold one beside the rest, placed around them as balanced
+    places them; each call's batch is then split across the copies. Balanced where no two GPUs can (``notes``
+    say why)."""
+    for name in request.replicable:
+        for count in range(len(request.rooms), 1, -1):
+            placed = _replicated(request, name, count)
+            if placed is not None:
+                return placed
+    return _balanced(request)
+
+
+def _replicated(request: Request, name: str, count: int) -> dict[str, str | Place] | None:
+    """``name`` on the ``count`` roomiest GPUs, the rest balanced in what is left; None if that does not fit."""
+    size = dict(request.components)[name]
+    rooms = dict(request.rooms)
+    chosen = sorted(rooms, key=lambda d: (-rooms[d], list(rooms).index(d)))[:count]
+    if any(size > rooms[d] for d in chosen):
+        return None
+    for device in chosen:
+        rooms[device] -= size
+    rest = tuple(c for c in request.components if c[0] != name)
+    try:
+        placed: dict[str, str | Place] = dict(_balanced(replace(request, components=rest, rooms=tuple(rooms.items()))))
+    except DoesNotFitError:
+        return None
+    placed[name] = Place(chosen[0], "replicated", chosen[0], (), tuple(chosen[1:]))
+    return placed
+
+
 STRATEGIES: dict[str, Strategy] = {"balanced": _balanced, "sequential": _sequential,
                                    "balanced_low_memory": _balanced_low_memory,
                                    "balanced_ultra_low_memory": _balanced_ultra_low_memory,
-                                   "balanced_split": _balanced_split}
+                                   "balanced_split": _balanced_split, "parallel": _parallel}
 # what "auto" weighs besides STRATEGIES: splitting what fits no GPU whole, and moving the least-called of the rest
 MIXED: dict[str, Strategy] = {
     "balanced_split+low_memory": lambda r: _least_moved(r, "offload", _balanced_split),
@@ -394,7 +429,9 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         in_flight = tuple((c.name, c.in_flight) for c in inventory.models)
         blocks = tuple((c.name, c.blocks) for c in inventory.models)
         trees = tuple((c.name, c.tree) for c in inventory.models)
-        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks, trees))
+        replicable = parallel.replicable(inventory) if name == "parallel" else ()
+        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks, trees, replicable))
+        notes += parallel.plan_notes(inventory, placed) if name == "parallel" else []
     device_map = {**fixed, **placed}
     label = name if not fixed else ("map" if not rest else f"map+{name}")
     return _assemble(inventory, hw, budget, device_map, label, notes)
@@ -442,7 +479,8 @@ def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], dev
               label: str, notes: list[str]) -> Plan:
     places = {n: Place(p, "resident", p) if isinstance(p, str) else p for n, p in device_map.items()}
     placements = tuple(Placement(c.name, places[c.name].device, c.bytes, places[c.name].mode,
-                                 places[c.name].execution_device, shards=places[c.name].shards)
+                                 places[c.name].execution_device, shards=places[c.name].shards,
+                                 replicas=places[c.name].replicas)
                        for c in inventory.models)
     resident = {d.name: 0 for d in hw.devices}
     for p in placements:
@@ -450,6 +488,8 @@ def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], dev
         for _, device, size in p.shards:  # a split component's blocks away from its first GPU
             resident[p.device] -= size
             resident[device] += size
+        for device in p.replicas:  # a whole copy on each
+            resident[device] += p.bytes
     placements = _with_rooms(placements, {c.name: c for c in inventory.models}, budget, resident)
     # a GPU's peak: its residents, the largest component onloaded there, the largest blocks in flight there
     used = {d: _peak(placements, d, resident) for d in resident}
@@ -532,7 +572,7 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int]) -> 
     The plan carries every candidate (``plan.explain()``): its predicted seconds per image, its per-device peaks,
     or why it does not fit.
     """
-    from .cost import seconds_per_image
+    from .cost import images_per_second, seconds_per_image
 
     candidates, plans = [], {}
     for name in (*STRATEGIES, *MIXED):
@@ -543,7 +583,8 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int]) -> 
             continue
         seconds = seconds_per_image(plans[name], inventory, hw.performance)
         peaks = tuple((d.device, d.used) for d in plans[name].devices if d.used)
-        candidates.append(Candidate(name, seconds, peaks, ""))
+        rate = images_per_second(plans[name], inventory, hw.performance)
+        candidates.append(Candidate(name, seconds, peaks, "", rate))
     fitting = sorted((c for c in candidates if c.seconds is not None), key=lambda c: c.seconds)
     if not fitting:
         largest = max(inventory.models, key=lambda c: c.bytes)

@@ -237,11 +237,10 @@ class StorageTracker(TorchDispatchMode):
         self.bound = self.bound or note
 
     def track_module_tensors(self, pipe) -> None:
-        for module in pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                for tensor in list(module.parameters()) + list(module.buffers()):
-                    if self._track(tensor, weight=True):
-                        self.weights[str(tensor.device)] += tensor.untyped_storage().nbytes()
+        for module in _with_replicas(pipe):
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                if self._track(tensor, weight=True):
+                    self.weights[str(tensor.device)] += tensor.untyped_storage().nbytes()
 
     def _track(self, tensor: torch.Tensor, weight: bool = False) -> bool:
         storage = tensor.untyped_storage()
@@ -284,12 +283,21 @@ class StorageTracker(TorchDispatchMode):
         return out
 
 
+def _with_replicas(pipe, only: str | None = None) -> list[torch.nn.Module]:
+    """The pipeline's models, each followed by the copies its hook holds (a replicated denoiser's)."""
+    found = []
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module) and only in (None, name):
+            found += [module, *getattr(getattr(module, "_hf_hook", None), "replicas", ())]
+    return found
+
+
 class ComponentTracker:
     """Which component is running, from global module hooks: a failure can then name its component."""
 
     def __init__(self, pipe):
         self._owner = {id(m): name for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)
-                       for m in c.modules()}
+                       for held in _with_replicas(pipe, name) for m in held.modules()}
         self._stack: list[str] = []
         self._handles = []
         self.current: str | None = None

@@ -1,0 +1,341 @@
+"""Pictures of a plan and of a dry run: each device's memory as a bar, and memory over a call as a timeline.
+
+One drawing, three outputs: an SVG string (files, notebooks, the server's home page), a rich renderable for the
+terminal (80 columns), and the HTML a notebook shows. The SVG is written by hand, not by a plotting library: it is a
+few rectangles and labels, a plotting extra (matplotlib, ~40 MB) would buy nothing we draw, and a hand-written file
+keeps its numbers as plain attributes a test can parse back (``data-bytes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from html import escape
+
+from .plan import Placement, Plan
+from .units import format_bytes
+
+# fills chosen to differ in lightness as well as hue, so neighbours stay apart in greyscale
+PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#145a32", "#f9e79f", "#4d5656",
+           "#f1948a")
+HEADROOM_FILL = "#e5e7e9"
+KIND_PATTERN = {"offload": "hatch", "stream": "dots", "split": "hatch", "replicated": "hatch"}
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Part of a device's bar: ``label`` holds ``bytes`` there; ``kind`` is the placement mode, or ``"headroom"``."""
+
+    label: str
+    bytes: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One device: its memory, the plan's budget line, and what the plan puts there (``segments`` add up to
+    ``used``), then the headroom the budget keeps back for activations."""
+
+    device: str
+    memory: int
+    budget: int
+    used: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bytes one image moves from ``source`` to ``target`` (host to GPU for offload and streaming, GPU to GPU for
+    a split component's activations)."""
+
+    source: str
+    target: str
+    bytes_per_image: int
+
+
+@dataclass(frozen=True)
+class Picture:
+    """A plan drawn: a title, one bar per device, and the links that carry bytes per image."""
+
+    title: str
+    bars: tuple[Bar, ...]
+    links: tuple[Link, ...] = ()
+
+    def svg(self) -> str:
+        return _plan_svg(self)
+
+    def __rich__(self):
+        return _plan_rich(self)
+
+    def text(self, width: int = 80) -> str:
+        """The terminal drawing as plain text (no colour)."""
+        import io
+
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=width, color_system=None, force_terminal=False).print(self)
+        return buffer.getvalue().rstrip()
+
+
+def plan_picture(plan: Plan, moved: Mapping[str, int] | None = None) -> Picture:
+    """The picture of ``plan``: per device, each component it holds (offloaded and streamed components as the most
+    they hold there at once), the headroom and the budget line.
+
+    ``moved`` maps components to the bytes one image moves for them (``pipemap.cost.bytes_moved``); without it
+    the links are left out.
+
+    >>> plan = pipemap.plan("path/to/sdxl", hardware="2x8GiB", strategy="balanced_low_memory")  # doctest: +SKIP
+    >>> print(plan_picture(plan).text())                                                        # doctest: +SKIP
+    """
+    bars = tuple(_bar(plan, d.device, d.memory, d.budget, d.used) for d in plan.devices)
+    title = f"pipemap plan: {plan.strategy}" + (f", {plan.dtype}" if plan.dtype else "")
+    return Picture(title, bars, _links(plan, moved or {}))
+
+
+def _bar(plan: Plan, device: str, memory: int, budget: int, used: int) -> Bar:
+    segments = [Segment(p.component, _held_at_home(p), p.mode) for p in plan.components
+                if p.device == device and _held_at_home(p)]
+    segments += [Segment(f"{p.component} (shards)", sum(s for _, d, s in p.shards if d == device), "split")
+                 for p in plan.components if any(d == device for _, d, _s in p.shards)]
+    moved = [p for p in plan.components if p.mode in ("offload", "stream") and p.execution_device == device
+             and p.device != device]
+    segments += [Segment(f"{p.component} (resident pieces)", p.resident_bytes, "stream")
+                 for p in moved if p.mode == "stream" and p.resident_bytes]
+    segments += [Segment(f"{p.component} (blocks in flight)", p.room, "stream") for p in moved if p.mode == "stream"]
+    segments += [Segment(f"{p.component} (copy)", p.bytes, "replicated") for p in plan.components
+                 if device in p.replicas]
+    # the planner charges an execution GPU its largest offloaded component (the LRU keeps what fits): whatever of
+    # ``used`` the segments above leave is that charge
+    rest = used - sum(s.bytes for s in segments)
+    offloaded = [p.component for p in moved if p.mode == "offload"]
+    if rest > 0:
+        segments.append(Segment("onloaded: " + " | ".join(offloaded) if offloaded else "other", rest, "offload"))
+    return Bar(device, memory, budget, used, tuple(segments))
+
+
+def moved_per_image(plan: Plan, inventory) -> dict[str, int]:
+    """Bytes each component moves per image as placed, as the cost model counts them (``cost.bytes_moved``)."""
+    from .cost import bytes_moved
+
+    return {k: v for k, v in bytes_moved(plan, inventory).items() if v}
+
+
+def _held_at_home(p: Placement) -> int:
+    """What a placement keeps on its own device: a split one keeps all but its shards."""
+    return p.bytes - sum(s for _, _d, s in p.shards) if p.mode == "split" else p.bytes
+
+
+def _links(plan: Plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
+    totals: dict[tuple[str, str], int] = {}
+    for p in plan.components:
+        amount = moved.get(p.component, 0)
+        if not amount:
+            continue
+        key = (p.device, p.execution_device) if p.mode != "split" else (p.device, _shard_device(p))
+        totals[key] = totals.get(key, 0) + amount
+    return tuple(Link(s, t, b) for (s, t), b in totals.items())
+
+
+def _shard_device(p: Placement) -> str:
+    return p.shards[0][1] if p.shards else p.device
+
+
+# ---- SVG ------------------------------------------------------------------------------------------------------
+
+ROW, LABEL_W, BAR_W, PAD = 46, 150, 520, 12
+
+
+def _plan_svg(picture: Picture) -> str:
+    colours = _colours(picture)
+    height = PAD * 3 + 24 + ROW * len(picture.bars) + 18 * (len(picture.links) + len(colours) + 2)
+    width = LABEL_W + BAR_W + 110
+    parts = [_svg_open(width, height, picture.title), _patterns(),
+             f'<text x="{PAD}" y="{PAD + 14}" font-size="15" font-weight="bold">{escape(picture.title)}</text>']
+    for row, bar in enumerate(picture.bars):
+        parts.append(_svg_bar(bar, PAD * 2 + 24 + row * ROW, colours))
+    y = PAD * 2 + 24 + ROW * len(picture.bars) + 4
+    for name, colour in colours.items():
+        y += 18
+        parts.append(f'<g class="legend"><rect x="{PAD + 10}" y="{y - 11}" width="12" height="12" fill="{colour}"/>'
+                     f'<text x="{PAD + 28}" y="{y}" font-size="12">{escape(name)}: {_where(picture, name)}</text></g>')
+    y += 24
+    if picture.links:
+        parts.append(f'<text x="{PAD}" y="{y}" font-size="12" font-weight="bold">bytes moved per image</text>')
+    for link in picture.links:
+        y += 18
+        parts.append(f'<g class="link" data-source="{escape(link.source)}" data-target="{escape(link.target)}" '
+                     f'data-bytes="{link.bytes_per_image}"><text x="{PAD + 10}" y="{y}" font-size="12">'
+                     f'{escape(link.source)} \u2192 {escape(link.target)}: {_gib(link.bytes_per_image)}</text></g>')
+    return "\n".join([*parts, "</svg>"])
+
+
+def _svg_open(width: int, height: int, title: str) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif" role="img">'
+            f'<title>{escape(title)}</title>')
+
+
+def _patterns() -> str:
+    # offloaded and streamed segments are hatched or dotted as well as coloured: the mode reads without colour
+    return ('<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+            'patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="6" stroke="#ffffff" stroke-width="2" '
+            'stroke-opacity="0.6"/></pattern><pattern id="dots" width="5" height="5" patternUnits="userSpaceOnUse">'
+            '<circle cx="2.5" cy="2.5" r="1.1" fill="#ffffff" fill-opacity="0.7"/></pattern></defs>')
+
+
+def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str]) -> str:
+    scale = BAR_W / max(bar.memory, bar.used, 1)
+    x0 = LABEL_W
+    parts = [f'<g class="device" data-device="{escape(bar.device)}" data-memory="{bar.memory}" '
+             f'data-budget="{bar.budget}" data-used="{bar.used}">',
+             f'<text x="{PAD}" y="{y + 15}" font-size="13" font-weight="bold">{escape(bar.device)}</text>',
+             f'<text x="{PAD}" y="{y + 31}" font-size="11">{_gib(bar.used)} of {_gib(bar.budget)}</text>',
+             f'<rect x="{x0}" y="{y}" width="{BAR_W}" height="26" fill="none" stroke="#555"/>']
+    x = float(x0)
+    for seg in bar.segments:
+        w = seg.bytes * scale
+        parts.append(_svg_segment(seg, x, y, w, colours[seg.label.split(" ")[0]]))
+        x += w
+    headroom = max(0, bar.memory - bar.budget)
+    if headroom:
+        parts.append(f'<rect class="headroom" x="{x0 + bar.budget * scale:.2f}" y="{y}" width="{headroom * scale:.2f}" '
+                     f'height="26" fill="{HEADROOM_FILL}" data-bytes="{headroom}"><title>headroom for activations: '
+                     f'{_gib(headroom)}</title></rect>')
+    bx = x0 + bar.budget * scale
+    parts.append(f'<line class="budget" x1="{bx:.2f}" x2="{bx:.2f}" y1="{y - 4}" y2="{y + 30}" stroke="#c0392b" '
+                 f'stroke-width="2" data-bytes="{bar.budget}"/>')
+    parts.append(f'<text x="{x0 + BAR_W + 8}" y="{y + 17}" font-size="11">{_gib(bar.memory)}</text></g>')
+    return "\n".join(parts)
+
+
+def _svg_segment(seg: Segment, x: float, y: int, w: float, colour: str) -> str:
+    pattern = KIND_PATTERN.get(seg.kind)
+    overlay = (f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="26" fill="url(#{pattern})"/>' if pattern else "")
+    text = _short(f"{seg.label} {_gib(seg.bytes)}", w)
+    label = f'<text x="{x + 3:.2f}" y="{y + 17}" font-size="10" fill="{_ink(colour)}">{escape(text)}</text>'
+    return (f'<g class="segment" data-label="{escape(seg.label)}" data-kind="{seg.kind}" data-bytes="{seg.bytes}">'
+            f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="26" fill="{colour}" stroke="#fff" stroke-width="0.5">'
+            f'<title>{escape(seg.label)} ({seg.kind}): {_gib(seg.bytes)}</title></rect>{overlay}'
+            f'{label if w > 40 else ""}</g>')
+
+
+def _where(picture: Picture, name: str) -> str:
+    held = {b.device: sum(s.bytes for s in b.segments if s.label.split(" ")[0] == name) for b in picture.bars}
+    return ", ".join(f"{_gib(v)} on {d}" for d, v in held.items() if v)
+
+
+def _ink(colour: str) -> str:
+    """Black text on light fills, white on dark (relative luminance, sRGB weights)."""
+    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return "#000" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 140 else "#fff"
+
+
+def _colours(picture: Picture) -> dict[str, str]:
+    names = []
+    for bar in picture.bars:
+        names += [s.label.split(" ")[0] for s in bar.segments if s.label.split(" ")[0] not in names]
+    return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
+
+
+def _short(label: str, width: float) -> str:
+    room = max(1, int(width // 6))
+    return label if len(label) <= room else label[: max(1, room - 1)] + "\u2026"
+
+
+def _gib(size: int) -> str:
+    return f"{size / GIB:.2f} GiB"
+
+
+# ---- terminal -------------------------------------------------------------------------------------------------
+
+STYLES = ("blue", "yellow", "magenta", "green", "red", "cyan", "bright_green", "bright_yellow", "white", "bright_red")
+CHARS = "\u2588\u2593\u2592"
+
+
+def _plan_rich(picture: Picture, width: int = 46):
+    from rich.console import Group
+    from rich.text import Text
+
+    colours = {name: STYLES[i % len(STYLES)] for i, name in enumerate(_colours(picture))}
+    lines = [Text(picture.title, style="bold")]
+    for bar in picture.bars:
+        lines.append(_rich_bar(bar, width, colours))
+    for name, style in colours.items():
+        lines.append(Text.assemble(("\u2588\u2588 ", style), (f"{name}: {_where(picture, name)}", "")))
+    lines += [Text(f"{link.source} -> {link.target}: {format_bytes(link.bytes_per_image)} per image")
+              for link in picture.links]
+    return Group(*lines)
+
+
+def _rich_bar(bar: Bar, width: int, colours: Mapping[str, str]):
+    from rich.text import Text
+
+    scale = width / max(bar.memory, bar.used, 1)
+    text = Text(f"{bar.device:<8} ")
+    cells = 0
+    for seg in bar.segments:
+        n = max(1, round(seg.bytes * scale)) if seg.bytes else 0
+        char = CHARS[0] if seg.kind == "resident" else CHARS[1]
+        text.append(char * n, style=colours[seg.label.split(" ")[0]])
+        cells += n
+    budget_cell = round(bar.budget * scale)
+    if cells < budget_cell:
+        text.append("\u00b7" * (budget_cell - cells))
+        cells = budget_cell
+    text.append("|", style="bold red")
+    text.append("\u2591" * max(0, width - cells), style="dim")
+    text.append(f" {format_bytes(bar.used)}/{format_bytes(bar.budget)}")
+    return text
+
+
+# ---- timeline of a dry run ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sample:
+    """A device's bytes in use at one point of the dry run, in which phase (``"denoise step 1"``)."""
+
+    index: int
+    device: str
+    bytes: int
+    phase: str
+
+
+def timeline_svg(samples: Sequence[Sample], budgets: Mapping[str, int], title: str) -> str:
+    """Memory over the call, one panel per device: a step line of bytes in use, the budget line, the peak marked
+    and labelled with its phase. Each panel carries ``data-peak`` (bytes) for tests and scripts."""
+    devices = list(dict.fromkeys(s.device for s in samples))
+    panel, width = 120, LABEL_W + BAR_W + 110
+    parts = [_svg_open(width, PAD * 2 + 24 + panel * len(devices), title),
+             f'<text x="{PAD}" y="{PAD + 14}" font-size="15" font-weight="bold">{escape(title)}</text>']
+    for row, device in enumerate(devices):
+        mine = [s for s in samples if s.device == device]
+        parts.append(_timeline_panel(device, mine, budgets.get(device, 0), PAD * 2 + 24 + row * panel, panel - 30))
+    return "\n".join([*parts, "</svg>"])
+
+
+def _timeline_panel(device: str, samples: Sequence[Sample], budget: int, y: int, h: int) -> str:
+    top = max([s.bytes for s in samples] + [budget, 1])
+    last = max(s.index for s in samples) or 1
+    peak = max(samples, key=lambda s: s.bytes)
+
+    def px(s: Sample) -> tuple[float, float]:
+        return LABEL_W + BAR_W * s.index / last, y + h - h * s.bytes / top
+
+    points = " ".join(f"{x:.1f},{yy:.1f}" for x, yy in map(px, samples))
+    bx, by = px(peak)
+    budget_y = y + h - h * budget / top
+    return "\n".join([
+        f'<g class="timeline" data-device="{escape(device)}" data-peak="{peak.bytes}" data-budget="{budget}" '
+        f'data-peak-phase="{escape(peak.phase)}">',
+        f'<text x="{PAD}" y="{y + 15}" font-size="13" font-weight="bold">{escape(device)}</text>',
+        f'<text x="{PAD}" y="{y + 31}" font-size="11">peak {_gib(peak.bytes)}</text>',
+        f'<rect x="{LABEL_W}" y="{y}" width="{BAR_W}" height="{h}" fill="none" stroke="#aaa"/>',
+        f'<polyline points="{points}" fill="none" stroke="#1b4f72" stroke-width="1.5"/>',
+        f'<line class="budget" x1="{LABEL_W}" x2="{LABEL_W + BAR_W}" y1="{budget_y:.1f}" y2="{budget_y:.1f}" '
+        f'stroke="#c0392b" stroke-dasharray="4 3" data-bytes="{budget}"/>' if budget else "",
+        f'<circle cx="{bx:.1f}" cy="{by:.1f}" r="4" fill="#c0392b"><title>peak {_gib(peak.bytes)} in '
+        f'{escape(peak.phase)}</title></circle>',
+        f'<text x="{min(bx + 6, LABEL_W + BAR_W - 140):.1f}" y="{max(by - 6, y + 10):.1f}" font-size="11">'
+        f'peak: {escape(peak.phase)}</text></g>'])

@@ -1,0 +1,99 @@
+"""``pipemap serve --ray``: the same app as a Ray Serve deployment, one replica per copy of the plan.
+
+The plan is made once, on the driver, for the machine a replica gets (``--hardware``, or this machine); each
+replica asks Ray for the whole GPUs that plan uses (``num_gpus``) and loads the pipeline onto it. Ray routes HTTP
+requests to replicas, restarts a replica that dies, and with ``autoscale`` adds or removes replicas as their
+ongoing requests (queue plus running) rise above or fall below the target.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ray import serve
+
+from ..errors import PipemapError
+from ..hardware import normalize_device
+from ..plan import Plan
+from .service import Options, Service, default_workers, make_plan
+
+
+class AutoscaleSpecError(PipemapError, ValueError):
+    """An ``--autoscale`` value that is not ``MIN:MAX``."""
+
+    def __init__(self, text: str):
+        self.text = text
+        super().__init__(f"cannot read --autoscale {text!r}: write MIN:MAX replicas, e.g. '1:4' (0 <= MIN <= MAX, "
+                         "MAX >= 1)")
+
+
+def gpus(plan: Plan) -> int:
+    """The whole GPUs a replica needs: every distinct accelerator the plan places a component or shard on."""
+    used = {p.device for p in plan.components} | {p.execution_device for p in plan.components}
+    used |= {device for p in plan.components for _, device, _ in p.shards}
+    return sum(1 for device in used if normalize_device(device) not in ("cpu", "disk"))
+
+
+def autoscaling(text: str, max_ongoing: int) -> dict:
+    """Ray Serve's ``autoscaling_config`` for ``MIN:MAX``: scale so each replica has about one batch in flight
+    beyond the one it runs, out of the ``max_ongoing`` it takes."""
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text or "")
+    if match is None or int(match[1]) > int(match[2]) or int(match[2]) < 1:
+        raise AutoscaleSpecError(text)
+    return {"min_replicas": int(match[1]), "max_replicas": int(match[2]),
+            "target_ongoing_requests": max(1, min(2, max_ongoing)), "upscale_delay_s": 5, "downscale_delay_s": 60}
+
+
+@serve.ingress()
+class PipemapReplica:
+    """One replica: loads the pipeline onto the plan made on the driver and serves the pipemap app."""
+
+    def __init__(self, options: Options, plan: dict):
+        # cuda:N in the plan are this replica's GPUs: Ray sets CUDA_VISIBLE_DEVICES to those it was given
+        self.service = Service.load(options, Plan.from_dict(plan))
+        self.service.start()
+
+    def __serve_build_asgi_app__(self):
+        from .app import create_app
+
+        return create_app(self.service)
+
+    def __del__(self):
+        service = getattr(self, "service", None)
+        if service is not None:  # Ray Serve has already waited for the replica's requests in flight
+            service.worker.drain()
+
+
+def application(options: Options, replicas: int = 1, autoscale: str | None = None, num_cpus: float = 1.0):
+    """The Ray Serve application for ``options``: the plan made here, each replica asking for its GPUs.
+
+    >>> serve.run(application(Options("path/to/sdxl", hardware="2x24GiB"), autoscale="1:4"))   # doctest: +SKIP
+    """
+    plan = make_plan(options)
+    # a request waits in Ray's router rather than being refused by a replica whose own queue is full
+    max_ongoing = options.max_queue + (options.workers or default_workers(plan))
+    scaling = {"autoscaling_config": autoscaling(autoscale, max_ongoing)} if autoscale else {"num_replicas": replicas}
+    deployment = serve.deployment(PipemapReplica, name="pipemap", max_ongoing_requests=max_ongoing,
+                                  ray_actor_options={"num_gpus": gpus(plan), "num_cpus": num_cpus},
+                                  health_check_period_s=2, health_check_timeout_s=30, **scaling)
+    return deployment.bind(options, plan.to_dict())
+
+
+def run_on_ray(options: Options, host: str, port: int, replicas: int = 1, autoscale: str | None = None) -> int:
+    """``pipemap serve --ray``: deploy on the Ray cluster ``ray.init`` finds (``RAY_ADDRESS``) or a local one, and
+    keep serving until Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    import ray
+
+    ray.init(address=None, ignore_reinit_error=True)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(options, replicas, autoscale), name="pipemap", route_prefix="/")
+    print(f"pipemap: serving on Ray at http://{host}:{port} (POST /v1/images/generations)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.delete("pipemap")  # replicas finish the requests they hold before they go
+    return 0

@@ -1,0 +1,141 @@
+"""A generation request: read in the OpenAI images format, checked against what this pipeline accepts.
+
+``GenerationRequest`` checks types and unknown fields (pydantic, ``extra="forbid"``); ``Limits.check`` then checks
+what depends on the pipeline: the image size against the multiple it accepts, ``n`` against the server's limit,
+extensions the pipeline's ``__call__`` lacks. A prompt longer than a text encoder reads is not an error: the
+pipeline drops the rest, and the answer says so in a ``Warning`` header.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import PipemapError
+
+# SD and SDXL's check_inputs want sides divisible by 8 whatever their VAE's scale factor (a tiny VAE has 2)
+_SD_MULTIPLE = 8
+_SIZE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
+# request field -> the pipeline __call__ argument it becomes
+_EXTENSIONS = {"negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
+               "guidance_scale": "guidance_scale"}
+
+
+class RequestError(PipemapError, ValueError):
+    """A request this server cannot take: ``param`` names the field, ``code`` is a short machine-readable kind."""
+
+    def __init__(self, param: str | None, message: str, code: str = "invalid_value"):
+        self.param, self.code, self.message = param, code, message
+        super().__init__(message)
+
+
+class GenerationRequest(BaseModel):
+    """``POST /v1/images/generations``: OpenAI's fields, then pipemap's extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    n: int = Field(1, ge=1)
+    size: str | None = None
+    response_format: Literal["b64_json"] = "b64_json"
+    model: str | None = None  # OpenAI clients always send one; a server holds one pipeline, so any name is taken
+    user: str | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+
+
+def parse(body: bytes) -> GenerationRequest:
+    """The request read from a JSON body; a RequestError naming the first field at fault."""
+    try:
+        return GenerationRequest.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(GenerationRequest.model_fields)
+            raise RequestError(param, f"unknown field {param!r}: the fields are {known}", "unknown_field") from None
+        if first["type"] == "json_invalid":
+            raise RequestError(None, f"the body is not JSON: {first['msg']}", "invalid_json") from None
+        where = f"{param}: " if param else ""
+        raise RequestError(param, f"{where}{first['msg']}", first["type"]) from None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A checked request: the pipeline's keyword arguments (no generator yet), the images asked for, the seed, and
+    warnings for the answer's headers."""
+
+    call: dict
+    n: int
+    seed: int
+    warnings: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What this pipeline and server accept: side multiple, images per request, the ``__call__`` arguments, and
+    each text encoder's tokenizer (``{component: tokenizer}``) with its length."""
+
+    multiple: int
+    max_n: int
+    parameters: frozenset[str]
+    tokenizers: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def of(cls, pipe, max_n: int = 4) -> Limits:
+        processor = getattr(pipe, "image_processor", None)
+        scale = getattr(getattr(processor, "config", None), "vae_scale_factor", None) or _SD_MULTIPLE
+        tokenizers = tuple((name, value) for name, value in pipe.components.items()
+                           if name.startswith("tokenizer") and hasattr(value, "model_max_length"))
+        return cls(math.lcm(scale, _SD_MULTIPLE), max_n, frozenset(inspect.signature(pipe.__call__).parameters),
+                   tokenizers)
+
+    def check(self, request: GenerationRequest, seed: int) -> Generation:
+        """The pipeline call ``request`` asks for, or a RequestError naming the field at fault."""
+        if request.n > self.max_n:
+            raise RequestError("n", f"n is {request.n}; this server makes at most {self.max_n} images a request: "
+                               "send several requests", "n_too_large")
+        call = {"prompt": request.prompt, "num_images_per_prompt": request.n}
+        if request.size is not None:
+            call["width"], call["height"] = self._size(request.size)
+        for name, argument in _EXTENSIONS.items():
+            value = getattr(request, name)
+            if value is not None:
+                if argument not in self.parameters:
+                    raise RequestError(name, f"this pipeline takes no {name}: leave it out", "unsupported_field")
+                call[argument] = value
+        warnings = tuple(w for text, what in ((request.prompt, "prompt"), (request.negative_prompt, "negative_prompt"))
+                         if text for w in self._truncation(text, what))
+        return Generation(call, request.n, seed, warnings)
+
+    def _size(self, text: str) -> tuple[int, int]:
+        match = _SIZE.match(text)
+        if match is None:
+            raise RequestError("size", f"size {text!r} is not WIDTHxHEIGHT, e.g. '1024x1024'", "invalid_size")
+        width, height = int(match[1]), int(match[2])
+        if width <= 0 or height <= 0 or width % self.multiple or height % self.multiple:
+            raise RequestError("size", f"size {text!r}: this pipeline takes sides that are positive multiples of "
+                               f"{self.multiple}, e.g. '{_round(width, self.multiple)}x"
+                               f"{_round(height, self.multiple)}'", "invalid_size")
+        return width, height
+
+    def _truncation(self, text: str, what: str) -> list[str]:
+        # the pipeline truncates by itself (and only logs it); the client is told which encoder dropped what
+        out = []
+        for name, tokenizer in self.tokenizers:
+            length = len(tokenizer(text).input_ids)
+            if length > tokenizer.model_max_length:
+                out.append(f"{what} is {length} tokens; {name} reads {tokenizer.model_max_length}, the rest was "
+                           "dropped")
+        return out
+
+
+def _round(side: int, multiple: int) -> int:
+    return max(multiple, round(side / multiple) * multiple)

@@ -1,0 +1,63 @@
+"""Running the app under uvicorn: in the foreground (``pipemap serve``), or on a thread (tests, benchmarks).
+
+On SIGTERM or Ctrl-C the service drains first (new requests get 503, on connections still open), then uvicorn
+stops listening, waits for the requests in flight to be answered, and the worker finishes what it took.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import uvicorn
+
+from .app import create_app
+from .service import Service
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, service: Service):
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig, frame) -> None:
+        self.service.worker.drain()
+        super().handle_exit(sig, frame)
+
+
+def run(service: Service, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve ``service`` on ``host:port`` until SIGTERM or Ctrl-C."""
+    config = uvicorn.Config(create_app(service), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=service.timeout + 5)
+    _DrainingServer(config, service).run()
+
+
+class Background:
+    """The app served on a thread, on a free port of ``host``: ``with Background(service) as url: ...``.
+
+    >>> with Background(service) as url:                                                      # doctest: +SKIP
+    ...     httpx.post(f"{url}/v1/images/generations", json={"prompt": "a cat", "size": "32x32"})
+    """
+
+    def __init__(self, service: Service, host: str = "127.0.0.1"):
+        self.service = service
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.bind((host, 0))  # the port is ours from here on: no race with other processes for it
+        self.url = f"http://{host}:{self.socket.getsockname()[1]}"
+        config = uvicorn.Config(create_app(service), log_level="warning", timeout_graceful_shutdown=5)
+        self.server = _DrainingServer(config, service)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started and self.thread.is_alive():
+            threading.Event().wait(0.02)
+        if not self.server.started:
+            raise RuntimeError(f"the server on {self.url} did not start; its log above says why")
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.service.worker.drain()
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.socket.close()

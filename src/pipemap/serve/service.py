@@ -1,0 +1,146 @@
+"""The service behind the HTTP app: one pipeline loaded onto its plan, its request limits, queue, worker, metrics.
+
+It knows nothing of HTTP, so the same service runs under uvicorn (``pipemap serve``) and in a Ray Serve replica.
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import NotAPipelineError
+from ..parallel import iter_many
+from ..plan import Plan
+from .metrics import Metrics
+from .requests import Generation, GenerationRequest, Limits
+from .worker import Job, Worker
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a service is set up: what to load and how, and how it takes requests. Plain values, so a Ray replica
+    can be given them."""
+
+    path: str
+    hardware: str | None = None
+    strategy: object = "balanced"
+    dtype: str | None = None
+    variant: str | None = None
+    headroom: float | None = None
+    max_queue: int = 16
+    timeout: float = 300.0
+    max_n: int = 4
+    workers: int | None = None  # requests in flight together; None: one per device the plan computes on
+
+
+def pipeline_runner(workers: int):
+    """``runner(pipe, calls) -> outcomes`` for the worker: ``iter_many`` (``run_many`` as a stream), so the stages
+    of ``workers`` requests in flight overlap across devices; outcomes in order, a failed call's error in its
+    place."""
+    return functools.partial(iter_many, workers=workers, return_exceptions=True)
+
+
+def default_workers(plan: Plan) -> int:
+    """Requests in flight at once: one per device a component computes on, the most that can overlap."""
+    return len({p.execution_device for p in plan.components}) or 1
+
+
+class Service:
+    """A pipeline, the plan it runs on, and the queue in front of it.
+
+    >>> service = Service.load(Options("path/to/sdxl", hardware="2x24GiB"))                  # doctest: +SKIP
+    >>> app = pipemap.serve.create_app(service)      # an ASGI app: uvicorn, or a Ray Serve replica
+    """
+
+    def __init__(self, pipe, plan: Plan, running_plan: Plan | None = None, *, max_queue: int = 16,
+                 timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None):
+        self.pipe, self.plan, self.running_plan = pipe, plan, running_plan or plan
+        self.timeout = timeout
+        self.limits = Limits.of(pipe, max_n)
+        pipe.set_progress_bar_config(disable=True)
+        self.workers = workers or default_workers(self.running_plan)
+        self.worker = Worker(pipe, runner or pipeline_runner(self.workers), max_queue)
+        self.metrics = Metrics(pipe, self.worker)
+        self.worker.on_finished = self.metrics.finished
+        self._home: str | None = None
+
+    @classmethod
+    def load(cls, options: Options, plan: Plan | None = None) -> Service:
+        """Plan ``options.path`` (for ``options.hardware``, or this machine) unless ``plan`` is given, load it onto
+        the plan, and serve it; planned devices this machine lacks run on the CPU."""
+        from ..demo import runnable
+        from ..loading import load
+
+        folder = resolve_folder(options.path)
+        plan = plan or make_plan(options)
+        running = runnable(plan)
+        pipe = load(folder, plan=running, progress=False)
+        return cls(pipe, plan, running, max_queue=options.max_queue, timeout=options.timeout, max_n=options.max_n,
+                   workers=options.workers)
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+    def submit(self, request: GenerationRequest) -> tuple[Generation, Job]:
+        """The checked request and its job, queued (RequestError, QueueFullError or DrainingError if not)."""
+        seed = request.seed if request.seed is not None else secrets.randbits(31)
+        generation = self.limits.check(request, seed)
+        job = Job(generation.call, seed, generation.n, time.monotonic() + self.timeout)
+        self.worker.submit(job)
+        return generation, job
+
+    def plan_json(self) -> dict:
+        """The plan as made; where it runs on other devices (planned GPUs this machine lacks), ``runs_on`` says."""
+        data = self.plan.to_dict()
+        if self.running_plan != self.plan:
+            data["runs_on"] = self.running_plan.device_map
+        return data
+
+    def home_page(self) -> str:
+        """The server's home page: the plan as made, drawn with its bytes moved per image, and a prompt box."""
+        from ..cost import bytes_moved
+        from ..inventory import inspect
+        from .home import home_page
+
+        if self._home is None:
+            moved = bytes_moved(self.plan, inspect(self.pipe))
+            self._home = home_page(self.plan, type(self.pipe).__name__, moved={k: v for k, v in moved.items() if v})
+        return self._home
+
+    def health(self) -> dict:
+        return {"status": "draining" if self.worker.draining else "ok", "queue_depth": self.worker.depth,
+                "running": self.worker.running}
+
+
+def make_plan(options: Options) -> Plan:
+    """The plan ``options`` ask for (``headroom="measure"``: the planner and the dry run composed)."""
+    from ..measure import plan
+
+    return plan(resolve_folder(options.path), hardware=options.hardware, strategy=options.strategy,
+                dtype=options.dtype, variant=options.variant, headroom=options.headroom)
+
+
+def resolve_folder(name: str) -> Path:
+    """A pipeline folder, or a catalog name or Hub repo id resolved to its folder in the Hugging Face cache
+    (downloaded there first when online)."""
+    folder = Path(name)
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    from .. import catalog
+
+    known = catalog.resolve(name)
+    repo = catalog.entry(known).repo if known else name
+    try:
+        return Path(snapshot_download(repo))
+    except (LocalEntryNotFoundError, HFValidationError) as error:
+        raise NotAPipelineError(name, f"it is not a folder, and the Hub repository {repo!r} is not in the Hugging "
+                                f"Face cache and could not be downloaded ({type(error).__name__})") from None

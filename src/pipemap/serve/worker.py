@@ -1,0 +1,205 @@
+"""The queue between the HTTP handlers and the pipeline, and the one thread that feeds the pipeline from it.
+
+Handlers ``submit`` jobs (bounded: a full queue refuses at once, so a client can retry elsewhere). While jobs
+wait, the worker streams their calls into the runner, ``runner(pipe, calls) -> outcomes`` (``pipemap.iter_many``:
+several requests in flight, each outcome an output or the exception its call raised, in order) and answers each
+job as its outcome comes. The stream of calls never blocks: when the queue is empty it ends, the runner finishes
+what it holds, and the worker waits for the next job (a stream that blocked would hold back the answers the runner
+has ready). A job past its deadline is dropped: skipped if still waiting, stopped at its next denoising step if
+running (``callback_on_step_end``).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import math
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import PipemapError
+
+
+class QueueFullError(PipemapError):
+    """The queue holds ``max_queue`` waiting requests; ``retry_after`` is the seconds it should take to drain."""
+
+    def __init__(self, depth: int, retry_after: int):
+        self.depth, self.retry_after = depth, retry_after
+        super().__init__(f"the queue is full ({depth} requests waiting): retry in {retry_after} s")
+
+
+class DrainingError(PipemapError):
+    """The server is shutting down: it finishes the work it took and takes no more."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down and takes no new work: send the request to another one")
+
+
+class WorkDropped(PipemapError):
+    """Raised inside a pipeline call (at a step's end) whose request timed out, so its remaining steps are not run."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"the request timed out; its work was dropped after step {step}")
+
+
+def run_sequential(pipe, calls: Iterable[dict]) -> Iterator:
+    """The plain runner: one call after another, a failed call's exception in its place."""
+    for call in calls:
+        try:
+            yield pipe(**call)
+        except Exception as error:  # noqa: BLE001 - a request's failure is its answer, not the worker's end
+            yield error
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's call: ``call`` (without generator), its seed and images, and when it stops being wanted."""
+
+    call: dict
+    seed: int
+    images: int
+    deadline: float  # time.monotonic()
+    future: Future = field(default_factory=Future)
+    started: float = 0.0  # time.perf_counter() when the worker took it
+    dropped: threading.Event = field(default_factory=threading.Event)
+
+    def wanted(self) -> bool:
+        return not self.dropped.is_set() and time.monotonic() < self.deadline
+
+    def drop(self) -> None:
+        self.dropped.set()
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What the worker reports per job answered: images made (0 if it failed) and the pipeline seconds it took,
+    counted from its start or the previous answer, whichever is later, so overlapped jobs are not counted twice."""
+
+    images: int
+    seconds: float
+
+
+class Worker:
+    """A bounded queue of jobs and the thread that runs them through ``runner`` on ``pipe``."""
+
+    def __init__(self, pipe, runner=run_sequential, max_queue: int = 16, on_finished=None):
+        self.pipe, self.runner, self.max_queue = pipe, runner, max_queue
+        self.on_finished = on_finished or (lambda finished: None)
+        self.running = 0
+        self.draining = False
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._steps = "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
+        self._recent = 1.0  # seconds between answers, smoothed: the Retry-After estimate
+        self._last = 0.0  # time.perf_counter() of the last answer
+        self.dropped = 0  # jobs dropped (timed out or abandoned) since the start
+
+    @property
+    def depth(self) -> int:
+        return len(self._waiting)
+
+    def start(self) -> None:
+        with self._ready:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="pipemap-serve-worker", daemon=True)
+                self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        with self._ready:
+            if self.draining:
+                raise DrainingError()
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(len(self._waiting), self.retry_after())
+            self._waiting.append(job)
+            self._ready.notify()
+        return job.future
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has room: about one answer's time, from the recent ones; at least 1."""
+        return max(1, math.ceil(self._recent))
+
+    def drain(self) -> None:
+        """Take no new job; those waiting and running still finish."""
+        with self._ready:
+            self.draining = True
+            self._ready.notify_all()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Drain, then wait for the thread to finish what it took."""
+        self.drain()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def cancel(self, job: Job) -> None:
+        """Drop ``job``: out of the queue if it waits there, stopped at its next step if it runs."""
+        job.drop()
+        with self._ready:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.dropped += 1
+
+    def _loop(self) -> None:
+        while self._work_waits():
+            taken: collections.deque[Job] = collections.deque()
+            try:
+                for outcome in self.runner(self.pipe, self._stream(taken)):
+                    self._answer(taken.popleft(), outcome)
+            except Exception as error:  # noqa: BLE001 - a runner that fails whole fails each job it holds
+                while taken:
+                    self._answer(taken.popleft(), error)
+
+    def _work_waits(self) -> bool:
+        with self._ready:
+            while not self._waiting and not self.draining:
+                self._ready.wait()
+            return bool(self._waiting)
+
+    def _stream(self, taken: collections.deque) -> Iterator[dict]:
+        """The waiting jobs' calls, as the runner asks for them; ends (never blocks) when none waits."""
+        while (job := self._take()) is not None:
+            taken.append(job)
+            yield self._armed(job)
+
+    def _take(self) -> Job | None:
+        with self._ready:
+            while self._waiting:
+                job = self._waiting.popleft()
+                # a future marked running can no longer be cancelled by its handler: its answer can always be set
+                if job.wanted() and job.future.set_running_or_notify_cancel():
+                    self.running += 1
+                    job.started = time.perf_counter()
+                    return job
+                self.dropped += 1
+            return None
+
+    def _answer(self, job: Job, outcome) -> None:
+        now = time.perf_counter()
+        seconds, self._last = now - max(job.started, self._last), now
+        self._recent = 0.7 * self._recent + 0.3 * seconds
+        with self._ready:
+            self.running -= 1
+            self.dropped += isinstance(outcome, WorkDropped)
+        if isinstance(outcome, BaseException):
+            job.future.set_exception(outcome)
+        else:
+            job.future.set_result(outcome)
+        self.on_finished(Finished(0 if isinstance(outcome, BaseException) else job.images, seconds))
+
+    def _armed(self, job: Job) -> dict:
+        """The job's call with its generator, and a step callback that stops it once it is no longer wanted."""
+        call = {**job.call, "generator": torch.Generator("cpu").manual_seed(job.seed), "output_type": "pil"}
+        if self._steps:
+            def stop_when_unwanted(pipe, step, timestep, tensors):
+                if not job.wanted():
+                    raise WorkDropped(step + 1)
+                return {}
+
+            call["callback_on_step_end"] = stop_when_unwanted
+        return call

@@ -1,0 +1,281 @@
+"""parallel: overlapped requests (run_many), calls from several threads, denoiser replicas."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import pipemap
+from pipemap import tiny
+from pipemap.dispatch import CallLock
+from pipemap.parallel import current_request
+
+TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny sd: unet 3.0 MiB; vae 2.5 + text encoder 0.2
+ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def staged():
+    """The tiny SD pipeline planned for two GPUs (text encoder and VAE on one, the unet on the other), on the CPU."""
+    pipe = tiny.build("sd")
+    pipe.set_progress_bar_config(disable=True)
+    plan = pipemap.plan(pipe, hardware=TWO_GPUS, headroom=0.0)
+    assert plan.device_map["unet"] != plan.device_map["text_encoder"] == plan.device_map["vae"]
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
+    yield pipe
+    pipemap.reset(pipe)
+
+
+def _calls(n: int) -> list[dict]:
+    return [dict(prompt=f"a tiny cat number {i}", num_inference_steps=2 + i % 2, guidance_scale=(5.0, 7.5, 1.0)[i % 3],
+                 generator=torch.Generator().manual_seed(i), output_type="np") for i in range(n)]
+
+
+def _images(outputs) -> list[torch.Tensor]:
+    return [torch.as_tensor(o.images) for o in outputs]
+
+
+def test_run_many_equals_one_by_one(staged):
+    one_by_one = _images(staged(**call) for call in _calls(4))
+    for got, want in zip(_images(pipemap.run_many(staged, _calls(4), workers=2)), one_by_one, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    lazily = pipemap.iter_many(staged, iter(_calls(3)), workers=3)  # an iterator in, a generator out
+    for got, want in zip(_images(lazily), one_by_one[:3], strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def _inner(module: torch.nn.Module) -> torch.nn.Module:
+    """A submodule that runs inside the component's call, hence inside the lock its hook holds."""
+    return next(m for m in module.modules() if m is not module and not list(m.children()))
+
+
+def test_run_many_overlaps_stages_of_different_requests(staged):
+    """Request 1's text encoder starts only once request 0's unet runs, and request 0's unet call (its lock held)
+    waits for it: the run finishes with both waits met only if one request's text encoder runs while another's
+    denoiser works. No timing: were requests run one after another, request 0 would wait in vain."""
+    log, met = [], []
+    denoising, encoded = threading.Event(), threading.Event()
+
+    def gate(module, args):  # outside the text encoder's lock, so request 0 can still encode
+        if current_request() == 1:
+            denoising.wait(timeout=60)
+
+    def record(component):
+        def hook(module, args):
+            log.append((current_request(), component))
+            if component == "text_encoder" and current_request() == 1:
+                encoded.set()
+            if component == "unet" and current_request() == 0 and not met:
+                denoising.set()
+                met.append(encoded.wait(timeout=60))
+        return hook
+
+    handles = [staged.text_encoder.register_forward_pre_hook(gate)]
+    handles += [_inner(getattr(staged, name)).register_forward_pre_hook(record(name))
+                for name in ("text_encoder", "unet", "vae")]
+    try:
+        outputs = pipemap.run_many(staged, _calls(3), workers=2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert met == [True]
+    first_unet, last_unet = (log.index((0, "unet")), len(log) - 1 - log[::-1].index((0, "unet")))
+    assert (1, "text_encoder") in log[first_unet:last_unet]  # interleaved, not one request after another
+    assert [o.images.shape for o in outputs] == [(1, 32, 32, 3)] * 3
+
+
+def test_threads_calling_a_mapped_pipeline_take_turns(staged):
+    """A second thread's call waits for the first to finish, so neither sees the other's scheduler state."""
+    calls = _calls(2)
+    want = _images(staged(**call) for call in _calls(2))
+    got, entered = {}, threading.Event()
+    second = threading.Thread(target=lambda: got.setdefault(1, staged(**calls[1])))
+    te_hook = _inner(staged.text_encoder).register_forward_pre_hook(
+        lambda m, a: entered.set() if threading.current_thread() is second else None)
+    started = []
+
+    def unet_hook(module, args):
+        if threading.current_thread() is threading.main_thread() and not started:
+            second.start()
+            started.append(entered.wait(timeout=1.0))  # would be True at once if the second call ran beside ours
+
+    handle = _inner(staged.unet).register_forward_pre_hook(unet_hook)
+    try:
+        got[0] = staged(**calls[0])
+        second.join()
+    finally:
+        handle.remove()
+        te_hook.remove()
+    assert started == [False]
+    for i in range(2):
+        torch.testing.assert_close(torch.as_tensor(got[i].images), want[i], atol=0, rtol=0)
+
+
+def test_mapped_class_keeps_its_name_and_reset_gives_it_back():
+    pipe = tiny.build("sd")
+    cls = type(pipe)
+    pipemap.dispatch(pipe, pipemap.plan(pipe, hardware="cpu=1GiB"))
+    assert isinstance(pipe, cls) and type(pipe).__name__ == cls.__name__ and type(pipe).__module__ == cls.__module__
+    pipemap.reset(pipe)
+    assert type(pipe) is cls and "_pipemap_call_lock" not in pipe.__dict__
+
+
+def test_run_many_errors(staged):
+    with pytest.raises(pipemap.RunManyCallError) as err:
+        pipemap.run_many(staged, [{"prompt": "a"}], workers=0)
+    assert err.value.argument == "workers" and isinstance(err.value, ValueError)
+    with pytest.raises(pipemap.RunManyCallError):
+        pipemap.iter_many(staged, [], workers=0)  # checked at the call, not at the first result
+    with pytest.raises(pipemap.RunManyCallError) as err:
+        pipemap.run_many(staged, ["a cat"])
+    assert err.value.argument == "calls[0]" and err.value.value == "a cat"
+    bad = dict(_calls(1)[0], prompt=None)  # neither a prompt nor embeddings: the pipeline refuses
+    results = pipemap.run_many(staged, [bad, _calls(1)[0]], return_exceptions=True)
+    assert isinstance(results[0], ValueError) and results[1].images.shape == (1, 32, 32, 3)
+    with pytest.raises(ValueError):
+        pipemap.run_many(staged, [bad])
+
+
+def test_run_many_refuses_hooks_it_cannot_lock():
+    from accelerate.hooks import CpuOffload, add_hook_to_module
+
+    pipe = tiny.build("sd")
+    add_hook_to_module(pipe.unet, CpuOffload(execution_device="cpu"))
+    with pytest.raises(pipemap.ForeignHookError) as err:
+        pipemap.run_many(pipe, [{"prompt": "a"}])
+    assert err.value.component == "unet" and err.value.hook == "CpuOffload"
+
+
+def test_call_lock_copies_are_new_locks():
+    import copy
+
+    lock = CallLock()
+    with lock:
+        other = copy.deepcopy(lock)
+        assert other._lock.acquire(blocking=False)  # not the held one
+        other._lock.release()
+
+
+# ---- denoiser replicas: strategy "parallel" -----------------------------------------------------------------------
+
+# tiny sd: unet 3.0 MiB, vae 2.5, text encoder 0.2; sdxl: unet 3.2, vae 2.5, text encoders 0.2 each. At 8 MiB a GPU
+# holds a copy of the unet and the vae: every GPU gets a copy.
+PARALLEL_GPUS = {2: "2x8MiB,cpu=1GiB", 3: "3x8MiB,cpu=1GiB"}
+
+
+@pytest.mark.parametrize(("kind", "gpus"), [("sd", 2), ("sdxl", 3)])
+def test_parallel_dry_run_puts_a_copy_on_each_stand_in_within_budget(kind, gpus):
+    pipe = tiny.build(kind)
+    plan = pipemap.plan(pipe, hardware=PARALLEL_GPUS[gpus], strategy="parallel", headroom=0.0)
+    unet = plan.placement("unet")
+    assert unet.mode == "replicated" and (unet.device, *unet.replicas) == tuple(f"cuda:{i}" for i in range(gpus))
+    assert plan.execution_device == unet.device and "unet replicated on" in plan.notes[-1]
+    report = pipemap.simulate(pipe, plan, num_images_per_prompt=gpus - 1)  # guidance: a batch of 2 x images
+    assert report.ok, report.error
+    for device in plan.devices:
+        if device.device == "cpu":
+            continue
+        assert report.weight_bytes[device.device] == pytest.approx(device.used, rel=0.01)  # its copy landed there
+        assert report.activation_bytes[device.device] > 0  # and computed its part of the batch there
+        assert report.peak_bytes[device.device] <= device.budget
+
+
+def _thread_names(module: torch.nn.Module, names: list[str]):
+    return module.register_forward_pre_hook(lambda m, a: names.append(threading.current_thread().name))
+
+
+@pytest.mark.parametrize("kind", ["sd", "sdxl"])
+def test_parallel_on_the_cpu_equals_plain_diffusers(kind):
+    pipe = tiny.build(kind)
+    pipe.set_progress_bar_config(disable=True)
+    calls = [tiny.default_call(pipe, kind), dict(tiny.default_call(pipe, kind), num_images_per_prompt=2),
+             dict(tiny.default_call(pipe, kind), guidance_scale=1.0)]  # no guidance: a batch of 1, no copy runs
+    plain = [pipe(**call).images for call in calls]
+    plan = pipemap.plan(pipe, hardware=PARALLEL_GPUS[2], strategy="parallel", headroom=0.0)
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
+    hook = pipe.unet._hf_hook
+    assert isinstance(hook, pipemap.parallel.ReplicaHook) and len(hook.replicas) == 1
+    home, copies = [], []
+    handles = [_thread_names(pipe.unet, home), _thread_names(hook.replicas[0], copies)]
+    steps = calls[0]["num_inference_steps"]
+    for call, want, copy_calls in zip(calls, plain, [steps, steps, 0], strict=True):
+        copies.clear()
+        call["generator"] = torch.Generator().manual_seed(0)
+        torch.testing.assert_close(torch.as_tensor(pipe(**call).images), torch.as_tensor(want), atol=1e-5, rtol=0)
+        assert len(copies) == copy_calls
+    for handle in handles:
+        handle.remove()
+    assert set(home) == {threading.main_thread().name}
+    assert {name.rsplit("_", 1)[0] for name in copies} <= {"pipemap-unet"}  # the copy ran on its own thread
+    pipemap.reset(pipe)
+    assert hook.replicas == [] and not hasattr(pipe.unet, "_hf_hook")
+
+
+def _inventory(pipeline_class: str) -> pipemap.Inventory:
+    gib = 2**30
+    models = (pipemap.Component("text_encoder", "transformers", "CLIPTextModel", 2 * gib, True),
+              pipemap.Component("transformer", "diffusers", "Model", 10 * gib, True),
+              pipemap.Component("vae", "diffusers", "AutoencoderKL", gib, True))
+    return pipemap.Inventory("test", pipeline_class, models, "bfloat16")
+
+
+@pytest.mark.parametrize(("pipeline_class", "why"), [
+    ("FluxPipeline", "calls its transformer once per guidance branch"),
+    ("WanPipeline", "calls its transformer once per guidance branch"),
+    ("MyOwnPipeline", "not a diffusers pipeline class"),
+])
+def test_parallel_gives_no_replicas_where_calls_carry_no_batch_and_says_why(pipeline_class, why):
+    plan = pipemap.plan(_inventory(pipeline_class), hardware="2x16GiB,cpu=64GiB", strategy="parallel")
+    assert {p.mode for p in plan.components} == {"resident"} and plan.strategy == "parallel"
+    assert why in plan.notes[-1] and "placed as balanced" in plan.notes[-1]
+    balanced = pipemap.plan(_inventory(pipeline_class), hardware="2x16GiB,cpu=64GiB")
+    assert plan.device_map == balanced.device_map
+
+
+# text encoder 2 GiB, transformer 10 GiB, vae 1 GiB: 2 x 16 GiB hold a copy of the transformer each, 3 x 11 GiB
+# only two copies beside the rest, 2 x 11 GiB none (a copy on each leaves 1 GiB, not the text encoder's 2)
+def test_parallel_places_copies_where_room_allows():
+    inv = _inventory("StableDiffusion3Pipeline")
+    two = pipemap.plan(inv, hardware="2x16GiB,cpu=64GiB", strategy="parallel", headroom=0.0)
+    assert two.placement("transformer").replicas == ("cuda:1",)
+    assert {d.device: d.used for d in two.devices} == {"cuda:0": 12 * 2**30, "cuda:1": 11 * 2**30, "cpu": 0}
+    three = pipemap.plan(inv, hardware="3x11GiB,cpu=64GiB", strategy="parallel", headroom=0.0)
+    assert three.placement("transformer").replicas == ("cuda:1",)
+    assert {three.device_map["text_encoder"], three.device_map["vae"]} == {"cuda:2"}
+    none = pipemap.plan(inv, hardware="2x11GiB,cpu=64GiB", strategy="parallel", headroom=0.0)
+    assert none.placement("transformer").mode == "resident" and "no two GPUs hold a copy" in none.notes[-1]
+    assert pipemap.Plan.from_json(three.to_json()) == three
+    on_cpu = three.remap({"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"})
+    assert on_cpu.placement("transformer").replicas == ("cpu",)
+
+
+def test_auto_weighs_replicas_and_explains_both_speeds():
+    from pipemap.cost import device_seconds, images_per_second, seconds_per_image
+
+    inv, hw = _inventory("StableDiffusion3Pipeline"), pipemap.Hardware.parse("2x16GiB,cpu=64GiB")
+    plan = pipemap.plan(inv, hardware=hw, strategy="auto", headroom=0.0)
+    assert plan.placement("transformer").mode == "replicated" and "auto: parallel" in plan.notes[-1]
+    balanced = pipemap.plan(inv, hardware=hw, headroom=0.0)
+    one, two = (seconds_per_image(p, inv, hw.performance) for p in (balanced, plan))
+    assert two < one < 2 * two  # compute halves; the copy's inputs and outputs cross GPUs
+    busy = device_seconds(balanced, inv, hw.performance)  # the transformer's GPU is the busiest: it sets the pace
+    assert images_per_second(balanced, inv, hw.performance) == pytest.approx(1 / max(busy.values()))
+    assert sum(busy.values()) == pytest.approx(one) and max(busy.values()) < one  # overlap beats one by one
+    text = plan.explain()
+    assert "images/s" in text and "parallel" in text
+    rates = {c.strategy: c.images_per_second for c in plan.candidates}
+    assert rates["balanced"] == pytest.approx(1 / max(busy.values()))
+
+
+def test_loaded_onto_a_parallel_plan_and_run_many_over_replicas(tiny_folders, reference_outputs):
+    from conftest import run
+
+    plan = pipemap.plan(tiny_folders["sd"], hardware=PARALLEL_GPUS[2], strategy="parallel", headroom=0.0)
+    pipe = pipemap.load(tiny_folders["sd"], plan=plan.remap(ON_CPU), progress=False)
+    assert len(pipe.unet._hf_hook.replicas) == 1
+    torch.testing.assert_close(run(pipe, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
+    one_by_one = _images(pipe(**call) for call in _calls(3))
+    for got, want in zip(_images(pipemap.run_many(pipe, _calls(3), workers=2)), one_by_one, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

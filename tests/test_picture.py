@@ -1,0 +1,109 @@
+"""The plan picture: the SVG's numbers parsed back equal the plan's; terminal and notebook forms."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import pipemap
+from pipemap import picture
+from pipemap.planner import forcing_hardware
+
+SVG = "{http://www.w3.org/2000/svg}"
+STRATEGIES = ("balanced", "balanced_low_memory", "balanced_ultra_low_memory", "balanced_split")
+
+
+def _plan(folder: str, strategy: str) -> pipemap.Plan:
+    inventory = pipemap.inspect(folder)
+    gpus = 2 if strategy in ("balanced", "balanced_split") else 1
+    hardware = forcing_hardware(inventory, strategy, gpus=gpus) if strategy != "balanced" else "2x1GiB,cpu=4GiB"
+    return pipemap.plan(inventory, hardware=hardware, strategy=strategy, headroom=0.0)
+
+
+def _groups(svg: str, cls: str) -> list[ET.Element]:
+    root = ET.fromstring(svg)
+    return [g for g in root.iter(f"{SVG}g") if g.get("class") == cls]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_svg_segments_add_up_to_each_devices_use(tiny_folders, strategy):
+    plan = _plan(tiny_folders["sdxl"], strategy)
+    svg = plan.picture().svg()
+    devices = {g.get("data-device"): g for g in _groups(svg, "device")}
+    assert set(devices) == {d.device for d in plan.devices}
+    for use in plan.devices:
+        group = devices[use.device]
+        segments = [int(s.get("data-bytes")) for s in group.iter(f"{SVG}g") if s.get("class") == "segment"]
+        assert sum(segments) == use.used == int(group.get("data-used"))
+        budget = next(e for e in group.iter(f"{SVG}line") if e.get("class") == "budget")
+        assert int(budget.get("data-bytes")) == use.budget
+
+
+def test_budget_line_sits_at_the_budget(tiny_folders):
+    plan = _plan(tiny_folders["sd"], "balanced")
+    for group in _groups(plan.picture().svg(), "device"):
+        frame = next(group.iter(f"{SVG}rect"))
+        x0, width = float(frame.get("x")), float(frame.get("width"))
+        line = next(e for e in group.iter(f"{SVG}line") if e.get("class") == "budget")
+        expected = x0 + width * int(group.get("data-budget")) / int(group.get("data-memory"))
+        assert float(line.get("x1")) == pytest.approx(expected, abs=0.01)
+
+
+def test_offloaded_components_show_on_their_execution_gpu_and_their_links(tiny_folders):
+    plan = _plan(tiny_folders["sdxl"], "balanced_low_memory")
+    offloaded = [p.component for p in plan.components if p.mode == "offload"]
+    assert offloaded
+    moved = picture.moved_per_image(plan, pipemap.inspect(tiny_folders["sdxl"]))
+    drawn = plan.picture(moved)
+    gpu = next(b for b in drawn.bars if b.device == "cuda:0")
+    assert any(s.kind == "offload" for s in gpu.segments)
+    links = {(link.source, link.target): link.bytes_per_image for link in drawn.links}
+    assert links[("cpu", "cuda:0")] == sum(p.bytes for p in plan.components if p.mode == "offload")
+    svg_links = _groups(drawn.svg(), "link")
+    assert [int(g.get("data-bytes")) for g in svg_links] == list(links.values())
+
+
+def test_svg_is_accessible(tiny_folders):
+    svg = _plan(tiny_folders["sd"], "balanced").picture().svg()
+    root = ET.fromstring(svg)
+    assert root.find(f"{SVG}title").text.startswith("pipemap plan")
+    labels = "".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert "GiB" in labels and "unet" in labels
+
+
+def test_terminal_picture_fits_80_columns(tiny_folders):
+    plan = _plan(tiny_folders["sdxl"], "balanced_ultra_low_memory")
+    text = plan.picture().text(width=80)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "cuda:0" in text and "unet" in text
+
+
+def test_notebook_html_holds_the_svg(tiny_folders):
+    plan = _plan(tiny_folders["sd"], "balanced")
+    html = plan._repr_html_()
+    assert "<svg" in html and "</svg>" in html
+    ET.fromstring(html[html.index("<svg"):html.index("</svg>") + 6])
+
+
+def test_timeline_peak_and_budget():
+    samples = [picture.Sample(i, "cuda:0", b, phase) for i, (b, phase) in
+               enumerate([(10, "encode prompt"), (30, "denoise step 1"), (25, "denoise step 2"), (40, "vae decode")])]
+    svg = picture.timeline_svg(samples, {"cuda:0": 35}, "dry run")
+    (panel,) = _groups(svg, "timeline")
+    assert int(panel.get("data-peak")) == 40 and panel.get("data-peak-phase") == "vae decode"
+    assert int(panel.get("data-budget")) == 35
+
+
+def test_command_line_draws_and_writes_svg(tiny_folders, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan.svg"
+    done = subprocess.run([sys.executable, "-m", "pipemap", "plan", tiny_folders["sd"], "--hardware", "2x1GiB",
+                           "--picture", "--svg", str(out)], capture_output=True, text=True, env=os.environ, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "cuda:0" in done.stdout and f"wrote {out}" in done.stdout
+    devices = {g.get("data-device") for g in _groups(out.read_text(), "device")}
+    assert devices == {"cuda:0", "cuda:1", "cpu"}

@@ -1,0 +1,126 @@
+"""``pipemap serve --ray``: the app as a Ray Serve deployment on a local Ray with CPU resources only.
+
+A request is served end to end over HTTP; a replica killed in the middle of a request gives its client an answer
+(an error, or the request retried on the restarted replica), never a hang, and the deployment comes back.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import pipemap
+
+ray = pytest.importorskip("ray", reason="the Ray Serve tests need ray: pip install 'pipemap[ray]'")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
+from ray import serve  # noqa: E402
+
+from pipemap.serve import Options  # noqa: E402
+from pipemap.serve.deployment import AutoscaleSpecError, application, autoscaling, gpus  # noqa: E402
+
+GENERATIONS = "/v1/images/generations"
+
+
+def test_a_replica_asks_for_the_gpus_its_plan_uses(tiny_folders):
+    folder = tiny_folders["sdxl"]
+    assert gpus(pipemap.plan(folder, hardware="cuda:0=1GiB,cpu=4GiB")) == 1
+    assert gpus(pipemap.plan(folder, hardware="2x5MiB,cpu=1GiB", headroom=0.0)) == 2
+    assert gpus(pipemap.plan(folder, hardware="cpu=4GiB")) == 0
+    deployment = application(Options(folder, hardware="2x5MiB,cpu=1GiB", headroom=0.0), autoscale="1:3")
+    options = deployment._bound_deployment  # what Ray is asked for, as Ray Serve holds it
+    assert options.ray_actor_options["num_gpus"] == 2
+    assert options._deployment_config.autoscaling_config.min_replicas == 1
+    assert options._deployment_config.autoscaling_config.max_replicas == 3
+
+
+@pytest.mark.parametrize("text", ["3", "3:1", "0:0", "a:b"])
+def test_autoscale_needs_min_max(text):
+    with pytest.raises(AutoscaleSpecError, match="MIN:MAX"):
+        autoscaling(text, 17)
+
+
+@pytest.fixture(scope="module")
+def ray_url(tiny_folders):
+    """A local Ray (CPUs only, loopback) running the tiny SD deployment, one replica."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=100 * 2**20, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(application(Options(tiny_folders["sd"], hardware="cpu=4GiB", timeout=60.0)), name="pipemap",
+                  route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def image(response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return np.array(Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))))
+
+
+def test_ray_serve_generates_and_survives_a_replica_killed_mid_request(ray_url, tiny_folders):
+    from diffusers import DiffusionPipeline
+
+    body = {"prompt": "a tiny cat", "size": "32x32", "num_inference_steps": 2, "seed": 5}
+    with httpx.Client(base_url=ray_url, timeout=90) as client:
+        got = image(client.post(GENERATIONS, json=body))
+        plain = DiffusionPipeline.from_pretrained(tiny_folders["sd"])
+        plain.set_progress_bar_config(disable=True)
+        want = plain("a tiny cat", width=32, height=32, num_inference_steps=2, output_type="np",
+                     generator=torch.Generator("cpu").manual_seed(5)).images[0]
+        assert np.abs(got.astype(int) - (want * 255).round()).max() <= 1
+        assert client.get("/v1/plan").json()["components"]["unet"]["device"] == "cpu"
+
+        answer = {}
+        slow = {**body, "num_inference_steps": 400}
+        request = threading.Thread(target=lambda: answer.update(r=_post(client, slow)), daemon=True)
+        request.start()
+        _wait(lambda: client.get("/health").json()["running"] == 1, 60)
+        ray.kill(_replica(), no_restart=True)  # Serve's controller, not Ray, replaces it
+        request.join(90)
+        assert not request.is_alive(), "the client of a killed replica hung"
+        # an error (the replica died under it: Ray Serve 2.60 answers 500) or an answer (retried on the restarted
+        # replica): never a hang
+        assert isinstance(answer["r"], Exception) or answer["r"].status_code in (200, 500, 502, 503)
+        _wait(lambda: _healthy(client), 90)
+        np.testing.assert_array_equal(image(client.post(GENERATIONS, json=body)), got)
+
+
+def _post(client, body):
+    try:
+        return client.post(GENERATIONS, json=body)
+    except httpx.TransportError as error:
+        return error
+
+
+def _replica():
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::")]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def _healthy(client) -> bool:
+    try:
+        return client.get("/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _wait(predicate, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "gave up waiting"
+        time.sleep(0.1)
