@@ -8,6 +8,7 @@ import pytest
 
 import pipemap
 from pipemap import picture
+from pipemap.cost import bytes_moved
 from pipemap.planner import forcing_hardware
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -54,7 +55,7 @@ def test_offloaded_components_show_on_their_execution_gpu_and_their_links(tiny_f
     plan = _plan(tiny_folders["sdxl"], "balanced_low_memory")
     offloaded = [p.component for p in plan.components if p.mode == "offload"]
     assert offloaded
-    moved = picture.moved_per_image(plan, pipemap.inspect(tiny_folders["sdxl"]))
+    moved = bytes_moved(plan, pipemap.inspect(tiny_folders["sdxl"]))
     drawn = plan.picture(moved)
     gpu = next(b for b in drawn.bars if b.device == "cuda:0")
     assert any(s.kind == "offload" for s in gpu.segments)
@@ -86,6 +87,46 @@ def test_notebook_html_holds_the_svg(tiny_folders):
     ET.fromstring(html[html.index("<svg"):html.index("</svg>") + 6])
 
 
+@pytest.mark.parametrize("strategy", ["balanced", "balanced_ultra_low_memory"])
+def test_dry_run_timeline_peak_equals_the_reports(tiny_folders, strategy):
+    plan = _plan(tiny_folders["sd"], strategy) if strategy == "balanced" else pipemap.plan(
+        tiny_folders["sd"], hardware=forcing_hardware(pipemap.inspect(tiny_folders["sd"]), strategy, gpus=2),
+        strategy=strategy, headroom=0.0)
+    report = pipemap.simulate(tiny_folders["sd"], plan)
+    assert report.ok, report.error
+    panels = {g.get("data-device"): g for g in _groups(report.picture().svg(), "timeline")}
+    for device, peak in report.peak_bytes.items():
+        if not peak:
+            continue
+        panel = panels[device]
+        assert int(panel.get("data-peak")) == peak
+        assert panel.get("data-peak-phase") == report.peak_phase[device]
+        assert int(panel.get("data-budget")) == next(d.budget for d in plan.devices if d.device == device)
+    gpu = plan.execution_device
+    assert panels[gpu].get("data-peak-component") == report.peak_component[gpu] != ""
+    assert all(len([s for s in report.timeline if s.device == d]) <= 600 for d in panels)
+
+
+def test_report_notebook_html_holds_the_timeline(tiny_folders):
+    report = pipemap.simulate(tiny_folders["sd"], _plan(tiny_folders["sd"], "balanced"))
+    html = report._repr_html_()
+    svg = ET.fromstring(html[html.index("<svg"):html.index("</svg>") + 6])
+    assert [g for g in svg.iter(f"{SVG}g") if g.get("class") == "timeline"]
+    assert "peak set by" in html
+
+
+def test_replicas_are_drawn_on_each_gpu(tiny_folders):
+    plan = pipemap.plan(tiny_folders["sd"], hardware="2x1GiB,cpu=4GiB", strategy="parallel", headroom=0.0)
+    unet = plan.placement("unet")
+    assert unet.mode == "replicated"
+    drawn = plan.picture()
+    for device in (unet.device, *unet.replicas):
+        bar = next(b for b in drawn.bars if b.device == device)
+        assert any(s.label.startswith("unet") and s.bytes == unet.bytes for s in bar.segments)
+    for use in plan.devices:
+        assert sum(s.bytes for s in next(b for b in drawn.bars if b.device == use.device).segments) == use.used
+
+
 def test_timeline_peak_and_budget():
     samples = [picture.Sample(i, "cuda:0", b, phase) for i, (b, phase) in
                enumerate([(10, "encode prompt"), (30, "denoise step 1"), (25, "denoise step 2"), (40, "vae decode")])]
@@ -107,3 +148,16 @@ def test_command_line_draws_and_writes_svg(tiny_folders, tmp_path):
     assert "cuda:0" in done.stdout and f"wrote {out}" in done.stdout
     devices = {g.get("data-device") for g in _groups(out.read_text(), "device")}
     assert devices == {"cuda:0", "cuda:1", "cpu"}
+
+
+def test_simulate_command_writes_the_timeline(tiny_folders, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run.svg"
+    done = subprocess.run([sys.executable, "-m", "pipemap", "simulate", tiny_folders["sd"], "--hardware", "2x1GiB",
+                           "--strategy", "balanced", "--svg", str(out)], capture_output=True, text=True,
+                          env=os.environ, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert {g.get("data-device") for g in _groups(out.read_text(), "timeline")} >= {"cuda:0", "cuda:1"}

@@ -17,7 +17,7 @@ from .errors import HeadroomError, PipemapError, UnknownStrategyError
 
 # the same names as planner.STRATEGIES and "auto" (a test checks they agree); written out so --help imports no torch
 STRATEGY_NAMES = ("balanced", "sequential", "balanced_low_memory", "balanced_ultra_low_memory", "balanced_split",
-                  "auto")
+                  "parallel", "auto")
 TINY_KINDS = ("sd", "sdxl", "controlnet", "flux")  # tiny.ALL_KINDS, checked by the same test
 
 
@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--output-type", help="the pipeline's output_type (pil, np, pt, latent; default pt)")
     simulate.add_argument("--vae-tiling", action="store_true", help="call vae.enable_tiling() before the call")
     simulate.add_argument("--prompt", default="a dry run")
+    simulate.add_argument("--svg", metavar="FILE", help="also write each device's memory over the call as SVG")
     # the dry run asks "does it fit, and how": auto weighs every strategy, splits and offloads included
     simulate.set_defaults(run=_simulate, strategy="auto")
     _add_run(commands)
@@ -171,10 +172,10 @@ def _plan(args) -> int:
 def _draw(args, result) -> None:
     from rich.console import Console
 
-    from .inventory import inspect
-    from .picture import moved_per_image
+    from .cost import bytes_moved
+    from .planner import inspect  # a folder or a catalog name
 
-    moved = moved_per_image(result, inspect(args.path, args.dtype, args.variant))
+    moved = {k: v for k, v in bytes_moved(result, inspect(args.path, args.dtype, args.variant)).items() if v}
     picture = result.picture(moved)
     if args.picture:
         Console(width=80).print(picture)
@@ -192,6 +193,8 @@ def _simulate(args) -> int:
                if v}
     report = simulate(args.path, result, steps=args.steps, vae_tiling=args.vae_tiling, prompt=args.prompt, **options)
     print(report)
+    if args.svg:
+        Path(args.svg).write_text(report.picture().svg(), encoding="utf-8")
     return 0 if report.ok else 1
 
 

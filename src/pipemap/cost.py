@@ -170,7 +170,7 @@ def component_cost(placement: Placement, component: Component, dtype_bytes: int,
     elif placement.mode == "stream":
         transfer, total = _stream_seconds(placement, component, compute, calls, bandwidth, mechanism)
     elif placement.mode == "split":  # each block away from home: its activations go there and back at every call
-        transfer = calls * 2 * len(placement.shards) * work.latent_tokens * ACTIVATION_BYTES / perf.peer_bandwidth
+        transfer = calls * 2 * split_hops(placement) * work.latent_tokens * ACTIVATION_BYTES / perf.peer_bandwidth
         total = compute + transfer
     elif placement.mode == "replicated":
         return replicated_cost(placement, compute, calls, perf, work)
@@ -221,6 +221,13 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
             for p in plan.components if p.component in by_name}
 
 
+def split_hops(placement: Placement) -> int:
+    """How many times a split component's activations leave home and come back at each call: once per run of
+    consecutive shards on one GPU (``dispatch`` passes activations from block to block there directly)."""
+    devices = [device for _, device, _ in placement.shards]
+    return sum(1 for i, device in enumerate(devices) if i == 0 or devices[i - 1] != device)
+
+
 def bytes_moved(plan: Plan, inventory: Inventory, work: Workload | None = None) -> dict[str, int]:
     """Bytes each planned component moves per image (the pipeline's default call unless ``work`` is given): an
     offloaded one once (the LRU keeps it while the others run), a streamed one its non-resident pieces at each
@@ -238,7 +245,7 @@ def bytes_moved(plan: Plan, inventory: Inventory, work: Workload | None = None) 
         elif p.mode == "stream":
             moved[p.component] = calls * _moved_per_call(p, component)[0]
         elif p.mode == "split":
-            moved[p.component] = calls * 2 * len(p.shards) * work.latent_tokens * ACTIVATION_BYTES
+            moved[p.component] = calls * 2 * split_hops(p) * work.latent_tokens * ACTIVATION_BYTES
         elif p.mode == "replicated":
             parts = min(GUIDANCE_BATCH, 1 + len(p.replicas))
             moved[p.component] = round(calls / GUIDANCE_BATCH * (parts - 1) * (

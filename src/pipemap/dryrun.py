@@ -11,6 +11,7 @@ import functools
 import inspect
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -279,10 +280,14 @@ def _phase_kind(component: str, path: str) -> str:
 class PhasedTracker(ConvertingTracker):
     """The converting tracker that also notes the phase running when each device's peak was set."""
 
-    def __init__(self, phases: PhaseTracker):
+    def __init__(self, phases: PhaseTracker, component: Callable[[], str | None] = lambda: None):
         super().__init__()
         self.phases = phases
+        self.component = component  # the component running now (``standin.ComponentTracker.current``)
         self.peak_phase: dict[str, Phase] = {}
+        self.peak_component: dict[str, str] = {}
+        # the timeline: (device, bytes live, phase) after every allocation and free, in order
+        self.samples: list[tuple[str, int, Phase]] = []
 
     def _track(self, tensor: torch.Tensor, weight: bool = False) -> bool:
         device = str(tensor.device)
@@ -290,7 +295,15 @@ class PhasedTracker(ConvertingTracker):
         tracked = super()._track(tensor, weight)
         if self.peak[device] > before:
             self.peak_phase[device] = self.phases.current
+            self.peak_component[device] = self.component() or ""
+        if tracked:
+            self.samples.append((device, self.live[device], self.phases.current))
         return tracked
+
+    def _free(self, key: int) -> None:
+        device = self._seen[key][0]
+        super()._free(key)
+        self.samples.append((device, self.live[device], self.phases.current))
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 Overlapped requests: diffusers keeps a call's state on the pipeline object (the scheduler's timesteps and step
 index, ``_guidance_scale``, ...), so each request in flight runs on a twin of the pipeline: the same models (and
 their hooks), its own scheduler and tokenizers. Every pipemap hook holds its component's lock for the whole of a
-call (``dispatch.CallLock``), so two requests never run one component at once, while the text encoder of request
+call (``hooks.CallLock``), so two requests never run one component at once, while the text encoder of request
 k+1 and the VAE of request k-1 run beside the denoiser of request k when they sit on other GPUs: the stages
 pipeline by themselves, with no schedule written down.
 
@@ -24,10 +24,8 @@ import collections
 import contextlib
 import copy
 import functools
-import inspect as pyinspect
 import itertools
 import queue
-import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,11 +33,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .dispatch import PlacementHook
 from .errors import ForeignHookError, RunManyCallError
-from .inventory import DENOISERS, Inventory
+from .hooks import PlacementHook
 from .transfer import move, move_tensor
-from .units import format_bytes
 
 _local = threading.local()
 _CALL_LOCK = "_pipemap_call_lock"
@@ -194,54 +190,6 @@ def _taking_turns(call):
 
 
 # ---- denoiser replicas --------------------------------------------------------------------------------------------
-
-# `torch.cat([latents] * 2)` or `torch.cat([x, x])`: the pipeline runs both guidance branches as one batch
-_GUIDANCE_BATCH = re.compile(r"torch\.cat\(\s*\[\s*\w+\s*\]\s*\*\s*2\s*\)|torch\.cat\(\s*\[\s*(\w+)\s*,\s*\1\s*\]")
-
-
-@functools.cache
-def batches_guidance(pipeline_class: str) -> bool | None:
-    """Whether a diffusers pipeline class runs classifier-free guidance as one concatenated batch (True: SD, SDXL,
-    SD3, ControlNet, PixArt, ...) or calls its denoiser once per branch (False: Flux's true CFG, Wan, Qwen-Image);
-    None when the class is not diffusers' (nothing to read). Read from the class's ``__call__`` source, as no
-    attribute says it."""
-    import diffusers
-
-    cls = getattr(diffusers, pipeline_class, None)
-    try:
-        source = pyinspect.getsource(cls.__call__) if isinstance(cls, type) else None
-    except (OSError, TypeError):
-        source = None
-    return None if source is None else bool(_GUIDANCE_BATCH.search(source))
-
-
-def _denoiser(inventory: Inventory) -> str | None:
-    names = {c.name for c in inventory.models}
-    return next((n for n in DENOISERS if n in names), None)
-
-
-def replicable(inventory: Inventory) -> tuple[str, ...]:
-    """The denoiser, when its calls carry a batch that replicas can split; else nothing."""
-    denoiser = _denoiser(inventory)
-    return (denoiser,) if denoiser and batches_guidance(inventory.pipeline_class) else ()
-
-
-def plan_notes(inventory: Inventory, placed: Mapping) -> list[str]:
-    """What strategy ``"parallel"`` did with the denoiser, and why when it made no replicas."""
-    denoiser = _denoiser(inventory)
-    if denoiser is None:
-        return ["parallel: no denoiser to replicate; placed as balanced"]
-    place = placed.get(denoiser)
-    if getattr(place, "replicas", ()):
-        return [f"parallel: {denoiser} replicated on {', '.join((place.device, *place.replicas))}; each call's batch "
-                "(guidance, images per prompt) is split across the copies"]
-    kind, cls = batches_guidance(inventory.pipeline_class), inventory.pipeline_class
-    size = next(c.bytes for c in inventory.models if c.name == denoiser)
-    why = {None: f"{cls} is not a diffusers pipeline class, so whether its {denoiser} calls carry a batch is unknown",
-           False: f"{cls} calls its {denoiser} once per guidance branch (no concatenated batch to split)",
-           True: f"no two GPUs hold a copy of the {denoiser} ({format_bytes(size)}) beside the other components"}
-    return [f"parallel: no replicas: {why[kind]}; placed as balanced"]
-
 
 class ReplicaHook(PlacementHook):
     """A resident denoiser with a copy on each of ``replicas``: each call's batch split across the copies.

@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import TYPE_CHECKING
 
-from .plan import Placement, Plan
 from .units import format_bytes
+
+if TYPE_CHECKING:  # plan.py imports this module inside Plan.picture
+    from .plan import Placement, Plan
 
 # fills chosen to differ in lightness as well as hue, so neighbours stay apart in greyscale
 PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#145a32", "#f9e79f", "#4d5656",
@@ -113,13 +116,6 @@ def _bar(plan: Plan, device: str, memory: int, budget: int, used: int) -> Bar:
     if rest > 0:
         segments.append(Segment("onloaded: " + " | ".join(offloaded) if offloaded else "other", rest, "offload"))
     return Bar(device, memory, budget, used, tuple(segments))
-
-
-def moved_per_image(plan: Plan, inventory) -> dict[str, int]:
-    """Bytes each component moves per image as placed, as the cost model counts them (``cost.bytes_moved``)."""
-    from .cost import bytes_moved
-
-    return {k: v for k, v in bytes_moved(plan, inventory).items() if v}
 
 
 def _held_at_home(p: Placement) -> int:
@@ -302,20 +298,24 @@ class Sample:
     phase: str
 
 
-def timeline_svg(samples: Sequence[Sample], budgets: Mapping[str, int], title: str) -> str:
+def timeline_svg(samples: Sequence[Sample], budgets: Mapping[str, int], title: str,
+                 peak_component: Mapping[str, str] | None = None) -> str:
     """Memory over the call, one panel per device: a step line of bytes in use, the budget line, the peak marked
     and labelled with its phase. Each panel carries ``data-peak`` (bytes) for tests and scripts."""
-    devices = list(dict.fromkeys(s.device for s in samples))
+    seen = set(s.device for s in samples)
+    devices = [d for d in budgets if d in seen] + [d for d in dict.fromkeys(s.device for s in samples)
+                                                   if d not in budgets]
     panel, width = 120, LABEL_W + BAR_W + 110
     parts = [_svg_open(width, PAD * 2 + 24 + panel * len(devices), title),
              f'<text x="{PAD}" y="{PAD + 14}" font-size="15" font-weight="bold">{escape(title)}</text>']
     for row, device in enumerate(devices):
         mine = [s for s in samples if s.device == device]
-        parts.append(_timeline_panel(device, mine, budgets.get(device, 0), PAD * 2 + 24 + row * panel, panel - 30))
+        parts.append(_timeline_panel(device, mine, budgets.get(device, 0), PAD * 2 + 24 + row * panel, panel - 30,
+                                     (peak_component or {}).get(device, "")))
     return "\n".join([*parts, "</svg>"])
 
 
-def _timeline_panel(device: str, samples: Sequence[Sample], budget: int, y: int, h: int) -> str:
+def _timeline_panel(device: str, samples: Sequence[Sample], budget: int, y: int, h: int, who: str = "") -> str:
     top = max([s.bytes for s in samples] + [budget, 1])
     last = max(s.index for s in samples) or 1
     peak = max(samples, key=lambda s: s.bytes)
@@ -324,18 +324,52 @@ def _timeline_panel(device: str, samples: Sequence[Sample], budget: int, y: int,
         return LABEL_W + BAR_W * s.index / last, y + h - h * s.bytes / top
 
     points = " ".join(f"{x:.1f},{yy:.1f}" for x, yy in map(px, samples))
+    phases, last_label = [], -1e9
+    for before, s in zip([None, *samples], samples):
+        if before is None or before.phase != s.phase:
+            x = px(s)[0]
+            label = x - last_label > 70
+            last_label = x if label else last_label
+            phases.append(f'<line class="phase" x1="{x:.1f}" x2="{x:.1f}" y1="{y}" y2="{y + h}" stroke="#ccc" '
+                          f'data-phase="{escape(s.phase)}"/>' + (f'<text x="{x + 2:.1f}" y="{y + h + 11}" '
+                                                                 f'font-size="9" fill="#555">{escape(s.phase)}</text>'
+                                                                 if label else ""))
     bx, by = px(peak)
     budget_y = y + h - h * budget / top
     return "\n".join([
         f'<g class="timeline" data-device="{escape(device)}" data-peak="{peak.bytes}" data-budget="{budget}" '
-        f'data-peak-phase="{escape(peak.phase)}">',
+        f'data-peak-phase="{escape(peak.phase)}" data-peak-component="{escape(who)}">',
         f'<text x="{PAD}" y="{y + 15}" font-size="13" font-weight="bold">{escape(device)}</text>',
         f'<text x="{PAD}" y="{y + 31}" font-size="11">peak {_gib(peak.bytes)}</text>',
         f'<rect x="{LABEL_W}" y="{y}" width="{BAR_W}" height="{h}" fill="none" stroke="#aaa"/>',
+        *phases,
         f'<polyline points="{points}" fill="none" stroke="#1b4f72" stroke-width="1.5"/>',
         f'<line class="budget" x1="{LABEL_W}" x2="{LABEL_W + BAR_W}" y1="{budget_y:.1f}" y2="{budget_y:.1f}" '
         f'stroke="#c0392b" stroke-dasharray="4 3" data-bytes="{budget}"/>' if budget else "",
         f'<circle cx="{bx:.1f}" cy="{by:.1f}" r="4" fill="#c0392b"><title>peak {_gib(peak.bytes)} in '
         f'{escape(peak.phase)}</title></circle>',
         f'<text x="{min(bx + 6, LABEL_W + BAR_W - 140):.1f}" y="{max(by - 6, y + 10):.1f}" font-size="11">'
-        f'peak: {escape(peak.phase)}</text></g>'])
+        f'peak: {escape(peak.phase)}{" (" + escape(who) + ")" if who else ""}</text></g>'])
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A dry run's memory over the call, per device (``SimulationReport.picture()``)."""
+
+    title: str
+    samples: tuple[Sample, ...]
+    budgets: Mapping[str, int]
+    peak_component: Mapping[str, str]
+
+    def svg(self) -> str:
+        return timeline_svg(self.samples, self.budgets, self.title, self.peak_component)
+
+    def _repr_html_(self) -> str:
+        return self.svg()
+
+
+def timeline_picture(report) -> Timeline:
+    """The timeline of a ``SimulationReport``: its samples, each device's budget, who set each peak."""
+    budgets = {d.device: d.budget for d in report.plan.devices}
+    title = f"pipemap dry run: {report.plan.strategy}" + ("" if report.ok else " (failed)")
+    return Timeline(title, tuple(report.timeline), budgets, dict(report.peak_component))

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from . import parallel
+from . import replication
 from .errors import (
     ArgumentConflictError,
     ArgumentTypeError,
@@ -51,7 +51,7 @@ class Request:
     in_flight: tuple[tuple[str, int], ...] = ()
     blocks: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
     trees: tuple[tuple[str, Block | None], ...] = ()  # module trees: a streamed component's pieces and residency
-    replicable: tuple[str, ...] = ()  # denoisers whose calls carry a batch to split (``parallel.replicable``)
+    replicable: tuple[str, ...] = ()  # denoisers whose calls carry a batch to split (``replication.replicable``)
 
 
 class Place(NamedTuple):
@@ -429,9 +429,9 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         in_flight = tuple((c.name, c.in_flight) for c in inventory.models)
         blocks = tuple((c.name, c.blocks) for c in inventory.models)
         trees = tuple((c.name, c.tree) for c in inventory.models)
-        replicable = parallel.replicable(inventory) if name == "parallel" else ()
+        replicable = replication.replicable(inventory) if name == "parallel" else ()
         placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks, trees, replicable))
-        notes += parallel.plan_notes(inventory, placed) if name == "parallel" else []
+        notes += replication.plan_notes(inventory, placed) if name == "parallel" else []
     device_map = {**fixed, **placed}
     label = name if not fixed else ("map" if not rest else f"map+{name}")
     return _assemble(inventory, hw, budget, device_map, label, notes)

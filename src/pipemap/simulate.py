@@ -62,6 +62,23 @@ class SimulationReport:
     advice: tuple[str, ...] = ()  # what would make a peak that does not fit fit (VAE tiling)
     # devices whose peak is an upper bound, not exact, with the value the dry run had to assume (MoE routing)
     bound_peaks: dict[str, str] = field(default_factory=dict)
+    # each device's memory over the call (``picture.Sample``s, at most TIMELINE_POINTS a device, peaks kept) and
+    # the component running when each peak was set
+    timeline: tuple = ()
+    peak_component: dict[str, str] = field(default_factory=dict)
+
+    def picture(self):
+        """Each device's memory over the call: the budget line, the peak marked with its phase and component
+        (``report.picture().svg()``; ``pipemap simulate ... --svg run.svg``)."""
+        from .picture import timeline_picture
+
+        return timeline_picture(self)
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the timeline picture, then the report's text."""
+        from html import escape
+
+        return f"<div class='pipemap-simulation'>{self.picture().svg()}<pre>{escape(str(self))}</pre></div>"
 
     def __str__(self) -> str:
         lines = [f"dry run {'ok' if self.ok else 'FAILED'} in {self.seconds:.2f} s; call {self.call}"]
@@ -191,8 +208,8 @@ def _resolution(pipe, overrides: Mapping) -> tuple[int, int]:
 
 def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict):
     phases = dryrun.PhaseTracker(pipe)
-    tracker = dryrun.PhasedTracker(phases)
     components = standin.ComponentTracker(pipe)
+    tracker = dryrun.PhasedTracker(phases, lambda: components.current)
     failure = None
     try:
         dispatch(pipe, plan)
@@ -256,7 +273,28 @@ def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str
              if not isinstance(v, torch.Tensor)}
     phases = {back.get(d, d): str(p) for d, p in tracker.peak_phase.items()}
     bound = {back.get(d, d): note for d, note in tracker.peak_bound.items()}
+    timeline = _timeline(tracker.samples, back)
+    who = {back.get(d, d): c for d, c in tracker.peak_component.items() if c}
     return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
                             seconds, shown, {d: weight_peak.get(d, 0) for d in peak},
-                            {d: phases[d] for d in peak if d in phases}, bound_peaks=bound)
+                            {d: phases[d] for d in peak if d in phases}, bound_peaks=bound, timeline=timeline,
+                            peak_component=who)
+
+
+TIMELINE_POINTS = 600  # a device's samples kept for the picture: the largest of each stretch, the peak among them
+
+
+def _timeline(samples, back: Mapping[str, str]) -> tuple:
+    from .picture import Sample
+
+    by_device: dict[str, list[tuple[int, int, str]]] = {}
+    for index, (device, size, phase) in enumerate(samples):
+        by_device.setdefault(back.get(device, device), []).append((index, size, str(phase)))
+    out = []
+    for device, points in by_device.items():
+        stretch = -(-len(points) // TIMELINE_POINTS)
+        for start in range(0, len(points), stretch):
+            index, size, phase = max(points[start:start + stretch], key=lambda p: p[1])
+            out.append(Sample(index, device, size, phase))
+    return tuple(sorted(out, key=lambda s: s.index))
 
