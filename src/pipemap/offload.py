@@ -21,7 +21,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -155,11 +154,24 @@ class Layout:
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's place in ``buffer`` (uint8, at least ``nbytes``), as a tensor of its dtype and shape."""
-        return [buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                for offset, dtype, shape in self.entries]
+        typed: dict[torch.dtype, torch.Tensor] = {}  # one view of the buffer per dtype, then one op per tensor
+        views = []
+        for offset, dtype, shape in self.entries:
+            if dtype not in typed:
+                typed[dtype] = buffer[:buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+            views.append(typed[dtype].as_strided(shape, _contiguous(shape), offset // dtype.itemsize))
+        return views
 
     def fits(self, tensors: Iterable[torch.Tensor]) -> bool:
         return [(d, s) for _, d, s in self.entries] == [(t.dtype, tuple(t.shape)) for t in tensors]
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _pin_host(buffer: torch.Tensor) -> None:
@@ -294,7 +306,9 @@ class Ledger:
         return self.caches.setdefault((device, room), _Cache(room))
 
     def queues(self, device: torch.device) -> Queues:
-        return self._queues.setdefault(str(device), queues_for(device))
+        if str(device) not in self._queues:
+            self._queues[str(device)] = queues_for(device)
+        return self._queues[str(device)]
 
     def add(self, device: str, size: int) -> None:
         self.live[device] += size
@@ -483,7 +497,7 @@ class StreamHook(_MovingHook):
         for key, slot in _slots(module.modules()).items():
             groups[owner.get(key, _START)].append(slot)
         self.root = _Group(groups[_START], f"{self.component} (root)")
-        self.blocks = [_Group(groups[i], p) for i, p in enumerate(paths)]
+        self.blocks = [_Group(groups[i], f"{self.component}.{p}") for i, p in enumerate(paths)]
         kept = set(self.spec.resident)
         self.kept = [g for g, p in zip(self.blocks, paths) if p in kept and g.slots]
         self.streamed = [i for i, p in enumerate(paths) if p not in kept and self.blocks[i].slots]
