@@ -18,7 +18,7 @@ from diffusers.utils.accelerate_utils import apply_forward_hook
 
 from .errors import DispatchError, PipelineMappedError, PlanMismatchError
 from .plan import Plan
-from .transfer import ensure_safe_transfers, move, move_tensor
+from .transfer import ensure_safe_transfers, move, move_tensor, plan_devices
 
 # diffusers' VAEs run `encode`/`decode` through `apply_forward_hook`, which calls `pre_forward(module)` with no
 # arguments, so inputs would stay where they are; those methods get a wrapper of their own (found by this code).
@@ -90,7 +90,7 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     """
     modules = _check(pipe, plan)
     if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
-        ensure_safe_transfers([p.device for p in plan.components] + [plan.execution_device])
+        ensure_safe_transfers(plan_devices(plan))  # every GPU it copies between: execution GPUs and shards too
     moves: list[Move] = []
     make_hook = _hook_maker(plan)
     for placement in plan.components:
