@@ -2,17 +2,19 @@
 
 ``"offload"``: the whole component is copied to its execution GPU when called and kept there while that GPU's room
 allows; when room is needed the least recently used one is evicted. ``"stream"``: the component is copied block by
-block (``inventory.stream_blocks``), the next block prefetched on a side CUDA stream while the current one computes,
-each block evicted once it has run.
+block (``StreamSpec``; by default ``inventory.stream_blocks``) through a fixed set of GPU buffers reused in turn, the
+next blocks prefetched on the copy queue while the current one computes. Every copy, wait and free goes through
+``streams.Queues``: CUDA streams on a GPU, their model on stand-in devices and the CPU, so the dry run and the CPU
+tests run this very code and see its memory bound.
 
 Why hooks of our own: accelerate's ``CpuOffload`` (diffusers' ``enable_model_cpu_offload``) copies each model back
 to the CPU at the next model's call whatever room is left, from pageable memory, for one GPU; diffusers' group
 offloading waits on the host for each prefetch and has one onload device per model. Here the CPU copy of every
-tensor (the master, pinned when the GPU is CUDA) is kept, so eviction is free: the parameters point at their master
-again and the GPU copy is released, no device-to-host copy.
+tensor (the master, in one exact-size pinned buffer per group when the GPU is CUDA) is kept, so eviction is free:
+the parameters point at their master again and the GPU buffer is released, no device-to-host copy.
 
-On a plan remapped onto the CPU an onload from ``cpu`` to ``cpu`` clones the master, so weights are really swapped in
-and out block by block; the byte counters then count that logical traffic, the bytes a GPU run would move.
+On a plan remapped onto the CPU an onload from ``cpu`` to ``cpu`` copies into a new buffer, so weights are really
+swapped in and out block by block; the byte counters then count that logical traffic, the bytes a GPU run would move.
 """
 
 from __future__ import annotations
