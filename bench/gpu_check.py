@@ -17,10 +17,14 @@ one warm-up call and timed calls, and is torn down; the methods:
   diffusers sequential offload    enable_sequential_cpu_offload(), at 1 and 2 steps, scaled to the full step count
   pipemap ultra_low @ matched     the stream strategy again, its budget the peak measured for group / sequential
 
-Figures: seconds per image (median of the timed calls), seconds per extra denoising step (from the calls at two
-step counts), peak GPU memory of the timed calls (``max_memory_allocated`` above what was allocated before the
-method's pipeline existed), the largest difference of its image from the first method's at the same step count,
-and the GPU memory left after ``pipemap.reset``. Then the transfer self-test and ``python -m pipemap doctor``.
+Each budgeted method is held to its budget (``torch.cuda.set_per_process_memory_fraction``: the allocator refuses
+past it, as a GPU of that size would). Figures: seconds per image (median of the timed calls), seconds per extra
+denoising step (from the calls at two step counts), peak GPU memory of the timed calls, allocated
+(``max_memory_allocated``) and reserved by the caching allocator (which also holds memory freed while another
+stream may still use it), each above the figure before the method's pipeline existed, host memory pinned by
+pipemap, the largest difference of its image from the first method's at the same step count, and the GPU memory
+left after ``pipemap.reset``. Then the transfer self-test (with one GPU: host copies only, no GPU pair) and
+``python -m pipemap doctor``.
 Writes ``table.md`` and ``results.json`` (rewritten after every method, so a run cut short still leaves them) into
 OUT_DIR; the last line printed is ``summary: name=value ...``. bench/README.md says how to read it.
 """
@@ -178,7 +182,8 @@ class Result:
     setup_s: float | None = None
     peak_bytes: int | None = None
     peak_first_bytes: int | None = None
-    reserved_bytes: int | None = None
+    reserved_bytes: int | None = None  # the caching allocator's peak above the start: blind spots of allocated
+    pinned_bytes: int | None = None  # host memory pinned by pipemap's hooks (exactly their groups' bytes)
     max_diff: float | None = None
     finite: bool | None = None
     left_after_reset: int | None = None
@@ -229,7 +234,7 @@ class Runner:
         base = self.clean()
         pipe = fresh_pipeline(self.models)
         try:
-            with time_limit(cap):
+            with time_limit(cap), self.capped(method.budget, base):
                 self._measure(method, pipe, result, base)
         except Exception as err:  # a method that fails is a row of the table, not the end of the run
             result.status = "error"
@@ -240,7 +245,22 @@ class Runner:
             self._teardown(method, pipe, result, base)
         return result
 
+    @contextlib.contextmanager
+    def capped(self, budget: int | None, base: int):
+        """Hold a budgeted method to its budget on a GPU far larger: the allocator refuses past ``base + budget``
+        (it raises out-of-memory as a GPU of that size would)."""
+        if not self.cuda or budget is None:
+            yield
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (base + budget) / total), self.device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
     def _measure(self, method: Method, pipe, result: Result, base: int) -> None:
+        base_reserved = torch.cuda.memory_reserved(self.device) if self.cuda else 0
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
@@ -262,7 +282,8 @@ class Runner:
             result.times[steps] = [round(t, 5) for t, _ in runs]
             outputs[steps] = runs[-1][1]
         result.peak_bytes = self._peak(base)
-        result.reserved_bytes = torch.cuda.max_memory_reserved(self.device) if self.cuda else None
+        result.reserved_bytes = torch.cuda.max_memory_reserved(self.device) - base_reserved if self.cuda else None
+        result.pinned_bytes = pinned_now() if method.key.startswith("pipemap") else None
         self._figures(result, high, low, full)
         self._compare(result, outputs)
         result.stats = pipemap_stats(pipe) if method.key.startswith("pipemap") else None
@@ -589,7 +610,7 @@ def transfer_check(cuda: bool) -> dict:
     import pipemap
 
     out = {}
-    runs = [("gpus", None)] + ([("gpu_cpu", ["cuda:0", "cpu"])] if cuda else [])
+    runs = [("gpus", None)] + ([("host copies (cuda:0 <-> cpu, no GPU pair)", ["cuda:0", "cpu"])] if cuda else [])
     for name, devices in runs:
         start = time.perf_counter()
         try:
@@ -598,10 +619,16 @@ def transfer_check(cuda: bool) -> dict:
             out[name] = {"seconds": time.perf_counter() - start, "pairs": pairs, "ok": report.ok,
                          "text": str(report)}
             if not pairs:
-                out[name]["note"] = "no pair: this machine has fewer than two GPUs"
+                out[name]["note"] = "no GPU pair: this machine has fewer than two GPUs; the next row is host copies"
         except Exception as err:
             out[name] = {"seconds": time.perf_counter() - start, "error": f"{type(err).__name__}: {err}"}
     return out
+
+
+def pinned_now() -> int:
+    import pipemap.offload
+
+    return pipemap.offload.pinned_bytes()
 
 
 def doctor() -> str:
@@ -632,7 +659,8 @@ def line_of(r: Result) -> str:
     if r.status != "ok":
         return f"   {r.status}: {r.note}"
     scaled = " (scaled)" if r.s_per_image_scaled else ""
-    return (f"   {secs(r.s_per_image)} s/image{scaled}, {secs(r.s_per_step)} s/step, peak {gib(r.peak_bytes)} GiB, "
+    return (f"   {secs(r.s_per_image)} s/image{scaled}, {secs(r.s_per_step)} s/step, peak {gib(r.peak_bytes)} GiB "
+            f"allocated, {gib(r.reserved_bytes)} GiB reserved, pinned {gib(r.pinned_bytes)} GiB, "
             f"max|diff| {r.max_diff:.2e}, modes {r.plan_modes or '-'}")
 
 
@@ -645,18 +673,20 @@ PEERS = {  # method -> the peer its ratios are taken against
 }
 
 
-COLUMNS = ("method", "budget GiB", "s/image", "s/step", "peak GiB", "vs peer: time, peak", "max abs diff",
-           "setup s", "after reset GiB", "modes / note")
+COLUMNS = ("method", "budget GiB", "s/image", "s/step", "peak GiB", "reserved GiB", "pinned GiB",
+           "vs peer: time, peak", "max abs diff", "setup s", "after reset GiB", "modes / note")
 
 
 def methods_table(results: dict[str, Result]) -> list[str]:
-    rows = ["| " + " | ".join(COLUMNS) + " |", "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |"]
+    rows = ["| " + " | ".join(COLUMNS) + " |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |"]
     for r in results.values():
         if r.status != "ok":
-            rows.append(f"| {r.label} | {gib(r.budget)} | {r.status} | | | | | | | {r.note} |")
+            rows.append(f"| {r.label} | {gib(r.budget)} | {r.status} | | | | | | | | | {r.note} |")
             continue
         image = secs(r.s_per_image) + (" *" if r.s_per_image_scaled else "")
         rows.append(f"| {r.label} | {gib(r.budget)} | {image} | {secs(r.s_per_step)} | {gib(r.peak_bytes)} | "
+                    f"{gib(r.reserved_bytes)} | {gib(r.pinned_bytes)} | "
                     f"{versus(r, results)} | {r.max_diff:.1e} | {secs(r.setup_s)} | {gib(r.left_after_reset)} | "
                     f"{row_note(r)} |")
     return rows

@@ -191,3 +191,9 @@ def test_with_max_memory_gpu_on_the_detected_cpu_only_machine():
 def test_with_max_memory_bad_size():
     with pytest.raises(ValueError):
         TWO_GPUS.with_max_memory({0: "twenty"})
+
+
+def test_a_reserve_for_context_and_workspaces_comes_off_each_gpu():
+    hw = Hardware.parse("2x8GiB,cpu=16GiB,reserve=512MiB")
+    assert [d.memory for d in hw.devices] == [8 * 2**30 - 2**29, 8 * 2**30 - 2**29, 16 * 2**30]
+    assert hw.reserve == 2**29 and Hardware.parse("2x8GiB,cpu=16GiB").reserve == 0

@@ -53,6 +53,19 @@ def clean(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def machine(monkeypatch):
+    """Make the machine's own direct copy behave as ``Copies(bad)`` (what a driver would do): unlike a ``copy=``
+    passed in, its results are cached."""
+
+    def use(bad: tuple[str, str] | None = BAD) -> Copies:
+        copies = Copies(bad)
+        monkeypatch.setattr(transfer, "_direct_copy", copies)
+        return copies
+
+    return use
+
+
+@pytest.fixture
 def staging_calls(monkeypatch) -> list[tuple[str, str]]:
     """Every (source, destination) that went through the staging path."""
     calls = []
@@ -93,7 +106,7 @@ def test_patterns_cover_dtypes_sizes_and_layouts():
     assert {c for _, _, c in seen} == {True, False}
 
 
-def test_a_copy_that_fails_a_single_element_or_raises_is_corrupted():
+def test_a_copy_that_fails_a_single_element_is_corrupted_and_one_that_raises_is_an_error():
     def one_off(tensor, source, destination):
         arrived = tensor.clone()
         if (source, destination) == BAD and arrived.numel() > 1000:
@@ -106,13 +119,52 @@ def test_a_copy_that_fails_a_single_element_or_raises_is_corrupted():
         raise RuntimeError("peer access denied")
 
     report = check_transfers(["cpu:3", "cpu:4"], copy=raising)
-    assert report.corrupted == (("cpu:3", "cpu:4"), ("cpu:4", "cpu:3"))
-    assert "peer access denied" in report.details[("cpu:3", "cpu:4")]
+    assert report.pairs == {("cpu:3", "cpu:4"): "error", ("cpu:4", "cpu:3"): "error"}
+    assert report.errors == (("cpu:3", "cpu:4"), ("cpu:4", "cpu:3")) and report.corrupted == () and not report.ok
+    assert "the copy raised RuntimeError: peer access denied" in report.details[("cpu:3", "cpu:4")]
+    assert "error" in str(report)
 
 
-def test_ensure_stages_the_corrupted_pair_only_and_warns_once():
+def test_an_injected_copy_never_reaches_the_cache(machine):
+    bad = check_transfers(DEVICES, copy=Copies())
+    assert bad.corrupted == (BAD,) and not transfer.cache_path().exists()
+    good = machine(bad=None)
+    assert check_transfers(DEVICES).ok and good.calls == 6 * 24  # the machine's own copy, not the injected result
+    assert check_transfers(DEVICES, copy=Copies()).corrupted == (BAD,)  # nor does an injected copy read the cache
+    transfer.clear_transfer_cache()
+    assert check_transfers(DEVICES).ok and check_transfers(DEVICES).cached and good.calls == 6 * 24
+
+
+def test_dispatch_checks_every_gpu_a_stream_and_split_plan_copies_between(monkeypatch):
+    import importlib
+
+    from pipemap import catalog
+
+    dispatch = importlib.import_module("pipemap.dispatch")  # the module: pipemap.dispatch is the function
+    # the README's Wan 2.1 plan on 2x16GiB: text encoder streamed to cuda:1, transformer split over cuda:0 and
+    # cuda:1, vae streamed to cuda:1; no component lives on cuda:1
+    plan = pipemap.plan(catalog.inventory("wan2.1-t2v-14b"), hardware="2x16GiB", strategy="auto")
+    modes = {p.component: (p.mode, p.execution_device) for p in plan.components}
+    assert modes["transformer"][0] == "split" and "cuda:1" not in plan.device_map.values()
+    assert set(transfer.plan_devices(plan)) == {"cuda:0", "cuda:1", "cpu"}
+    seen = []
+
+    def record(devices):
+        seen.append(sorted(set(devices)))
+        raise KeyboardInterrupt  # stop before placing anything: the models here are stand-ins
+
+    monkeypatch.setattr(dispatch, "ensure_safe_transfers", record)
+    pipe = type("Pipe", (), {})()
+    pipe.components = {name: torch.nn.Linear(1, 1) for name in plan.device_map}
+    with pytest.raises(KeyboardInterrupt):
+        pipemap.dispatch(pipe, plan)
+    assert seen == [["cpu", "cuda:0", "cuda:1"]]
+
+
+def test_ensure_stages_the_corrupted_pair_only_and_warns_once(machine):
+    machine(("cpu:1", "cpu:2"))
     with pytest.warns(UnsafeTransferWarning, match=r"from cpu:1 to cpu:2 .*550\.40\.07") as caught:
-        report = ensure_safe_transfers(["cpu:1", "cpu:2", "cpu"], copy=Copies(("cpu:1", "cpu:2")))
+        report = ensure_safe_transfers(["cpu:1", "cpu:2", "cpu"])
     assert len(caught) == 1
     assert report.devices == ("cpu:1", "cpu:2")  # the plain CPU is no peer-to-peer endpoint
     assert staged_pairs() == {("cpu:1", "cpu:2")}
@@ -169,34 +221,35 @@ def test_pipeline_output_is_exact_with_a_staged_pair(tiny_folders, reference_out
     torch.testing.assert_close(output, reference_outputs["sd"], rtol=0, atol=0)
 
 
-def test_second_check_is_served_from_the_process_and_disk_cache():
-    first = check_transfers(DEVICES, copy=Copies())
-    assert not first.cached
-    copies = Copies()
-    again = check_transfers(DEVICES, copy=copies)
-    assert again.cached and again.pairs == first.pairs and copies.calls == 0
+def test_second_check_is_served_from_the_process_and_disk_cache(machine):
+    copies = machine()
+    first = check_transfers(DEVICES)
+    assert not first.cached and copies.calls == 6 * 24
+    again = check_transfers(DEVICES)
+    assert again.cached and again.pairs == first.pairs and copies.calls == 6 * 24
     transfer.clear_transfer_cache()  # a new process: only the disk cache is left
-    from_disk = check_transfers(DEVICES, copy=copies)
-    assert from_disk.cached and copies.calls == 0
+    from_disk = check_transfers(DEVICES)
+    assert from_disk.cached and copies.calls == 6 * 24
     assert dataclasses.replace(from_disk, cached=False) == first
-    fixed = Copies(bad=None)
-    assert check_transfers(DEVICES, copy=fixed, refresh=True).ok
+    fixed = machine(bad=None)
+    assert check_transfers(DEVICES, refresh=True).ok
     assert fixed.calls == 6 * 24  # refresh ran it: 6 ordered pairs, 24 patterns each
 
 
-def test_a_driver_update_runs_the_check_again(monkeypatch):
+def test_a_driver_update_runs_the_check_again(monkeypatch, machine):
     monkeypatch.setattr(transfer, "driver_version", lambda: "535.104.05")
-    old = check_transfers(DEVICES, copy=Copies())
+    machine()
+    old = check_transfers(DEVICES)
     assert old.key.driver == "535.104.05" and old.corrupted == (BAD,)
     monkeypatch.setattr(transfer, "driver_version", lambda: "550.54.14")
-    copies = Copies(bad=None)
-    new = check_transfers(DEVICES, copy=copies)
+    copies = machine(bad=None)
+    new = check_transfers(DEVICES)
     assert copies.calls == 6 * 24 and not new.cached
     assert new.key.driver == "550.54.14" and new.ok
     cache = json.loads(transfer.cache_path().read_text())
     assert sorted(entry["key"]["driver"] for entry in cache.values()) == ["535.104.05", "550.54.14"]
     monkeypatch.setattr(transfer, "driver_version", lambda: "535.104.05")
-    assert check_transfers(DEVICES, copy=copies).cached and copies.calls == 6 * 24
+    assert check_transfers(DEVICES).cached and copies.calls == 6 * 24
 
 
 def test_a_damaged_cache_file_is_ignored(tmp_path):

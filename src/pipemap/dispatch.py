@@ -19,7 +19,7 @@ from diffusers.utils.accelerate_utils import apply_forward_hook
 from .errors import ArgumentTypeError, DispatchError, PipelineMappedError, PlanMismatchError
 from .hooks import CallLock, Moved, PlacementHook
 from .plan import Plan
-from .transfer import ensure_safe_transfers, move_tensor
+from .transfer import ensure_safe_transfers, move_tensor, plan_devices
 
 __all__ = ["Moved", "PlacementHook", "SplitHook", "dispatch", "reset"]  # the hooks live in hooks.py, below offload
 
@@ -62,7 +62,7 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     """
     modules = _check(pipe, plan)
     if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
-        ensure_safe_transfers([p.device for p in plan.components] + [plan.execution_device])
+        ensure_safe_transfers(plan_devices(plan))  # every GPU it copies between: execution GPUs and shards too
     moves: list[Move] = []
     make_hook = _hook_maker(plan)
     for placement in plan.components:
@@ -180,22 +180,34 @@ def _move_parameter(owner: torch.nn.Module, key: str, param: torch.nn.Parameter,
 
 class SplitHook(PlacementHook):
     """A component cut across GPUs: its root on ``device``, each block of ``shards`` on its own GPU with a hook that
-    brings the block's inputs there and its outputs back to ``device``."""
+    brings the block's inputs there. A run of consecutive blocks of one list on one GPU passes activations on
+    directly; only the last block of the run returns its outputs to ``device`` (the dry run proves a plan's
+    component touches nothing of them between two blocks)."""
 
     def __init__(self, component: str, device: str, execution_device: str, shards: tuple[tuple[str, str, int], ...]):
         super().__init__(component, device, execution_device)
         self.shards = shards
 
     def init_hook(self, module):  # dispatch has placed the blocks already (``_place``)
-        for path, device, _ in self.shards:
+        for (path, device, _), last in zip(self.shards, _run_ends(self.shards)):
             add_hook_to_module(module.get_submodule(path), PlacementHook(f"{self.component}.{path}", device,
-                                                                         str(self.device)))
+                                                                         str(self.device) if last else device))
         return module
 
     def detach_hook(self, module):
         for path, _, _ in self.shards:
             unhook_component(module.get_submodule(path))
         return module
+
+
+def _run_ends(shards: tuple[tuple[str, str, int], ...]) -> list[bool]:
+    """For each shard, whether it ends a run: the next shard is not the next element of its list on its GPU."""
+    ends = []
+    for (path, device, _), following in zip(shards, [*shards[1:], None]):
+        prefix, _, index = path.rpartition(".")
+        ends.append(following is None or following[1] != device or not index.isdigit()
+                    or following[0] != f"{prefix}.{int(index) + 1}")
+    return ends
 
 
 def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:

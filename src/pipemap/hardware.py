@@ -99,7 +99,11 @@ GPU_PERFORMANCE = {
     "4090": (120e12, 25e9, 20e9),
     "3090": (55e12, 25e9, 20e9), "4080": (80e12, 25e9, 20e9), "l4": (70e12, 25e9, 20e9), "t4": (40e12, 12e9, 10e9),
 }
-_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw"}
+_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "reserve"}
+# Kept off each detected GPU's free memory, beside the activation headroom: cuBLAS/cuDNN workspaces and the
+# allocator's fragmentation (0.3 to 1 GiB); the CUDA context itself is already out of the free figure, since
+# reading it starts the context.
+GPU_RESERVE = 512 * 2**20
 
 
 def performance_for(gpu_name: str | None) -> Performance:
@@ -123,18 +127,21 @@ class Hardware:
     devices: tuple[Device, ...]
     detected: bool = False
     performance: Performance = Performance()
+    reserve: int = 0  # bytes kept off each GPU's figure for the CUDA context and library workspaces
 
     @classmethod
-    def detect(cls) -> Hardware:
-        """The real machine: each CUDA GPU with its free memory, and the CPU with its available RAM."""
+    def detect(cls, reserve: int = GPU_RESERVE) -> Hardware:
+        """The real machine: each CUDA GPU with its free memory less ``reserve``, and the CPU with its available
+        RAM. The CUDA cache is emptied first: blocks this process cached are free for a plan, not used."""
         gpus = []
         if torch.cuda.is_available():
+            torch.cuda.empty_cache()
             for index in range(torch.cuda.device_count()):
                 free, _total = torch.cuda.mem_get_info(index)
-                gpus.append(Device(f"cuda:{index}", int(free)))
+                gpus.append(Device(f"cuda:{index}", max(0, int(free) - reserve)))
         name = torch.cuda.get_device_name(0) if gpus else None
         return cls(tuple(gpus) + (Device("cpu", int(psutil.virtual_memory().available)),), detected=True,
-                   performance=performance_for(name))
+                   performance=performance_for(name), reserve=reserve if gpus else 0)
 
     @classmethod
     def parse(cls, spec: str) -> Hardware:
@@ -142,7 +149,8 @@ class Hardware:
 
         A profile without ``cpu`` gets this machine's available RAM as its CPU memory. The cost model's figures
         may follow: ``gpu=4090`` (defaults for that model), ``flops=165T``, ``host_bw=25GB``, ``peer_bw=50GB``
-        (bytes per second).
+        (bytes per second); ``reserve=512MiB`` is kept off each GPU for the CUDA context and workspaces (none
+        unless given: a profile's figures are what the plan may use).
         """
         if not isinstance(spec, str):
             raise ArgumentTypeError("hardware", spec, "a spec string such as '2x24GiB,cpu=64GiB' or a Hardware")
@@ -163,7 +171,9 @@ class Hardware:
             raise HardwareSpecError(spec, spec, "no device is given")
         if "cpu" not in devices:
             devices["cpu"] = int(psutil.virtual_memory().available)
-        return cls(_ordered(devices), performance=_performance(spec, settings))
+        reserve = _size(spec, f"reserve={settings['reserve']}", settings["reserve"]) if "reserve" in settings else 0
+        devices = {n: max(0, m - reserve) if is_accelerator(n) else m for n, m in devices.items()}
+        return cls(_ordered(devices), performance=_performance(spec, settings), reserve=reserve)
 
     def with_max_memory(self, max_memory: Mapping[int | str, int | str]) -> Hardware:
         """This machine restricted to the devices of a diffusers/accelerate ``max_memory`` dict, with its figures.

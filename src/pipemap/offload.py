@@ -2,17 +2,19 @@
 
 ``"offload"``: the whole component is copied to its execution GPU when called and kept there while that GPU's room
 allows; when room is needed the least recently used one is evicted. ``"stream"``: the component is copied block by
-block (``inventory.stream_blocks``), the next block prefetched on a side CUDA stream while the current one computes,
-each block evicted once it has run.
+block (``StreamSpec``; by default ``inventory.stream_blocks``) through a fixed set of GPU buffers reused in turn, the
+next blocks prefetched on the copy queue while the current one computes. Every copy, wait and free goes through
+``streams.Queues``: CUDA streams on a GPU, their model on stand-in devices and the CPU, so the dry run and the CPU
+tests run this very code and see its memory bound.
 
 Why hooks of our own: accelerate's ``CpuOffload`` (diffusers' ``enable_model_cpu_offload``) copies each model back
 to the CPU at the next model's call whatever room is left, from pageable memory, for one GPU; diffusers' group
 offloading waits on the host for each prefetch and has one onload device per model. Here the CPU copy of every
-tensor (the master, pinned when the GPU is CUDA) is kept, so eviction is free: the parameters point at their master
-again and the GPU copy is released, no device-to-host copy.
+tensor (the master, in one exact-size pinned buffer per group when the GPU is CUDA) is kept, so eviction is free:
+the parameters point at their master again and the GPU buffer is released, no device-to-host copy.
 
-On a plan remapped onto the CPU an onload from ``cpu`` to ``cpu`` clones the master, so weights are really swapped in
-and out block by block; the byte counters then count that logical traffic, the bytes a GPU run would move.
+On a plan remapped onto the CPU an onload from ``cpu`` to ``cpu`` copies into a new buffer, so weights are really
+swapped in and out block by block; the byte counters then count that logical traffic, the bytes a GPU run would move.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -155,11 +156,24 @@ class Layout:
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's place in ``buffer`` (uint8, at least ``nbytes``), as a tensor of its dtype and shape."""
-        return [buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                for offset, dtype, shape in self.entries]
+        typed: dict[torch.dtype, torch.Tensor] = {}  # one view of the buffer per dtype, then one op per tensor
+        views = []
+        for offset, dtype, shape in self.entries:
+            if dtype not in typed:
+                typed[dtype] = buffer[:buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+            views.append(typed[dtype].as_strided(shape, _contiguous(shape), offset // dtype.itemsize))
+        return views
 
     def fits(self, tensors: Iterable[torch.Tensor]) -> bool:
         return [(d, s) for _, d, s in self.entries] == [(t.dtype, tuple(t.shape)) for t in tensors]
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _pin_host(buffer: torch.Tensor) -> None:
@@ -294,7 +308,9 @@ class Ledger:
         return self.caches.setdefault((device, room), _Cache(room))
 
     def queues(self, device: torch.device) -> Queues:
-        return self._queues.setdefault(str(device), queues_for(device))
+        if str(device) not in self._queues:
+            self._queues[str(device)] = queues_for(device)
+        return self._queues[str(device)]
 
     def add(self, device: str, size: int) -> None:
         self.live[device] += size
@@ -514,7 +530,7 @@ class StreamHook(_MovingHook):
                 owner[key] = _START  # also held outside every block (T5's encoder.embed_tokens ties shared): kept
             groups[owner.get(key, _START)].append(slot)
         self.root = _Group(groups[_START], f"{self.component} (root)")
-        self.blocks = [_Group(groups[i], p) for i, p in enumerate(paths)]
+        self.blocks = [_Group(groups[i], f"{self.component}.{p}") for i, p in enumerate(paths)]
         kept = set(self.spec.resident)
         self.kept = [g for g, p in zip(self.blocks, paths) if p in kept and g.slots]
         self.root_kept = "" in kept and bool(self.root.slots)  # the root's tensors stay too: only blocks move

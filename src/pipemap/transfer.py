@@ -31,7 +31,7 @@ from rich.table import Table
 from .errors import UnknownDeviceError
 from .hardware import normalize_device
 
-STATUSES = ("ok", "corrupted", "no_peer")
+STATUSES = ("ok", "corrupted", "no_peer", "error")  # error: the copy raised
 # The first driver that stops GeForce RTX 40 cards from silently corrupting peer-to-peer copies (accelerate's
 # check_cuda_p2p_ib_support uses the same version).
 FIXED_DRIVER = "550.40.07"
@@ -193,10 +193,11 @@ class TransferKey:
 
 @dataclass(frozen=True)
 class TransferReport:
-    """The result of ``check_transfers``: a status per ordered pair, ``"ok"``, ``"corrupted"`` or ``"no_peer"``.
+    """The result of ``check_transfers``: a status per ordered pair, ``"ok"``, ``"corrupted"`` (data arrived
+    wrong), ``"no_peer"`` (right, through the host) or ``"error"`` (the copy raised).
 
-    ``details`` says what went wrong for a corrupted pair; ``cached`` is True when the result came from an earlier
-    run (this process or the disk cache) and ``elapsed`` is then that run's time.
+    ``details`` says what went wrong for a corrupted or failed pair; ``cached`` is True when the result came from an
+    earlier run (this process or the disk cache) and ``elapsed`` is then that run's time.
 
     >>> report = check_transfers(["cpu", "cpu:1"])
     >>> report.pairs
@@ -219,9 +220,13 @@ class TransferReport:
         return tuple(pair for pair, status in self.pairs.items() if status == "no_peer")
 
     @property
+    def errors(self) -> tuple[Pair, ...]:
+        return tuple(pair for pair, status in self.pairs.items() if status == "error")
+
+    @property
     def ok(self) -> bool:
-        """True when no pair is corrupted (``no_peer`` pairs copy correctly, through the host)."""
-        return not self.corrupted
+        """True when no pair is corrupted or failed (``no_peer`` pairs copy correctly, through the host)."""
+        return not self.corrupted and not self.errors
 
     def table(self) -> Table:
         """The matrix as a rich table: one row per source, one column per destination."""
@@ -267,8 +272,9 @@ def check_transfers(devices: Iterable[str | int | torch.device] | None = None, c
 
     The result is cached for the process and on disk (``$PIPEMAP_CACHE_DIR`` or ``$HF_HOME/pipemap``), keyed by the
     driver version, torch version and GPU set, so a driver update runs it again; ``refresh=True`` always runs it.
-    ``copy(tensor, source, destination)`` replaces the direct copy, to test with a faulty one. The check only
-    reports; ``ensure_safe_transfers`` also stages the corrupted pairs.
+    ``copy(tensor, source, destination)`` replaces the direct copy, to test with a faulty one: its result says
+    nothing about this machine, so it is neither read from nor written to any cache. The check only reports;
+    ``ensure_safe_transfers`` also stages the corrupted and failed pairs.
 
     >>> report = pipemap.check_transfers()                       # doctest: +SKIP
     >>> report.corrupted                                          # doctest: +SKIP
@@ -277,10 +283,12 @@ def check_transfers(devices: Iterable[str | int | torch.device] | None = None, c
     """
     endpoints = _endpoints(devices)
     key = transfer_key(endpoints)
+    if copy is not None:
+        return _run_check(endpoints, key, copy)
     cached = None if refresh else _cached(key)
     if cached is not None:
         return cached
-    report = _run_check(endpoints, key, copy or _direct_copy)
+    report = _run_check(endpoints, key, _direct_copy)
     _store(report)
     return report
 
@@ -306,13 +314,18 @@ def ensure_safe_transfers(devices: Iterable[str | int | torch.device], copy: Cop
 
 
 def stage_unsafe_pairs(report: TransferReport) -> tuple[Pair, ...]:
-    """Stage every corrupted pair of ``report`` (that pair only, that direction only); warn once per pair."""
-    for pair in report.corrupted:
+    """Stage every corrupted or failed pair of ``report`` (that pair only, that direction only); warn once per
+    pair."""
+    unsafe = report.corrupted + report.errors
+    for pair in unsafe:
         _STAGED.add(pair)
         if pair not in _WARNED:
             _WARNED.add(pair)
-            warnings.warn(unsafe_advice(pair, report.key), UnsafeTransferWarning, stacklevel=3)
-    return report.corrupted
+            advice = unsafe_advice(pair, report.key)
+            if pair in report.errors:
+                advice = f"{advice}. The copy raised: {report.details.get(pair, '')}"
+            warnings.warn(advice, UnsafeTransferWarning, stacklevel=3)
+    return unsafe
 
 
 def unsafe_advice(pair: Pair, key: TransferKey) -> str:
@@ -325,10 +338,34 @@ def unsafe_advice(pair: Pair, key: TransferKey) -> str:
 
 
 def transfer_key(devices: Iterable[str]) -> TransferKey:
-    """The cache key for a check of ``devices``: driver version, torch version, device names, GPU names."""
+    """The cache key for a check of ``devices``: driver version, torch version, device names, and each GPU's name
+    with its UUID and PCI bus id (in device order), so another physical pair of same-named GPUs is checked again."""
     names = tuple(sorted(devices))
-    gpus = tuple(sorted(torch.cuda.get_device_name(torch.device(d)) for d in names if d.startswith("cuda")))
+    gpus = tuple(gpu_identity(d) for d in names if d.startswith("cuda"))
     return TransferKey(driver_version(), torch.__version__, names, gpus)
+
+
+def gpu_identity(device: str) -> str:
+    """``"NVIDIA GeForce RTX 4090 GPU-8f3c... pci 0000:41:00"``: the GPU's name, UUID and PCI bus id."""
+    props = torch.cuda.get_device_properties(torch.device(device))
+    uuid = getattr(props, "uuid", "")
+    bus = (f"pci {getattr(props, 'pci_domain_id', 0):04x}:{getattr(props, 'pci_bus_id', 0):02x}:"
+           f"{getattr(props, 'pci_device_id', 0):02x}")
+    return f"{props.name} {uuid} {bus}".replace("  ", " ")
+
+
+def plan_devices(plan) -> list[str]:
+    """Every device ``plan`` copies between: the pipeline's execution device, each component's home and execution
+    device, and the GPUs its split shards live on.
+
+    >>> plan = pipemap.plan("path/to/wan", hardware="2x16GiB", strategy="auto")        # doctest: +SKIP
+    >>> plan_devices(plan)                                                            # doctest: +SKIP
+    ['cuda:0', 'cpu', 'cuda:1']
+    """
+    found = [plan.execution_device]
+    for p in plan.components:
+        found += [p.device, p.execution_device, *(device for _, device, _ in p.shards)]
+    return list(dict.fromkeys(found))
 
 
 def _endpoints(devices) -> list[str]:
@@ -386,8 +423,8 @@ def _check_pair(source: str, destination: str, copy: Copy, made: dict, labels: l
     try:
         arrived = [copy(tensor, source, destination) for tensor in made[source]]
         same = torch.stack([_same(a, e) for a, e in zip(arrived, made[destination])]).tolist()  # one sync
-    except Exception as err:  # a copy that fails outright is as unusable as one that corrupts
-        return "corrupted", f"the copy raised {type(err).__name__}: {err}"
+    except Exception as err:  # a copy that fails outright: as unusable as a corrupting one, but not the same fault
+        return "error", f"the copy raised {type(err).__name__}: {err}"
     wrong = [label for label, ok in zip(labels, same) if not ok]
     if wrong:
         return "corrupted", f"{len(wrong)} of {len(labels)} patterns arrived wrong, first {wrong[0]}"
