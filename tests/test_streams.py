@@ -11,20 +11,25 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pipemap
 from conftest import plain_pipeline, run
-from pipemap import offload, standin, streams
+from pipemap import granularity, offload, standin, streams
 from pipemap.plan import Placement, Plan
 
 
 def _moving(base: Plan, modes: dict[str, tuple[str, str]]) -> Plan:
-    """``base`` with the components of ``modes`` moved: ``{name: (mode, execution GPU)}``, their room the charge
-    the inventory gives (blocks in flight) or the component's bytes (offload)."""
+    """``base`` with the components of ``modes`` moved: ``{name: (mode, execution GPU)}``; streamed ones cut as
+    finely as the planner can (their charge: ``granularity.layout`` at the inventory's bytes in flight), offloaded
+    ones with the component's bytes as room."""
     inv = {c.name: c for c in base_inventory[0].models}
     parts = []
     for p in base.components:
         if p.component in modes:
             mode, gpu = modes[p.component]
-            room = inv[p.component].in_flight if mode == "stream" else inv[p.component].bytes
-            p = Placement(p.component, "cpu", p.bytes, mode, gpu, room)
+            if mode == "stream":  # its pieces as the planner lays them out at the fewest bytes it can stream in
+                found = granularity.layout(inv[p.component].tree, inv[p.component].in_flight)
+                p = Placement(p.component, "cpu", p.bytes, mode, gpu, found.in_flight, (), found.blocks,
+                              found.resident, found.resident_bytes, found.prefetch, found.level)
+            else:
+                p = Placement(p.component, "cpu", p.bytes, mode, gpu, inv[p.component].bytes)
         parts.append(p)
     return dataclasses.replace(base, components=tuple(parts))
 
@@ -64,7 +69,7 @@ def test_held_bytes_stay_within_the_charge_whatever_the_host_runs_ahead(tiny_fol
     monkeypatch.setattr(streams.ModelQueues, "lag", lag)
     report = pipemap.simulate(tiny_folders["sd"], sd_plan)
     assert report.ok, report.error
-    charges = {gpu: max(p.room for p in sd_plan.components if p.execution_device == gpu)
+    charges = {gpu: max(p.room + p.resident_bytes for p in sd_plan.components if p.execution_device == gpu)
                for gpu in ("cuda:0", "cuda:1")}
     assert {str(q.device) for q in model_queues} == {"meta:0", "meta:1"}
     for queues in model_queues:

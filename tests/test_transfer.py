@@ -135,17 +135,22 @@ def test_an_injected_copy_never_reaches_the_cache(machine):
     assert check_transfers(DEVICES).ok and check_transfers(DEVICES).cached and good.calls == 6 * 24
 
 
-def test_dispatch_checks_every_gpu_a_stream_and_split_plan_copies_between(monkeypatch):
+# the README's auto plans on 2x16GiB: Wan 2.1 streams its transformer and VAE to cuda:1, where no component lives;
+# Flux.1-dev splits its transformer over both GPUs and streams its text encoders to cuda:1
+@pytest.mark.parametrize(("name", "shape"), [("wan2.1-t2v-14b", "stream"), ("flux.1-dev", "split")])
+def test_dispatch_checks_every_gpu_a_stream_and_split_plan_copies_between(monkeypatch, name, shape):
     import importlib
 
     from pipemap import catalog
 
     dispatch = importlib.import_module("pipemap.dispatch")  # the module: pipemap.dispatch is the function
-    # the README's Wan 2.1 plan on 2x16GiB: text encoder streamed to cuda:1, transformer split over cuda:0 and
-    # cuda:1, vae streamed to cuda:1; no component lives on cuda:1
-    plan = pipemap.plan(catalog.inventory("wan2.1-t2v-14b"), hardware="2x16GiB", strategy="auto")
+    plan = pipemap.plan(catalog.inventory(name), hardware="2x16GiB", strategy="auto")
     modes = {p.component: (p.mode, p.execution_device) for p in plan.components}
-    assert modes["transformer"][0] == "split" and "cuda:1" not in plan.device_map.values()
+    assert ("stream", "cuda:1") in modes.values()
+    if shape == "stream":
+        assert "cuda:1" not in plan.device_map.values()  # only the execution GPU names it
+    else:
+        assert modes["transformer"][0] == "split"
     assert set(transfer.plan_devices(plan)) == {"cuda:0", "cuda:1", "cpu"}
     seen = []
 
