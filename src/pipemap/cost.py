@@ -158,23 +158,43 @@ def calls_per_image(component: Component, work: Workload) -> int:
 
 def component_cost(placement: Placement, component: Component, dtype_bytes: int, perf: Performance,
                    work: Workload, mechanism: Mechanism = PIPEMAP) -> Cost:
-    """Seconds one image spends in a component as placed: its compute, plus the moves its mode implies."""
+    """Seconds one image spends in a component as placed: its compute, plus the moves its mode implies
+    (``moved_per_image`` bytes, over the host link or between GPUs)."""
     rate = perf.flops if is_accelerator(placement.execution_device) else perf.cpu_flops
     calls = calls_per_image(component, work)
     compute = calls * flops_per_call(component, dtype_bytes, work) / rate
     bandwidth = perf.host_bandwidth * (1.0 if mechanism.pinned else PAGEABLE_SHARE)
-    transfer, total = 0.0, compute
+    moved = moved_per_image(placement, component, work)
     if placement.mode == "offload":  # one onload per image: the LRU keeps it while the others' calls run
-        transfer = component.bytes / bandwidth * (2 if mechanism.copy_back else 1)
-        total = compute + transfer
-    elif placement.mode == "stream":
-        transfer, total = _stream_seconds(placement, component, compute, calls, bandwidth, mechanism)
-    elif placement.mode == "split":  # each block away from home: its activations go there and back at every call
-        transfer = calls * 2 * split_hops(placement) * work.latent_tokens * ACTIVATION_BYTES / perf.peer_bandwidth
-        total = compute + transfer
-    elif placement.mode == "replicated":
-        return replicated_cost(placement, compute, calls, perf, work)
-    return Cost(component.name, compute, transfer, total)
+        transfer = moved / bandwidth * (2 if mechanism.copy_back else 1)
+        return Cost(component.name, compute, transfer, compute + transfer)
+    if placement.mode == "stream":
+        return Cost(component.name, compute, *_stream_seconds(placement, component, compute, calls, bandwidth,
+                                                              mechanism))
+    if placement.mode == "replicated":  # each call's parts run at once on the copies
+        parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas))
+        transfer = moved / perf.peer_bandwidth
+        return Cost(component.name, compute / parts, transfer, compute / parts + transfer)
+    transfer = moved / perf.peer_bandwidth  # split: activations to each run of shards and back; resident: none
+    return Cost(component.name, compute, transfer, compute + transfer)
+
+
+def moved_per_image(placement: Placement, component: Component, work: Workload) -> float:
+    """Bytes one image moves for a component as placed: an offloaded one once (the LRU keeps it while the others
+    run), a streamed one its non-resident pieces at each call, a split one its activations to each run of shards
+    and back at each call, a replicated one the batch parts sent to its copies (latents and prompt, there and
+    back); a resident one nothing."""
+    calls = calls_per_image(component, work)
+    if placement.mode == "offload":
+        return component.bytes
+    if placement.mode == "stream":
+        return calls * _moved_per_call(placement, component)[0]
+    if placement.mode == "split":
+        return calls * 2 * split_hops(placement) * work.latent_tokens * ACTIVATION_BYTES
+    if placement.mode == "replicated":
+        parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas))
+        return calls / GUIDANCE_BATCH * (parts - 1) * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES)
+    return 0
 
 
 def _stream_seconds(placement: Placement, component: Component, compute: float, calls: int, bandwidth: float,
@@ -188,15 +208,6 @@ def _stream_seconds(placement: Placement, component: Component, compute: float, 
     hidden = overlap * min(compute, transfer)
     total = compute + transfer - hidden + calls * (copies * COPY_LATENCY + (first / bandwidth if overlap else 0))
     return transfer, total
-
-
-def replicated_cost(placement: Placement, compute: float, calls: int, perf: Performance, work: Workload) -> Cost:
-    """A denoiser with copies: the parts of each batched call (both guidance halves) run at once, so its compute
-    divides by the copies that get a part; each part away from home sends its latents and prompt there and back."""
-    parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas))
-    per_call = (parts - 1) * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES)
-    transfer = calls / GUIDANCE_BATCH * per_call / perf.peer_bandwidth
-    return Cost(placement.component, compute / parts, transfer, compute / parts + transfer)
 
 
 def _moved_per_call(placement: Placement, component: Component) -> tuple[int, int, int]:
@@ -229,30 +240,12 @@ def split_hops(placement: Placement) -> int:
 
 
 def bytes_moved(plan: Plan, inventory: Inventory, work: Workload | None = None) -> dict[str, int]:
-    """Bytes each planned component moves per image (the pipeline's default call unless ``work`` is given): an
-    offloaded one once (the LRU keeps it while the others run), a streamed one its non-resident pieces at each
-    call, a split one its activations to each shard and back at each call, a replicated one its batch halves."""
+    """Bytes each planned component moves per image (``moved_per_image``), at the pipeline's default call unless
+    ``work`` is given."""
     work = work or workload_for(inventory)
     by_name = {c.name: c for c in inventory.models}
-    moved = {}
-    for p in plan.components:
-        component = by_name.get(p.component)
-        if component is None:
-            continue
-        calls = calls_per_image(component, work)
-        if p.mode == "offload":
-            moved[p.component] = component.bytes
-        elif p.mode == "stream":
-            moved[p.component] = calls * _moved_per_call(p, component)[0]
-        elif p.mode == "split":
-            moved[p.component] = calls * 2 * split_hops(p) * work.latent_tokens * ACTIVATION_BYTES
-        elif p.mode == "replicated":
-            parts = min(GUIDANCE_BATCH, 1 + len(p.replicas))
-            moved[p.component] = round(calls / GUIDANCE_BATCH * (parts - 1) * (
-                work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES))
-        else:
-            moved[p.component] = 0
-    return moved
+    return {p.component: round(moved_per_image(p, by_name[p.component], work))
+            for p in plan.components if p.component in by_name}
 
 
 def seconds_per_image(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None,

@@ -235,6 +235,8 @@ class FolderNotEmptyError(PipemapError, ValueError):
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
 # ---- parallel.py: overlapped requests and denoiser replicas --------------------------------------------------------
 
 

@@ -13,16 +13,26 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .streams import stream_charge
-
-if TYPE_CHECKING:
-    from .inventory import Block
 
 MAX_PREFETCH = 3  # pieces fetched ahead at most: beyond that the copies queue behind each other anyway
 PREFETCH_SHARE = 4  # a prefetch deeper than one piece is taken when all the buffers fill at most 1/4 of the room
 LOOSE = ""  # the name of the loose tensors among the resident pieces
+
+
+@dataclass(frozen=True)
+class Block:
+    """A module of a component as streaming sees it: its path, the bytes of its subtree, the bytes of its own
+    tensors (not in a child) and its children in natural order. ``container``: a ModuleList or ModuleDict (from
+    names: all children numbered), whose own forward never runs, so it is never moved as one piece.
+    ``inventory.block_tree`` makes them from tensor names."""
+
+    path: str
+    bytes: int
+    own: int = 0
+    children: tuple[Block, ...] = ()
+    container: bool = False
 
 
 @dataclass(frozen=True)

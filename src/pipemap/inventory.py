@@ -28,7 +28,7 @@ from .errors import (
     UnknownDtypeError,
     VariantNotFoundError,
 )
-from .granularity import finest_in_flight
+from .granularity import Block, finest_in_flight
 from .streams import aligned
 
 # safetensors dtype codes -> bytes per element
@@ -48,19 +48,6 @@ DENOISERS = ("transformer", "unet", "prior", "decoder", "transformer_2")
 PER_STEP = (*DENOISERS, "controlnet")
 # Modules whose children are the blocks a streamed component is moved by: a list's own hook never fires.
 _LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
-
-
-@dataclass(frozen=True)
-class Block:
-    """A module of a component as streaming sees it: its path, the bytes of its subtree, the bytes of its own
-    tensors (not in a child) and its children in natural order. ``container``: a ModuleList or ModuleDict (from
-    names: all children numbered), whose own forward never runs, so it is never moved as one piece."""
-
-    path: str
-    bytes: int
-    own: int = 0
-    children: tuple[Block, ...] = ()
-    container: bool = False
 
 
 @dataclass(frozen=True)

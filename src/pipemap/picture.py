@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import TYPE_CHECKING
 
 from .units import format_bytes
 
-if TYPE_CHECKING:  # plan.py imports this module inside Plan.picture
-    from .plan import Placement, Plan
+# A ``plan.Plan`` and its placements are read by their fields: plan.py imports this module (``Plan.picture``), so
+# this one does not import plan.py.
 
 # fills chosen to differ in lightness as well as hue, so neighbours stay apart in greyscale
 PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#145a32", "#f9e79f", "#4d5656",
@@ -82,7 +81,7 @@ class Picture:
         return buffer.getvalue().rstrip()
 
 
-def plan_picture(plan: Plan, moved: Mapping[str, int] | None = None) -> Picture:
+def plan_picture(plan, moved: Mapping[str, int] | None = None) -> Picture:
     """The picture of ``plan``: per device, each component it holds (offloaded and streamed components as the most
     they hold there at once), the headroom and the budget line.
 
@@ -97,7 +96,7 @@ def plan_picture(plan: Plan, moved: Mapping[str, int] | None = None) -> Picture:
     return Picture(title, bars, _links(plan, moved or {}))
 
 
-def _bar(plan: Plan, device: str, memory: int, budget: int, used: int) -> Bar:
+def _bar(plan, device: str, memory: int, budget: int, used: int) -> Bar:
     segments = [Segment(p.component, _held_at_home(p), p.mode) for p in plan.components
                 if p.device == device and _held_at_home(p)]
     segments += [Segment(f"{p.component} (shards)", sum(s for _, d, s in p.shards if d == device), "split")
@@ -118,12 +117,12 @@ def _bar(plan: Plan, device: str, memory: int, budget: int, used: int) -> Bar:
     return Bar(device, memory, budget, used, tuple(segments))
 
 
-def _held_at_home(p: Placement) -> int:
+def _held_at_home(p) -> int:
     """What a placement keeps on its own device: a split one keeps all but its shards."""
     return p.bytes - sum(s for _, _d, s in p.shards) if p.mode == "split" else p.bytes
 
 
-def _links(plan: Plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
+def _links(plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
     totals: dict[tuple[str, str], int] = {}
     for p in plan.components:
         amount = moved.get(p.component, 0)
@@ -134,7 +133,7 @@ def _links(plan: Plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
     return tuple(Link(s, t, b) for (s, t), b in totals.items())
 
 
-def _shard_device(p: Placement) -> str:
+def _shard_device(p) -> str:
     return p.shards[0][1] if p.shards else p.device
 
 
