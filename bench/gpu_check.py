@@ -626,9 +626,9 @@ def transfer_check(cuda: bool) -> dict:
 
 
 def pinned_now() -> int:
-    import pipemap.offload
+    from pipemap.hooks import packing
 
-    return pipemap.offload.pinned_bytes()
+    return packing.pinned_bytes()
 
 
 def doctor() -> str:

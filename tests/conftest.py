@@ -9,10 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from diffusers import DiffusionPipeline  # noqa: E402
 from diffusers.utils import logging as diffusers_logging  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
+from helpers import plain_pipeline  # noqa: E402
 from pipemap import tiny  # noqa: E402
 
 torch.set_num_threads(1)
@@ -37,14 +37,3 @@ def reference_outputs(tiny_folders) -> dict[str, torch.Tensor]:
         pipe = plain_pipeline(folder)
         outputs[kind] = torch.as_tensor(pipe(**tiny.default_call(pipe, kind)).images)
     return outputs
-
-
-def plain_pipeline(folder: str, **kwargs):
-    pipe = DiffusionPipeline.from_pretrained(folder, **kwargs)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def run(pipe, kind: str) -> torch.Tensor:
-    pipe.set_progress_bar_config(disable=True)
-    return torch.as_tensor(pipe(**tiny.default_call(pipe, kind)).images)

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
+import pytest
 from PIL import Image
 
-
-def pipemap_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "pipemap", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=300)
+from helpers import pipemap_cli
 
 
+@pytest.mark.slow
 def test_plan_prints_a_table(tiny_folders):
     result = pipemap_cli("plan", tiny_folders["sdxl"], "--hardware", "2x5MiB,cpu=1GiB", "--headroom", "0")
     assert result.returncode == 0, result.stderr
@@ -23,6 +18,7 @@ def test_plan_prints_a_table(tiny_folders):
         assert word in result.stdout
 
 
+@pytest.mark.slow
 def test_plan_json_with_dtype_and_map(tiny_folders):
     result = pipemap_cli("plan", tiny_folders["sd"], "--hardware", "2x24GiB", "--dtype", "float16", "--variant",
                          "fp16", "--strategy", '{"vae": "cuda:1"}', "--json")
@@ -33,6 +29,7 @@ def test_plan_json_with_dtype_and_map(tiny_folders):
     assert set(data["devices"]) == {"cuda:0", "cuda:1", "cpu"}
 
 
+@pytest.mark.slow
 def test_plan_error_is_reported_with_exit_code_2(tiny_folders, tmp_path):
     result = pipemap_cli("plan", str(tmp_path), "--hardware", "2x24GiB")
     assert result.returncode == 2 and "model_index.json" in result.stderr
@@ -40,6 +37,7 @@ def test_plan_error_is_reported_with_exit_code_2(tiny_folders, tmp_path):
     assert result.returncode == 2 and "24Gx" in result.stderr
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
     output = tmp_path / "demo.png"
     result = pipemap_cli("demo", "--hardware", "2x5MiB,cpu=1GiB", "--output", str(output))
@@ -49,12 +47,14 @@ def test_demo_runs_end_to_end(tmp_path):
     assert Image.open(output).size == (32, 32)
 
 
+@pytest.mark.slow
 def test_demo_on_this_machine(tmp_path):
     result = pipemap_cli("demo", "--output", "demo.png", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "demo.png").is_file()
 
 
+@pytest.mark.slow
 def test_simulate_through_the_command_line(tiny_folders):
     result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x4MiB,cpu=1GiB", "--headroom", "0",
                          "--strategy", "sequential", "--height", "64", "--width", "64", "--steps", "1")
@@ -62,6 +62,7 @@ def test_simulate_through_the_command_line(tiny_folders):
     assert "dry run ok" in result.stdout and "cuda:2" in result.stdout
 
 
+@pytest.mark.slow
 def test_run_generates_an_image_with_an_offloading_plan(tiny_folders, tmp_path):
     output = tmp_path / "run.png"
     result = pipemap_cli("run", tiny_folders["sd"], "--prompt", "a tiny cat", "--hardware", "cuda:0=3.3MiB,cpu=1GiB",

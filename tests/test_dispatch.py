@@ -7,8 +7,9 @@ import torch
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
 import pipemap
-from conftest import plain_pipeline, run
-from pipemap.dispatch import PlacementHook, planned
+from helpers import plain_pipeline, run
+from pipemap.dispatch import planned
+from pipemap.hooks import PlacementHook
 from pipemap.plan import Placement
 
 TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny models: unet 3.0 MiB, vae 2.5, controlnet 1.6, text encoders 0.2

@@ -63,6 +63,7 @@ def failing_at(position: int, real):
     return move_tensor
 
 
+@pytest.mark.slow
 def test_a_failure_at_every_tensor_restores_everything(pipe_and_plan, monkeypatch):
     pipe, plan = pipe_and_plan
     monkeypatch.setattr(dispatch_module, "_check_standins", lambda modules, plan: None)

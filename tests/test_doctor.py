@@ -22,6 +22,7 @@ def clean(tmp_path, monkeypatch):
     transfer.clear_transfer_cache()
 
 
+@pytest.mark.slow
 def test_doctor_command_line_without_a_gpu(tmp_path):
     # CUDA_VISIBLE_DEVICES="" hides any GPU, so this is the CPU-only machine wherever the test runs.
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PIPEMAP_CACHE_DIR=str(tmp_path))

@@ -16,11 +16,11 @@ import torch
 
 import families
 import pipemap
-from conftest import plain_pipeline
+from helpers import plain_pipeline
 from pipemap.dispatch import dispatch
+from pipemap.dryrun.trackers import StorageTracker
 from pipemap.errors import DoesNotFitError
 from pipemap.planner import forcing_hardware
-from pipemap.standin import StorageTracker
 
 STRATEGIES = ("balanced", "balanced_ultra_low_memory", "auto")
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
@@ -123,6 +123,7 @@ def _two_gpus(inventory) -> str:
     return f"2x{room}B,cpu=1GiB"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "strategy"), [(n, s) for n in LOADABLE for s in STRATEGIES_OF.get(n, STRATEGIES)])
 def test_loaded_onto_two_gpus_equals_plain(saved, name, strategy):
     family = saved(name)
@@ -179,6 +180,7 @@ def test_custom_class_in_the_folder_is_sized_and_loaded(saved, tmp_path):
                                atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _pending(LOADABLE))
 def test_dry_run_on_two_stand_in_gpus(saved, name):
     # balanced from the folder and from the loaded pipeline, with the same peaks; the other strategies (streaming,
@@ -218,6 +220,7 @@ def test_family_diffusers_cannot_reload_dry_runs_in_memory(name):
     assert report.ok, report.error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _pending(PEAK_FAMILIES, folder=False))
 def test_single_device_peak_matches_a_real_cpu_run(saved, name):
     family = saved(name)

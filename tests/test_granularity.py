@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import pipemap
-from conftest import plain_pipeline, run
-from pipemap import offload, tiny
+from helpers import plain_pipeline, run
+from pipemap import tiny
 from pipemap.cost import seconds_per_image, workload_for
-from pipemap.granularity import LOOSE, Layout, layout
+from pipemap.granularity import LOOSE, Pieces, cut
+from pipemap.hooks import packing
 from pipemap.inventory import block_tree
 
 GIB = 2**30
@@ -24,27 +25,28 @@ TREE = block_tree(SIZES)
 
 def test_coarse_pieces_where_the_room_allows():
     # two buffers of 320 beside 16 loose: 656 <= 700, so no piece is cut (nothing may stay resident here)
-    assert layout(TREE, 700, 0) == Layout((("blocks.0", 320), ("blocks.1", 160), ("head", 32)), 16, (), 1, 0)
+    assert cut(TREE, 700, 0) == Pieces((("blocks.0", 320), ("blocks.1", 160), ("head", 32)), 16, (), 1, 0)
 
 
 def test_a_piece_larger_than_its_share_is_streamed_as_its_children():
     # 400: blocks.0 is cut (attn 256, norm 64); attn (256) still too large for two buffers beside it: cut to q, k
-    found = layout(TREE, 400, 0)
+    found = cut(TREE, 400, 0)
     assert found.blocks == (("blocks.0.attn.k", 128), ("blocks.0.attn.q", 128), ("blocks.0.norm", 64),
                             ("blocks.1", 160), ("head", 32))
     assert found.level == 2 and found.in_flight == 16 + 2 * 160 <= 400
-    assert layout(TREE, 2 * 160 + 16 - 1, 0) is None  # the 160 leaf cannot be cut
+    assert cut(TREE, 2 * 160 + 16 - 1, 0) is None  # the 160 leaf cannot be cut
 
 
 def test_pieces_stay_resident_beyond_the_buffers():
-    found = layout(TREE, 600)
+    found = cut(TREE, 600)
     assert found.resident_bytes + found.in_flight <= 600
     assert LOOSE in found.resident and found.resident_bytes > 16
     assert found.moved_per_call == sum(s for _, s in found.streamed)
-    everything = layout(TREE, TREE.bytes)
+    everything = cut(TREE, TREE.bytes)
     assert everything.moved_per_call == 0 and everything.in_flight == 0
 
 
+@pytest.mark.slow
 def test_workload_follows_each_pipelines_defaults_and_the_call():
     flux = workload_for(pipemap.inspect("flux.1-dev"))
     assert (flux.steps, flux.guidance, flux.calls) == (28, False, 28)
@@ -92,6 +94,7 @@ def flux_folder(tmp_path_factory) -> str:
 
 # the tiny Flux-like pipeline's CLIP token embedding (66 KB, one leaf) alone needs two buffers of 27% of its
 # transformer: its GPUs get 15% of the transformer plus the fewest bytes the CLIP encoder streams in
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "component", "share", "extra"), [("sdxl", "unet", 0.25, None),
                                                                     ("flux", "transformer", 0.15, "text_encoder")])
 def test_streams_at_a_fraction_of_the_denoiser(tiny_folders, flux_folder, kind, component, share, extra):
@@ -131,6 +134,6 @@ def test_partly_resident_denoiser_moves_only_its_streamed_pieces(tiny_folders):
     hook = pipe.unet._hf_hook
     per_call = sum(g.nbytes for g, (path, _) in zip(hook.blocks, unet.blocks) if path not in kept)
     per_call += 0 if LOOSE in kept else hook.root.nbytes
-    assert moved["h2d_bytes"] == moved["calls"] * per_call < moved["calls"] * offload._Group(
-        offload._slots(pipe.unet.modules()).values()).nbytes
+    assert moved["h2d_bytes"] == moved["calls"] * per_call < moved["calls"] * packing.Group(
+        packing.slots(pipe.unet.modules()).values()).nbytes
     pipemap.reset(pipe)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pipemap
-from conftest import plain_pipeline
+from helpers import plain_pipeline
 from pipemap.inventory import module_bytes, read_header
 
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import pipemap
-from conftest import plain_pipeline, run
+from helpers import plain_pipeline, run
 from pipemap import tiny
-from pipemap.dispatch import PlacementHook, planned
+from pipemap.dispatch import planned
+from pipemap.hooks import PlacementHook
 
 TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny models: unet 3.0 MiB, vae 2.5, controlnet 1.6, text encoders 0.2
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
@@ -46,6 +47,7 @@ def test_load_plans_for_this_machine_with_diffusers_arguments(tiny_folders, refe
     torch.testing.assert_close(run(pipe, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_load_at_fp16_equals_plain_fp16(tiny_folders):
     folder = tiny_folders["sd"]
     pipe = pipemap.load(folder, hardware="cpu=1GiB", torch_dtype=torch.float16, variant="fp16", progress=False)

@@ -9,7 +9,7 @@ import torch
 
 import pipemap
 from pipemap import tiny
-from pipemap.dispatch import CallLock
+from pipemap.hooks import CallLock
 from pipemap.parallel import current_request
 
 TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny sd: unet 3.0 MiB; vae 2.5 + text encoder 0.2
@@ -165,6 +165,7 @@ def test_call_lock_copies_are_new_locks():
 PARALLEL_GPUS = {2: "2x8MiB,cpu=1GiB", 3: "3x8MiB,cpu=1GiB"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "gpus"), [("sd", 2), ("sdxl", 3)])
 def test_parallel_dry_run_puts_a_copy_on_each_stand_in_within_budget(kind, gpus):
     pipe = tiny.build(kind)
@@ -196,7 +197,7 @@ def test_parallel_on_the_cpu_equals_plain_diffusers(kind):
     plan = pipemap.plan(pipe, hardware=PARALLEL_GPUS[2], strategy="parallel", headroom=0.0)
     pipemap.dispatch(pipe, plan.remap(ON_CPU))
     hook = pipe.unet._hf_hook
-    assert isinstance(hook, pipemap.parallel.ReplicaHook) and len(hook.replicas) == 1
+    assert isinstance(hook, pipemap.hooks.ReplicaHook) and len(hook.replicas) == 1
     home, copies = [], []
     handles = [_thread_names(pipe.unet, home), _thread_names(hook.replicas[0], copies)]
     steps = calls[0]["num_inference_steps"]
@@ -270,7 +271,7 @@ def test_auto_weighs_replicas_and_explains_both_speeds():
 
 
 def test_loaded_onto_a_parallel_plan_and_run_many_over_replicas(tiny_folders, reference_outputs):
-    from conftest import run
+    from helpers import run
 
     plan = pipemap.plan(tiny_folders["sd"], hardware=PARALLEL_GPUS[2], strategy="parallel", headroom=0.0)
     pipe = pipemap.load(tiny_folders["sd"], plan=plan.remap(ON_CPU), progress=False)

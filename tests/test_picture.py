@@ -87,6 +87,7 @@ def test_notebook_html_holds_the_svg(tiny_folders):
     ET.fromstring(html[html.index("<svg"):html.index("</svg>") + 6])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["balanced", "balanced_ultra_low_memory"])
 def test_dry_run_timeline_peak_equals_the_reports(tiny_folders, strategy):
     plan = _plan(tiny_folders["sd"], strategy) if strategy == "balanced" else pipemap.plan(
@@ -136,6 +137,7 @@ def test_timeline_peak_and_budget():
     assert int(panel.get("data-budget")) == 35
 
 
+@pytest.mark.slow
 def test_command_line_draws_and_writes_svg(tiny_folders, tmp_path):
     import os
     import subprocess
@@ -150,6 +152,7 @@ def test_command_line_draws_and_writes_svg(tiny_folders, tmp_path):
     assert devices == {"cuda:0", "cuda:1", "cpu"}
 
 
+@pytest.mark.slow
 def test_simulate_command_writes_the_timeline(tiny_folders, tmp_path):
     import os
     import subprocess

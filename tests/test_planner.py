@@ -7,17 +7,15 @@ import json
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import pipemap
+from helpers import inventory, plan, problems
 from pipemap import (
     STRATEGIES,
     ArgumentConflictError,
-    Component,
     DeviceUse,
     DoesNotFitError,
     Hardware,
-    Inventory,
     PipemapError,
     Placement,
     Plan,
@@ -32,19 +30,6 @@ from pipemap.planner import budgets
 NO_GPU_NOTE = "no GPU on this machine or in the profile: every component runs on the CPU"
 # they work wherever a resident strategy does, so DoesNotFitError lists them beside it
 OFFLOADING = ("balanced_low_memory", "balanced_ultra_low_memory")
-
-
-def inventory(*sizes: tuple[str, int], dtype: str | None = None) -> Inventory:
-    """An inventory of models with these ``(name, bytes)`` in pipeline order, plus two weightless parts."""
-    models = tuple(Component(name, "diffusers", "Model", size, True) for name, size in sizes)
-    weightless = (Component("tokenizer", "transformers", "CLIPTokenizer"),
-                  Component("scheduler", "diffusers", "DDIMScheduler"))
-    return Inventory("test", "TestPipeline", weightless[:1] + models + weightless[1:], dtype)
-
-
-def plan(inv, hardware, **kwargs) -> Plan:
-    kwargs.setdefault("headroom", 0.0)
-    return pipemap.plan(inv, hardware=Hardware.parse(hardware), **kwargs)
 
 
 # text_encoder 30, text_encoder_2 40, unet 60, vae 20 bytes (150 in all)
@@ -474,19 +459,6 @@ def test_remap_keeps_modes():
 
 # ---- properties --------------------------------------------------------------------------------------------------
 
-NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "controlnet", "unet", "transformer",
-         "vae")
-
-
-@st.composite
-def problems(draw):
-    """An inventory of 1..8 components with sizes, and a profile of 1..4 GPUs with byte budgets."""
-    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=8, unique=True))
-    sizes = [draw(st.integers(0, 1000)) for _ in names]
-    budgets_ = draw(st.lists(st.integers(0, 2000), min_size=1, max_size=4))
-    hardware = ",".join(f"cuda:{i}={b}" for i, b in enumerate(budgets_)) + ",cpu=100000"
-    return inventory(*zip(names, sizes)), hardware
-
 
 def _try(inv, hardware, strategy):
     try:
@@ -495,6 +467,7 @@ def _try(inv, hardware, strategy):
         return err
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(problems())
 def test_every_strategy_places_each_component_once_within_budget(problem):

@@ -10,14 +10,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import pipemap
 from pipemap import tiny
 from pipemap.cli import STRATEGY_NAMES, TINY_KINDS, main
 from pipemap.planner import AUTO, STRATEGIES
 
 PACKAGE = Path(pipemap.__file__).parent
-LOWER = ("errors", "units", "hardware", "inventory", "plan")
-UPPER = ("planner", "measure", "dispatch", "offload", "simulate", "loading", "cli", "demo", "catalog")
+# The wings, lowest first: a module imports only modules of its own layer or a lower one (ARCHITECTURE.md).
+LAYERS = {
+    "values": ("errors", "units", "devices", "quiet", "hardware", "granularity", "inventory", "picture", "plan"),
+    "planning": ("replication", "cost", "planner", "catalog"),
+    "runtime": ("transfer", "streams", "hooks", "dispatch", "loading", "parallel", "traffic"),
+    "dry run": ("dryrun",),
+    "api": ("api",),
+    "tools": ("cli", "demo", "doctor", "serve", "tiny", "__main__"),
+}
+RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 
 
 def fresh_modules(code: str) -> set[str]:
@@ -37,33 +47,133 @@ def test_help_and_catalog_import_no_torch():
                                         "with contextlib.redirect_stdout(io.StringIO()): catalog.run_catalog()")
 
 
-def imports_of(module: str) -> set[str]:
-    """The pipemap modules ``module`` imports, at the top or inside functions (not those for type checkers only)."""
-    path = PACKAGE / f"{module}.py" if (PACKAGE / f"{module}.py").exists() else PACKAGE / module / "__init__.py"
-    tree = ast.parse(path.read_text())
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and getattr(block.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(block)}
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level and id(node) not in typing_only:
-            base = (node.module or "").split(".")[0]
-            found |= {base} if base else {alias.name for alias in node.names}
+def package_modules() -> dict[str, Path]:
+    """``{dotted name below pipemap: file}`` for every module of the package (``hooks.stream``, ``api``, ...)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts:
+            found[".".join(parts)] = path
     return found
 
 
-def test_lower_layers_never_import_upper_ones():
-    for module in LOWER:
-        assert not imports_of(module) & set(UPPER), module
+def _typing_only(tree: ast.AST) -> set[int]:
+    return {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+            and getattr(block.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(block)}
+
+
+def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> list[str]:
+    """The pipemap modules (dotted below pipemap) a relative ``from`` import names."""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - node.level + 1] if node.level > 1 else base
+    target = ".".join([*base, *([node.module] if node.module else [])])
+    if node.module:
+        return [target]
+    return [f"{target}.{a.name}".lstrip(".") for a in node.names]
+
+
+def imports_of(module: str) -> set[str]:
+    """The pipemap modules ``module`` imports, at the top or inside functions (not those for type checkers only),
+    as dotted names below pipemap."""
+    path = package_modules()[module]
+    tree = ast.parse(path.read_text())
+    typing_only = _typing_only(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level and id(node) not in typing_only:
+            found |= set(_absolute(module, node, path.name == "__init__.py"))
+    known = package_modules()
+    return {name if name in known else name.rpartition(".")[0] for name in found} - {"", module}
+
+
+def _wing(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_every_module_has_its_layer():
+    assert {_wing(m) for m in package_modules()} - set(RANK) == set()
+
+
+def test_imports_go_down_the_layers_never_up():
+    upward = [(m, i) for m in package_modules() for i in imports_of(m)
+              if _wing(i) != _wing(m) and RANK[_wing(i)] > RANK[_wing(m)]]
+    assert upward == []
+
+
+def test_values_import_neither_cuda_queues_nor_hooks_nor_the_dry_run():
+    values = [m for m in package_modules() if RANK[_wing(m)] == 0]
+    assert [(m, i) for m in values for i in imports_of(m) if RANK[_wing(i)] > 0] == []
 
 
 def test_no_import_circles():
-    modules = [p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"] + ["catalog"]
+    modules = package_modules()
     graph = {m: imports_of(m) & set(modules) for m in modules}
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start])
 
     assert [m for m in modules if reaches(m, m, set())] == []
+
+
+def function_level_imports() -> dict[str, list[str]]:
+    """``{module: [absolute import statement, ...]}`` for every import inside a function of the package."""
+    found: dict[str, list[str]] = {}
+    for module, path in package_modules().items():
+        tree = ast.parse(path.read_text())
+        typing_only = _typing_only(tree)
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
+                    found.setdefault(module, []).append(_statement(module, node, path.name == "__init__.py"))
+    return found
+
+
+def _statement(module: str, node: ast.Import | ast.ImportFrom, is_package: bool) -> str:
+    if isinstance(node, ast.Import):
+        return "import " + ", ".join(a.name for a in node.names)
+    names = ", ".join(a.name for a in node.names)
+    if not node.level:
+        return f"from {node.module} import {names}"
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - node.level + 1] if node.level > 1 else base
+    return f"from {'.'.join(['pipemap', *base, *([node.module] if node.module else [])])} import {names}"
+
+
+_SAVING = """
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+start = set(sys.modules)
+out = []
+for statement in json.loads(sys.argv[2]):
+    before = set(sys.modules)
+    try:
+        exec(statement, {})
+    except ImportError:  # an optional library (pynvml) not installed: importing it lazily is what keeps this working
+        out.append(True)
+        continue
+    new = set(sys.modules) - before
+    earlier = {m.split(".")[0] for m in before - start}  # what an earlier statement here brought in: saved too
+    named = statement.split()[1].split(".")[0]
+    out.append(bool(new) or named in earlier)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_every_function_level_import_saves_start_up_time():
+    # an import inside a function is allowed only where importing its module without it loads less: each statement,
+    # run after a fresh ``import pipemap.<module>``, must bring in modules that import had not (torch, diffusers'
+    # pipelines, rich, ray...); one that brings nothing new belongs at the top of its file
+    wasted = []
+    for module, statements in function_level_imports().items():
+        out = subprocess.run([sys.executable, "-c", _SAVING, f"pipemap.{module}", json.dumps(statements)],
+                             capture_output=True, text=True, check=True)
+        saved = json.loads(out.stdout.splitlines()[-1])
+        wasted += [f"{module}: {s}" for s, ok in zip(statements, saved) if not ok]
+    assert wasted == []
 
 
 def test_cli_lists_match_the_library():

@@ -10,14 +10,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pipemap
-from conftest import plain_pipeline, run
-from pipemap import granularity, offload, standin, streams
+from helpers import plain_pipeline, run
+from pipemap import granularity, streams
+from pipemap.dryrun.trackers import StorageTracker
+from pipemap.hooks import Ledger, packing
 from pipemap.plan import Placement, Plan
+from pipemap.units import aligned
 
 
 def _moving(base: Plan, modes: dict[str, tuple[str, str]]) -> Plan:
     """``base`` with the components of ``modes`` moved: ``{name: (mode, execution GPU)}``; streamed ones cut as
-    finely as the planner can (their charge: ``granularity.layout`` at the inventory's bytes in flight), offloaded
+    finely as the planner can (their charge: ``granularity.cut`` at the inventory's bytes in flight), offloaded
     ones with the component's bytes as room."""
     inv = {c.name: c for c in base_inventory[0].models}
     parts = []
@@ -25,7 +28,7 @@ def _moving(base: Plan, modes: dict[str, tuple[str, str]]) -> Plan:
         if p.component in modes:
             mode, gpu = modes[p.component]
             if mode == "stream":  # its pieces as the planner lays them out at the fewest bytes it can stream in
-                found = granularity.layout(inv[p.component].tree, inv[p.component].in_flight)
+                found = granularity.cut(inv[p.component].tree, inv[p.component].in_flight)
                 p = Placement(p.component, "cpu", p.bytes, mode, gpu, found.in_flight, (), found.blocks,
                               found.resident, found.resident_bytes, found.prefetch, found.level)
             else:
@@ -51,18 +54,22 @@ def sd_plan(tiny_folders):
 def model_queues(monkeypatch) -> list[streams.ModelQueues]:
     """Every stream model a dispatch makes, kept for the test to read."""
     made = []
+    original = Ledger.queues
 
-    def keep(device):
-        made.append(streams.queues_for(device))
-        return made[-1]
+    def keep(self, device):
+        queues = original(self, device)
+        if all(q is not queues for q in made):
+            made.append(queues)
+        return queues
 
-    monkeypatch.setattr(offload, "queues_for", keep)
+    monkeypatch.setattr(Ledger, "queues", keep)
     return made
 
 
 # ---- memory bounded by construction ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lag", [0, None])  # the GPU keeps up; the GPU does nothing until the host waits
 def test_held_bytes_stay_within_the_charge_whatever_the_host_runs_ahead(tiny_folders, sd_plan, model_queues,
                                                                         monkeypatch, lag):
@@ -101,7 +108,7 @@ def test_a_copy_into_a_buffer_still_in_use_is_refused():
 
 
 def test_memory_freed_while_a_copy_may_still_write_stays_held_in_the_dry_run_peak():
-    mode, tracker = FakeTensorMode(allow_non_fake_inputs=True), standin.StorageTracker()
+    mode, tracker = FakeTensorMode(allow_non_fake_inputs=True), StorageTracker()
     queues = streams.ModelQueues(torch.device("meta:0"))
     with mode, tracker:
         source = torch.empty(1000, dtype=torch.uint8)
@@ -118,9 +125,9 @@ def test_memory_freed_while_a_copy_may_still_write_stays_held_in_the_dry_run_pea
 
 
 def test_stream_charge():
-    assert streams.stream_charge(10, [30, 20, 50, 40]) == 110  # root + 2 buffers of the largest block
-    assert streams.stream_charge(10, [30, 20, 50, 40], depth=2) == 10 + 140  # every block at once is less than 3x50
-    assert streams.stream_charge(7, []) == 7
+    assert granularity.stream_charge(10, [30, 20, 50, 40]) == 110  # root + 2 buffers of the largest block
+    assert granularity.stream_charge(10, [30, 20, 50, 40], depth=2) == 10 + 140  # every block at once is less than 3x50
+    assert granularity.stream_charge(7, []) == 7
 
 
 # ---- pinned memory -----------------------------------------------------------------------------------------------
@@ -128,18 +135,18 @@ def test_stream_charge():
 
 def test_pinned_buffer_is_exactly_the_group_layout(monkeypatch):
     registered = []
-    monkeypatch.setattr(offload, "_pin_host", lambda buffer: registered.append(buffer.numel()))
-    monkeypatch.setattr(offload, "_unpin_host", lambda buffer: registered.append(-buffer.numel()))
+    monkeypatch.setattr(packing, "_pin_host", lambda buffer: registered.append(buffer.numel()))
+    monkeypatch.setattr(packing, "_unpin_host", lambda buffer: registered.append(-buffer.numel()))
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 2, bias=False))
     model.register_buffer("steps", torch.arange(3))
     values = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    group = offload._Group(offload._slots(model.modules()).values())
+    group = packing.Group(packing.slots(model.modules()).values())
     sizes = [t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]]
     # 60 + 20 + 20 + 20 + 40 + 24 bytes; in the layout each start is aligned to 16: 64 + 32 + 32 + 32 + 48 + 24
     assert group.nbytes == sum(sizes) == 184
-    assert group.layout.nbytes == sum(streams.aligned(s) for s in sizes[:-1]) + sizes[-1] == 232
+    assert group.layout.nbytes == sum(aligned(s) for s in sizes[:-1]) + sizes[-1] == 232
     group.pin()
-    assert registered == [group.layout.nbytes] and offload.pinned_bytes() == 232
+    assert registered == [group.layout.nbytes] and packing.pinned_bytes() == 232
     host = group.host.data_ptr()
     assert all(host <= s.get().data_ptr() < host + 200 for s in group.slots)  # every master a view of it
     assert all(torch.equal(model.state_dict()[n], v) for n, v in values.items())
@@ -149,7 +156,7 @@ def test_pinned_buffer_is_exactly_the_group_layout(monkeypatch):
     current = group.host  # held here, so the allocator cannot hand its addresses to the new masters
     start, end = current.data_ptr(), current.data_ptr() + current.numel() * current.element_size()
     group.unpin()
-    assert registered[-1] == -group.layout.nbytes and offload.pinned_bytes() == 0
+    assert registered[-1] == -group.layout.nbytes and packing.pinned_bytes() == 0
     assert all(not (start <= s.get().data_ptr() < end) for s in group.slots)  # masters of their own again
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pipemap
-from conftest import plain_pipeline, run
+from helpers import plain_pipeline, run
 from pipemap import transfer
 from pipemap.transfer import (
     TransferReport,

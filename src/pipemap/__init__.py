@@ -43,14 +43,15 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it, imported when the name is first read
 _LAZY = {
-    "dispatch": "dispatch", "reset": "dispatch",
-    "Device": "hardware", "Hardware": "hardware", "normalize_device": "hardware",
-    "Component": "inventory", "Inventory": "inventory", "inspect": "planner",
-    "load": "loading", "stats": "offload",
+    "plan": "api", "inspect": "api", "load": "api", "simulate": "api", "estimate": "api", "Request": "api",
+    "Estimate": "api",
+    "dispatch": "dispatch", "reset": "dispatch", "stats": "dispatch",
+    "normalize_device": "devices", "Device": "hardware", "Hardware": "hardware",
+    "Component": "inventory", "Inventory": "inventory",
     "current_request": "parallel", "iter_many": "parallel", "run_many": "parallel",
     "DeviceUse": "plan", "Placement": "plan", "Plan": "plan",
-    "STRATEGIES": "planner", "plan": "measure",
-    "Failure": "simulate", "SimulationReport": "simulate", "simulate": "simulate",
+    "STRATEGIES": "planner",
+    "Failure": "dryrun.report", "SimulationReport": "dryrun.report",
     "PipemapWarning": "transfer", "TransferReport": "transfer", "UnsafeTransferWarning": "transfer",
     "check_transfers": "transfer",
 }
@@ -70,7 +71,7 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     """Importing the submodule ``pipemap.plan`` sets the package's attribute ``plan`` to that module; the functions
-    ``plan``, ``dispatch`` and ``simulate`` share their modules' names and must not be hidden by them."""
+    ``plan`` and ``dispatch`` share their modules' names and must not be hidden by them."""
 
     def __setattr__(self, name: str, value) -> None:
         if name in _LAZY and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
@@ -82,16 +83,15 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eagerly
-    from .dispatch import dispatch, reset
-    from .hardware import Device, Hardware, normalize_device
+    from .api import Estimate, Request, estimate, inspect, load, plan, simulate
+    from .devices import normalize_device
+    from .dispatch import dispatch, reset, stats
+    from .dryrun.report import Failure, SimulationReport
+    from .hardware import Device, Hardware
     from .inventory import Component, Inventory
-    from .loading import load
-    from .measure import plan
-    from .offload import stats
     from .parallel import current_request, iter_many, run_many
     from .plan import DeviceUse, Placement, Plan
-    from .planner import STRATEGIES, inspect
-    from .simulate import Failure, SimulationReport, simulate
+    from .planner import STRATEGIES
     from .transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
 
 __all__ = [
@@ -103,5 +103,5 @@ __all__ = [
     "UnknownStrategyError", "VariantNotFoundError", "__version__", "dispatch", "format_bytes", "inspect", "load",
     "normalize_device", "parse_bytes", "plan", "reset", "Failure", "SimulationReport", "simulate", "PipemapWarning",
     "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
-    "current_request", "iter_many", "run_many",
+    "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request",
 ]

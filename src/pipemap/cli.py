@@ -11,9 +11,11 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
-from .errors import HeadroomError, PipemapError, UnknownStrategyError
+from .errors import FolderNotEmptyError, HeadroomError, PipemapError, UnknownStrategyError
+from .quiet import quiet_progress
 
 # the same names as planner.STRATEGIES and "auto" (a test checks they agree); written out so --help imports no torch
 STRATEGY_NAMES = ("balanced", "sequential", "balanced_low_memory", "balanced_ultra_low_memory", "balanced_split",
@@ -34,8 +36,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _quiet_libraries() -> None:
     """Library chatter that tells a command-line user nothing: info logs, and warnings about library internals."""
-    import warnings
-
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -153,29 +153,29 @@ def _headroom(text: str | None):
         raise HeadroomError(text, f"--headroom is not valid JSON ({err})") from None
 
 
-def _planned(args):
-    """The plan the ``--hardware --strategy --dtype --variant --headroom`` options ask for."""
-    from .measure import plan
+def _request(args):
+    """The request the ``--hardware --strategy --dtype --variant --headroom`` options make (``api.Request``)."""
+    from .api import Request  # here: it imports torch, which --help does not need
 
-    return plan(args.path, hardware=args.hardware, strategy=_strategy(args.strategy), dtype=args.dtype,
-                variant=args.variant, headroom=_headroom(args.headroom))
+    return Request.of(args.path, hardware=args.hardware, strategy=_strategy(args.strategy), dtype=args.dtype,
+                      variant=args.variant, headroom=_headroom(args.headroom))
 
 
 def _plan(args) -> int:
-    result = _planned(args)
+    request = _request(args)
+    result = request.plan()
     print(result.to_json() if args.json else result)
     if args.picture or args.svg:
-        _draw(args, result)
+        _draw(args, request, result)
     return 0
 
 
-def _draw(args, result) -> None:
+def _draw(args, request, result) -> None:
     from rich.console import Console
 
     from .cost import bytes_moved
-    from .planner import inspect  # a folder or a catalog name
 
-    moved = {k: v for k, v in bytes_moved(result, inspect(args.path, args.dtype, args.variant)).items() if v}
+    moved = {k: v for k, v in bytes_moved(result, request.inventory()).items() if v}
     picture = result.picture(moved)
     if args.picture:
         Console(width=80).print(picture)
@@ -185,9 +185,9 @@ def _draw(args, result) -> None:
 
 
 def _simulate(args) -> int:
-    from .simulate import simulate
+    from .api import simulate
 
-    result = _planned(args)
+    result = _request(args).plan()
     print(result)
     options = {k: v for k, v in (("height", args.height), ("width", args.width), ("output_type", args.output_type))
                if v}
@@ -203,8 +203,7 @@ def _run(args) -> int:
 
     options = {k: v for k, v in (("num_inference_steps", args.steps), ("height", args.height),
                                  ("width", args.width)) if v}
-    return generate(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant,
-                    _headroom(args.headroom), args.prompt, args.seed, options, Path(args.output))
+    return generate(_request(args), args.prompt, args.seed, options, Path(args.output))
 
 
 def _serve(args) -> int:
@@ -235,8 +234,6 @@ def _demo(args) -> int:
 
 def _tiny_save(args) -> int:
     from . import tiny
-    from .errors import FolderNotEmptyError
-    from .quiet import quiet_progress
 
     folder = Path(args.folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):

@@ -14,8 +14,9 @@ import collections
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from .devices import is_accelerator
 from .granularity import LOOSE
-from .hardware import Performance, is_accelerator
+from .hardware import Performance
 from .inventory import PER_STEP, Component, Inventory
 from .plan import Placement, Plan
 

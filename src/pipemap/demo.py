@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from diffusers import DiffusionPipeline
+from PIL import Image
 
 from . import tiny
-from .dispatch import planned
-from .hardware import Hardware
-from .loading import load
-from .measure import plan as make_plan
+from .api import Request, load, runnable
+from .dispatch import planned, stats
 from .quiet import quiet_progress
 
 
@@ -22,11 +23,9 @@ def run_demo(folder: Path, hardware: str | None, strategy, output: Path) -> int:
     with quiet_progress():
         path = tiny.save("sd", folder / "tiny-sd")
     print(f"built the tiny Stable Diffusion pipeline in code and saved it to {path}")
-    pipe = _load_here(path, make_plan(path, hardware=hardware, strategy=strategy))
+    pipe = _load_here(path, Request.of(str(path), hardware, strategy).plan())
     image = _generate(pipe)
     device = planned(pipe).execution_device
-    from diffusers import DiffusionPipeline
-
     with quiet_progress():
         plain = DiffusionPipeline.from_pretrained(path).to(device)  # the same device: the same kernels
     difference = float(np.abs(image - _generate(plain)).max())
@@ -41,16 +40,10 @@ def _tolerance(device: str) -> float:
     return 1e-5 if device == "cpu" else 2e-3
 
 
-def generate(path, hardware, strategy, dtype, variant, headroom, prompt: str, seed: int, options: dict,
-             output: Path) -> int:
-    """``pipemap run``: plan a folder (for ``hardware``, or this machine), load it onto the plan, generate one image
-    from ``prompt`` and save it; prints the plan, the time and, for offloaded components, the bytes moved."""
-    import time
-
-    from .offload import stats
-
-    plan = make_plan(path, hardware=hardware, strategy=strategy, dtype=dtype, variant=variant, headroom=headroom)
-    pipe = _load_here(path, plan)
+def generate(request: Request, prompt: str, seed: int, options: dict, output: Path) -> int:
+    """``pipemap run``: plan a folder as ``request`` asks, load it onto the plan, generate one image from ``prompt``
+    with the call ``options`` and save it; prints the plan, the time and, for offloaded components, the bytes moved."""
+    pipe = _load_here(request.source, request.plan())
     pipe.set_progress_bar_config(disable=True)
     start = time.perf_counter()
     image = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **options).images[0]
@@ -71,23 +64,13 @@ def _load_here(path, plan):
     return load(path, plan=running)
 
 
-def runnable(plan):
-    """``plan`` with the devices this machine lacks remapped onto the CPU."""
-    local = set(Hardware.detect().names)
-    missing = {d.device: "cpu" for d in plan.devices if d.device not in local}
-    return plan.remap(missing) if missing else plan
-
-
 def _generate(pipe) -> np.ndarray:
     pipe.set_progress_bar_config(disable=True)
     return pipe(**tiny.default_call(pipe, "sd", output_type="np")).images[0]
 
 
 def _save_png(image: np.ndarray, output: Path) -> None:
-    from PIL import Image
-
     output.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray((np.clip(image, 0, 1) * 255).round().astype("uint8")).save(output)
-
 
 

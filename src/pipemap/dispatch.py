@@ -1,31 +1,32 @@
 """Apply a plan to a pipeline in memory, and undo it.
 
-One accelerate hook at the root of each component moves its inputs to the component's device and its outputs to
-the pipeline's execution device, so the pipeline's own ``__call__`` runs unchanged. The hook follows the placement's
-mode: ``PlacementHook`` for a resident component, ``offload.OffloadHook`` / ``offload.StreamHook`` for one that lives
-in CPU RAM and runs on a GPU. ``dispatch`` is atomic: if
-placing any component fails, every component is put back where it was and the error says which one failed.
+``dispatch`` checks the pipeline against the plan, moves each component's tensors where the plan puts them and
+attaches one hook at the root of each component, taken by mode from ``hooks.HOOKS``: the hook moves the component's
+inputs to its device and its outputs to the pipeline's execution device, so the pipeline's own ``__call__`` runs
+unchanged. ``dispatch`` is atomic: if placing any component fails, every tensor is put back where it was and the
+error says which component failed. ``reset`` undoes a dispatch; ``stats`` reads what the hooks counted.
+
+A mapped pipeline called from several threads has its calls take turns (``guard_calls``): a call's state lives on the
+pipeline object, so two calls at once would corrupt each other (``pipemap.run_many`` runs twins instead).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from diffusers.utils.accelerate_utils import apply_forward_hook
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import ArgumentTypeError, DispatchError, PipelineMappedError, PlanMismatchError
-from .hooks import CallLock, Moved, PlacementHook
+from .hooks import Ledger, Moved, hook_component, hook_maker, unhook_component
 from .plan import Plan
+from .streams import Queues, queues_for
 from .transfer import ensure_safe_transfers, move_tensor, plan_devices
 
-__all__ = ["Moved", "PlacementHook", "SplitHook", "dispatch", "reset"]  # the hooks live in hooks.py, below offload
-
-# diffusers' VAEs run `encode`/`decode` through `apply_forward_hook`, which calls `pre_forward(module)` with no
-# arguments, so inputs would stay where they are; those methods get a wrapper of their own (found by this code).
-_FORWARD_HOOK_CODE = apply_forward_hook(lambda self: None).__code__
 _GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload",
             "reset_device_map")
 
@@ -60,11 +61,17 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     >>> pipemap.dispatch(pipe, plan); pipe.hf_device_map                          # doctest: +SKIP
     {'text_encoder': 'cuda:1', 'text_encoder_2': 'cuda:1', 'unet': 'cuda:0', 'vae': 'cuda:1'}
     """
+    place(pipe, plan, check_transfers=check_transfers)
+
+
+def place(pipe, plan: Plan, *, check_transfers: bool = True,
+          queues: Callable[[torch.device], Queues] = queues_for) -> None:
+    """``dispatch``, with ``queues`` making each device's copy queues (the dry run passes its stand-in queues)."""
     modules = _check(pipe, plan)
     if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
         ensure_safe_transfers(plan_devices(plan))  # every GPU it copies between: execution GPUs and shards too
     moves: list[Move] = []
-    make_hook = _hook_maker(plan)
+    make_hook = hook_maker(plan, queues)
     for placement in plan.components:
         module = modules[placement.component]
         try:
@@ -74,35 +81,6 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
             _undo(modules.values(), moves)
             raise DispatchError(placement.component, placement.device, err) from err
     _mark(pipe, plan)
-
-
-def _hook_maker(plan: Plan):
-    """``placement -> hook``; the offloading hooks of one dispatch share one ledger of what is onloaded where."""
-    if all(p.mode in ("resident", "split", "replicated") for p in plan.components):
-        return lambda p: _resident_hook(p, plan.execution_device)
-    from . import offload  # here: a plan without offloading needs none of it
-
-    ledger = offload.Ledger()
-    moving = CallLock()  # the moving hooks share a ledger (and evict each other): one at a time
-
-    def make(p):
-        if p.mode in ("offload", "stream"):
-            hook = offload.hook_for(p, plan.execution_device, ledger)
-            hook.lock = moving
-            return hook
-        return _resident_hook(p, plan.execution_device)
-
-    return make
-
-
-def _resident_hook(p, execution_device: str) -> PlacementHook:
-    if p.mode == "replicated":
-        from .parallel import ReplicaHook  # it builds on this module
-
-        return ReplicaHook(p.component, p.device, execution_device, p.replicas)
-    if p.mode == "split":
-        return SplitHook(p.component, p.device, execution_device, p.shards)
-    return PlacementHook(p.component, p.device, execution_device)
 
 
 def reset(pipe) -> None:
@@ -119,8 +97,6 @@ def reset(pipe) -> None:
         pipe.__dict__.pop(name, None)
     pipe.__dict__.pop("_pipemap_plan", None)
     pipe.__dict__.pop("hf_device_map", None)  # back to the class's None, as before dispatch
-    from .parallel import unguard_calls
-
     unguard_calls(pipe)
 
 
@@ -178,115 +154,6 @@ def _move_parameter(owner: torch.nn.Module, key: str, param: torch.nn.Parameter,
         owner._parameters[key] = torch.nn.Parameter(moved, requires_grad=param.requires_grad)
 
 
-class SplitHook(PlacementHook):
-    """A component cut across GPUs: its root on ``device``, each block of ``shards`` on its own GPU with a hook that
-    brings the block's inputs there. A run of consecutive blocks of one list on one GPU passes activations on
-    directly; only the last block of the run returns its outputs to ``device`` (the dry run proves a plan's
-    component touches nothing of them between two blocks)."""
-
-    def __init__(self, component: str, device: str, execution_device: str, shards: tuple[tuple[str, str, int], ...]):
-        super().__init__(component, device, execution_device)
-        self.shards = shards
-
-    def init_hook(self, module):  # dispatch has placed the blocks already (``_place``)
-        for (path, device, _), last in zip(self.shards, _run_ends(self.shards)):
-            add_hook_to_module(module.get_submodule(path), PlacementHook(f"{self.component}.{path}", device,
-                                                                         str(self.device) if last else device))
-        return module
-
-    def detach_hook(self, module):
-        for path, _, _ in self.shards:
-            unhook_component(module.get_submodule(path))
-        return module
-
-
-def _run_ends(shards: tuple[tuple[str, str, int], ...]) -> list[bool]:
-    """For each shard, whether it ends a run: the next shard is not the next element of its list on its GPU."""
-    ends = []
-    for (path, device, _), following in zip(shards, [*shards[1:], None]):
-        prefix, _, index = path.rpartition(".")
-        ends.append(following is None or following[1] != device or not index.isdigit()
-                    or following[0] != f"{prefix}.{int(index) + 1}")
-    return ends
-
-
-def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
-    """Attach ``hook`` at the component's root, and to the methods diffusers routes through ``apply_forward_hook``.
-
-    A call that raises skips accelerate's ``post_forward``: a forward hook that always runs then tells the hook
-    (``abort``, where it has one), so an offloaded or streamed component leaves nothing onloaded.
-    """
-    add_hook_to_module(module, hook)
-    if hasattr(hook, "abort"):
-        hook.abort_handle = module.register_forward_hook(_aborting(hook), always_call=True)
-    # accelerate's forward runs pre_forward, the call and post_forward; the lock spans them, exceptions included
-    module.forward = functools.update_wrapper(functools.partial(_locked, hook.lock, module.forward), module.forward)
-    for name in _hooked_methods(module):
-        module.__dict__[name] = _wrap_method(module, getattr(type(module), name), hook)
-
-
-def _aborting(hook: ModelHook):
-    def after(module, args, output):
-        if output is None:  # torch passes None when the forward raised
-            hook.abort(module)
-
-    return after
-
-
-def unhook_component(module: torch.nn.Module) -> None:
-    """Remove what ``hook_component`` added, leaving no trace in the module's ``__dict__``."""
-    hook = getattr(module, "_hf_hook", None)
-    if isinstance(hook, ModelHook):
-        if getattr(hook, "abort_handle", None) is not None:
-            hook.abort_handle.remove()
-        remove_hook_from_module(module)
-        forward = module.__dict__.get("forward")
-        if getattr(forward, "__func__", None) is type(module).forward:
-            del module.__dict__["forward"]
-    for name in _hooked_methods(module):
-        module.__dict__.pop(name, None)
-
-
-def _hooked_methods(module: torch.nn.Module) -> list[str]:
-    names = []
-    for name in ("encode", "decode", "tiled_encode", "tiled_decode"):
-        function = getattr(type(module), name, None)
-        if getattr(function, "__code__", None) is _FORWARD_HOOK_CODE:
-            names.append(name)
-    return names
-
-
-def _wrap_method(module, function, hook: ModelHook):
-    # the function under `apply_forward_hook`, whose own `pre_forward(module)` would count the call twice and enter
-    # a streaming hook twice; a nested call (decode -> tiled_decode) runs plain inside the outer one
-    raw = getattr(function, "__wrapped__", function).__get__(module)
-    inside = []
-
-    @functools.wraps(raw)
-    def wrapper(*args, **kwargs):
-        with hook.lock:  # another thread's call of this component waits (pipemap.run_many)
-            if inside:
-                return raw(*args, **kwargs)
-            inside.append(True)
-            try:
-                args, kwargs = hook.pre_forward(module, *args, **kwargs)
-                output = raw(*args, **kwargs)
-            except BaseException:
-                if hasattr(hook, "abort"):
-                    hook.abort(module)
-                raise
-            finally:
-                inside.clear()
-            return hook.post_forward(module, output)
-
-    return wrapper
-
-
-def _locked(lock: CallLock, forward, *args, **kwargs):
-    with lock:
-        return forward(*args, **kwargs)
-
-
 def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
     check_pipeline(pipe, "dispatch")
     if not isinstance(plan, Plan):
@@ -320,8 +187,6 @@ def check_pipeline(pipe, operation: str) -> None:
 def _check_standins(modules: dict[str, torch.nn.Module], plan: Plan) -> None:
     """A plan on stand-in devices (``meta:N``) applies only to a dry run's fake weights: moving real weights to the
     meta device would destroy them."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     for p in plan.components:
         devices = (p.device, p.execution_device, *(d for _, d, _ in p.shards))
         if any(d.startswith("meta") for d in devices):
@@ -348,8 +213,6 @@ def _mark(pipe, plan: Plan) -> None:
     for name in _GUARDED:
         pipe.__dict__[name] = _refuse(f"pipe.{name}()")
     pipe.__dict__["reset_device_map"] = functools.partial(reset, pipe)  # diffusers' own undo does ours
-    from .parallel import guard_calls
-
     guard_calls(pipe)  # calls from several threads take turns: a call's state lives on the pipeline
 
 
@@ -358,3 +221,82 @@ def _refuse(operation: str):
         raise PipelineMappedError(operation)
 
     return refuse
+
+
+# ---- what the hooks counted ----------------------------------------------------------------------------------
+
+
+def stats(pipe, reset: bool = False) -> dict[str, dict[str, int]]:
+    """What each component's hook counted since dispatch: ``{component: {"calls", "h2d_bytes", "d2h_bytes"}}``.
+
+    Bytes are weights moved (inputs and outputs are not counted); ``reset=True`` zeroes the counters after reading.
+
+    >>> plan = pipemap.plan(pipe, hardware="cuda:0=8GiB", strategy="balanced_low_memory")      # doctest: +SKIP
+    >>> pipemap.dispatch(pipe, plan); pipe("a cat"); pipemap.stats(pipe)["text_encoder"]       # doctest: +SKIP
+    {'calls': 2, 'h2d_bytes': 492265168, 'd2h_bytes': 0}
+    """
+    out = {}
+    for name, module in pipe.components.items():
+        hook = getattr(module, "_hf_hook", None)
+        if isinstance(getattr(hook, "moved", None), Moved):
+            out[name] = dataclasses.asdict(hook.moved)
+            if reset:
+                hook.moved = Moved()
+    return out
+
+
+def onload_peaks(pipe) -> dict[str, int]:
+    """The most bytes of offloaded or streamed weights each execution device held at once since dispatch."""
+    for module in pipe.components.values():
+        ledger = getattr(getattr(module, "_hf_hook", None), "ledger", None)
+        if isinstance(ledger, Ledger):
+            return dict(ledger.peak)
+    return {}
+
+
+# ---- calls from several threads take turns --------------------------------------------------------------------
+
+
+CALL_LOCK = "_pipemap_call_lock"
+_GUARDS: dict[type, type] = {}
+_GUARDS_LOCK = threading.Lock()
+
+
+def guard_calls(pipe) -> None:
+    """Make calls of ``pipe`` from several threads take turns (re-entrant), as ``dispatch`` does for every mapped
+    pipeline: a call's state lives on the pipeline object, so two at once would silently corrupt each other.
+
+    Python looks ``__call__`` up on the class, so the pipeline gets a subclass of its own class (same name, module
+    and behaviour) whose ``__call__`` holds the lock; ``unguard_calls`` gives the class back."""
+    pipe.__dict__[CALL_LOCK] = threading.RLock()
+    pipe.__class__ = _guarded(unguarded_class(pipe))
+
+
+def unguard_calls(pipe) -> None:
+    pipe.__dict__.pop(CALL_LOCK, None)
+    pipe.__class__ = unguarded_class(pipe)
+
+
+def unguarded_class(pipe) -> type:
+    return type(pipe).__dict__.get("_pipemap_unguarded", type(pipe))
+
+
+def _guarded(cls: type) -> type:
+    with _GUARDS_LOCK:
+        if cls not in _GUARDS:
+            body = {"__call__": _taking_turns(cls.__call__), "_pipemap_unguarded": cls, "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+            _GUARDS[cls] = type(cls.__name__, (cls,), body)
+        return _GUARDS[cls]
+
+
+def _taking_turns(call):
+    @functools.wraps(call)
+    def taking_turns(self, *args, **kwargs):
+        lock = self.__dict__.get(CALL_LOCK)
+        if lock is None:  # a new pipeline of the class (``type(pipe)(...)``) that no dispatch marked
+            return call(self, *args, **kwargs)
+        with lock:
+            return call(self, *args, **kwargs)
+
+    return taking_turns

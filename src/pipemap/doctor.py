@@ -12,6 +12,7 @@ import platform
 import psutil
 import torch
 
+from . import __version__
 from .transfer import FIXED_DRIVER, Copy, TransferReport, cache_path, check_transfers, driver_version
 from .units import format_bytes
 
@@ -49,8 +50,6 @@ def main_doctor(args=None) -> int:
 
 
 def _versions() -> str:
-    from . import __version__
-
     cuda = torch.version.cuda or "none (this torch is a CPU-only build)"
     return "\n".join([
         f"  pipemap        {__version__}",

@@ -1,5 +1,5 @@
 """How a streamed component is cut into pieces, which of them stay on the GPU and how far ahead the next are fetched,
-all from the room it has there. Pure: a ``Block`` tree (``inventory.block_tree``) and bytes in, a ``Layout`` out.
+all from the room it has there. Pure: a ``Block`` tree (``inventory.block_tree``) and bytes in, a ``Pieces`` out.
 
 Coarse pieces first (the component's own top-level modules, lists opened), since fewer and larger copies run
 faster; a piece larger than its share of the room is streamed as its children, recursively, down to leaf modules (a
@@ -11,14 +11,25 @@ resident, largest first (partial residency): only the rest crosses the host link
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-
-from .streams import stream_charge
 
 MAX_PREFETCH = 3  # pieces fetched ahead at most: beyond that the copies queue behind each other anyway
 PREFETCH_SHARE = 4  # a prefetch deeper than one piece is taken when all the buffers fill at most 1/4 of the room
 LOOSE = ""  # the name of the loose tensors among the resident pieces
+
+
+def stream_charge(root: int, blocks: Iterable[int], depth: int = 1) -> int:
+    """GPU bytes a streamed component holds while it runs: its loose tensors, and ``depth + 1`` buffers each the size
+    of its largest block (the block running and ``depth`` prefetched), or every block once if that is less.
+
+    >>> stream_charge(10, [30, 20, 50, 40])      # 10 + 2 x 50
+    110
+    """
+    sizes = list(blocks)
+    if not sizes:
+        return root
+    return root + min((depth + 1) * max(sizes), sum(sizes))
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,7 @@ class Block:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Pieces:
     """A streamed component's pieces: ``blocks`` ((module path, bytes), ...) in module order, the ``loose`` bytes
     outside them, the ``resident`` pieces (paths; ``""``: the loose tensors) that stay on the GPU, ``prefetch`` pieces
     fetched ahead of the running one, and ``level``: how many times the deepest piece was cut below the component's
@@ -62,7 +73,7 @@ class Layout:
     @property
     def in_flight(self) -> int:
         """Bytes on the GPU for the call beyond the resident ones: the loose tensors (unless resident) and the
-        buffers the streamed pieces cycle through (``streams.stream_charge``: the running one and those fetched
+        buffers the streamed pieces cycle through (``stream_charge``: the running one and those fetched
         ahead, each the size of the largest)."""
         return stream_charge(0 if LOOSE in self.resident else self.loose, [s for _, s in self.streamed],
                              self.prefetch)
@@ -113,7 +124,7 @@ def finest_in_flight(tree: Block) -> int:
     return stream_charge(loose, leaves)
 
 
-def layout(tree: Block, room: int, resident_room: int | None = None) -> Layout | None:
+def cut(tree: Block, room: int, resident_room: int | None = None) -> Pieces | None:
     """The pieces, prefetch depth and resident pieces that move the fewest bytes per call within ``room`` (at most
     ``resident_room`` bytes of them resident: what may stay while other components run); None when even leaf
     modules do not fit.
@@ -122,23 +133,23 @@ def layout(tree: Block, room: int, resident_room: int | None = None) -> Layout |
     piece halved each time) are weighed too, since smaller buffers leave more room to keep pieces resident. Each
     copy counts as ``COPY_BYTES`` more, so of two cuts that move about the same, the coarser one wins.
 
-    >>> layout(pipemap.inspect("path/to/sdxl")["unet"].tree, 2 * 2**30)        # doctest: +SKIP
+    >>> cut(pipemap.inspect("path/to/sdxl")["unet"].tree, 2 * 2**30)        # doctest: +SKIP
     """
     cap = room if resident_room is None else min(room, resident_room)
     key = (id(tree), room, cap)
-    if key not in _LAYOUTS or _LAYOUTS[key][0] is not tree:
-        if len(_LAYOUTS) > 4096:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = (tree, _layout(tree, room, cap))
-    return _LAYOUTS[key][1]
+    if key not in _CUTS or _CUTS[key][0] is not tree:
+        if len(_CUTS) > 4096:
+            _CUTS.clear()
+        _CUTS[key] = (tree, _best_cut(tree, room, cap))
+    return _CUTS[key][1]
 
 
 # plans weigh the same component at the same rooms many times ("auto" tries every strategy); keyed by identity, since
 # hashing a tree of a thousand modules costs more than laying it out (the tree is kept in the value, so the id holds)
-_LAYOUTS: dict[tuple[int, int, int], tuple[Block, Layout | None]] = {}
+_CUTS: dict[tuple[int, int, int], tuple[Block, Pieces | None]] = {}
 
 
-def _layout(tree: Block, room: int, cap: int) -> Layout | None:
+def _best_cut(tree: Block, room: int, cap: int) -> Pieces | None:
     best, limit, previous = None, room, None
     while True:
         cut = _cut(tree, room, limit)
@@ -157,18 +168,18 @@ MAX_LEVEL = 12  # cuts below the top-level modules weighed at most; leaf modules
 COPY_BYTES = 256 * 1024  # what one more copy costs, in bytes: ~10 us of launch and event at ~25 GB/s
 
 
-def _score(candidate: Layout) -> int:
+def _score(candidate: Pieces) -> int:
     return candidate.moved_per_call + COPY_BYTES * candidate.copies_per_call
 
 
-def _arrange(pieces: list[tuple[str, int]], loose: int, level: int, room: int, cap: int) -> Layout:
+def _arrange(pieces: list[tuple[str, int]], loose: int, level: int, room: int, cap: int) -> Pieces:
     sizes = [size for _, size in pieces]
     prefetch = 1
     for depth in range(MAX_PREFETCH, 1, -1):
         if len(sizes) > depth and stream_charge(loose, sizes, depth) <= room // PREFETCH_SHARE:
             prefetch = depth
             break
-    return Layout(tuple(pieces), loose, _resident(pieces, loose, prefetch, room, cap), prefetch, level)
+    return Pieces(tuple(pieces), loose, _resident(pieces, loose, prefetch, room, cap), prefetch, level)
 
 
 def _cut(tree: Block, room: int, limit: int) -> tuple[list[tuple[str, int]], int, int] | None:

@@ -29,7 +29,7 @@ from .errors import (
     VariantNotFoundError,
 )
 from .granularity import Block, finest_in_flight
-from .streams import aligned
+from .units import aligned
 
 # safetensors dtype codes -> bytes per element
 _ELEMENT_BYTES = {
@@ -82,7 +82,7 @@ def profile_calls(name: str) -> int:
 class Inventory:
     """A pipeline's components, sized at the dtype they will be loaded in.
 
-    >>> inv = inspect("path/to/sdxl")                     # doctest: +SKIP
+    >>> inv = inventory_of("path/to/sdxl")                     # doctest: +SKIP
     >>> {c.name: c.bytes for c in inv.models}             # doctest: +SKIP
     {'text_encoder': 492265168, 'text_encoder_2': 2778702264, 'unet': 10270077736, 'vae': 334643268}
     """
@@ -110,13 +110,13 @@ class Inventory:
 
 def resolve_dtype(dtype: torch.dtype | str | None, torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
     """The one dtype asked for: ``dtype`` (diffusers 0.42, transformers 5) or its older name ``torch_dtype``."""
-    dtype, torch_dtype = _as_dtype(dtype), _as_dtype(torch_dtype)
+    dtype, torch_dtype = as_dtype(dtype), as_dtype(torch_dtype)
     if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
         raise ArgumentConflictError("dtype", dtype, "torch_dtype", torch_dtype)
     return dtype if dtype is not None else torch_dtype
 
 
-def inspect(source, dtype: torch.dtype | str | None = None, variant: str | None = None, *,
+def inventory_of(source, dtype: torch.dtype | str | None = None, variant: str | None = None, *,
             torch_dtype: torch.dtype | str | None = None) -> Inventory:
     """The components of a pipeline folder (headers only, no weight read) or of a loaded pipeline.
 
@@ -129,9 +129,9 @@ def inspect(source, dtype: torch.dtype | str | None = None, variant: str | None 
     if isinstance(source, Inventory):
         return source
     if isinstance(source, (str, os.PathLike)):
-        return _inspect_folder(Path(source), target, variant)
+        return _of_folder(Path(source), target, variant)
     if hasattr(source, "components") and hasattr(source, "config"):
-        return _inspect_pipeline(source, target)
+        return _of_pipeline(source, target)
     raise NotAPipelineError(repr(source), "expected a folder path, an Inventory or a loaded DiffusionPipeline")
 
 
@@ -154,7 +154,7 @@ def read_model_index(folder: Path) -> dict:
     return data
 
 
-def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None) -> Inventory:
+def _of_folder(folder: Path, dtype: torch.dtype | None, variant: str | None) -> Inventory:
     index = read_model_index(folder)
     check_variant(folder, index, variant)
     components = []
@@ -168,7 +168,7 @@ def _inspect_folder(folder: Path, dtype: torch.dtype | None, variant: str | None
             components.append(Component(name, library, class_name))
             continue
         at = dtype if dtype is not None else default_dtype(folder / name, library)
-        keep = _keep_in_fp32(library, class_name, at)
+        keep = keep_in_fp32(library, class_name, at)
         sizes = {key: _tensor_bytes(meta, key, at, keep) for f in files for key, meta in read_header(f).items()}
         tree = block_tree(sizes)
         components.append(Component(name, library, class_name, sum(sizes.values()), True,
@@ -473,7 +473,7 @@ def component_class(library: str, class_name: str, folder: Path | None = None, n
     return cls
 
 
-def _keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> tuple[str, ...]:
+def keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> tuple[str, ...]:
     """The module names the model class keeps in float32 at ``dtype``, as its library's loader decides."""
     if dtype is None or dtype == torch.float32:
         return ()
@@ -491,7 +491,7 @@ def _keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> t
 # ---- loaded pipelines --------------------------------------------------------------------------------------------
 
 
-def _inspect_pipeline(pipe, dtype: torch.dtype | None) -> Inventory:
+def _of_pipeline(pipe, dtype: torch.dtype | None) -> Inventory:
     components = []
     for name, value in pipe.components.items():
         if isinstance(value, torch.nn.Module):
@@ -508,7 +508,7 @@ def live_component(name: str, module: torch.nn.Module, dtype: torch.dtype | None
     streamed, and blocks, at ``dtype`` if given (the model class's kept-fp32 modules staying float32)."""
     if library is None:
         library, class_name = _origin(module)
-    keep = _keep_in_fp32(library, class_name, dtype) if library else ()
+    keep = keep_in_fp32(library, class_name, dtype) if library else ()
     sizes = tensor_sizes(module, dtype, keep)
     tree = block_tree(sizes, (n for n, m in module.named_modules() if isinstance(m, _LISTS)))
     itemsize = dtype.itemsize if dtype is not None else next((p.element_size() for p in module.parameters()), 4)
@@ -527,7 +527,7 @@ def _origin(value) -> tuple[str | None, str | None]:
     return type(value).__module__.split(".")[0], type(value).__name__
 
 
-def _as_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+def as_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     if value is None:
         return value
     if isinstance(value, torch.dtype):

@@ -1,4 +1,5 @@
-"""``load()``: a pipeline folder loaded straight onto its plan, then dispatched.
+"""A pipeline folder loaded straight onto its plan, then dispatched (``pipemap.load`` checks its arguments in
+``api`` and calls ``load_onto``).
 
 Each model is loaded by its own library's ``from_pretrained`` with ``device_map`` set to its planned device, so
 its weights go from the file to that device without a full copy in CPU RAM first; the pipeline is then assembled
@@ -8,79 +9,29 @@ parts (tokenizers, scheduler).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from .dispatch import dispatch
-from .errors import ArgumentConflictError, ArgumentTypeError, PlanMismatchError, UnknownDeviceError
-from .hardware import Hardware, real_device
-from .inventory import Component, Inventory, component_class, inspect, live_component, read_model_index, resolve_dtype
+from .errors import PlanMismatchError, UnknownDeviceError
+from .inventory import Component, Inventory, component_class, live_component
 from .plan import Plan
-from .planner import budgets, plan_inventory, resolve_hardware, resolve_strategy
 from .quiet import quiet_progress
-from .units import parse_bytes
 
 
-def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str | None = None, max_memory=None,
-         dtype=None, variant: str | None = None, headroom=None, *, device_map=None, torch_dtype=None,
-         progress: bool = True, check_transfers: bool = True, **kwargs):
-    """Load a pipeline folder onto its plan and return the dispatched pipeline.
-
-    Keyword arguments that name a component (``controlnet=...``) pass that component in already built: it is
-    sized, placed and hooked like the rest. Other keyword arguments go to ``DiffusionPipeline.from_pretrained``.
-
-    >>> pipe = pipemap.load("path/to/sdxl", device_map="balanced", max_memory={0: "20GiB", 1: "20GiB"},
-    ...                     dtype=torch.float16, variant="fp16")                        # doctest: +SKIP
-    >>> pipe.hf_device_map                                                              # doctest: +SKIP
-    {'text_encoder': 'cuda:1', 'text_encoder_2': 'cuda:1', 'unet': 'cuda:0', 'vae': 'cuda:1'}
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise ArgumentTypeError("path", path, "a pipeline folder (a str or a Path)")
-    if plan is not None and not isinstance(plan, Plan):
-        raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns, or None")
-    folder = Path(path)
-    index = read_model_index(folder)
-    dtype = resolve_dtype(dtype, torch_dtype)
-    passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index and not k.startswith("_")}
-    strategy = resolve_strategy(strategy, device_map) if strategy is not None or device_map is not None else None
-    inventory = with_passed(inspect(folder, dtype, variant), passed)  # headers only: checks before any load
-    if plan is None:
-        hw = resolve_hardware(hardware, max_memory)
-        plan = plan_inventory(inventory, hw, strategy or "balanced", budgets(hw, headroom))
-    else:
-        check_plan_arguments(plan, strategy, hardware, max_memory, dtype, variant, headroom)
-        check_plan_fits(plan, inventory)
+def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.dtype | None, variant: str | None,
+              *, progress: bool = True, check_transfers: bool = True, kwargs: dict):
+    """Each planned model of ``folder`` loaded onto its device, the pipeline assembled around them (with the
+    components ``passed`` in built and ``kwargs`` for ``DiffusionPipeline.from_pretrained``), then dispatched.
+    ``dtype`` and ``variant`` default to the plan's."""
     dtype = dtype if dtype is not None else _plan_dtype(plan)
     variant = variant if variant is not None else plan.variant
     with quiet_progress():
         pipe = _load_onto(folder, index, plan, passed, dtype, variant, progress, kwargs)
     dispatch(pipe, plan, check_transfers=check_transfers)
     return pipe
-
-
-def check_plan_arguments(plan: Plan, strategy, hardware, max_memory, dtype, variant, headroom) -> None:
-    """Arguments given beside a plan must say what the plan says (they were for making it): else an
-    ``ArgumentConflictError``, before anything loads."""
-    said = plan.device_map
-    if isinstance(strategy, dict) and any(said.get(c) != real_device(d) for c, d in strategy.items()):
-        raise _conflict("strategy", strategy, "plan", said)
-    if isinstance(strategy, str) and strategy != plan.strategy:
-        raise _conflict("strategy", strategy, "plan", f"a plan of strategy {plan.strategy!r}")
-    memory = {d.device: d.memory for d in plan.devices}
-    gpus = {d: m for d, m in memory.items() if d != "cpu"}  # a spec without cpu= takes the RAM free now: not compared
-    if hardware is not None and {d.name: d.memory for d in resolve_hardware(hardware, None).gpus} != gpus:
-        raise _conflict("hardware", str(hardware), "plan", f"a plan for {_machine(plan)}")
-    if max_memory is not None and any(memory.get(real_device(k)) != parse_bytes(v) for k, v in max_memory.items()):
-        raise _conflict("max_memory", max_memory, "plan", f"a plan for {_machine(plan)}")
-    if dtype is not None and str(dtype).removeprefix("torch.") != plan.dtype:
-        raise _conflict("dtype", dtype, "plan", f"a plan for dtype {plan.dtype}")
-    if variant is not None and variant != plan.variant:
-        raise _conflict("variant", variant, "plan", f"a plan for variant {plan.variant}")
-    if headroom is not None:
-        raise _conflict("headroom", headroom, "plan", "a plan whose budgets are set already")
 
 
 def check_plan_fits(plan: Plan, inventory: Inventory) -> None:
@@ -99,15 +50,6 @@ def check_plan_fits(plan: Plan, inventory: Inventory) -> None:
             if device not in here:
                 raise UnknownDeviceError(device, tuple(here), f"(where the plan puts {p.component!r}) is not on "
                                          "this machine: re-plan here, or plan.remap() it onto devices it has")
-
-
-def _conflict(name: str, value, _plan: str, says) -> ArgumentConflictError:
-    return ArgumentConflictError(name, value, "plan", says, "the plan already settles it: drop the argument, or "
-                                 "make a new plan with it (pipemap.plan)")
-
-
-def _machine(plan: Plan) -> str:
-    return ",".join(f"{d.device}={d.memory}" for d in plan.devices)
 
 
 def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, variant, progress: bool, kwargs: dict):

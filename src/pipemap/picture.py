@@ -8,6 +8,7 @@ keeps its numbers as plain attributes a test can parse back (``data-bytes``).
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
@@ -72,8 +73,6 @@ class Picture:
 
     def text(self, width: int = 80) -> str:
         """The terminal drawing as plain text (no colour)."""
-        import io
-
         from rich.console import Console
 
         buffer = io.StringIO()

@@ -8,8 +8,11 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field, replace
+from html import escape
 
+from .devices import normalize_device, real_device
 from .errors import PlanFormatError, UnknownDeviceError
+from .picture import plan_picture
 from .units import format_bytes
 
 MODES = ("resident", "offload", "stream", "split", "replicated")
@@ -124,8 +127,6 @@ class Plan:
 
     def remap(self, mapping: dict[str, str]) -> Plan:
         """The same plan on other devices, every mode kept: ``plan.remap({"cuda:0": "cpu", "cuda:1": "cpu"})``."""
-        from .hardware import normalize_device  # here: hardware imports torch, which printing a plan does not need
-
         move = {normalize_device(k): normalize_device(v) for k, v in mapping.items()}
 
         def dev(name: str) -> str:
@@ -192,14 +193,10 @@ class Plan:
         """The plan drawn: each device a bar of its memory (``print(plan.picture())`` in a terminal,
         ``plan.picture().svg()`` for a file); ``moved`` maps components to bytes moved per image, for the links.
         See ``pipemap.picture``."""
-        from .picture import plan_picture
-
         return plan_picture(self, moved)
 
     def _repr_html_(self) -> str:
         """What a notebook shows: the picture, then the table's notes."""
-        from html import escape
-
         notes = "".join(f"<li>{escape(n)}</li>" for n in self.notes)
         return f"<div class='pipemap-plan'>{self.picture().svg()}" + (f"<ul>{notes}</ul>" if notes else "") + "</div>"
 
@@ -313,8 +310,6 @@ def _size(data: dict, key: str, default=None) -> int:
 
 
 def _device(name) -> str:
-    from .hardware import real_device  # the same rule as pipemap.plan's: no stand-in, no unknown device type
-
     try:
         return real_device(_string(name, "device"))
     except UnknownDeviceError as err:

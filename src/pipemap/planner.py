@@ -8,26 +8,22 @@ the code around it validates input, applies dict maps and totals the budgets.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import replication
+from .devices import is_accelerator, real_device
 from .errors import (
-    ArgumentConflictError,
-    ArgumentTypeError,
     DoesNotFitError,
     HeadroomError,
     UnknownComponentError,
     UnknownDeviceError,
-    UnknownStrategyError,
 )
-from .granularity import Layout, layout
-from .hardware import Hardware, is_accelerator, real_device
-from .inventory import DENOISERS, Block, Component, Inventory, resolve_dtype
-from .inventory import inspect as inspect_source
+from .granularity import Pieces, cut
+from .hardware import Hardware
+from .inventory import DENOISERS, Block, Component, Inventory
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .units import parse_bytes
 
@@ -155,25 +151,25 @@ def _bytes_per_image(request: Request, placed: Mapping[str, str | Place]) -> int
             streams.setdefault(place.execution_device, []).append(name)
     total = 0
     for device, names in streams.items():
-        layouts = stream_layouts(names, trees, sizes, calls, dict(request.in_flight), rooms[device], 0)
+        layouts = stream_pieces(names, trees, sizes, calls, dict(request.in_flight), rooms[device], 0)
         total += sum(calls.get(n, 1) * (layouts[n].moved_per_call if layouts[n] else sizes[n]) for n in names)
     return total
 
 
-def stream_layouts(names: list[str], trees: Mapping[str, Block | None], sizes: Mapping[str, int],
+def stream_pieces(names: list[str], trees: Mapping[str, Block | None], sizes: Mapping[str, int],
                    calls: Mapping[str, int], in_flight: Mapping[str, int], room: int, offloaded: int
-                   ) -> dict[str, Layout | None]:
+                   ) -> dict[str, Pieces | None]:
     """The layouts of the components streamed to one GPU with ``room`` bytes beside its residents (and ``offloaded``
     bytes, the largest component offloaded there): the most called keeps pieces resident, leaving what the others
     need for their calls; the others stream in the room that leaves, none of their pieces resident."""
     order = sorted(names, key=lambda n: (-calls.get(n, 1), -sizes[n], n))
     others = max([0, *((in_flight.get(n) or sizes[n]) for n in order[1:])])
-    layouts: dict[str, Layout | None] = {}
+    layouts: dict[str, Pieces | None] = {}
     kept, room = 0, room - offloaded  # an offloaded component may stay onloaded while these run
     for index, name in enumerate(order):
         tree = trees.get(name)
         cap = room - others if index == 0 else 0
-        layouts[name] = layout(tree, room - kept, max(0, cap)) if tree is not None else None
+        layouts[name] = cut(tree, room - kept, max(0, cap)) if tree is not None else None
         kept += layouts[name].resident_bytes if layouts[name] else 0
     return layouts
 
@@ -233,11 +229,11 @@ def _balanced_split(request: Request) -> dict[str, str | Place]:
             rooms[order[0]] -= size
             placed[name] = order[0]
             continue
-        placed[name] = _cut(name, size, blocks.get(name, ()), order, rooms, request.strategy)
+        placed[name] = _split_across(name, size, blocks.get(name, ()), order, rooms, request.strategy)
     return placed
 
 
-def _cut(name: str, size: int, blocks: tuple[tuple[str, int], ...], order: list[str], rooms: dict[str, int],
+def _split_across(name: str, size: int, blocks: tuple[tuple[str, int], ...], order: list[str], rooms: dict[str, int],
          strategy: str) -> Place:
     """Fill the roomiest GPU with the component's loose tensors and as many blocks as fit, then the next GPU."""
     home, shards = order[0], []
@@ -297,73 +293,6 @@ MIXED: dict[str, Strategy] = {
     "balanced_split+low_memory": lambda r: _least_moved(r, "offload", _balanced_split),
     "balanced_split+ultra_low_memory": lambda r: _least_moved(r, "stream", _balanced_split),
 }
-
-
-def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
-         max_memory: Mapping | None = None, dtype=None, variant: str | None = None, headroom=None, *,
-         device_map: str | Mapping | None = None, torch_dtype=None) -> Plan:
-    """Where each component of a pipeline goes, before anything is loaded; ``pipemap.plan`` without
-    ``headroom="measure"`` (which ``pipemap.measure.plan`` composes above this and the dry run).
-
-    ``source`` is a pipeline folder (only headers are read), a catalog name, an ``Inventory`` or a loaded pipeline.
-    ``strategy`` (or diffusers' name for it, ``device_map``) is one of ``STRATEGIES``, ``"auto"``, or a dict
-    ``{component: device}`` whose missing components are placed by ``"balanced"``.
-
-    >>> plan = pipemap.planner.plan("path/to/sdxl", hardware="2x16GiB,cpu=64GiB", strategy={"vae": "cuda:1"},
-    ...                             dtype=torch.float16, variant="fp16")                 # doctest: +SKIP
-    """
-    if isinstance(headroom, str) and headroom.strip() == "measure":
-        raise HeadroomError(headroom, "a measured headroom needs a dry run, which pipemap.plan composes; call it")
-    strategy = resolve_strategy(strategy, device_map)
-    hw = resolve_hardware(hardware, max_memory)
-    check_headroom(headroom)  # before the headers are read: bad input answers at once
-    inventory = inspect(source, dtype, variant, torch_dtype=torch_dtype)
-    return plan_inventory(inventory, hw, strategy, budgets(hw, headroom))
-
-
-def inspect(source, dtype=None, variant: str | None = None, *, torch_dtype=None) -> Inventory:
-    """``inventory.inspect`` that also takes a published pipeline's name (``"flux.1-dev"``), sized by the catalog
-    from its configs, nothing downloaded.
-
-    >>> [c.name for c in pipemap.inspect("sdxl").models]                              # doctest: +SKIP
-    ['text_encoder', 'text_encoder_2', 'unet', 'vae']
-    """
-    if isinstance(source, str) and not os.path.exists(source):
-        from . import catalog  # here: it builds models on the meta device, which needs diffusers
-
-        if catalog.resolve(source) is not None:
-            return catalog.inventory(source, resolve_dtype(dtype, torch_dtype))
-    return inspect_source(source, dtype, variant, torch_dtype=torch_dtype)
-
-
-def resolve_strategy(strategy: str | Mapping | None, device_map: str | Mapping | None) -> str | dict:
-    """The one strategy asked for (``strategy`` or diffusers' ``device_map``), checked."""
-    if strategy is not None and device_map is not None and strategy != device_map:
-        raise ArgumentConflictError("strategy", strategy, "device_map", device_map)
-    chosen = strategy if strategy is not None else device_map if device_map is not None else "balanced"
-    if isinstance(chosen, Mapping):
-        return _checked_map(chosen)
-    if not isinstance(chosen, str) or (chosen not in STRATEGIES and chosen not in MIXED and chosen != AUTO):
-        raise UnknownStrategyError(chosen, (AUTO, *STRATEGIES, "a dict {component: device}"))
-    return chosen
-
-
-def _checked_map(mapping: Mapping) -> dict:
-    for component, device in mapping.items():
-        if not isinstance(component, str):
-            raise ArgumentTypeError("strategy", dict(mapping), "a dict {component name: device}, names as strings")
-        real_device(device)  # a bad device answers here, before any header is read
-    return dict(mapping)
-
-
-def resolve_hardware(hardware: Hardware | str | None, max_memory: Mapping | None) -> Hardware:
-    """The machine to plan for: a ``Hardware``, a spec string, or this machine (``None``), less ``max_memory``."""
-    if hardware is not None and not isinstance(hardware, (Hardware, str)):
-        raise ArgumentTypeError("hardware", hardware, "a spec string such as '2x24GiB,cpu=64GiB', a Hardware or None")
-    if max_memory is not None and not isinstance(max_memory, Mapping):
-        raise ArgumentTypeError("max_memory", max_memory, "a dict such as {0: '20GiB', 'cpu': '64GiB'} or None")
-    hw = Hardware.parse(hardware) if isinstance(hardware, str) else hardware or Hardware.detect()
-    return hw.with_max_memory(max_memory) if max_memory else hw
 
 
 def budgets(hw: Hardware, headroom=None) -> dict[str, int]:
@@ -505,12 +434,12 @@ def _with_rooms(placements: tuple[Placement, ...], components: Mapping[str, Comp
     """Each streamed component's pieces, residency and bytes in flight (``room``), from the room its GPU has beside
     its residents; each offloaded component's room (its GPU's budget less residents, the streamed components'
     resident pieces and the largest stream in flight there)."""
-    layouts: dict[str, Layout | None] = {}
+    layouts: dict[str, Pieces | None] = {}
     for device in {p.execution_device for p in placements if p.mode == "stream"}:
         names = [p.component for p in placements if p.mode == "stream" and p.execution_device == device]
         offloaded = max((p.bytes for p in placements if p.mode == "offload" and p.execution_device == device),
                         default=0)
-        layouts.update(stream_layouts(names, {n: components[n].tree for n in names},
+        layouts.update(stream_pieces(names, {n: components[n].tree for n in names},
                                       {n: components[n].bytes for n in names},
                                       {n: components[n].calls_per_image for n in names},
                                       {n: components[n].in_flight for n in names},
@@ -528,7 +457,7 @@ def _with_rooms(placements: tuple[Placement, ...], components: Mapping[str, Comp
     return tuple(out)
 
 
-def _streamed(p: Placement, component: Component, found: Layout | None) -> Placement:
+def _streamed(p: Placement, component: Component, found: Pieces | None) -> Placement:
     if found is None:  # no module tree (an inventory built by hand): its top-level blocks, none resident
         return replace(p, room=min(component.in_flight or component.bytes, component.bytes))
     return replace(p, room=found.in_flight, blocks=found.blocks, resident_blocks=found.resident,

@@ -3,7 +3,8 @@ on it, free after use. Two implementations: CUDA streams and events, and a model
 (``meta:N`` in the dry run) and the CPU, so the dry run and the CPU tests run the very prefetch, wait and free code
 a GPU runs, and see its memory bound.
 
-The rules the hooks keep (``offload.py``), which make memory a property of the plan and not of timing:
+The rules the hooks keep (``hooks/moving.py``, ``hooks/stream.py``), which make memory a property of the plan and
+not of timing:
 
 - every buffer is allocated on the compute queue and freed only after the compute queue has waited for every copy
   into it, so the caching allocator may hand it to the next allocation at once (stream-ordered reuse, no
@@ -24,26 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import PipemapError
-
-ALIGN = 16  # bytes each tensor starts at in a packed buffer: what vectorised kernels and cuBLAS need
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to ``ALIGN``: what one tensor takes in a packed buffer."""
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def stream_charge(root: int, blocks: Iterable[int], depth: int = 1) -> int:
-    """GPU bytes a streamed component holds while it runs: its loose tensors, and ``depth + 1`` buffers each the size
-    of its largest block (the block running and ``depth`` prefetched), or every block once if that is less.
-
-    >>> stream_charge(10, [30, 20, 50, 40])      # 10 + 2 x 50
-    110
-    """
-    sizes = list(blocks)
-    if not sizes:
-        return root
-    return root + min((depth + 1) * max(sizes), sum(sizes))
 
 
 class UnwaitedCopyError(PipemapError, RuntimeError):
@@ -172,9 +153,6 @@ class _Queue:
         return len(self.ops) - self.done
 
 
-ALLOCATING_WEIGHTS = [False]  # set while the model allocates a buffer for weights (read by standin.StorageTracker)
-
-
 class ModelQueues(Queues):
     """CUDA streams and the caching allocator, modelled for stand-in devices and the CPU.
 
@@ -198,11 +176,7 @@ class ModelQueues(Queues):
         self.last_use: dict[int, Event] = {}  # id(buffer) -> its last use on compute
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        ALLOCATING_WEIGHTS[0] = True  # the dry run's storage tracker counts this buffer as weights
-        try:
-            buffer = super().alloc(nbytes)
-        finally:
-            ALLOCATING_WEIGHTS[0] = False
+        buffer = super().alloc(nbytes)
         self._hold(nbytes)
         return buffer
 

@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from accelerate.hooks import CpuOffload
 
-from .dispatch import dispatch, reset
+from .dispatch import dispatch, reset, stats
 from .hooks import Moved
-from .offload import _nbytes, _slots, stats
+from .hooks.packing import nbytes_of, slots
 from .plan import Plan
 
 # ---- bytes moved, beside diffusers' model offload ----------------------------------------------------------------
@@ -91,10 +92,8 @@ def model_offload_stats(pipe, device: str = "cpu", **call) -> dict[str, dict[str
 
 @contextlib.contextmanager
 def _counting_cpu_offload(pipe, counts: dict[str, Moved]):
-    from accelerate.hooks import CpuOffload
-
     names = {id(m): n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
-    sizes = {id(m): sum(_nbytes(s.get()) for s in _slots(m.modules()).values())
+    sizes = {id(m): sum(nbytes_of(s.get()) for s in slots(m.modules()).values())
              for m in pipe.components.values() if isinstance(m, torch.nn.Module)}
     on_device: set[int] = set()
     original_init, original_pre = CpuOffload.init_hook, CpuOffload.pre_forward

@@ -28,8 +28,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .devices import normalize_device
 from .errors import UnknownDeviceError
-from .hardware import normalize_device
 
 STATUSES = ("ok", "corrupted", "no_peer", "error")  # error: the copy raised
 # The first driver that stops GeForce RTX 40 cards from silently corrupting peer-to-peer copies (accelerate's

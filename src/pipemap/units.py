@@ -1,4 +1,5 @@
-"""Memory sizes: parse ``"24GiB"``/``"500MB"``/``1024`` to bytes, and print bytes back for people."""
+"""Memory sizes: parse ``"24GiB"``/``"500MB"``/``1024`` to bytes, print bytes back for people, and round a tensor's
+bytes up to where the next one starts in a packed buffer."""
 
 from __future__ import annotations
 
@@ -32,4 +33,12 @@ def parse_bytes(value: int | str) -> int:
     return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-__all__ = ["format_bytes", "parse_bytes"]
+ALIGN = 16  # bytes each tensor starts at in a packed buffer: what vectorised kernels and cuBLAS need
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to ``ALIGN``: what one tensor takes in a packed buffer."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+__all__ = ["ALIGN", "aligned", "format_bytes", "parse_bytes"]

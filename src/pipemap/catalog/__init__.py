@@ -62,7 +62,7 @@ class Entry:
 
 
 @functools.cache
-def _entries() -> dict[str, Entry]:
+def entries() -> dict[str, Entry]:
     entries = {}
     for path in sorted(_FOLDER.glob("*.json")):
         data = json.loads(path.read_text())
@@ -76,7 +76,7 @@ def _entries() -> dict[str, Entry]:
 @functools.cache
 def _lookup() -> dict[str, str]:
     table = {}
-    for entry in _entries().values():
+    for entry in entries().values():
         for key in (entry.name, entry.repo, *entry.aliases):
             table[key.lower()] = entry.name
     return table
@@ -88,7 +88,7 @@ def names() -> list[str]:
     >>> "flux.1-dev" in names()
     True
     """
-    return sorted(_entries())
+    return sorted(entries())
 
 
 def resolve(name: str) -> str | None:
@@ -106,7 +106,7 @@ def entry(name: str) -> Entry:
     if resolved is None:
         raise NotAPipelineError(str(name), "it is neither a folder nor a catalog name (known: "
                                 f"{', '.join(names())}; `pipemap catalog` lists them)")
-    return _entries()[resolved]
+    return entries()[resolved]
 
 
 # ---- building skeletons --------------------------------------------------------------------------------------------
@@ -123,37 +123,37 @@ def _skeleton(name: str, component: str) -> torch.nn.Module:
 
     from ..quiet import quiet_diffusers
 
-    found = _entries()[name]
+    found = entries()[name]
     library, class_name = found.model_index[component]
-    cls, config = _model_class(library, class_name), found.configs[component]
+    cls, config = model_class(library, class_name), found.configs[component]
     # published configs carry keys the class no longer takes (Qwen-Image's "pooled_projection_dim"): diffusers
     # ignores them, as it does on from_pretrained, but warns; the catalog stores them verbatim, so hush that
     with init_empty_weights(include_buffers=True), quiet_diffusers():
         if issubclass(cls, PreTrainedModel):
-            return cls._from_config(_transformers_config(config))
+            return cls._from_config(transformers_config(config))
         return cls.from_config(config)
 
 
-def _model_class(library: str, class_name: str) -> type:
+def model_class(library: str, class_name: str) -> type:
     # model_index names pipeline-local modules by pipeline folder ("stable_diffusion" for the safety checker),
     # as diffusers' loader resolves them
     module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
     return getattr(importlib.import_module(module), class_name)
 
 
-def _transformers_config(config: dict):
+def transformers_config(config: dict):
     from transformers import AutoConfig
 
     fields = {k: v for k, v in config.items() if k != "model_type"}
     return AutoConfig.for_model(config["model_type"], **fields)
 
 
-def _component_dtype(found: Entry, component: str, dtype: torch.dtype | None) -> torch.dtype:
-    from ..inventory import _as_dtype
+def component_dtype(found: Entry, component: str, dtype: torch.dtype | None) -> torch.dtype:
+    from ..inventory import as_dtype
 
     if dtype is not None:
         return dtype
-    return _as_dtype(found.component_dtypes.get(component, found.dtype))
+    return as_dtype(found.component_dtypes.get(component, found.dtype))
 
 
 # ---- the public sizes ------------------------------------------------------------------------------------------
@@ -168,24 +168,24 @@ def inventory(name: str, dtype: torch.dtype | str | None = None) -> Inventory:
     >>> inv = inventory("flux-dev", dtype=torch.float16)             # doctest: +SKIP
     >>> plan = pipemap.plan(inv, hardware="2x40GiB,cpu=64GiB")        # doctest: +SKIP
     """
-    from ..inventory import _as_dtype
+    from ..inventory import as_dtype
 
-    return _inventory(entry(name).name, _as_dtype(dtype))
+    return _inventory(entry(name).name, as_dtype(dtype))
 
 
 @functools.cache
 def _inventory(name: str, dtype: torch.dtype | None) -> Inventory:
-    from ..inventory import Component, Inventory, _as_dtype, live_component
+    from ..inventory import Component, Inventory, as_dtype, live_component
 
-    found = _entries()[name]
+    found = entries()[name]
     components = []
     for component, library, class_name in found.components():
         if component not in found.configs:
             components.append(Component(component, library, class_name))
             continue
-        at = _component_dtype(found, component, dtype)
+        at = component_dtype(found, component, dtype)
         components.append(live_component(component, _skeleton(name, component), at, library, class_name))
-    label = str(dtype if dtype is not None else _as_dtype(found.dtype)).removeprefix("torch.")
+    label = str(dtype if dtype is not None else as_dtype(found.dtype)).removeprefix("torch.")
     return Inventory(found.repo, found.pipeline_class, tuple(components), label, None)
 
 
@@ -230,7 +230,7 @@ def run_catalog() -> int:
     table.add_column("size", justify="right", no_wrap=True)
     recorded = recorded_sizes()
     for name in names():
-        found = _entries()[name]
+        found = entries()[name]
         sizes = recorded.get(name) or {c.name: c.bytes for c in inventory(name).models}
         dtypes = ", ".join([found.dtype] + [f"{c} {d}" for c, d in found.component_dtypes.items()])
         short = ", ".join(a for a in found.aliases if a != name and "/" not in a)

@@ -9,12 +9,16 @@ ongoing requests (queue plus running) rise above or fall below the target.
 from __future__ import annotations
 
 import re
+import signal
+import threading
 
+import ray
 from ray import serve
 
+from ..devices import normalize_device
 from ..errors import PipemapError
-from ..hardware import normalize_device
 from ..plan import Plan
+from .app import create_app
 from .service import Options, Service, default_workers, make_plan
 
 
@@ -54,8 +58,6 @@ class PipemapReplica:
         self.service.start()
 
     def __serve_build_asgi_app__(self):
-        from .app import create_app
-
         return create_app(self.service)
 
     def __del__(self):
@@ -82,11 +84,6 @@ def application(options: Options, replicas: int = 1, autoscale: str | None = Non
 def run_on_ray(options: Options, host: str, port: int, replicas: int = 1, autoscale: str | None = None) -> int:
     """``pipemap serve --ray``: deploy on the Ray cluster ``ray.init`` finds (``RAY_ADDRESS``) or a local one, and
     keep serving until Ctrl-C or SIGTERM."""
-    import signal
-    import threading
-
-    import ray
-
     ray.init(address=None, ignore_reinit_error=True)
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(options, replicas, autoscale), name="pipemap", route_prefix="/")

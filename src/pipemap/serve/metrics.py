@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from ..offload import stats
+from ..dispatch import stats
 from .worker import Finished, Worker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

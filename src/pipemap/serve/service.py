@@ -11,9 +11,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+from .. import catalog
+from ..api import Request, load, runnable
+from ..cost import bytes_moved
 from ..errors import NotAPipelineError
+from ..inventory import inventory_of
 from ..parallel import iter_many
 from ..plan import Plan
+from .home import home_page
 from .metrics import Metrics
 from .requests import Generation, GenerationRequest, Limits
 from .worker import Job, Worker
@@ -34,6 +42,11 @@ class Options:
     timeout: float = 300.0
     max_n: int = 4
     workers: int | None = None  # requests in flight together; None: one per device the plan computes on
+
+    def request(self) -> Request:
+        """What to load and how, as every verb takes it (the folder resolved in the Hugging Face cache)."""
+        return Request.of(str(resolve_folder(self.path)), self.hardware, self.strategy, dtype=self.dtype,
+                          variant=self.variant, headroom=self.headroom)
 
 
 def pipeline_runner(workers: int):
@@ -71,9 +84,6 @@ class Service:
     def load(cls, options: Options, plan: Plan | None = None) -> Service:
         """Plan ``options.path`` (for ``options.hardware``, or this machine) unless ``plan`` is given, load it onto
         the plan, and serve it; planned devices this machine lacks run on the CPU."""
-        from ..demo import runnable
-        from ..loading import load
-
         folder = resolve_folder(options.path)
         plan = plan or make_plan(options)
         running = runnable(plan)
@@ -104,12 +114,8 @@ class Service:
 
     def home_page(self) -> str:
         """The server's home page: the plan as made, drawn with its bytes moved per image, and a prompt box."""
-        from ..cost import bytes_moved
-        from ..inventory import inspect
-        from .home import home_page
-
         if self._home is None:
-            moved = bytes_moved(self.plan, inspect(self.pipe))
+            moved = bytes_moved(self.plan, inventory_of(self.pipe))
             self._home = home_page(self.plan, type(self.pipe).__name__, moved={k: v for k, v in moved.items() if v})
         return self._home
 
@@ -120,10 +126,7 @@ class Service:
 
 def make_plan(options: Options) -> Plan:
     """The plan ``options`` ask for (``headroom="measure"``: the planner and the dry run composed)."""
-    from ..measure import plan
-
-    return plan(resolve_folder(options.path), hardware=options.hardware, strategy=options.strategy,
-                dtype=options.dtype, variant=options.variant, headroom=options.headroom)
+    return options.request().plan()
 
 
 def resolve_folder(name: str) -> Path:
@@ -132,11 +135,6 @@ def resolve_folder(name: str) -> Path:
     folder = Path(name)
     if folder.is_dir():
         return folder
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    from .. import catalog
-
     known = catalog.resolve(name)
     repo = catalog.entry(known).repo if known else name
     try:

@@ -1,14 +1,12 @@
-"""Stand-in devices for the dry run: fake weights on ``meta:N``, stricter device checks, a storage tracker.
+"""Stand-in devices for the dry run: fake weights on ``meta:N``, and stricter device checks.
 
 What PyTorch's fake mode lacks for a whole-pipeline dry run, each piece here says in its docstring.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,12 +15,11 @@ import torch.nn.functional as F
 from accelerate import init_empty_weights
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
-from .errors import PipemapError
-from .inventory import _keep_in_fp32, component_class, default_dtype, kept_fp32, read_model_index
-from .plan import Plan
-from .streams import ALLOCATING_WEIGHTS
+from ..errors import PipemapError
+from ..inventory import component_class, default_dtype, keep_in_fp32, kept_fp32, read_model_index
+from ..plan import Plan
 
 
 class DeviceMixError(PipemapError, RuntimeError):
@@ -97,8 +94,8 @@ def pipeline_from_folder(folder, plan: Plan, mode: FakeTensorMode, device_of: Ma
         class_name = entry[1]
         module = _empty_module(folder, name, cls, library)
         at = dtype if dtype is not None else default_dtype(folder / name, library)
-        models[name] = _fill_fakes(module, mode, device_of.get(name, "cpu"), at,
-                                   _keep_in_fp32(library, class_name, at), cast_built=dtype is not None)
+        models[name] = fill_fakes(module, mode, device_of.get(name, "cpu"), at,
+                                   keep_in_fp32(library, class_name, at), cast_built=dtype is not None)
     with _passed_models_kept(index.get("_class_name"), models) as pipeline_class:
         pipe = (pipeline_class or DiffusionPipeline).from_pretrained(folder, **models)
     pipe.set_progress_bar_config(disable=True)
@@ -161,7 +158,7 @@ def _empty_module(folder: Path, name: str, cls: type, library: str) -> torch.nn.
     return module
 
 
-def _fill_fakes(module: torch.nn.Module, mode: FakeTensorMode, device: str, dtype: torch.dtype,
+def fill_fakes(module: torch.nn.Module, mode: FakeTensorMode, device: str, dtype: torch.dtype,
                 keep_fp32: tuple[str, ...], cast_built: bool = True) -> torch.nn.Module:
     """Fakes for ``module``'s tensors at ``dtype``; with ``cast_built=False`` (no ``torch_dtype`` given) buffers
     the checkpoint does not hold keep the dtype the model built them in (CogVideoX's float64 positions), as a
@@ -208,121 +205,6 @@ class StrictDevices(TorchDispatchMode):
             if len(devices) > 1:
                 raise DeviceMixError(str(func), tuple(sorted(devices)))
         return func(*args, **(kwargs or {}))
-
-
-class StorageTracker(TorchDispatchMode):
-    """Live bytes per device, every storage counted once and freed when it dies; ``peak`` is the high mark.
-
-    Weights are told apart from activations: the module tensors present at ``track_module_tensors``, their copies
-    to another device and the buffers offload and stream hooks onload into (``streams.ALLOCATING_WEIGHTS``), so
-    ``weight_peak`` is the most weight bytes a device held at once and ``activation_peak`` the most of everything
-    else. Written for fake tensors, which PyTorch's own ``torch.cuda`` memory statistics cannot see.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live: collections.Counter = collections.Counter()
-        self.peak: collections.Counter = collections.Counter()
-        self.weights: collections.Counter = collections.Counter()
-        self.weight_live: collections.Counter = collections.Counter()
-        self.weight_peak: collections.Counter = collections.Counter()
-        self.activation_peak: collections.Counter = collections.Counter()
-        self._seen: dict[int, tuple[str, int]] = {}
-        self._weight_keys: set[int] = set()
-        self.bound: str | None = None  # the first value assumed (an upper bound) in this run
-        self.peak_bound: dict[str, str] = {}  # devices whose peak was last raised after it: a bound, not exact
-
-    def assume(self, note: str) -> None:
-        """From here on, sizes may be upper bounds: a peak raised after this is marked as one."""
-        self.bound = self.bound or note
-
-    def track_module_tensors(self, pipe) -> None:
-        for module in _with_replicas(pipe):
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                if self._track(tensor, weight=True):
-                    self.weights[str(tensor.device)] += tensor.untyped_storage().nbytes()
-
-    def _track(self, tensor: torch.Tensor, weight: bool = False) -> bool:
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if key in self._seen:
-            return False
-        device, size = str(tensor.device), storage.nbytes()
-        self._seen[key] = (device, size)
-        self.live[device] += size
-        if weight:
-            self._weight_keys.add(key)
-            self.weight_live[device] += size
-            self.weight_peak[device] = max(self.weight_peak[device], self.weight_live[device])
-        if self.live[device] > self.peak[device]:
-            self.peak[device] = self.live[device]
-            if self.bound is not None:
-                self.peak_bound[device] = self.bound
-        self.activation_peak[device] = max(self.activation_peak[device],
-                                           self.live[device] - self.weight_live[device])
-        weakref.finalize(storage, self._free, key)
-        return True
-
-    def _free(self, key: int) -> None:
-        device, size = self._seen.pop(key)
-        self.live[device] -= size
-        if key in self._weight_keys:
-            self._weight_keys.discard(key)
-            self.weight_live[device] -= size
-
-    def _onloads_weight(self, func, args, out) -> bool:
-        if func is not torch.ops.aten._to_copy.default or not args or not isinstance(out, torch.Tensor):
-            return False
-        source = args[0]
-        return id(source.untyped_storage()) in self._weight_keys and source.device != out.device
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        weight = ALLOCATING_WEIGHTS[0] or self._onloads_weight(func, args, out)
-        tree_map_only(torch.Tensor, lambda t: self._track(t, weight), out)
-        return out
-
-
-def _with_replicas(pipe, only: str | None = None) -> list[torch.nn.Module]:
-    """The pipeline's models, each followed by the copies its hook holds (a replicated denoiser's)."""
-    found = []
-    for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module) and only in (None, name):
-            found += [module, *getattr(getattr(module, "_hf_hook", None), "replicas", ())]
-    return found
-
-
-class ComponentTracker:
-    """Which component is running, from global module hooks: a failure can then name its component."""
-
-    def __init__(self, pipe):
-        self._owner = {id(m): name for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)
-                       for held in _with_replicas(pipe, name) for m in held.modules()}
-        self._stack: list[str] = []
-        self._handles = []
-        self.current: str | None = None
-
-    def _enter(self, module, *args):
-        name = self._owner.get(id(module))
-        if name is not None:
-            self._stack.append(name)
-            self.current = name
-
-    def _leave(self, module, *args):
-        if self._owner.get(id(module)) is not None and self._stack:
-            self._stack.pop()
-            self.current = self._stack[-1] if self._stack else None
-
-    def __enter__(self):
-        from torch.nn.modules import module as nn_module
-
-        self._handles = [nn_module.register_module_forward_pre_hook(self._enter),
-                         nn_module.register_module_forward_hook(self._leave)]
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pipemap
-from conftest import plain_pipeline, run
+from helpers import plain_pipeline, run
 from pipemap import tiny
 from pipemap.planner import MIXED, STRATEGIES
 
@@ -44,6 +44,7 @@ def test_header_bytes_equal_loaded_bytes_with_t5(flux):
     assert {c.name: c.bytes for c in pipemap.inspect(folder).models} == loaded
 
 
+@pytest.mark.slow
 def test_every_strategy_runs_clean_on_stand_in_gpus(flux):
     folder, _, _ = flux
     modes = set()

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import pipemap
-from conftest import plain_pipeline
+from helpers import plain_pipeline
 from pipemap import tiny
 from pipemap.dispatch import planned
-from pipemap.simulate import default_call
-from pipemap.standin import StorageTracker
+from pipemap.dryrun.run import dry_call
+from pipemap.dryrun.trackers import StorageTracker
 
 # tiny models: unet 3.0 MiB, vae 2.5, controlnet 1.6, text encoders 0.2 each
 GPUS = {2: "2x5MiB,cpu=1GiB", 3: "3x4MiB,cpu=1GiB"}
@@ -34,6 +34,7 @@ def _strategies(kind: str, gpus: int) -> list:
     return [*pipemap.STRATEGIES, (MAPS if gpus == 2 else MAPS_3)[kind], {"vae": f"cuda:{gpus - 1}"}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpus", [2, 3])
 @pytest.mark.parametrize("kind", tiny.KINDS)
 def test_every_strategy_runs_clean_on_stand_in_gpus(pipes, kind, gpus):
@@ -49,6 +50,7 @@ def test_every_strategy_runs_clean_on_stand_in_gpus(pipes, kind, gpus):
             assert report.activation_bytes[device] == report.peak_bytes[device] - report.weight_bytes[device]
 
 
+@pytest.mark.slow
 def test_from_a_folder_without_reading_weights(tiny_folders):
     folder = Path(tiny_folders["controlnet"])
     weights = sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
@@ -67,6 +69,7 @@ def _bytes_read() -> int:
     raise AssertionError("no rchar in /proc/self/io")
 
 
+@pytest.mark.slow
 def test_folder_and_pipeline_give_the_same_figures(tiny_folders, pipes):
     plan = pipemap.plan(tiny_folders["sdxl"], hardware=GPUS[2], headroom=0.0)
     from_folder = pipemap.simulate(tiny_folders["sdxl"], plan)
@@ -76,6 +79,7 @@ def test_folder_and_pipeline_give_the_same_figures(tiny_folders, pipes):
         assert device.used <= from_folder.weight_bytes[device.device] <= device.used * 1.01
 
 
+@pytest.mark.slow
 def test_caller_pipeline_is_untouched_and_runs_twice(pipes):
     pipe = pipes["sd"]
     before = {n: [(id(p), p.device, p.data_ptr()) for p in m.parameters()] for n, m in pipe.components.items()
@@ -89,6 +93,7 @@ def test_caller_pipeline_is_untouched_and_runs_twice(pipes):
     assert not any(hasattr(m, "_hf_hook") for m in pipe.unet.modules())
 
 
+@pytest.mark.slow
 def test_a_dispatched_pipeline_can_be_simulated(tiny_folders):
     pipe = pipemap.load(tiny_folders["sd"], hardware="cpu=1GiB", progress=False)
     report = pipemap.simulate(pipe, pipemap.plan(tiny_folders["sd"], hardware=GPUS[2], headroom=0.0))
@@ -155,6 +160,7 @@ def test_controlnet_passed_in_but_left_out_of_the_plan_is_caught(tiny_folders, p
 # ---- peaks -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_larger_resolution_raises_the_activation_peak(pipes):
     plan = pipemap.plan(pipes["sdxl"], hardware=GPUS[2], headroom=0.0)
     small = pipemap.simulate(pipes["sdxl"], plan, height=32, width=32)
@@ -164,10 +170,11 @@ def test_larger_resolution_raises_the_activation_peak(pipes):
     assert large.weight_bytes == small.weight_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", tiny.KINDS)
 def test_single_device_peak_matches_a_real_cpu_run(pipes, kind):
     pipe = pipes[kind]
-    call = default_call(pipe, 2, {"height": 64, "width": 64})
+    call = dry_call(pipe, 2, {"height": 64, "width": 64})
     tracker = StorageTracker()
     tracker.track_module_tensors(pipe)
     with tracker:
@@ -178,6 +185,7 @@ def test_single_device_peak_matches_a_real_cpu_run(pipes, kind):
     assert abs(report.peak_bytes["cuda:0"] - real) <= 0.10 * real
 
 
+@pytest.mark.slow
 def test_measured_headroom_reserves_the_dry_run_peak(tiny_folders):
     plan = pipemap.plan(tiny_folders["controlnet"], hardware="2x8MiB,cpu=1GiB", headroom="measure")
     report = pipemap.simulate(tiny_folders["controlnet"], plan)

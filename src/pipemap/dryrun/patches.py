@@ -1,7 +1,8 @@
-"""What a dry run adds around a pipeline's own call: module conversions on stand-in weights, tensor outputs, phases.
+"""What a dry run patches around a pipeline's own call, so pipeline code treats stand-in weights as a real run
+would: module conversions (``vae.to(torch.float32)``), tensor outputs for any ``output_type``, host copies, the
+safety checker.
 
-``standin`` makes the weights fake; this module lets pipeline code treat those weights as a real run would
-(``vae.to(torch.float32)``, ``output_type="pil"``) and says which phase of the call set each device's peak.
+``standin`` makes the weights fake; ``trackers`` count what the call holds.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import functools
 import inspect
 import threading
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from . import known, standin
+from . import known
+from .trackers import ConvertingTracker
 
 # ---- module conversions ----------------------------------------------------------------------------------------
 
@@ -93,34 +93,6 @@ def _apply_fake(module: torch.nn.Module, fn, recurse: bool, state: dict, tracker
     return module
 
 
-class ConvertingTracker(standin.StorageTracker):
-    """The storage tracker, told of module conversions: a weight cast to another dtype or device stays a weight up
-    to the bytes it had, so an upcast's extra bytes (SDXL's fp32 VAE: twice its fp16 bytes) count as activations,
-    the room a plan's headroom must leave, and a cast back costs nothing extra."""
-
-    def __init__(self):
-        super().__init__()
-        self._weight_size: dict[int, int] = {}
-
-    def converted(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        old_key, new_key = id(old.untyped_storage()), id(new.untyped_storage())
-        if old_key not in self._weight_keys or new_key not in self._seen or new_key in self._weight_keys:
-            return
-        device, size = self._seen[new_key]
-        portion = min(size, self._weight_size.get(old_key, self._seen[old_key][1]))
-        self._weight_keys.add(new_key)
-        self._weight_size[new_key] = portion
-        self.weight_live[device] += portion
-        self.weight_peak[device] = max(self.weight_peak[device], self.weight_live[device])
-
-    def _free(self, key: int) -> None:
-        portion = self._weight_size.pop(key, None)
-        if portion is not None:  # the base class takes a weight's whole size off; this one counted only its portion
-            device, size = self._seen[key]
-            self.weight_live[device] += size - portion
-        super()._free(key)
-
-
 # ---- outputs ----------------------------------------------------------------------------------------------------
 
 
@@ -190,120 +162,6 @@ def safety_checks(pipe):
 
 
 # ---- phases -----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Phase:
-    """A part of the call: ``kind`` is "prompt encoding", "denoising", "VAE decode", ...; ``step`` counts from 1."""
-
-    kind: str
-    step: int | None = None
-
-    def __str__(self) -> str:
-        return f"{self.kind} (step {self.step})" if self.step else self.kind
-
-
-class PhaseTracker:
-    """Which phase of the call is running, from global module hooks and the scheduler's ``step`` calls.
-
-    A component's modules name their phase: text encoders encode the prompt, a VAE's decoder decodes, anything else
-    a model calls during the loop denoises (UNet, transformer, ControlNet); pipeline code between modules belongs to
-    the phase last seen.
-    """
-
-    def __init__(self, pipe):
-        self._kind: dict[int, str] = {}
-        for name, component in pipe.components.items():
-            if isinstance(component, torch.nn.Module):
-                for path, module in component.named_modules():
-                    self._kind[id(module)] = _phase_kind(name, path)
-        self._depth = 0
-        self.steps_done = 0
-        self.current = Phase("weights")
-
-    def _enter(self, module, *args):
-        kind = self._kind.get(id(module))
-        if kind is None:
-            return
-        if self._depth == 0 or kind == "VAE decode" or kind == "VAE encode":
-            step = self.steps_done + 1 if kind == "denoising" else None
-            self.current = Phase(kind, step)
-        self._depth += 1
-
-    def _leave(self, module, *args):
-        if id(module) in self._kind:
-            self._depth -= 1
-
-    @contextlib.contextmanager
-    def watching(self, scheduler):
-        from torch.nn.modules import module as nn_module
-
-        previous = scheduler.__dict__.get("step")  # the host scheduler's own wrapper, if any
-        step = scheduler.step
-
-        def counted(*args, **kwargs):
-            result = step(*args, **kwargs)
-            self.steps_done += 1
-            return result
-
-        scheduler.__dict__["step"] = counted
-        handles = [nn_module.register_module_forward_pre_hook(self._enter),
-                   nn_module.register_module_forward_hook(self._leave)]
-        try:
-            yield self
-        finally:
-            for handle in handles:
-                handle.remove()
-            if previous is None:
-                scheduler.__dict__.pop("step", None)
-            else:
-                scheduler.__dict__["step"] = previous
-
-
-def _phase_kind(component: str, path: str) -> str:
-    if "text_encoder" in component:
-        return "prompt encoding"
-    if "image_encoder" in component:
-        return "image encoding"
-    if "safety_checker" in component:
-        return "safety check"
-    if component == "vae" or component.startswith("vae"):
-        top = path.split(".")[0]
-        if top in ("decoder", "post_quant_conv"):
-            return "VAE decode"
-        if top in ("encoder", "quant_conv"):
-            return "VAE encode"
-        return "VAE"
-    return "denoising"
-
-
-class PhasedTracker(ConvertingTracker):
-    """The converting tracker that also notes the phase running when each device's peak was set."""
-
-    def __init__(self, phases: PhaseTracker, component: Callable[[], str | None] = lambda: None):
-        super().__init__()
-        self.phases = phases
-        self.component = component  # the component running now (``standin.ComponentTracker.current``)
-        self.peak_phase: dict[str, Phase] = {}
-        self.peak_component: dict[str, str] = {}
-        # the timeline: (device, bytes live, phase) after every allocation and free, in order
-        self.samples: list[tuple[str, int, Phase]] = []
-
-    def _track(self, tensor: torch.Tensor, weight: bool = False) -> bool:
-        device = str(tensor.device)
-        before = self.peak[device]
-        tracked = super()._track(tensor, weight)
-        if self.peak[device] > before:
-            self.peak_phase[device] = self.phases.current
-            self.peak_component[device] = self.component() or ""
-        if tracked:
-            self.samples.append((device, self.live[device], self.phases.current))
-        return tracked
-
-    def _free(self, key: int) -> None:
-        device = self._seen[key][0]
-        super()._free(key)
-        self.samples.append((device, self.live[device], self.phases.current))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pipemap
-from conftest import plain_pipeline
+from helpers import plain_pipeline
 from pipemap.cli import main
 from pipemap.hardware import Performance
 from pipemap.units import parse_bytes

@@ -1,4 +1,5 @@
-"""The dry run: a pipeline's real ``__call__`` on stand-in devices, to prove a plan and measure each device's peak.
+"""The dry run's entry: a pipeline's real ``__call__`` on stand-in devices, to prove a plan and measure each device's
+peak.
 
 Every weight becomes a fake tensor (shape and dtype, no memory) on a stand-in device: ``cuda:N`` -> ``meta:N``
 under ``FakeTensorMode``, where a tensor on ``meta:0`` meeting one on ``meta:1`` raises as two GPUs would. The plan is
@@ -8,92 +9,31 @@ applied by the same ``dispatch`` a real run uses, then the pipeline's own call r
 from __future__ import annotations
 
 import copy
+import functools
 import inspect as pyinspect
 import os
 import re
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import accelerate
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import catalog, dryrun, known, standin
-from .catalog import dryrun as catalog_dryrun
-from .dispatch import dispatch, planned, unhook_component
-from .errors import CallArgumentError, PipelineMappedError, PipemapError
-from .plan import Plan
-from .units import format_bytes
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What went wrong in a dry run: the operation, the component running it (None: pipeline code), the devices."""
-
-    operation: str
-    component: str | None
-    devices: tuple[str, ...]
-    message: str
-    where: str = ""
-
-    def __str__(self) -> str:
-        who = f"in {self.component!r}" if self.component else "in the pipeline's own code"
-        at = f" at {self.where}" if self.where else ""
-        return f"{self.operation} {who}{at} on {', '.join(self.devices) or '?'}: {self.message}"
-
-
-@dataclass(frozen=True)
-class SimulationReport:
-    """The outcome of a dry run; byte figures are keyed by the plan's device names (``cuda:0``, not ``meta:0``)."""
-
-    ok: bool
-    error: Failure | None
-    peak_bytes: dict[str, int]
-    weight_bytes: dict[str, int]
-    activation_bytes: dict[str, int]
-    plan: Plan
-    seconds: float = 0.0
-    call: dict = field(default_factory=dict)
-    weight_peak_bytes: dict[str, int] = field(default_factory=dict)  # resident weights plus those onloaded at once
-    peak_phase: dict[str, str] = field(default_factory=dict)  # the phase of the call that set each device's peak
-    advice: tuple[str, ...] = ()  # what would make a peak that does not fit fit (VAE tiling)
-    # devices whose peak is an upper bound, not exact, with the value the dry run had to assume (MoE routing)
-    bound_peaks: dict[str, str] = field(default_factory=dict)
-    # each device's memory over the call (``picture.Sample``s, at most TIMELINE_POINTS a device, peaks kept) and
-    # the component running when each peak was set
-    timeline: tuple = ()
-    peak_component: dict[str, str] = field(default_factory=dict)
-
-    def picture(self):
-        """Each device's memory over the call: the budget line, the peak marked with its phase and component
-        (``report.picture().svg()``; ``pipemap simulate ... --svg run.svg``)."""
-        from .picture import timeline_picture
-
-        return timeline_picture(self)
-
-    def _repr_html_(self) -> str:
-        """What a notebook shows: the timeline picture, then the report's text."""
-        from html import escape
-
-        return f"<div class='pipemap-simulation'>{self.picture().svg()}<pre>{escape(str(self))}</pre></div>"
-
-    def __str__(self) -> str:
-        lines = [f"dry run {'ok' if self.ok else 'FAILED'} in {self.seconds:.2f} s; call {self.call}"]
-        if self.error:
-            lines.append(f"error: {self.error}")
-        lines.append(f"{'device':<10}{'weights':>12}{'activations':>13}{'peak':>12}{'memory':>12}  peak set by")
-        memory = {d.device: d.memory for d in self.plan.devices}
-        for device in self.peak_bytes:
-            lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>12}"
-                         f"{format_bytes(self.activation_bytes[device]):>13}"
-                         f"{format_bytes(self.peak_bytes[device]):>12}{format_bytes(memory.get(device, 0)):>12}"
-                         f"  {self.peak_phase.get(device, '')}{'  (bound)' if device in self.bound_peaks else ''}")
-        for note in dict.fromkeys(self.bound_peaks.values()):
-            lines.append(f"(bound): a peak at most this high; the dry run assumed {note}")
-        return "\n".join(lines + list(self.advice))
+from .. import catalog
+from ..dispatch import place, planned
+from ..errors import CallArgumentError, PipelineMappedError, PipemapError
+from ..hooks import unhook_component
+from ..plan import Plan
+from ..units import format_bytes
+from . import catalog as catalog_dryrun
+from . import known, patches, standin
+from .queues import StandinQueues
+from .report import Failure, SimulationReport, report_of
+from .trackers import ComponentTracker, PhasedTracker, PhaseTracker
 
 
 def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **call_kwargs) -> SimulationReport:
@@ -114,11 +54,11 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **
     pipe = _fake_pipeline(source, plan, mode, standins)
     if vae_tiling:
         pipe.vae.enable_tiling()
-    call = default_call(pipe, steps, call_kwargs)
+    call = dry_call(pipe, steps, call_kwargs)
     start = time.perf_counter()
     tracker, failure = _run(pipe, plan.remap(standins), mode, call)
     back = {v: k for k, v in standins.items()}
-    report = _report(tracker, failure, plan, back, time.perf_counter() - start, call)
+    report = report_of(tracker, failure, plan, back, time.perf_counter() - start, call)
     if not vae_tiling and hasattr(pipe.vae if hasattr(pipe, "vae") else None, "enable_tiling"):
         report = replace(report, advice=_tiling_advice(source, plan, steps, call_kwargs, report))
     return report
@@ -181,7 +121,7 @@ def _init_names(pipe) -> set[str]:
     return set(pyinspect.signature(type(pipe).__init__).parameters) - {"self"}
 
 
-def default_call(pipe, steps: int, overrides: Mapping) -> dict:
+def dry_call(pipe, steps: int, overrides: Mapping) -> dict:
     """The pipeline's default call, few steps, decoded to tensors; a ControlNet pipeline gets a blank image."""
     call = {"prompt": "a dry run", "num_inference_steps": steps, "output_type": "pt",
             "generator": torch.Generator("cpu").manual_seed(0)}
@@ -207,15 +147,15 @@ def _resolution(pipe, overrides: Mapping) -> tuple[int, int]:
 
 
 def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict):
-    phases = dryrun.PhaseTracker(pipe)
-    components = standin.ComponentTracker(pipe)
-    tracker = dryrun.PhasedTracker(phases, lambda: components.current)
+    phases = PhaseTracker(pipe)
+    components = ComponentTracker(pipe)
+    tracker = PhasedTracker(phases, lambda: components.current)
     failure = None
     try:
-        dispatch(pipe, plan)
+        place(pipe, plan, queues=functools.partial(StandinQueues, tracker=tracker))
         tracker.track_module_tensors(pipe)
-        with phases.watching(pipe.scheduler), standin.fused_attention(), dryrun.module_conversions(tracker), \
-                dryrun.tensor_outputs(), dryrun.host_copies(), dryrun.safety_checks(pipe), components, mode, \
+        with phases.watching(pipe.scheduler), standin.fused_attention(), patches.module_conversions(tracker), \
+                patches.tensor_outputs(), patches.host_copies(), patches.safety_checks(pipe), components, mode, \
                 standin.StrictDevices(), tracker, \
                 known.known_values(tracker.assume):  # innermost: the trackers see what it rewrites
             pipe(**call)
@@ -247,54 +187,11 @@ def _where(err: Exception) -> str:
 
 
 _SKIPPED = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (torch, accelerate))
-_OWN = str(Path(__file__).resolve().parent) + os.sep  # this package's own folder, not any folder named pipemap
+_OWN = str(Path(__file__).resolve().parent.parent) + os.sep  # pipemap's own folder, not any folder named pipemap
 
 
 def _library_frame(filename: str) -> bool:
     path = str(Path(filename).resolve())
     return path.startswith(_OWN) or path.startswith(_SKIPPED)
 
-
-def _report(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str], seconds: float,
-            call: dict) -> SimulationReport:
-    def keyed(figures: Mapping[str, int]) -> dict[str, int]:
-        out = {d.device: 0 for d in plan.devices if d.used or d.device in plan.device_map.values()}
-        for device, value in figures.items():
-            name = back.get(device, device)
-            out[name] = out.get(name, 0) + value
-        return out
-
-    peak, weights = keyed(tracker.peak), keyed(tracker.weights)
-    weights = {d: weights.get(d, 0) for d in peak}
-    weight_peak, activations = keyed(tracker.weight_peak), keyed(tracker.activation_peak)
-    if failure is not None:
-        failure = replace(failure, devices=tuple(back.get(d, d) for d in failure.devices))
-    shown = {k: (v if not isinstance(v, torch.Generator) else "generator") for k, v in call.items()
-             if not isinstance(v, torch.Tensor)}
-    phases = {back.get(d, d): str(p) for d, p in tracker.peak_phase.items()}
-    bound = {back.get(d, d): note for d, note in tracker.peak_bound.items()}
-    timeline = _timeline(tracker.samples, back)
-    who = {back.get(d, d): c for d, c in tracker.peak_component.items() if c}
-    return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
-                            seconds, shown, {d: weight_peak.get(d, 0) for d in peak},
-                            {d: phases[d] for d in peak if d in phases}, bound_peaks=bound, timeline=timeline,
-                            peak_component=who)
-
-
-TIMELINE_POINTS = 600  # a device's samples kept for the picture: the largest of each stretch, the peak among them
-
-
-def _timeline(samples, back: Mapping[str, str]) -> tuple:
-    from .picture import Sample
-
-    by_device: dict[str, list[tuple[int, int, str]]] = {}
-    for index, (device, size, phase) in enumerate(samples):
-        by_device.setdefault(back.get(device, device), []).append((index, size, str(phase)))
-    out = []
-    for device, points in by_device.items():
-        stretch = -(-len(points) // TIMELINE_POINTS)
-        for start in range(0, len(points), stretch):
-            index, size, phase = max(points[start:start + stretch], key=lambda p: p[1])
-            out.append(Sample(index, device, size, phase))
-    return tuple(sorted(out, key=lambda s: s.index))
 

@@ -261,6 +261,7 @@ def test_a_failure_inside_the_pipeline_answers_500_and_the_next_request_succeeds
 # ---- the command line: serve, then SIGTERM while a request runs -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pipemap_serve_finishes_running_work_on_sigterm_and_refuses_new(tiny_folders, tmp_path):
     with socket.socket() as probe:  # a port free now; the server binds it a few seconds later
         probe.bind(("127.0.0.1", 0))

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipemap
-from conftest import plain_pipeline, run
+from helpers import plain_pipeline, run
 from pipemap import Component, Hardware, Inventory, Placement
 from pipemap.cost import Workload, predict, seconds_per_image
-from pipemap.dispatch import PlacementHook, SplitHook
+from pipemap.hooks import PlacementHook, SplitHook
 from pipemap.planner import MIXED, STRATEGIES
 
 GIB = 2**30
@@ -139,6 +139,7 @@ SPLIT_GPUS = {"sd": "3x2.4MiB,cpu=1GiB", "sdxl": "3x2.4MiB,cpu=1GiB", "controlne
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(SPLIT_GPUS))
 def test_split_pipeline_runs_clean_on_stand_in_gpus_and_equals_plain_on_cpu(tiny_folders, reference_outputs, kind):
     folder = tiny_folders[kind]
@@ -159,6 +160,7 @@ def test_split_pipeline_runs_clean_on_stand_in_gpus_and_equals_plain_on_cpu(tiny
     assert not any(hasattr(m, "_hf_hook") for m in module.modules())
 
 
+@pytest.mark.slow
 def test_split_dispatch_of_a_loaded_pipeline_in_the_dry_run(tiny_folders):
     pipe = plain_pipeline(tiny_folders["sdxl"])
     plan = pipemap.plan(pipe, hardware=SPLIT_GPUS["sdxl"], strategy="auto", headroom=0.0)
@@ -166,8 +168,9 @@ def test_split_dispatch_of_a_loaded_pipeline_in_the_dry_run(tiny_folders):
     assert report.ok, report.error
 
 
+@pytest.mark.slow
 def test_catalog_pipeline_auto_plan_through_the_command_line():
-    from test_cli import pipemap_cli
+    from helpers import pipemap_cli
 
     result = pipemap_cli("plan", "flux.1-dev", "--hardware", "2x16GiB,cpu=64GiB", "--strategy", "auto")
     assert result.returncode == 0, result.stderr

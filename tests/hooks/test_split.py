@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pipemap import standin
-from pipemap.dispatch import SplitHook, _run_ends, hook_component, unhook_component
+from pipemap.dryrun import standin
+from pipemap.hooks import SplitHook, hook_component, unhook_component
+from pipemap.hooks.split import _run_ends
 
 
 class Net(torch.nn.Module):

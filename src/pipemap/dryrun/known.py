@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .errors import PipemapError
+from ..errors import PipemapError
 
 aten = torch.ops.aten
 LIMIT = 1 << 24  # elements: a known value larger than this (an attention mask over a whole video) becomes unknown

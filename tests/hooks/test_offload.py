@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 
 import pipemap
-from conftest import plain_pipeline, run
-from pipemap import offload, tiny, traffic
-from pipemap.dispatch import hook_component, unhook_component
+from helpers import inventory, plain_pipeline, plan, problems, run
+from pipemap import tiny, traffic
+from pipemap.dispatch import onload_peaks
+from pipemap.hooks import Ledger, hook_component, packing, stream, unhook_component
 from pipemap.inventory import Component, Inventory, stream_blocks
 from pipemap.plan import DeviceUse, Placement, Plan
 from pipemap.planner import forcing_hardware
-from test_planner import inventory, plan, problems
 
 OFFLOADING = ("balanced_low_memory", "balanced_ultra_low_memory")
 MODE = {"balanced_low_memory": "offload", "balanced_ultra_low_memory": "stream"}
@@ -168,7 +168,7 @@ def test_output_equals_plain_and_reset_restores(tiny_folders, reference_outputs,
     # in the accounting: residents plus what was onloaded at once stay within the GPU's budget (give or take the
     # non-persistent buffers, position_ids, which no header lists: 616 bytes a text encoder)
     resident = sum(p.bytes for p in gpu_plan.components if p.mode == "resident")
-    assert resident + offload.onload_peaks(pipe)["cpu"] <= gpu_plan.devices[0].budget + 4096
+    assert resident + onload_peaks(pipe)["cpu"] <= gpu_plan.devices[0].budget + 4096
     pipemap.reset(pipe)
     assert _state(pipe) == before
     torch.testing.assert_close(run(pipe, kind), reference_outputs[kind], atol=1e-5, rtol=0)
@@ -189,7 +189,7 @@ def test_two_gpus_offload_and_stream_mixed(tiny_folders, reference_outputs):
     before = _state(pipe)
     pipemap.dispatch(pipe, mixed.remap({"cuda:0": "cpu", "cuda:1": "cpu"}))
     torch.testing.assert_close(run(pipe, "controlnet"), reference_outputs["controlnet"], atol=1e-5, rtol=0)
-    assert isinstance(pipe.text_encoder._hf_hook, offload.StreamHook)
+    assert isinstance(pipe.text_encoder._hf_hook, stream.StreamHook)
     pipemap.reset(pipe)
     assert _state(pipe) == before
 
@@ -201,8 +201,8 @@ def test_stream_swaps_weights_block_by_block(tiny_folders):
     blocks = stream_blocks(unet)
     assert not any(isinstance(b, (torch.nn.ModuleList, torch.nn.ModuleDict)) for _, b in blocks)
     assert "down_blocks.0" in dict(blocks) and "mid_block.attentions.0" in dict(blocks)
-    seen, ledger = [], offload.Ledger()
-    hook = offload.hook_for(Placement("unet", "cpu", 1, "stream", "cpu", 1), "cpu", ledger)
+    seen, ledger = [], Ledger()
+    hook = stream.StreamHook.for_placement(Placement("unet", "cpu", 1, "stream", "cpu", 1), "cpu", ledger)
     hook_component(unet, hook)
 
     def check(name, block, args):  # runs after the stream hook's own pre-hook: the block is onloaded
@@ -214,7 +214,7 @@ def test_stream_swaps_weights_block_by_block(tiny_folders):
     run(pipe, "sd")
     unhook_component(unet)
     assert seen and all(onloaded for _, onloaded, _ in seen)
-    largest = max(offload._Group(offload._slots(b.modules()).values()).layout.nbytes for _, b in blocks)
+    largest = max(packing.Group(packing.slots(b.modules()).values()).layout.nbytes for _, b in blocks)
     assert max(live for *_, live in seen) == hook.charge == 2 * largest + hook.root.layout.nbytes  # two buffers
     assert {name: id(t) for name, t in [*unet.named_parameters(), *unet.named_buffers()]} == masters
     assert ledger.live["cpu"] == 0
@@ -236,7 +236,8 @@ def test_non_persistent_buffers_travel_with_their_block():
     expected = model(torch.ones(2, 4))
     assert [name for name, _ in stream_blocks(model)] == ["0", "1", "2"]
     onloaded.clear()
-    hook_component(model, offload.hook_for(Placement("m", "cpu", 1, "stream", "cpu", 1), "cpu", offload.Ledger()))
+    placement = Placement("m", "cpu", 1, "stream", "cpu", 1)
+    hook_component(model, stream.StreamHook.for_placement(placement, "cpu", Ledger()))
     torch.testing.assert_close(model(torch.ones(2, 4)), expected, atol=0, rtol=0)
     assert onloaded == [True, True]
     unhook_component(model)
@@ -251,7 +252,7 @@ def _moved(stats) -> dict[str, int]:
 
 
 def _sizes(pipe) -> dict[str, int]:
-    return {n: offload._Group(offload._slots(m.modules()).values()).nbytes for n, m in _models(pipe).items()}
+    return {n: packing.Group(packing.slots(m.modules()).values()).nbytes for n, m in _models(pipe).items()}
 
 
 def test_nothing_moves_when_everything_fits(tiny_folders):
@@ -278,6 +279,7 @@ def test_only_the_text_encoders_move_when_the_rest_fits(tiny_folders):
     assert result.ratio <= 1.0  # 0.039
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sd", "controlnet"])
 def test_text_encoder_called_twice_moves_once(tiny_folders, kind):
     pipe = plain_pipeline(tiny_folders[kind])
@@ -320,6 +322,7 @@ def test_model_offload_stats_leave_the_pipeline_as_it_was(tiny_folders):
 # ---- the dry run -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "strategy"), [("sd", "balanced_ultra_low_memory"),
                                                 ("sdxl", "balanced_ultra_low_memory"),
                                                 ("controlnet", "balanced_low_memory"),

@@ -70,6 +70,7 @@ def image(response) -> np.ndarray:
     return np.array(Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))))
 
 
+@pytest.mark.slow
 def test_ray_serve_generates_and_survives_a_replica_killed_mid_request(ray_url, tiny_folders):
     from diffusers import DiffusionPipeline
 

@@ -6,18 +6,20 @@ tokenizers are stand-ins with the published maximum lengths, the scheduler the p
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Mapping
 
 import torch
+from accelerate import init_empty_weights
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .. import standin
-from ..inventory import _as_dtype, _keep_in_fp32
+from ..catalog import component_dtype, entries, model_class, transformers_config
+from ..inventory import as_dtype, keep_in_fp32
 from ..plan import Plan
 from ..quiet import quiet_diffusers
-from . import _component_dtype, _entries, _model_class, _transformers_config
+from . import standin
 
 # a word-level vocabulary: every word and every run of punctuation is one token (<unk>), close to the token counts
 # of the real subword tokenizers (Qwen-Image drops its 34-token prompt template by count), and every id is valid
@@ -30,7 +32,7 @@ def pipeline(name: str, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str
     published scheduler; in eval mode, as ``from_pretrained`` leaves a pipeline."""
     import diffusers
 
-    found = _entries()[name]
+    found = entries()[name]
     parts = {}
     for component, library, class_name in found.components():
         if component in found.configs:
@@ -49,30 +51,29 @@ def pipeline(name: str, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str
 
 
 def _fake_model(found, component: str, plan: Plan, mode: FakeTensorMode, device: str) -> torch.nn.Module:
-    from accelerate import init_empty_weights
     from transformers import PreTrainedModel
 
     library, class_name = found.model_index[component]
-    cls = _model_class(library, class_name)
+    cls = model_class(library, class_name)
     # parameters on meta only: include_buffers=True would also put on meta the plain tensors a model computes at
     # init and keeps outside its buffers (Qwen-Image's rotary tables), which no fake then replaces
     with init_empty_weights(include_buffers=False), quiet_diffusers():
         if issubclass(cls, PreTrainedModel):
-            module = cls._from_config(_transformers_config(found.configs[component]))
+            module = cls._from_config(transformers_config(found.configs[component]))
         else:
             module = cls.from_config(found.configs[component])
     if hasattr(module, "tie_weights"):  # init_empty_weights unties tied weights (T5's shared embedding)
         module.tie_weights()
     dtype = _dtype(found, component, plan)
-    keep = _keep_in_fp32(library if library in ("diffusers", "transformers") else "diffusers", class_name, dtype)
-    return standin._fill_fakes(module, mode, device, dtype, keep).eval()
+    keep = keep_in_fp32(library if library in ("diffusers", "transformers") else "diffusers", class_name, dtype)
+    return standin.fill_fakes(module, mode, device, dtype, keep).eval()
 
 
 def _dtype(found, component: str, plan: Plan) -> torch.dtype:
     # a plan made at the published dtype keeps each component's own (Wan's VAE: float32); another applies to all
-    if plan.dtype is None or _as_dtype(plan.dtype) == _as_dtype(found.dtype):
-        return _component_dtype(found, component, None)
-    return _as_dtype(plan.dtype)
+    if plan.dtype is None or as_dtype(plan.dtype) == as_dtype(found.dtype):
+        return component_dtype(found, component, None)
+    return as_dtype(plan.dtype)
 
 
 def _scheduler(class_name: str, config: dict):
@@ -103,8 +104,6 @@ def _backend():
 def tokenizer(max_length: int):
     """A stand-in tokenizer: one token per word, padding, truncation and masks as transformers' tokenizers give
     them, ``model_max_length`` as published."""
-    import copy
-
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=copy.deepcopy(_backend()), pad_token="<pad>", eos_token="</s>",

@@ -13,9 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pipemap
 from families import build, fresh
-from pipemap import known
-from pipemap.simulate import default_call
-from pipemap.standin import StorageTracker
+from pipemap.dryrun import known
+from pipemap.dryrun.run import dry_call
+from pipemap.dryrun.trackers import StorageTracker
 
 
 @pytest.fixture
@@ -104,6 +104,7 @@ SCHEDULE_CASES = [(c, {}) for c in _schedulers()] + [
 ]
 
 
+@pytest.mark.slow
 def test_every_scheduler_diffusers_ships_runs_on_stand_ins():
     ran, skipped = [], []
     for cls, config in SCHEDULE_CASES:
@@ -155,6 +156,7 @@ def test_routing_counts_are_exact_when_known_and_a_bound_when_not(dry):
 # ---- whole pipelines ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["aura_flow", "lumina2", "wan_t2v", "qwen_image", "sd_inpaint"])
 def test_known_value_pipelines_dry_run_on_two_stand_in_gpus(family):
     pipe, call = build(family)
@@ -177,6 +179,7 @@ def test_mixture_of_experts_peak_is_reported_as_a_bound():
     assert "(bound)" in str(report) and "every token routed to one expert" in str(report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen_image", "wan_t2v", "sd_img2img"])  # text masks, video, img2img
 def test_single_device_peak_of_a_known_value_pipeline_matches_a_real_cpu_run(family):
     pipe, call = build(family)
@@ -184,7 +187,7 @@ def test_single_device_peak_of_a_known_value_pipeline_matches_a_real_cpu_run(fam
     tracker = StorageTracker()
     tracker.track_module_tensors(pipe)
     with tracker, torch.no_grad():
-        pipe(**default_call(pipe, steps, fresh(call)))
+        pipe(**dry_call(pipe, steps, fresh(call)))
     real = tracker.peak["cpu"]
     report = pipemap.simulate(pipe, pipemap.plan(pipe, hardware="1x1GiB,cpu=4GiB"), steps=steps, **fresh(call))
     assert report.ok, report.error

@@ -9,9 +9,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import families
 import pipemap
-from conftest import plain_pipeline
-from pipemap import dryrun, standin, tiny
-from pipemap.simulate import _fake_pipeline
+from helpers import plain_pipeline
+from pipemap import tiny
+from pipemap.dryrun import patches, standin, trackers
+from pipemap.dryrun.run import _fake_pipeline
 
 # tiny sdxl in fp16: unet 1.58 MiB, vae 1.26 MiB (2.52 MiB upcast to fp32), text encoders 0.11 MiB each
 HW = "2x5MiB,cpu=1GiB"
@@ -32,6 +33,7 @@ def _vae_bytes(pipe) -> int:
     return sum(t.numel() * t.element_size() for t in [*pipe.vae.parameters(), *pipe.vae.buffers()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("output_type", ["pil", "np", "pt"])
 def test_sdxl_fp16_upcasts_its_vae_from_a_folder_and_a_loaded_pipeline(sdxl16, output_type):
     folder, pipe = sdxl16
@@ -50,6 +52,7 @@ def test_sdxl_fp16_upcasts_its_vae_from_a_folder_and_a_loaded_pipeline(sdxl16, o
     assert pipe.vae.dtype == torch.float16  # the caller's pipeline is untouched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["folder", "pipeline"])
 def test_measured_headroom_for_sdxl_fp16_covers_the_upcast(sdxl16, source):
     folder, pipe = sdxl16
@@ -66,10 +69,10 @@ def test_module_conversions_on_stand_in_weights_keep_ties_and_count_bytes():
     t5 = tiny.build("flux").text_encoder_2
     fake = standin.fake_module(t5, mode, "meta:0")
     assert fake.shared.weight is fake.encoder.embed_tokens.weight
-    tracker = dryrun.ConvertingTracker()
+    tracker = trackers.ConvertingTracker()
     tracker.track_module_tensors(type("P", (), {"components": {"t5": fake}})())
     before = tracker.live["meta:0"]
-    with dryrun.module_conversions(tracker), mode, tracker:
+    with patches.module_conversions(tracker), mode, tracker:
         fake.half()
         assert {p.dtype for p in fake.parameters()} == {torch.float16}
         assert tracker.live["meta:0"] == before // 2 and tracker.weight_live["meta:0"] == before // 2
@@ -82,6 +85,7 @@ def test_module_conversions_on_stand_in_weights_keep_ties_and_count_bytes():
     assert tracker.live["meta:0"] == 0 and tracker.live["meta:1"] == before
 
 
+@pytest.mark.slow
 def test_phases_name_each_peak_and_tiling_advice_when_decode_does_not_fit(tiny_folders):
     folder = tiny_folders["sd"]
     # the VAE alone on a 4 MiB GPU: its 2.5 MiB of weights fit, a 96x96 decode does not, a tiled decode does
@@ -106,6 +110,7 @@ def test_folder_built_models_are_in_eval_mode(flux_folder):
     assert len(models) == 4 and not any(m.training for m in [*models, *(s for m in models for s in m.modules())])
 
 
+@pytest.mark.slow
 def test_hunyuan_dit_from_a_folder_places_and_peaks_as_the_loaded_pipeline(tmp_path):
     # two causes of issue 17's meta/meta:1 mix, both fixed: from_pretrained loaded text_encoder_2 (an __init__
     # argument with a default, not an optional component) from disk in place of the one passed in, and
@@ -126,6 +131,7 @@ def test_hunyuan_dit_from_a_folder_places_and_peaks_as_the_loaded_pipeline(tmp_p
     assert from_pipe.weight_bytes["cuda:1"] == sum(p.numel() * p.element_size() for p in t5.parameters())
 
 
+@pytest.mark.slow
 def test_a_catalog_pipeline_plans_with_measured_headroom_and_dry_runs_with_nothing_downloaded():
     # the suite's one catalog dry run: SD 1.5 at full size (860M-parameter UNet, safety checker), small images
     call = {"height": 256, "width": 256, "steps": 1}

@@ -1,0 +1,312 @@
+"""The verbs: ``plan``, ``inspect``, ``load``, ``simulate`` and ``estimate``, each built on one frozen, validated
+``Request`` (the source and what a user asks of it: hardware, strategy, dtype, variant, headroom, max_memory, the
+call a dry run measures). The command line, the demo and serve build a ``Request`` and nothing else, so an argument
+means the same wherever it is given.
+
+The planner below keeps the pure strategies; the measured headroom (a plan whose reservations a dry run measured) is
+composed here, above the planner and the dry run, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from . import catalog
+from .cost import Cost, Workload, predict, workload_for
+from .devices import real_device
+from .dryrun.report import SimulationReport
+from .dryrun.run import simulate as dry_run
+from .errors import ArgumentConflictError, ArgumentTypeError, HeadroomError, SimulationFailedError, UnknownStrategyError
+from .hardware import Hardware
+from .inventory import Inventory, inventory_of, read_model_index, resolve_dtype
+from .loading import check_plan_fits, load_onto, with_passed
+from .plan import Plan
+from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
+from .units import format_bytes, parse_bytes
+
+MEASURE = "measure"  # the headroom a dry run measures
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a user asks of pipemap, checked once: the ``source`` (a pipeline folder, a catalog name, an
+    ``Inventory`` or a loaded pipeline) and the settings every verb reads the same way.
+
+    ``strategy`` is None when none was given (``"balanced"`` then plans; a saved plan is not contradicted);
+    ``hardware`` is None for this machine (detected when first needed); ``dtype`` is a ``torch.dtype`` or None;
+    ``headroom`` is what ``budgets`` takes, or ``"measure"``; ``call`` is the call a measuring dry run makes.
+
+    >>> request = Request.of("path/to/sdxl", hardware="2x16GiB", strategy="auto", dtype="float16")  # doctest: +SKIP
+    >>> print(request.plan())                                                                       # doctest: +SKIP
+    """
+
+    source: object
+    hardware: Hardware | None = None
+    strategy: str | dict | None = None
+    max_memory: Mapping | None = None
+    dtype: torch.dtype | None = None
+    variant: str | None = None
+    headroom: object = None
+    call: Mapping = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
+           max_memory: Mapping | None = None, dtype=None, variant: str | None = None, headroom=None, *,
+           device_map: str | Mapping | None = None, torch_dtype=None, call: Mapping | None = None) -> Request:
+        """The request these arguments make, each checked (a typed error naming the argument and the fix); nothing
+        is read from disk and no device is probed."""
+        chosen = resolve_strategy(strategy, device_map) if strategy is not None or device_map is not None else None
+        machine = _hardware(hardware, max_memory)
+        target = resolve_dtype(dtype, torch_dtype)
+        if variant is not None and not isinstance(variant, str):
+            raise ArgumentTypeError("variant", variant, "a string such as 'fp16', or None")
+        measured = isinstance(headroom, str) and headroom.strip() == MEASURE
+        if not measured:
+            check_headroom(headroom)
+        if call is not None and not measured:
+            raise ArgumentConflictError("call", call, "headroom", headroom, "call= is the call a dry run measures: "
+                                        "pass headroom='measure' with it, or drop it")
+        if call is not None and not isinstance(call, Mapping):
+            raise ArgumentTypeError("call", call, "a dict of keyword arguments for the pipeline call")
+        return cls(source, machine, chosen, dict(max_memory) if max_memory else None, target, variant,
+                   MEASURE if measured else headroom, dict(call or {}))
+
+    @property
+    def measured(self) -> bool:
+        """Whether the headroom is what a dry run measures."""
+        return self.headroom == MEASURE
+
+    def machine(self) -> Hardware:
+        """The hardware to plan for (this machine's when none was given), less ``max_memory``."""
+        hw = self.hardware or Hardware.detect()
+        return hw.with_max_memory(self.max_memory) if self.max_memory else hw
+
+    def inventory(self) -> Inventory:
+        """The source's components, sized at the dtype asked for: headers only for a folder, configs only for a
+        catalog name."""
+        source = self.source
+        if isinstance(source, str) and not os.path.exists(source) and catalog.resolve(source) is not None:
+            return catalog.inventory(source, self.dtype)
+        return inventory_of(source, self.dtype, self.variant)
+
+    def plan(self, inventory: Inventory | None = None) -> Plan:
+        """The plan this request asks for (of ``inventory`` when given: a folder's with passed components)."""
+        hw = self.machine()
+        inventory = inventory or self.inventory()
+        strategy = self.strategy if self.strategy is not None else "balanced"
+        if self.measured:
+            return measured_plan(self.source, inventory, hw, strategy, self.call)
+        return plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom))
+
+
+def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
+         max_memory: Mapping | None = None, dtype=None, variant: str | None = None, headroom=None, *,
+         device_map: str | Mapping | None = None, torch_dtype=None, call: Mapping | None = None) -> Plan:
+    """Where each component of a pipeline goes, before anything is loaded.
+
+    ``source`` is a pipeline folder (only headers are read), a catalog name (``pipemap catalog``), an
+    ``Inventory`` or a loaded pipeline. ``strategy`` (or diffusers' name for it, ``device_map``) is one of
+    ``pipemap.STRATEGIES``, ``"auto"`` (the fastest that fits), or a dict ``{component: device}`` whose missing
+    components are placed by ``"balanced"``. ``headroom`` is kept free on each GPU for activations: a fraction
+    (``0.1``, ``"0.1"``), bytes (an int, ``"2GiB"``), a dict per device, or ``"measure"``: the activation peak a dry
+    run of the pipeline's default call measures (``call=`` gives another call, e.g. a ControlNet image), re-planned
+    until the reservation is stable.
+
+    >>> plan = pipemap.plan("path/to/sdxl", hardware="2x16GiB,cpu=64GiB", strategy={"vae": "cuda:1"},
+    ...                     dtype=torch.float16, variant="fp16")                         # doctest: +SKIP
+    >>> print(plan)                                                                    # doctest: +SKIP
+    """
+    return Request.of(source, hardware, strategy, max_memory, dtype, variant, headroom, device_map=device_map,
+                      torch_dtype=torch_dtype, call=call).plan()
+
+
+def inspect(source, dtype=None, variant: str | None = None, *, torch_dtype=None) -> Inventory:
+    """The components of a pipeline folder (headers only, no weight read), a published pipeline's name
+    (``"flux.1-dev"``, sized by the catalog from its configs, nothing downloaded) or a loaded pipeline.
+
+    >>> inv = pipemap.inspect("path/to/sdxl", dtype=torch.float16, variant="fp16")   # doctest: +SKIP
+    >>> [c.name for c in inv.models]                                                 # doctest: +SKIP
+    ['text_encoder', 'text_encoder_2', 'unet', 'vae']
+    """
+    return Request.of(source, dtype=dtype, variant=variant, torch_dtype=torch_dtype).inventory()
+
+
+def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str | None = None, max_memory=None,
+         dtype=None, variant: str | None = None, headroom=None, *, device_map=None, torch_dtype=None,
+         progress: bool = True, check_transfers: bool = True, **kwargs):
+    """Load a pipeline folder onto its plan and return the dispatched pipeline.
+
+    Keyword arguments that name a component (``controlnet=...``) pass that component in already built: it is
+    sized, placed and hooked like the rest. Other keyword arguments go to ``DiffusionPipeline.from_pretrained``.
+    Without ``plan``, the other arguments make one as ``pipemap.plan`` does (``headroom="measure"`` included).
+
+    >>> pipe = pipemap.load("path/to/sdxl", device_map="balanced", max_memory={0: "20GiB", 1: "20GiB"},
+    ...                     dtype=torch.float16, variant="fp16")                        # doctest: +SKIP
+    >>> pipe.hf_device_map                                                              # doctest: +SKIP
+    {'text_encoder': 'cuda:1', 'text_encoder_2': 'cuda:1', 'unet': 'cuda:0', 'vae': 'cuda:1'}
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError("path", path, "a pipeline folder (a str or a Path)")
+    if plan is not None and not isinstance(plan, Plan):
+        raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns, or None")
+    folder = Path(path)
+    index = read_model_index(folder)
+    request = Request.of(str(folder), hardware, strategy, max_memory, dtype, variant, headroom,
+                         device_map=device_map, torch_dtype=torch_dtype)
+    if plan is not None:
+        check_plan_arguments(plan, request)
+    passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index and not k.startswith("_")}
+    inventory = with_passed(request.inventory(), passed)  # headers only: checks before any load
+    if plan is None:
+        plan = request.plan(inventory)
+    else:
+        check_plan_fits(plan, inventory)
+    return load_onto(folder, index, plan, passed, request.dtype, request.variant, progress=progress,
+                     check_transfers=check_transfers, kwargs=kwargs)
+
+
+def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **call_kwargs) -> SimulationReport:
+    """Run ``source``'s own call on stand-in devices as ``plan`` places it; never touches the caller's pipeline.
+
+    ``source`` is a loaded pipeline, a pipeline folder (no weight byte is read) or a catalog name such as
+    ``"flux.1-dev"`` (models built from its published configs; nothing is downloaded). Steps repeat, so ``steps``
+    (default 2) need not be the real count. ``vae_tiling=True`` calls ``vae.enable_tiling()`` first. Extra keyword
+    arguments go to the pipeline call (``height=``, ``width=``, ``image=`` for a ControlNet, ``output_type=``...).
+
+    >>> plan = pipemap.plan("flux.1-dev", hardware="2x16GiB", strategy="auto")          # doctest: +SKIP
+    >>> report = pipemap.simulate("flux.1-dev", plan, height=1024, width=1024)         # doctest: +SKIP
+    >>> report.ok, report.peak_bytes["cuda:0"], report.peak_phase["cuda:0"]            # doctest: +SKIP
+    (True, 15301233664, 'denoising (step 1)')
+    """
+    if not isinstance(plan, Plan):
+        raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
+    return dry_run(source, plan, steps=steps, vae_tiling=vae_tiling, **call_kwargs)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted seconds per image of a plan for one call, and each component's share (compute, transfer)."""
+
+    seconds: float
+    components: dict[str, Cost]
+    work: Workload
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{c.component} {c.total:.3g} s" for c in self.components.values())
+        return f"{self.seconds:.3g} s per image ({self.work.describe()}): {parts}"
+
+
+def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, **call) -> Estimate:
+    """Predicted seconds per image of ``plan`` on ``hardware`` (its GPUs' speeds and links; this machine by
+    default) for the call ``call`` describes (``num_inference_steps``, ``height``, ``width``, ``num_frames``,
+    ``guidance_scale``...), by the cost model ``auto`` uses.
+
+    >>> plan = pipemap.plan("flux.1-dev", hardware="2x16GiB", strategy="auto")                # doctest: +SKIP
+    >>> pipemap.estimate("flux.1-dev", plan, hardware="2x16GiB,gpu=4090", num_inference_steps=28)  # doctest: +SKIP
+    """
+    if not isinstance(plan, Plan):
+        raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
+    request = Request.of(source, hardware, dtype=plan.dtype, variant=plan.variant)
+    inventory = request.inventory()
+    work = workload_for(inventory, call)
+    parts = predict(plan, inventory, request.machine().performance, work)
+    return Estimate(sum(c.total for c in parts.values()), parts, work)
+
+
+def runnable(plan: Plan) -> Plan:
+    """``plan`` with the devices this machine lacks remapped onto the CPU."""
+    local = set(Hardware.detect().names)
+    missing = {d.device: "cpu" for d in plan.devices if d.device not in local}
+    return plan.remap(missing) if missing else plan
+
+
+def measured_plan(source, inventory: Inventory, hw: Hardware, strategy: str | dict, call: Mapping,
+                  rounds: int = 4) -> Plan:
+    """The plan whose headroom on each device covers the activation peak a dry run of ``call`` measures there.
+
+    Placement changes what runs where, so it re-plans with the measured figures until a plan's own dry run fits
+    its reservations; each device keeps the largest figure seen, so two layouts cannot take turns for ever.
+    """
+    if isinstance(source, Inventory):
+        raise HeadroomError("measure", "a dry run needs a pipeline folder or a loaded pipeline, not an Inventory")
+    current = plan_inventory(inventory, hw, strategy, budgets(hw))
+    reserve: dict[str, int] = {}
+    for _ in range(rounds):
+        report = dry_run(source, current, **call)
+        if not report.ok:
+            raise SimulationFailedError(report)
+        if reserve and all(v <= reserve.get(d, 0) for d, v in report.activation_bytes.items()):
+            break
+        reserve = {d: max(reserve.get(d, 0), report.activation_bytes.get(d, 0)) for d in hw.names}
+        current = plan_inventory(inventory, hw, strategy, budgets(hw, reserve))
+    note = "headroom measured by a dry run: " + ", ".join(f"{d} {format_bytes(b)}" for d, b in reserve.items())
+    return replace(current, notes=current.notes + (note,))
+
+
+def resolve_strategy(strategy: str | Mapping | None, device_map: str | Mapping | None) -> str | dict:
+    """The one strategy asked for (``strategy`` or diffusers' ``device_map``), checked."""
+    if strategy is not None and device_map is not None and strategy != device_map:
+        raise ArgumentConflictError("strategy", strategy, "device_map", device_map)
+    chosen = strategy if strategy is not None else device_map if device_map is not None else "balanced"
+    if isinstance(chosen, Mapping):
+        return _checked_map(chosen)
+    if not isinstance(chosen, str) or (chosen not in STRATEGIES and chosen not in MIXED and chosen != AUTO):
+        raise UnknownStrategyError(chosen, (AUTO, *STRATEGIES, "a dict {component: device}"))
+    return chosen
+
+
+def _checked_map(mapping: Mapping) -> dict:
+    for component, device in mapping.items():
+        if not isinstance(component, str):
+            raise ArgumentTypeError("strategy", dict(mapping), "a dict {component name: device}, names as strings")
+        real_device(device)  # a bad device answers here, before any header is read
+    return dict(mapping)
+
+
+def _hardware(hardware: Hardware | str | None, max_memory: Mapping | None) -> Hardware | None:
+    """A ``Hardware``, a spec string parsed, or None (this machine, detected when first needed)."""
+    if hardware is not None and not isinstance(hardware, (Hardware, str)):
+        raise ArgumentTypeError("hardware", hardware, "a spec string such as '2x24GiB,cpu=64GiB', a Hardware or None")
+    if max_memory is not None and not isinstance(max_memory, Mapping):
+        raise ArgumentTypeError("max_memory", max_memory, "a dict such as {0: '20GiB', 'cpu': '64GiB'} or None")
+    hw = Hardware.parse(hardware) if isinstance(hardware, str) else hardware
+    if hw is not None and max_memory:
+        hw.with_max_memory(max_memory)  # its sizes and devices checked now; on this machine's, when detected
+    return hw
+
+
+def check_plan_arguments(plan: Plan, request: Request) -> None:
+    """Arguments given beside a plan must say what the plan says (they were for making it): else an
+    ``ArgumentConflictError``, before anything loads."""
+    said, strategy = plan.device_map, request.strategy
+    if isinstance(strategy, dict) and any(said.get(c) != real_device(d) for c, d in strategy.items()):
+        raise _conflict("strategy", strategy, said)
+    if isinstance(strategy, str) and strategy != plan.strategy:
+        raise _conflict("strategy", strategy, f"a plan of strategy {plan.strategy!r}")
+    memory = {d.device: d.memory for d in plan.devices}
+    gpus = {d: m for d, m in memory.items() if d != "cpu"}  # a spec without cpu= takes the RAM free now: not compared
+    if request.hardware is not None and {d.name: d.memory for d in request.hardware.gpus} != gpus:
+        raise _conflict("hardware", str(request.hardware), f"a plan for {_machine(plan)}")
+    max_memory = request.max_memory
+    if max_memory is not None and any(memory.get(real_device(k)) != parse_bytes(v) for k, v in max_memory.items()):
+        raise _conflict("max_memory", max_memory, f"a plan for {_machine(plan)}")
+    if request.dtype is not None and str(request.dtype).removeprefix("torch.") != plan.dtype:
+        raise _conflict("dtype", request.dtype, f"a plan for dtype {plan.dtype}")
+    if request.variant is not None and request.variant != plan.variant:
+        raise _conflict("variant", request.variant, f"a plan for variant {plan.variant}")
+    if request.headroom is not None:
+        raise _conflict("headroom", request.headroom, "a plan whose budgets are set already")
+
+
+def _conflict(name: str, value, says) -> ArgumentConflictError:
+    return ArgumentConflictError(name, value, "plan", says, "the plan already settles it: drop the argument, or "
+                                 "make a new plan with it (pipemap.plan)")
+
+
+def _machine(plan: Plan) -> str:
+    return ",".join(f"{d.device}={d.memory}" for d in plan.devices)

@@ -1,0 +1,119 @@
+"""What a dry run reports: whether the plan ran, what broke (the operation, component and devices), and each
+device's weights, activations and peak with the phase and component that set it, and its memory over the call."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from html import escape
+
+import torch
+
+from ..picture import Sample, timeline_picture
+from ..plan import Plan
+from ..units import format_bytes
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong in a dry run: the operation, the component running it (None: pipeline code), the devices."""
+
+    operation: str
+    component: str | None
+    devices: tuple[str, ...]
+    message: str
+    where: str = ""
+
+    def __str__(self) -> str:
+        who = f"in {self.component!r}" if self.component else "in the pipeline's own code"
+        at = f" at {self.where}" if self.where else ""
+        return f"{self.operation} {who}{at} on {', '.join(self.devices) or '?'}: {self.message}"
+
+
+@dataclass(frozen=True)
+class SimulationReport:
+    """The outcome of a dry run; byte figures are keyed by the plan's device names (``cuda:0``, not ``meta:0``)."""
+
+    ok: bool
+    error: Failure | None
+    peak_bytes: dict[str, int]
+    weight_bytes: dict[str, int]
+    activation_bytes: dict[str, int]
+    plan: Plan
+    seconds: float = 0.0
+    call: dict = field(default_factory=dict)
+    weight_peak_bytes: dict[str, int] = field(default_factory=dict)  # resident weights plus those onloaded at once
+    peak_phase: dict[str, str] = field(default_factory=dict)  # the phase of the call that set each device's peak
+    advice: tuple[str, ...] = ()  # what would make a peak that does not fit fit (VAE tiling)
+    # devices whose peak is an upper bound, not exact, with the value the dry run had to assume (MoE routing)
+    bound_peaks: dict[str, str] = field(default_factory=dict)
+    # each device's memory over the call (``picture.Sample``s, at most TIMELINE_POINTS a device, peaks kept) and
+    # the component running when each peak was set
+    timeline: tuple = ()
+    peak_component: dict[str, str] = field(default_factory=dict)
+
+    def picture(self):
+        """Each device's memory over the call: the budget line, the peak marked with its phase and component
+        (``report.picture().svg()``; ``pipemap simulate ... --svg run.svg``)."""
+        return timeline_picture(self)
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the timeline picture, then the report's text."""
+        return f"<div class='pipemap-simulation'>{self.picture().svg()}<pre>{escape(str(self))}</pre></div>"
+
+    def __str__(self) -> str:
+        lines = [f"dry run {'ok' if self.ok else 'FAILED'} in {self.seconds:.2f} s; call {self.call}"]
+        if self.error:
+            lines.append(f"error: {self.error}")
+        lines.append(f"{'device':<10}{'weights':>12}{'activations':>13}{'peak':>12}{'memory':>12}  peak set by")
+        memory = {d.device: d.memory for d in self.plan.devices}
+        for device in self.peak_bytes:
+            lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>12}"
+                         f"{format_bytes(self.activation_bytes[device]):>13}"
+                         f"{format_bytes(self.peak_bytes[device]):>12}{format_bytes(memory.get(device, 0)):>12}"
+                         f"  {self.peak_phase.get(device, '')}{'  (bound)' if device in self.bound_peaks else ''}")
+        for note in dict.fromkeys(self.bound_peaks.values()):
+            lines.append(f"(bound): a peak at most this high; the dry run assumed {note}")
+        return "\n".join(lines + list(self.advice))
+
+
+def report_of(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str], seconds: float,
+            call: dict) -> SimulationReport:
+    def keyed(figures: Mapping[str, int]) -> dict[str, int]:
+        out = {d.device: 0 for d in plan.devices if d.used or d.device in plan.device_map.values()}
+        for device, value in figures.items():
+            name = back.get(device, device)
+            out[name] = out.get(name, 0) + value
+        return out
+
+    peak, weights = keyed(tracker.peak), keyed(tracker.weights)
+    weights = {d: weights.get(d, 0) for d in peak}
+    weight_peak, activations = keyed(tracker.weight_peak), keyed(tracker.activation_peak)
+    if failure is not None:
+        failure = replace(failure, devices=tuple(back.get(d, d) for d in failure.devices))
+    shown = {k: (v if not isinstance(v, torch.Generator) else "generator") for k, v in call.items()
+             if not isinstance(v, torch.Tensor)}
+    phases = {back.get(d, d): str(p) for d, p in tracker.peak_phase.items()}
+    bound = {back.get(d, d): note for d, note in tracker.peak_bound.items()}
+    timeline = _timeline(tracker.samples, back)
+    who = {back.get(d, d): c for d, c in tracker.peak_component.items() if c}
+    return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
+                            seconds, shown, {d: weight_peak.get(d, 0) for d in peak},
+                            {d: phases[d] for d in peak if d in phases}, bound_peaks=bound, timeline=timeline,
+                            peak_component=who)
+
+
+TIMELINE_POINTS = 600  # a device's samples kept for the picture: the largest of each stretch, the peak among them
+
+
+def _timeline(samples, back: Mapping[str, str]) -> tuple:
+    by_device: dict[str, list[tuple[int, int, str]]] = {}
+    for index, (device, size, phase) in enumerate(samples):
+        by_device.setdefault(back.get(device, device), []).append((index, size, str(phase)))
+    out = []
+    for device, points in by_device.items():
+        stretch = -(-len(points) // TIMELINE_POINTS)
+        for start in range(0, len(points), stretch):
+            index, size, phase = max(points[start:start + stretch], key=lambda p: p[1])
+            out.append(Sample(index, device, size, phase))
+    return tuple(sorted(out, key=lambda s: s.index))

@@ -1,0 +1,62 @@
+"""The hooks wing: how a placed component runs, one hook per placement mode, chosen from one table by mode.
+
+=============  ===============  ============  ====================================================================
+mode           hook             file          what it does at each call
+=============  ===============  ============  ====================================================================
+resident       PlacementHook    resident.py   inputs to the component's device, outputs to the execution device
+offload        OffloadHook      offload.py    the whole component copied from CPU RAM, kept while room allows
+stream         StreamHook       stream.py     blocks copied through a few GPU buffers, the next ones prefetched
+split          SplitHook        split.py      blocks on other GPUs, activations passed on between them
+replicated     ReplicaHook      replica.py    the batch cut across copies of the component on several GPUs
+=============  ===============  ============  ====================================================================
+
+Every hook derives from ``PlacementHook`` (``resident.py``, which also attaches and removes hooks). ``moving.py`` is
+what offload and stream share (onloading through ``streams.Queues``, the ledger of what one dispatch holds where);
+``packing.py`` packs a group of tensors into one exact-size (pinned) host buffer. ``dispatch`` checks, places and
+undoes; it knows no mode but through ``HOOKS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..plan import Placement, Plan
+from ..streams import Queues, queues_for
+from .moving import Ledger
+from .offload import OffloadHook
+from .replica import ReplicaHook
+from .resident import CallLock, Moved, PlacementHook, hook_component, unhook_component
+from .split import SplitHook
+from .stream import StreamHook
+
+# mode -> ``(placement, execution_device, ledger) -> hook``
+HOOKS: dict[str, Callable[[Placement, str, Ledger], PlacementHook]] = {
+    "resident": PlacementHook.for_placement,
+    "offload": OffloadHook.for_placement,
+    "stream": StreamHook.for_placement,
+    "split": SplitHook.for_placement,
+    "replicated": ReplicaHook.for_placement,
+}
+MOVING = ("offload", "stream")  # modes whose hooks move weights: one ledger, and one call at a time among them
+
+
+def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
+               ) -> Callable[[Placement], PlacementHook]:
+    """``placement -> hook`` for one dispatch of ``plan``: the moving hooks share one ledger of what is onloaded
+    where (and evict each other), so they take turns (one lock); ``queues`` makes each device's copy queues."""
+    ledger = Ledger(queues)
+    moving = CallLock()
+
+    def make(p: Placement) -> PlacementHook:
+        hook = HOOKS[p.mode](p, plan.execution_device, ledger)
+        if p.mode in MOVING:
+            hook.lock = moving
+        return hook
+
+    return make
+
+
+__all__ = ["HOOKS", "MOVING", "CallLock", "Ledger", "Moved", "OffloadHook", "PlacementHook", "ReplicaHook",
+           "SplitHook", "StreamHook", "hook_component", "hook_maker", "unhook_component"]

@@ -1,0 +1,126 @@
+"""What model offload and block streaming share: weights whose masters live in CPU RAM, onloaded into GPU buffers
+through the device's queues (``streams.Queues``) and counted, and the ledger of what one dispatch holds where.
+
+Why hooks of our own: accelerate's ``CpuOffload`` (diffusers' ``enable_model_cpu_offload``) copies each model back
+to the CPU at the next model's call whatever room is left, from pageable memory, for one GPU; diffusers' group
+offloading waits on the host for each prefetch and has one onload device per model. Here the CPU copy of every
+tensor (the master, in one exact-size pinned buffer per group when the GPU is CUDA: ``packing``) is kept, so
+eviction is free: the parameters point at their master again and the GPU buffer is released, no device-to-host copy.
+
+On a plan remapped onto the CPU an onload from ``cpu`` to ``cpu`` copies into a new buffer, so weights are really
+swapped in and out; the byte counters then count that logical traffic, the bytes a GPU run would move.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..streams import Queues, queues_for
+from .packing import Group
+from .resident import PlacementHook
+
+if TYPE_CHECKING:
+    from .offload import OffloadHook
+
+class Ledger:
+    """What one dispatch onloads: an LRU cache per execution device, the device memory each holds for onloaded
+    weights (buffers, counted at their size) with the peak, and each device's queues (``streams``).
+
+    Caches are keyed by device and room (``Placement.room``), so a plan remapped onto the CPU keeps one cache per
+    original GPU (two GPUs of equal room then share one, which can only evict more).
+    """
+
+    def __init__(self, queues: Callable[[torch.device], Queues] = queues_for):
+        self.make_queues = queues  # the dry run passes its stand-in queues, which tell its tracker what is weights
+        self.caches: dict[tuple[str, int], LruCache] = {}
+        self.live: collections.Counter = collections.Counter()
+        self.peak: collections.Counter = collections.Counter()
+        self._queues: dict[str, Queues] = {}
+
+    def cache(self, device: str, room: int) -> LruCache:
+        return self.caches.setdefault((device, room), LruCache(room))
+
+    def queues(self, device: torch.device) -> Queues:
+        if str(device) not in self._queues:
+            self._queues[str(device)] = self.make_queues(device)
+        return self._queues[str(device)]
+
+    def add(self, device: str, size: int) -> None:
+        self.live[device] += size
+        self.peak[device] = max(self.peak[device], self.live[device])
+
+
+class LruCache:
+    """The offloaded components onloaded on one device, least recently used first, within ``room`` bytes."""
+
+    def __init__(self, room: int):
+        self.room = room
+        self.loaded: collections.OrderedDict[OffloadHook, int] = collections.OrderedDict()
+
+    def use(self, hook: OffloadHook) -> None:
+        if hook in self.loaded:
+            self.loaded.move_to_end(hook)
+            return
+        size = hook.group.layout.nbytes  # at the dtype in use: a vae upcast to float32 takes its float32 bytes
+        for other in list(self.loaded):
+            if sum(self.loaded.values()) + size <= self.room:
+                break
+            self.drop(other)
+            other.evict()
+        hook.onload()
+        self.loaded[hook] = size
+
+    def drop(self, hook: OffloadHook) -> None:
+        self.loaded.pop(hook, None)
+
+
+class MovingHook(PlacementHook):
+    """What offload and stream hooks share: weights in CPU RAM, run on ``device``, counted in ``moved``.
+
+    A failure inside the component's call (an out-of-memory error, most likely) skips accelerate's
+    ``post_forward``; ``dispatch.hook_component`` then calls ``abort``, which evicts what the call onloaded, so the
+    next call starts with the memory the first one had.
+    """
+
+    def __init__(self, component: str, device: str, execution_device: str, ledger: Ledger, room: int):
+        super().__init__(component, device, execution_device)
+        self.ledger, self.room = ledger, room
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self.queues = ledger.queues(self.device)
+
+    def _onload(self, group: Group, buffer: torch.Tensor | None = None, after=None, side: bool = False):
+        """Copy ``group`` into ``buffer`` (a new one of its own when None) once ``after`` passed; returns the
+        buffer and the copy's event."""
+        if self.cuda:
+            group.repin()
+        own = buffer is None
+        if own:
+            buffer = self._alloc(group.layout.nbytes)
+        try:
+            event = self.queues.copy(group.install(buffer), after=after, side=side, name=group.name)
+        except BaseException:  # nothing half onloaded: the masters back, the buffer freed
+            if group.loaded:
+                group.evict()
+            if own:
+                self._free(buffer)
+            raise
+        self.moved.h2d_bytes += group.nbytes
+        return buffer, event
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        self.ledger.add(str(self.device), nbytes)
+        return self.queues.alloc(nbytes)
+
+    def _free(self, buffer: torch.Tensor, copies=()) -> None:
+        self.ledger.add(str(self.device), -buffer.numel())
+        self.queues.free(buffer, copies)
+
+    def _evict(self, group: Group) -> None:
+        self.moved.d2h_bytes += group.evict()
+
+    def abort(self, module) -> None:
+        """Undo what an unfinished call onloaded (its ``post_forward`` never ran)."""

@@ -1,0 +1,132 @@
+"""Denoiser replicas (mode ``"replicated"``, strategy ``"parallel"``): a whole copy of the denoiser on each of several
+GPUs; each call's batch (classifier-free guidance concatenates the unconditional and conditional halves;
+``num_images_per_prompt``) is cut along its first dimension, the first part run on the home copy in the calling
+thread and each other part on its own copy in a thread of its own, and the outputs joined in order on the home
+device. ``torch.nn.DataParallel`` does the same cut for a training batch, but replicates the module at every call and
+gathers on one device it owns; here the copies are made once, at dispatch, and live where the plan put them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import itertools
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..transfer import move, move_tensor
+from .resident import PlacementHook
+
+
+class ReplicaHook(PlacementHook):
+    """A resident denoiser with a copy on each of ``replicas``: each call's batch split across the copies.
+
+    The first part runs on the module itself, in the calling thread, between ``pre_forward`` and ``post_forward``;
+    the other parts start in ``pre_forward`` on threads of this hook's pool (inline on the dry run's stand-in
+    devices, whose checking modes are thread-local) and are joined in ``post_forward``.
+    """
+
+    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
+        super().__init__(component, device, execution_device)
+        self.replica_devices = tuple(torch.device(d) for d in replicas)
+        self.replicas: list[torch.nn.Module] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[list[Future]] = []  # one entry per call in progress (a stack: calls may nest)
+
+    @classmethod
+    def for_placement(cls, p, execution_device: str, ledger) -> ReplicaHook:
+        """The hook of a replicated placement (``hooks.HOOKS``): copies on ``p.replicas``."""
+        return cls(p.component, p.device, execution_device, p.replicas)
+
+    def init_hook(self, module):
+        self.replicas = [replica(module, device) for device in self.replica_devices]
+        return module
+
+    def detach_hook(self, module):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.replicas, self._pool, self._pending = [], None, []
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        args, kwargs = super().pre_forward(module, *args, **kwargs)
+        chunks = split_batch(args, kwargs, 1 + len(self.replicas))
+        grad = torch.is_grad_enabled()  # grad mode is per thread: the pipeline's no_grad must reach the copies
+        self._pending.append([self._start(r, d, c, grad) for r, d, c in
+                              zip(self.replicas, self.replica_devices, chunks[1:])])
+        return chunks[0]
+
+    def post_forward(self, module, output):
+        parts = [output] + [job.result() for job in self._pending.pop()]
+        return super().post_forward(module, join_batch(parts) if len(parts) > 1 else output)
+
+    def _start(self, module: torch.nn.Module, device: torch.device, chunk, grad: bool) -> Future:
+        run = functools.partial(_run_replica, module, device, self.device, chunk, grad)
+        if device.type == "meta":
+            done: Future = Future()
+            done.set_result(run())
+            return done
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix=f"pipemap-{self.component}")
+        return self._pool.submit(run)
+
+    def __getstate__(self):  # a deep copy (the dry run's fake copy of a module) leaves the copies and threads behind
+        return {**self.__dict__, "replicas": [], "_pool": None, "_pending": []}
+
+    def __repr__(self) -> str:
+        copies = ", ".join(str(d) for d in self.replica_devices)
+        return f"ReplicaHook({self.component!r}, device={self.device}, replicas=[{copies}])"
+
+
+def replica(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A copy of ``module`` whose weights are on ``device``, copied there straight from where they are (never
+    through the home GPU); on the module's own device the copy shares the weights (inference only reads them)."""
+    memo: dict[int, object] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if id(tensor) in memo:
+            continue
+        if tensor.device == device:
+            memo[id(tensor)] = tensor
+            continue
+        moved = move_tensor(tensor.detach(), device)
+        memo[id(tensor)] = torch.nn.Parameter(moved, requires_grad=False) if isinstance(
+            tensor, torch.nn.Parameter) else moved
+    copied = copy.deepcopy(module, memo)
+    for name in ("_hf_hook", "_old_forward", "forward", "encode", "decode", "tiled_encode", "tiled_decode"):
+        copied.__dict__.pop(name, None)  # a hooked module's traces: the copy runs its class's own methods
+    return copied
+
+
+def _run_replica(module, device: torch.device, home: torch.device, chunk, grad: bool):
+    args, kwargs = move(chunk, device)
+    on_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with torch.set_grad_enabled(grad), on_gpu:
+        return move(module(*args, **kwargs), home)
+
+
+def _batched(leaf, batch: int) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch
+
+
+def split_batch(args: tuple, kwargs: dict, parts: int) -> list[tuple[tuple, dict]]:
+    """``(args, kwargs)`` cut into up to ``parts`` calls along the batch: the first dimension of the first tensor
+    that has one (the latents); every tensor of that first dimension is cut, everything else goes whole to each."""
+    leaves, spec = tree_flatten((args, kwargs))
+    batch = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), 0)
+    parts = min(parts, batch)
+    if parts < 2:
+        return [(args, kwargs)]
+    pieces = [leaf.tensor_split(parts) if _batched(leaf, batch) else [leaf] * parts for leaf in leaves]
+    return [tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
+
+
+def join_batch(outputs: list):
+    """The outputs of the parts of a call as one output: every tensor concatenated along the batch, in order."""
+    flat = [tree_flatten(o)[0] for o in outputs]
+    first, spec = tree_flatten(outputs[0])
+    joined = [torch.cat([f[i] for f in flat]) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
+              for i, leaf in enumerate(first)]
+    return tree_unflatten(joined, spec)

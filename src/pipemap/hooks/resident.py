@@ -1,0 +1,160 @@
+"""A resident component (mode ``"resident"``): ``PlacementHook`` moves its inputs to the component's device and its
+outputs to the pipeline's execution device. Every other pipemap hook derives from it.
+
+Also here: attaching a hook to a component (``hook_component``: at its root, around the VAE methods diffusers routes
+through ``apply_forward_hook``, with the component's call lock) and removing every trace of it
+(``unhook_component``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+from diffusers.utils.accelerate_utils import apply_forward_hook
+
+from ..transfer import move
+
+
+@dataclass
+class Moved:
+    """What a component's hook counted: calls, and weight bytes moved host to device and back."""
+
+    calls: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+
+class CallLock:
+    """A re-entrant lock a component's hook holds for the whole of each call, so calls from several threads (
+    ``pipemap.run_many``) take turns on a component while different components run at once. A copy (a dry run
+    deep-copies hooked modules) gets a lock of its own."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def __deepcopy__(self, memo) -> CallLock:
+        return CallLock()
+
+
+class PlacementHook(ModelHook):
+    """Inputs to ``device``; outputs to the pipeline's execution device.
+
+    ``execution_device`` is the attribute diffusers' ``DiffusionPipeline._execution_device`` reads from the first
+    hooked component: it names the pipeline's execution device (where latents and embeddings live), which is why
+    every pipemap hook carries that one, and the component's own device is ``device``.
+    """
+
+    def __init__(self, component: str, device: str, execution_device: str):
+        self.component = component
+        self.device = torch.device(device)
+        self.execution_device = torch.device(execution_device)
+        self.moved = Moved()
+        self.lock = CallLock()
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.moved.calls += 1
+        return move(args, self.device), move(kwargs, self.device)
+
+    def post_forward(self, module, output):
+        return move(output, self.execution_device)
+
+    def __repr__(self) -> str:
+        return f"PlacementHook({self.component!r}, device={self.device}, execution_device={self.execution_device})"
+
+    @classmethod
+    def for_placement(cls, p, execution_device: str, ledger) -> PlacementHook:
+        """The hook of a resident placement (``hooks.HOOKS``)."""
+        return cls(p.component, p.device, execution_device)
+
+
+# diffusers' VAEs run `encode`/`decode` through `apply_forward_hook`, which calls `pre_forward(module)` with no
+# arguments, so inputs would stay where they are; those methods get a wrapper of their own (found by this code).
+_FORWARD_HOOK_CODE = apply_forward_hook(lambda self: None).__code__
+
+
+def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
+    """Attach ``hook`` at the component's root, and to the methods diffusers routes through ``apply_forward_hook``.
+
+    A call that raises skips accelerate's ``post_forward``: a forward hook that always runs then tells the hook
+    (``abort``, where it has one), so an offloaded or streamed component leaves nothing onloaded.
+    """
+    add_hook_to_module(module, hook)
+    if hasattr(hook, "abort"):
+        hook.abort_handle = module.register_forward_hook(_aborting(hook), always_call=True)
+    # accelerate's forward runs pre_forward, the call and post_forward; the lock spans them, exceptions included
+    module.forward = functools.update_wrapper(functools.partial(_locked, hook.lock, module.forward), module.forward)
+    for name in _hooked_methods(module):
+        module.__dict__[name] = _wrap_method(module, getattr(type(module), name), hook)
+
+
+def _aborting(hook: ModelHook):
+    def after(module, args, output):
+        if output is None:  # torch passes None when the forward raised
+            hook.abort(module)
+
+    return after
+
+
+def unhook_component(module: torch.nn.Module) -> None:
+    """Remove what ``hook_component`` added, leaving no trace in the module's ``__dict__``."""
+    hook = getattr(module, "_hf_hook", None)
+    if isinstance(hook, ModelHook):
+        if getattr(hook, "abort_handle", None) is not None:
+            hook.abort_handle.remove()
+        remove_hook_from_module(module)
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__func__", None) is type(module).forward:
+            del module.__dict__["forward"]
+    for name in _hooked_methods(module):
+        module.__dict__.pop(name, None)
+
+
+def _hooked_methods(module: torch.nn.Module) -> list[str]:
+    names = []
+    for name in ("encode", "decode", "tiled_encode", "tiled_decode"):
+        function = getattr(type(module), name, None)
+        if getattr(function, "__code__", None) is _FORWARD_HOOK_CODE:
+            names.append(name)
+    return names
+
+
+def _wrap_method(module, function, hook: ModelHook):
+    # the function under `apply_forward_hook`, whose own `pre_forward(module)` would count the call twice and enter
+    # a streaming hook twice; a nested call (decode -> tiled_decode) runs plain inside the outer one
+    raw = getattr(function, "__wrapped__", function).__get__(module)
+    inside = []
+
+    @functools.wraps(raw)
+    def wrapper(*args, **kwargs):
+        with hook.lock:  # another thread's call of this component waits (pipemap.run_many)
+            if inside:
+                return raw(*args, **kwargs)
+            inside.append(True)
+            try:
+                args, kwargs = hook.pre_forward(module, *args, **kwargs)
+                output = raw(*args, **kwargs)
+            except BaseException:
+                if hasattr(hook, "abort"):
+                    hook.abort(module)
+                raise
+            finally:
+                inside.clear()
+            return hook.post_forward(module, output)
+
+    return wrapper
+
+
+def _locked(lock: CallLock, forward, *args, **kwargs):
+    with lock:
+        return forward(*args, **kwargs)
