@@ -98,3 +98,13 @@ def test_component_too_large_for_balanced_names_itself(tiny_folders):
     assert err.value.component == "unet" and err.value.bytes > err.value.largest_room == 3 * 2**20
     # streamed, the unet needs only its blocks; split across both GPUs it fits too
     assert err.value.strategies == ("balanced_ultra_low_memory", "balanced_split", "auto")
+
+
+@pytest.mark.slow
+def test_load_takes_a_measured_headroom_as_plan_does(tiny_folders, reference_outputs):
+    # both verbs build the same api.Request: headroom="measure" plans with what a dry run measured, for load too
+    folder = tiny_folders["sd"]
+    pipe = pipemap.load(folder, hardware="cpu=1GiB", headroom="measure", progress=False)
+    assert planned(pipe) == pipemap.plan(folder, hardware="cpu=1GiB", headroom="measure")
+    assert any(n.startswith("headroom measured by a dry run") for n in planned(pipe).notes)
+    torch.testing.assert_close(run(pipe, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
