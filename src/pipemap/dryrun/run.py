@@ -37,18 +37,8 @@ from .trackers import ComponentTracker, PhasedTracker, PhaseTracker
 
 
 def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **call_kwargs) -> SimulationReport:
-    """Run ``source``'s own call on stand-in devices as ``plan`` places it; never touches the caller's pipeline.
-
-    ``source`` is a loaded pipeline, a pipeline folder (no weight byte is read) or a catalog name such as
-    ``"flux.1-dev"`` (models built from its published configs; nothing is downloaded). Steps repeat, so ``steps``
-    (default 2) need not be the real count. ``vae_tiling=True`` calls ``vae.enable_tiling()`` first. Extra keyword
-    arguments go to the pipeline call (``height=``, ``width=``, ``image=`` for a ControlNet, ``output_type=``...).
-
-    >>> plan = pipemap.plan("flux.1-dev", hardware="2x16GiB", strategy="auto")          # doctest: +SKIP
-    >>> report = pipemap.simulate("flux.1-dev", plan, height=1024, width=1024)         # doctest: +SKIP
-    >>> report.ok, report.peak_bytes["cuda:0"], report.peak_phase["cuda:0"]            # doctest: +SKIP
-    (True, 15301233664, 'denoising (step 1)')
-    """
+    """The dry run behind ``pipemap.simulate`` (``api.simulate``, which checks its arguments and documents them):
+    ``source``'s own call on stand-in devices as ``plan`` places it; the caller's pipeline is never touched."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     standins = standin.devices_for(plan)
     pipe = _fake_pipeline(source, plan, mode, standins)
