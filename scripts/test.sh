@@ -16,4 +16,5 @@ fi
 # one thread: on 2 shared cores torch's thread pool once made a tiny call 100x slower
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
 .venv/bin/ruff check src tests bench
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -q "$@"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .devices import is_accelerator
 from .granularity import LOOSE
@@ -96,7 +97,8 @@ def workload_for(inventory: Inventory, call: Mapping | None = None) -> Workload:
     call = dict(call or {})
     fields = {"steps": call.get("num_inference_steps"), "height": call.get("height"), "width": call.get("width"),
               "frames": call.get("num_frames")}
-    work = replace(work, **{k: int(v) for k, v in fields.items() if v is not None})
+    given: dict[str, Any] = {k: int(v) for k, v in fields.items() if v is not None}
+    work = replace(work, **given)
     if work.guidance and call.get("guidance_scale") is not None and float(call["guidance_scale"]) <= 1.0:
         work = replace(work, guidance=False)
     if call.get("true_cfg_scale") is not None and call.get("negative_prompt") is not None:
@@ -259,7 +261,7 @@ def device_seconds(plan: Plan, inventory: Inventory, perf: Performance, work: Wo
                    ) -> dict[str, float]:
     """Each device's busy seconds per image: a component's time on the device it computes on, a split
     component's compute shared by its GPUs in proportion to their bytes, a replicated one's on each copy's device."""
-    busy: collections.Counter = collections.Counter()
+    busy: dict[str, float] = collections.defaultdict(float)
     placements = {p.component: p for p in plan.components}
     for name, cost in predict(plan, inventory, perf, work).items():
         p = placements[name]

@@ -25,7 +25,9 @@ def run_demo(folder: Path, hardware: str | None, strategy, output: Path) -> int:
     print(f"built the tiny Stable Diffusion pipeline in code and saved it to {path}")
     pipe = _load_here(path, Request.of(str(path), hardware, strategy).plan())
     image = _generate(pipe)
-    device = planned(pipe).execution_device
+    plan = planned(pipe)
+    assert plan is not None  # pipemap.load dispatched it
+    device = plan.execution_device
     with quiet_progress():
         plain = DiffusionPipeline.from_pretrained(path).to(device)  # the same device: the same kernels
     difference = float(np.abs(image - _generate(plain)).max())

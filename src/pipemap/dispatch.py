@@ -17,6 +17,7 @@ import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -118,7 +119,7 @@ def _place(module: torch.nn.Module, placement, moves: list[Move] | None = None) 
     return place_module(module, placement.device, skip=placed, moves=moves)
 
 
-def place_module(module: torch.nn.Module, device: str | torch.device, skip: set[int] = frozenset(),
+def place_module(module: torch.nn.Module, device: str | torch.device, skip: set[int] | frozenset[int] = frozenset(),
                  moves: list[Move] | None = None) -> list[Move]:
     """Move every parameter and buffer not yet on ``device`` there, through the one transfer function; returns what
     it moved, so a failed dispatch can put exactly that back (a load places most tensors already where they go).
@@ -237,7 +238,7 @@ def stats(pipe, reset: bool = False) -> dict[str, dict[str, int]]:
     """
     out = {}
     for name, module in pipe.components.items():
-        hook = getattr(module, "_hf_hook", None)
+        hook: Any = getattr(module, "_hf_hook", None)
         if isinstance(getattr(hook, "moved", None), Moved):
             out[name] = dataclasses.asdict(hook.moved)
             if reset:

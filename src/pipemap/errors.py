@@ -6,6 +6,11 @@ already catches diffusers' ``ValueError`` for a bad ``device_map`` keeps working
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .dryrun.report import SimulationReport
+
 
 class PipemapError(Exception):
     """The base of every pipemap error."""
@@ -182,7 +187,7 @@ class HeadroomError(PipemapError, ValueError):
 class SimulationFailedError(PipemapError, RuntimeError):
     """A dry run that was needed (``headroom="measure"``) failed; ``report`` says where and why."""
 
-    def __init__(self, report):
+    def __init__(self, report: SimulationReport):
         self.report = report
         super().__init__(f"the dry run failed: {report.error}. Fix the plan or the call (call={{...}}) and retry")
 

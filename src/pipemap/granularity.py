@@ -227,7 +227,9 @@ def _resident(pieces: list[tuple[str, int]], loose: int, prefetch: int, room: in
     size of the largest of them, or each once if less): keeping a large piece also shrinks the buffers."""
     order = sorted(range(len(pieces)), key=lambda i: (-pieces[i][1], i))
     keep_loose = 0 < loose <= cap  # the loose tensors run at every call: the cheapest bytes to keep
-    held, kept, streamed = (loose if keep_loose else 0), [], []  # streamed: the pieces passed over, largest first
+    held = loose if keep_loose else 0
+    kept: list[int] = []
+    streamed: list[int] = []  # the pieces passed over, largest first
     rest = sum(size for _, size in pieces)  # bytes of the pieces not yet decided, and those passed over
     for at, i in enumerate(order):
         size = pieces[i][1]
@@ -245,5 +247,5 @@ def _resident(pieces: list[tuple[str, int]], loose: int, prefetch: int, room: in
     return ((LOOSE,) if keep_loose else ()) + names
 
 
-def _natural(path: str) -> tuple:
+def _natural(path: str) -> tuple[tuple[int, int, str], ...]:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))

@@ -42,7 +42,7 @@ class Performance:
     peer_bandwidth: float = 20e9
     cpu_flops: float = 0.5e12
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops"):
             value = getattr(self, name)
             # `not value > 0` also catches NaN; a zero figure would divide by zero in the cost model
@@ -177,12 +177,12 @@ def _parse_part(spec: str, part: str, gpus: int) -> list[tuple[str, int]]:
         return [(f"cuda:{gpus + i}", size) for i in range(count)]
     if "=" not in part:
         raise HardwareSpecError(spec, part, "each device is NAME=SIZE, or COUNTxSIZE for identical GPUs")
-    name, size = part.split("=", 1)
+    name, text = part.split("=", 1)
     try:
         device = real_device(name.strip())
     except UnknownDeviceError as err:
         raise HardwareSpecError(spec, part, f"{name.strip()!r} {err.reason}") from err
-    return [(device, _size(spec, part, size))]
+    return [(device, _size(spec, part, text))]
 
 
 def _performance(spec: str, settings: Mapping[str, str]) -> Performance:

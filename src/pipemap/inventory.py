@@ -17,6 +17,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast, overload
 
 import torch
 
@@ -68,7 +69,7 @@ class Component:
     # weight width summed over its self-attention layers (a transformer's): the cost model's attention FLOPs
     attention_width: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.calls_per_image:
             object.__setattr__(self, "calls_per_image", profile_calls(self.name))
 
@@ -116,7 +117,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, torch_dtype: torch.dtype | st
     return dtype if dtype is not None else torch_dtype
 
 
-def inventory_of(source, dtype: torch.dtype | str | None = None, variant: str | None = None, *,
+def inventory_of(source: object, dtype: torch.dtype | str | None = None, variant: str | None = None, *,
             torch_dtype: torch.dtype | str | None = None) -> Inventory:
     """The components of a pipeline folder (headers only, no weight read) or of a loaded pipeline.
 
@@ -138,7 +139,7 @@ def inventory_of(source, dtype: torch.dtype | str | None = None, variant: str | 
 # ---- folders -----------------------------------------------------------------------------------------------------
 
 
-def read_model_index(folder: Path) -> dict:
+def read_model_index(folder: Path) -> dict[str, Any]:
     """The parsed ``model_index.json`` of a pipeline folder, or a NotAPipelineError that says what is wrong."""
     index = folder / "model_index.json"
     if not folder.is_dir():
@@ -178,7 +179,7 @@ def _of_folder(folder: Path, dtype: torch.dtype | None, variant: str | None) -> 
     return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
 
 
-def check_entry(folder: Path, name: str, library, class_name) -> None:
+def check_entry(folder: Path, name: str, library: object, class_name: object) -> None:
     """A ``model_index.json`` entry that names a library pipemap can import and a subfolder that exists."""
     if library is None and class_name is None:
         return  # an optional component left out (a safety checker), as diffusers writes it
@@ -203,7 +204,7 @@ def _pipeline_module(folder: Path, library: str) -> bool:
     return hasattr(pipelines, library)
 
 
-def check_variant(folder: Path, index: Mapping, variant: str | None) -> None:
+def check_variant(folder: Path, index: Mapping[str, Any], variant: str | None) -> None:
     """A ``variant`` that at least one component has files of (diffusers falls back per component, but a variant
     none has is a typo that would silently load the plain weights)."""
     if variant is None:
@@ -283,7 +284,7 @@ def _indexed_files(subfolder: Path, variant: str | None) -> list[Path]:
     return []
 
 
-def read_header(path: Path) -> dict[str, dict]:
+def read_header(path: Path) -> dict[str, dict[str, Any]]:
     """The tensor table of a safetensors file: ``{name: {"dtype": "F16", "shape": [..], ...}}``.
 
     Reads the 8-byte length and the JSON header and nothing else. safetensors' own ``safe_open`` memory-maps the
@@ -312,7 +313,7 @@ def read_header(path: Path) -> dict[str, dict]:
     return header
 
 
-def _is_shape(shape) -> bool:
+def _is_shape(shape: object) -> bool:
     """A list of non-negative integers (JSON booleans are not sizes)."""
     return isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
 
@@ -376,7 +377,7 @@ def split_blocks(sizes: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(groups.items(), key=lambda item: _natural(item[0])))
 
 
-def _natural(path: str) -> tuple:
+def _natural(path: str) -> tuple[tuple[int, int, str], ...]:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
 
 
@@ -424,7 +425,7 @@ def stream_blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return list(blocks.values())
 
 
-def _collect_blocks(module: torch.nn.Module, prefix: str, blocks: dict) -> None:
+def _collect_blocks(module: torch.nn.Module, prefix: str, blocks: dict[int, tuple[str, torch.nn.Module]]) -> None:
     for name, child in module.named_children():
         path = f"{prefix}{name}"
         if isinstance(child, _LISTS):
@@ -436,7 +437,7 @@ def _collect_blocks(module: torch.nn.Module, prefix: str, blocks: dict) -> None:
             blocks.setdefault(id(child), (path, child))
 
 
-def _tensor_bytes(meta: Mapping, key: str, dtype: torch.dtype | None, keep_fp32: tuple[str, ...]) -> int:
+def _tensor_bytes(meta: Mapping[str, Any], key: str, dtype: torch.dtype | None, keep_fp32: tuple[str, ...]) -> int:
     numel = 1
     for dim in meta["shape"]:
         numel *= int(dim)
@@ -456,7 +457,7 @@ def kept_fp32(key: str, keep_fp32: Iterable[str]) -> bool:
 
 
 def component_class(library: str, class_name: str, folder: Path | None = None, name: str | None = None,
-                    trust_remote_code: bool = False) -> type:
+                    trust_remote_code: bool = False) -> type[Any]:
     """The class ``DiffusionPipeline.from_pretrained`` loads a ``model_index.json`` entry with.
 
     diffusers' own resolution, so that every library name it accepts works here too: a diffusers pipeline module
@@ -470,7 +471,7 @@ def component_class(library: str, class_name: str, folder: Path | None = None, n
                                           hasattr(pipelines, library), component_name=name,
                                           cache_dir=None if folder is None else str(folder),
                                           trust_remote_code=trust_remote_code)
-    return cls
+    return cast("type[Any]", cls)
 
 
 def keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> tuple[str, ...]:
@@ -491,7 +492,7 @@ def keep_in_fp32(library: str, class_name: str, dtype: torch.dtype | None) -> tu
 # ---- loaded pipelines --------------------------------------------------------------------------------------------
 
 
-def _of_pipeline(pipe, dtype: torch.dtype | None) -> Inventory:
+def _of_pipeline(pipe: Any, dtype: torch.dtype | None) -> Inventory:
     components = []
     for name, value in pipe.components.items():
         if isinstance(value, torch.nn.Module):
@@ -508,7 +509,8 @@ def live_component(name: str, module: torch.nn.Module, dtype: torch.dtype | None
     streamed, and blocks, at ``dtype`` if given (the model class's kept-fp32 modules staying float32)."""
     if library is None:
         library, class_name = _origin(module)
-    keep = keep_in_fp32(library, class_name, dtype) if library else ()
+    # a library always comes with its class name (``_origin``, the catalog)
+    keep = keep_in_fp32(library, cast(str, class_name), dtype) if library else ()
     sizes = tensor_sizes(module, dtype, keep)
     tree = block_tree(sizes, (n for n, m in module.named_modules() if isinstance(m, _LISTS)))
     itemsize = dtype.itemsize if dtype is not None else next((p.element_size() for p in module.parameters()), 4)
@@ -521,15 +523,31 @@ def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep
     return sum(tensor_sizes(module, dtype, keep_fp32).values())
 
 
-def _origin(value) -> tuple[str | None, str | None]:
+def _origin(value: object) -> tuple[str | None, str | None]:
     if value is None:
         return None, None
     return type(value).__module__.split(".")[0], type(value).__name__
 
 
+@overload
+def as_dtype(value: None) -> None:
+    ...
+
+
+@overload
+def as_dtype(value: torch.dtype | str) -> torch.dtype:
+    ...
+
+
+@overload
+def as_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    ...
+
+
 def as_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     if value is None:
         return value
+    candidate: torch.dtype | None
     if isinstance(value, torch.dtype):
         candidate = value
     elif isinstance(value, str):

@@ -10,6 +10,7 @@ parts (tokenizers, scheduler).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -73,7 +74,7 @@ def load_component(folder: Path, name: str, library: str, class_name: str, devic
     """One model loaded by its library onto ``device`` (``device_map=device``), at ``dtype`` if given; a custom
     class in the component's folder only with ``trust_remote_code``, as diffusers asks."""
     cls = component_class(library, class_name, folder, name, trust_remote_code)
-    options = {"subfolder": name}
+    options: dict[str, Any] = {"subfolder": name}
     if device != "cpu":  # the CPU is where from_pretrained loads anyway; a device_map there only adds a dispatch
         options["device_map"] = device
     if dtype is not None:

@@ -21,6 +21,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -85,9 +86,9 @@ def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bo
             submit(item)
         while pending:
             future = pending.popleft()
-            item = next(numbered, None)  # keep the pool fed before waiting on the oldest request
-            if item is not None:
-                submit(item)
+            following = next(numbered, None)  # keep the pool fed before waiting on the oldest request
+            if following is not None:
+                submit(following)
             yield _outcome(future, return_exceptions)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -129,6 +130,6 @@ def twin(pipe):
         if value is not None and not isinstance(value, torch.nn.Module):
             # a scheduler holds the step state; a fast tokenizer refuses a second thread changing its padding
             state[name] = copy.deepcopy(value)
-    other = object.__new__(unguarded_class(pipe))
+    other: Any = object.__new__(unguarded_class(pipe))
     other.__dict__.update(state)
     return other

@@ -12,11 +12,19 @@ import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import TYPE_CHECKING
 
 from .units import format_bytes
 
+if TYPE_CHECKING:
+    from rich.console import Group
+    from rich.text import Text
+
+    from .dryrun.report import SimulationReport
+    from .plan import Placement, Plan
+
 # A ``plan.Plan`` and its placements are read by their fields: plan.py imports this module (``Plan.picture``), so
-# this one does not import plan.py.
+# this one imports plan.py only for the type checker.
 
 # fills chosen to differ in lightness as well as hue, so neighbours stay apart in greyscale
 PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#145a32", "#f9e79f", "#4d5656",
@@ -68,7 +76,7 @@ class Picture:
     def svg(self) -> str:
         return _plan_svg(self)
 
-    def __rich__(self):
+    def __rich__(self) -> Group:
         return _plan_rich(self)
 
     def text(self, width: int = 80) -> str:
@@ -80,7 +88,7 @@ class Picture:
         return buffer.getvalue().rstrip()
 
 
-def plan_picture(plan, moved: Mapping[str, int] | None = None) -> Picture:
+def plan_picture(plan: Plan, moved: Mapping[str, int] | None = None) -> Picture:
     """The picture of ``plan``: per device, each component it holds (offloaded and streamed components as the most
     they hold there at once), the headroom and the budget line.
 
@@ -95,7 +103,7 @@ def plan_picture(plan, moved: Mapping[str, int] | None = None) -> Picture:
     return Picture(title, bars, _links(plan, moved or {}))
 
 
-def _bar(plan, device: str, memory: int, budget: int, used: int) -> Bar:
+def _bar(plan: Plan, device: str, memory: int, budget: int, used: int) -> Bar:
     segments = [Segment(p.component, _held_at_home(p), p.mode) for p in plan.components
                 if p.device == device and _held_at_home(p)]
     segments += [Segment(f"{p.component} (shards)", sum(s for _, d, s in p.shards if d == device), "split")
@@ -116,12 +124,12 @@ def _bar(plan, device: str, memory: int, budget: int, used: int) -> Bar:
     return Bar(device, memory, budget, used, tuple(segments))
 
 
-def _held_at_home(p) -> int:
+def _held_at_home(p: Placement) -> int:
     """What a placement keeps on its own device: a split one keeps all but its shards."""
     return p.bytes - sum(s for _, _d, s in p.shards) if p.mode == "split" else p.bytes
 
 
-def _links(plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
+def _links(plan: Plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
     totals: dict[tuple[str, str], int] = {}
     for p in plan.components:
         amount = moved.get(p.component, 0)
@@ -132,7 +140,7 @@ def _links(plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
     return tuple(Link(s, t, b) for (s, t), b in totals.items())
 
 
-def _shard_device(p) -> str:
+def _shard_device(p: Placement) -> str:
     return p.shards[0][1] if p.shards else p.device
 
 
@@ -248,7 +256,7 @@ STYLES = ("blue", "yellow", "magenta", "green", "red", "cyan", "bright_green", "
 CHARS = "\u2588\u2593\u2592"
 
 
-def _plan_rich(picture: Picture, width: int = 46):
+def _plan_rich(picture: Picture, width: int = 46) -> Group:
     from rich.console import Group
     from rich.text import Text
 
@@ -263,7 +271,7 @@ def _plan_rich(picture: Picture, width: int = 46):
     return Group(*lines)
 
 
-def _rich_bar(bar: Bar, width: int, colours: Mapping[str, str]):
+def _rich_bar(bar: Bar, width: int, colours: Mapping[str, str]) -> Text:
     from rich.text import Text
 
     scale = width / max(bar.memory, bar.used, 1)
@@ -366,7 +374,7 @@ class Timeline:
         return self.svg()
 
 
-def timeline_picture(report) -> Timeline:
+def timeline_picture(report: SimulationReport) -> Timeline:
     """The timeline of a ``SimulationReport``: its samples, each device's budget, who set each peak."""
     budgets = {d.device: d.budget for d in report.plan.devices}
     title = f"pipemap dry run: {report.plan.strategy}" + ("" if report.ok else " (failed)")

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from html import escape
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .devices import normalize_device, real_device
 from .errors import PlanFormatError, UnknownDeviceError
-from .picture import plan_picture
+from .picture import Picture, plan_picture
 from .units import format_bytes
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 MODES = ("resident", "offload", "stream", "split", "replicated")
 
@@ -53,7 +58,7 @@ class Placement:
     granularity: int = 0
     replicas: tuple[str, ...] = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.execution_device:
             object.__setattr__(self, "execution_device", self.device)
 
@@ -148,7 +153,7 @@ class Plan:
 
     # ---- printing and JSON -------------------------------------------------------------------------------------
 
-    def table(self):
+    def table(self) -> Table:
         """The plan as a rich table (components, then devices), for printing to a terminal."""
         from rich.table import Table
         from rich.text import Text  # plain text: "[cuda:0]" or a component name is no rich markup
@@ -189,7 +194,7 @@ class Plan:
                      "the busiest device")
         return "\n".join(lines + [n for n in self.notes if n.startswith(("auto:", "parallel:"))])
 
-    def picture(self, moved=None):
+    def picture(self, moved: Mapping[str, int] | None = None) -> Picture:
         """The plan drawn: each device a bar of its memory (``print(plan.picture())`` in a terminal,
         ``plan.picture().svg()`` for a file); ``moved`` maps components to bytes moved per image, for the links.
         See ``pipemap.picture``."""
@@ -200,7 +205,7 @@ class Plan:
         notes = "".join(f"<li>{escape(n)}</li>" for n in self.notes)
         return f"<div class='pipemap-plan'>{self.picture().svg()}" + (f"<ul>{notes}</ul>" if notes else "") + "</div>"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
             "execution_device": self.execution_device,
@@ -226,7 +231,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, data: dict) -> Plan:
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
         """A plan from ``to_dict``'s form, checked as ``pipemap.plan`` checks its input (``PlanFormatError``)."""
         data = _mapping(data, "the plan")
         devices = tuple(DeviceUse(_device(name), _size(d, "memory", d.get("budget")), _size(d, "budget"),
@@ -262,13 +267,13 @@ class Plan:
 # ---- checking a saved plan (PlanFormatError says what is wrong) ----------------------------------------------------
 
 
-def _mapping(value, what: str) -> dict:
+def _mapping(value: object, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise PlanFormatError(f"{what} is a {type(value).__name__}, not a JSON object")
     return value
 
 
-def _items(data: dict, key: str):
+def _items(data: dict[str, Any], key: str) -> list[tuple[str, dict[str, Any]]]:
     if key not in data:
         raise PlanFormatError(f"the key {key!r} is missing")
     items = _mapping(data[key], repr(key)).items()
@@ -277,19 +282,29 @@ def _items(data: dict, key: str):
     return [(_string(name, key), _mapping(value, f"{key}[{name!r}]")) for name, value in items]
 
 
-def _string(value, what: str) -> str:
+def _string(value: object, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise PlanFormatError(f"{what}: {value!r} is not a name")
     return value
 
 
-def _strings(value, what: str) -> list[str]:
+def _strings(value: object, what: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise PlanFormatError(f"{what!r} is not a list of strings")
     return value
 
 
-def _text(data: dict, key: str, optional: bool = False) -> str | None:
+@overload
+def _text(data: dict[str, Any], key: str, optional: Literal[False] = False) -> str:
+    ...
+
+
+@overload
+def _text(data: dict[str, Any], key: str, optional: bool) -> str | None:
+    ...
+
+
+def _text(data: dict[str, Any], key: str, optional: bool = False) -> str | None:
     if key not in data and not optional:
         raise PlanFormatError(f"the key {key!r} is missing")
     value = data.get(key)
@@ -300,7 +315,7 @@ def _text(data: dict, key: str, optional: bool = False) -> str | None:
     return value
 
 
-def _size(data: dict, key: str, default=None) -> int:
+def _size(data: dict[str, Any], key: str, default: int | None = None) -> int:
     value = data.get(key, default)
     if value is None:
         raise PlanFormatError(f"a {key!r} figure is missing in {data!r}")
@@ -309,14 +324,14 @@ def _size(data: dict, key: str, default=None) -> int:
     return value
 
 
-def _device(name) -> str:
+def _device(name: object) -> str:
     try:
         return real_device(_string(name, "device"))
     except UnknownDeviceError as err:
         raise PlanFormatError(f"{name!r} {err.reason}") from None
 
 
-def _placement(name: str, c: dict) -> Placement:
+def _placement(name: str, c: dict[str, Any]) -> Placement:
     mode = c.get("mode", "resident")
     if mode not in MODES:
         raise PlanFormatError(f"component {name!r} has mode {mode!r}; the modes are {', '.join(MODES)}")
@@ -325,8 +340,8 @@ def _placement(name: str, c: dict) -> Placement:
     if (mode == "split") != bool(shards):
         raise PlanFormatError(f"component {name!r}: a split component, and only one, lists shards")
     execution = c.get("execution_device") or c.get("device")
-    blocks = _mapping(c.get("blocks", {}), f"{name!r} blocks")
-    blocks = tuple((path, _size(blocks, path)) for path in blocks)
+    listed = _mapping(c.get("blocks", {}), f"{name!r} blocks")
+    blocks = tuple((path, _size(listed, path)) for path in listed)
     return Placement(name, _device(c.get("device")), _size(c, "bytes"), mode, _device(execution), _size(c, "room", 0),
                      shards, blocks, tuple(_strings(c.get("resident_blocks", []), f"{name} resident_blocks")),
                      _size(c, "resident_bytes", 0), _size(c, "prefetch", 0), _size(c, "granularity", 0),

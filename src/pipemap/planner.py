@@ -21,9 +21,9 @@ from .errors import (
     UnknownComponentError,
     UnknownDeviceError,
 )
-from .granularity import Pieces, cut
+from .granularity import Block, Pieces, cut
 from .hardware import Hardware
-from .inventory import DENOISERS, Block, Component, Inventory
+from .inventory import DENOISERS, Component, Inventory
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .units import parse_bytes
 
@@ -64,10 +64,10 @@ class Place(NamedTuple):
 Strategy = Callable[[Request], dict[str, "str | Place"]]
 
 
-def _balanced(request: Request) -> dict[str, str]:
+def _balanced(request: Request) -> dict[str, str | Place]:
     """Largest first, each to the GPU with the most room left: the fullest GPU ends as empty as it can be."""
     rooms = dict(request.rooms)
-    placed = {}
+    placed: dict[str, str | Place] = {}
     for name, size in sorted(request.components, key=lambda c: (-c[1], c[0])):
         device = _roomiest(rooms)
         if size > rooms[device]:
@@ -83,11 +83,12 @@ def _roomiest(rooms: Mapping[str, int]) -> str:
     return max(order, key=lambda d: (rooms[d], -order.index(d)))
 
 
-def _sequential(request: Request) -> dict[str, str]:
+def _sequential(request: Request) -> dict[str, str | Place]:
     """Pipeline order: fill the first GPU, then the next; never go back to an earlier one."""
     devices = [d for d, _ in request.rooms]
     rooms = dict(request.rooms)
-    placed, current = {}, 0
+    placed: dict[str, str | Place] = {}
+    current = 0
     for name, size in request.components:
         start = current
         while current < len(devices) and size > rooms[devices[current]]:
@@ -152,7 +153,7 @@ def _bytes_per_image(request: Request, placed: Mapping[str, str | Place]) -> int
     total = 0
     for device, names in streams.items():
         layouts = stream_pieces(names, trees, sizes, calls, dict(request.in_flight), rooms[device], 0)
-        total += sum(calls.get(n, 1) * (layouts[n].moved_per_call if layouts[n] else sizes[n]) for n in names)
+        total += sum(calls.get(n, 1) * (p.moved_per_call if (p := layouts[n]) else sizes[n]) for n in names)
     return total
 
 
@@ -169,8 +170,8 @@ def stream_pieces(names: list[str], trees: Mapping[str, Block | None], sizes: Ma
     for index, name in enumerate(order):
         tree = trees.get(name)
         cap = room - others if index == 0 else 0
-        layouts[name] = cut(tree, room - kept, max(0, cap)) if tree is not None else None
-        kept += layouts[name].resident_bytes if layouts[name] else 0
+        layouts[name] = pieces = cut(tree, room - kept, max(0, cap)) if tree is not None else None
+        kept += pieces.resident_bytes if pieces else 0
     return layouts
 
 
@@ -245,9 +246,10 @@ def _split_across(name: str, size: int, blocks: tuple[tuple[str, int], ...], ord
     device = next(devices)
     for path, block in blocks:
         while block > rooms[device]:
-            device = next(devices, None)
-            if device is None:
+            following = next(devices, None)
+            if following is None:
                 raise DoesNotFitError(name, size, sum(rooms.values()) + size - block, strategy, ())
+            device = following
         rooms[device] -= block
         if device != home:
             shards.append((path, device, block))
@@ -350,6 +352,7 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
     rooms = _rooms_after(fixed, sizes, budget)
     gpus = tuple((d.name, rooms[d.name]) for d in hw.gpus)
     notes: list[str] = []
+    placed: dict[str, str | Place]
     if not gpus:
         placed = {n: "cpu" for n, _ in rest}
         notes.append("no GPU on this machine or in the profile: every component runs on the CPU")
@@ -514,7 +517,7 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int]) -> 
         peaks = tuple((d.device, d.used) for d in plans[name].devices if d.used)
         rate = images_per_second(plans[name], inventory, hw.performance)
         candidates.append(Candidate(name, seconds, peaks, "", rate))
-    fitting = sorted((c for c in candidates if c.seconds is not None), key=lambda c: c.seconds)
+    fitting = sorted((c for c in candidates if c.seconds is not None), key=lambda c: c.seconds or 0.0)
     if not fitting:
         largest = max(inventory.models, key=lambda c: c.bytes)
         room = max((budget[d.name] for d in hw.gpus), default=0)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def quiet_diffusers():
+def quiet_diffusers() -> Iterator[None]:
     """Raise diffusers' log level to ERROR inside the block, and put it back after."""
     from diffusers.utils import logging
 
@@ -19,7 +20,7 @@ def quiet_diffusers():
 
 
 @contextlib.contextmanager
-def quiet_progress():
+def quiet_progress() -> Iterator[None]:
     """Hide diffusers' and transformers' own progress bars inside the block (pipemap shows one of its own), and
     put each back as it was."""
     from diffusers.utils import logging as diffusers_logging

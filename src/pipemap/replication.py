@@ -8,6 +8,7 @@ import functools
 import inspect as pyinspect
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from .inventory import DENOISERS, Inventory
 from .units import format_bytes
@@ -43,12 +44,12 @@ def replicable(inventory: Inventory) -> tuple[str, ...]:
     return (denoiser,) if denoiser and batches_guidance(inventory.pipeline_class) else ()
 
 
-def plan_notes(inventory: Inventory, placed: Mapping) -> list[str]:
+def plan_notes(inventory: Inventory, placed: Mapping[str, Any]) -> list[str]:
     """What strategy ``"parallel"`` did with the denoiser, and why when it made no replicas."""
     denoiser = _denoiser(inventory)
     if denoiser is None:
         return ["parallel: no denoiser to replicate; placed as balanced"]
-    place = placed.get(denoiser)
+    place: Any = placed.get(denoiser)  # a device name or a planner.Place
     if getattr(place, "replicas", ()):
         return [f"parallel: {denoiser} replicated on {', '.join((place.device, *place.replicas))}; each call's batch "
                 "(guidance, images per prompt) is split across the copies"]

@@ -145,7 +145,7 @@ class Event:
 class _Queue:
     def __init__(self, name: str):
         self.name = name
-        self.ops: list[tuple[Event | None, ...]] = []  # per op, the events it waits for
+        self.ops: list[tuple[Event, ...]] = []  # per op, the events it waits for
         self.done = 0  # ops completed
         self.waited: dict[str, int] = collections.defaultdict(lambda: -1)  # latest event waited for, per queue
 

@@ -202,7 +202,7 @@ def build_controlnet(scale: int = 1):
 def build_t5_tokenizer():
     """A T5 tokenizer with no download: a unigram vocabulary of the printable ASCII characters and the word marker."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import T5TokenizerFast
+    from transformers import T5TokenizerFast  # type: ignore[attr-defined, unused-ignore]  # transformers 5: an alias
 
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
     vocab += [(chr(code), -1.0) for code in range(32, 127)]

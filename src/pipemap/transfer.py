@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from rich.console import Console
@@ -99,7 +100,8 @@ def _move(obj, device: torch.device):
             return obj
         if dataclasses.is_dataclass(obj):
             return dataclasses.replace(obj, **moved)
-        return type(obj)(moved) if type(obj) is not dict else moved
+        # a Mapping subclass (a model output) rebuilt from a dict, which the Mapping protocol does not promise
+        return cast(Any, type(obj))(moved) if type(obj) is not dict else moved
     if _is_result_object(obj):
         return _move_attributes(obj, device)
     return obj

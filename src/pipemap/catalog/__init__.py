@@ -20,7 +20,7 @@ import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import NotAPipelineError
 
@@ -134,7 +134,7 @@ def _skeleton(name: str, component: str) -> torch.nn.Module:
         return cls.from_config(config)
 
 
-def model_class(library: str, class_name: str) -> type:
+def model_class(library: str, class_name: str) -> type[Any]:
     # model_index names pipeline-local modules by pipeline folder ("stable_diffusion" for the safety checker),
     # as diffusers' loader resolves them
     module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"

@@ -38,6 +38,7 @@ def pipeline(name: str, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str
         if component in found.configs:
             parts[component] = _fake_model(found, component, plan, mode, device_of.get(component, "cpu"))
         elif component == "scheduler":
+            assert class_name is not None  # every catalog entry names its scheduler class
             parts[component] = _scheduler(class_name, found.scheduler_config)
         elif component.startswith("tokenizer"):
             parts[component] = tokenizer(found.tokenizer_max_length.get(component, 77))
@@ -82,10 +83,12 @@ def _scheduler(class_name: str, config: dict):
     return getattr(diffusers, class_name).from_config(config)
 
 
-def _other(library: str, class_name: str):
+def _other(library: str | None, class_name: str | None):
     """A feature extractor or other processor, built with its defaults (its config changes no device memory)."""
     import importlib
 
+    if library is None or class_name is None:  # an optional component left out ([null, null])
+        return None
     try:
         return getattr(importlib.import_module(library), class_name)()
     except Exception:  # a component the pipeline can run without (as from_pretrained leaves a missing one)

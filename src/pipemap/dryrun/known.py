@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
@@ -151,7 +152,7 @@ class KnownValues(TorchDispatchMode):
 
     def _bound(self, func, args, kwargs):
         """An upper bound for a data-dependent result of unknown inputs, or an error naming the operation."""
-        source = args[0] if args else None
+        source: Any = args[0] if args else None
         if func is aten.bincount.default and len(args) == 1 and not kwargs.get("weights"):
             with _disable_current_modes():
                 counts = torch.zeros(max(1, kwargs.get("minlength", 0)), dtype=torch.int64)
@@ -220,7 +221,7 @@ def _device_of(args, kwargs) -> torch.device:
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
     schema = func._schema
-    out = []
+    out: list[torch.Tensor] = []
     for position, argument in enumerate(schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
@@ -264,9 +265,7 @@ def standin_autocast(known: KnownValues, stands_for: str = "cuda"):
     """``torch.autocast(x.device.type, ...)`` with a stand-in's type ("meta") or the type it stands for: push the
     state on ``known``'s autocast stack, which casts matmul and convolution inputs on stand-ins as CUDA would.
     Other device types (the CPU) keep torch's own autocast."""
-    original = torch.amp.autocast_mode.autocast
-
-    class autocast(original):  # noqa: N801  (torch's own name)
+    class autocast(torch.amp.autocast_mode.autocast):  # noqa: N801  (torch's own name)
         def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
             self._standin = device_type in ("meta", stands_for)
             if not self._standin:
@@ -285,12 +284,13 @@ def standin_autocast(known: KnownValues, stands_for: str = "cuda"):
             known.autocast.pop()
             return False
 
+    # torch patched on purpose while the dry run lasts; mypy takes no class assigned to a class's name
     saved = (torch.autocast, torch.amp.autocast)
-    torch.autocast = torch.amp.autocast = autocast
+    torch.autocast = torch.amp.autocast = autocast  # type: ignore[misc]
     try:
         yield
     finally:
-        torch.autocast, torch.amp.autocast = saved
+        torch.autocast, torch.amp.autocast = saved  # type: ignore[misc]
 
 
 @contextlib.contextmanager
@@ -306,7 +306,7 @@ def legacy_constructor(known: KnownValues):
                              else v, args[0]), *args[1:])
         return base(cls, *args, **kwargs)
 
-    torch.Tensor.__new__ = new
+    torch.Tensor.__new__ = new  # type: ignore[method-assign]  # patched on purpose while the dry run lasts
     try:
         yield
     finally:

@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import accelerate
 import torch
@@ -74,8 +75,8 @@ def _tiling_advice(source, plan: Plan, steps: int, call_kwargs: Mapping, report:
 
 def _fake_pipeline(source, plan: Plan, mode: FakeTensorMode, standins: Mapping[str, str]):
     device_of = {p.component: standins[p.device] for p in plan.components}
-    if isinstance(source, str) and not Path(source).exists() and catalog.resolve(source) is not None:
-        return catalog_dryrun.pipeline(catalog.resolve(source), plan, mode, device_of)
+    if isinstance(source, str) and not Path(source).exists() and (name := catalog.resolve(source)) is not None:
+        return catalog_dryrun.pipeline(name, plan, mode, device_of)
     if isinstance(source, (str, os.PathLike)):
         pipe = standin.pipeline_from_folder(source, plan, mode, device_of)
         for component in pipe.components.values():
@@ -176,7 +177,7 @@ def _where(err: Exception) -> str:
                        for f in frames[-2:])
 
 
-_SKIPPED = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (torch, accelerate))
+_SKIPPED = tuple(str(Path(cast(str, m.__file__)).resolve().parent) + os.sep for m in (torch, accelerate))
 _OWN = str(Path(__file__).resolve().parent.parent) + os.sep  # pipemap's own folder, not any folder named pipemap
 
 

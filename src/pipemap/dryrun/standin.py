@@ -9,6 +9,7 @@ import contextlib
 import copy
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -143,7 +144,7 @@ def _model_class(folder: Path, name: str, library: str, class_name: str) -> tupl
     return None, library
 
 
-def _empty_module(folder: Path, name: str, cls: type, library: str) -> torch.nn.Module:
+def _empty_module(folder: Path, name: str, cls: type[Any], library: str) -> torch.nn.Module:
     with init_empty_weights(include_buffers=False):
         if library == "diffusers":
             return cls.from_config(cls.load_config(folder, subfolder=name))

@@ -98,7 +98,7 @@ class MovingHook(PlacementHook):
         if self.cuda:
             group.repin()
         own = buffer is None
-        if own:
+        if buffer is None:
             buffer = self._alloc(group.layout.nbytes)
         try:
             event = self.queues.copy(group.install(buffer), after=after, side=side, name=group.name)

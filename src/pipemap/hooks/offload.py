@@ -52,6 +52,7 @@ class OffloadHook(MovingHook):
 
     def evict(self) -> None:
         self._evict(self.group)
+        assert self.buffer is not None  # evicted only when onloaded
         self._free(self.buffer)
         self.buffer = None
 

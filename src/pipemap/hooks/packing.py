@@ -28,7 +28,8 @@ class Slot:
     __slots__ = ("store", "owners", "master", "onloaded")
 
     def __init__(self, store: str):
-        self.store, self.owners = store, []  # "_parameters" or "_buffers"; (module, key) pairs
+        self.store = store  # "_parameters" or "_buffers"
+        self.owners: list[tuple[torch.nn.Module, str]] = []  # (module, key) pairs
         self.master: torch.Tensor | None = None
         self.onloaded: torch.Tensor | None = None
 
@@ -49,6 +50,7 @@ class Slot:
 
     def wrap(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.store == "_parameters":
+            assert self.master is not None  # set before each wrap (install)
             return torch.nn.Parameter(tensor, requires_grad=self.master.requires_grad)
         return tensor
 
@@ -176,6 +178,7 @@ class Group:
         """Put every master back; returns the bytes copied back (only tensors whose dtype changed meanwhile)."""
         copied = 0
         for slot in self.slots:
+            assert slot.master is not None  # evicted only once installed
             current = slot.get()
             slot.set(slot.master)
             if current.dtype != slot.master.dtype:  # converted while onloaded (vae.to(float32)): keep that

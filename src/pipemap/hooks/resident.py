@@ -133,7 +133,7 @@ def _wrap_method(module, function, hook: ModelHook):
     # the function under `apply_forward_hook`, whose own `pre_forward(module)` would count the call twice and enter
     # a streaming hook twice; a nested call (decode -> tiled_decode) runs plain inside the outer one
     raw = getattr(function, "__wrapped__", function).__get__(module)
-    inside = []
+    inside: list[bool] = []
 
     @functools.wraps(raw)
     def wrapper(*args, **kwargs):

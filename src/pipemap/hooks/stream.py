@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -48,7 +49,9 @@ class StreamSpec:
         the files names the checkpoint's."""
         if self.blocks is None or all(_has_module(module, p) for p in self.blocks if p):
             return self
-        found = cut(live_component(name, module).tree, self.room, self.resident_room)
+        tree = live_component(name, module).tree
+        assert tree is not None  # a live component always has its module tree
+        found = cut(tree, self.room, self.resident_room)
         if found is None:
             return StreamSpec(depth=self.depth)
         return StreamSpec(tuple(p for p, _ in found.blocks), found.resident, max(1, found.prefetch))
@@ -198,7 +201,8 @@ class StreamHook(MovingHook):
         self.buffers, self.root_buffer = [], None
 
     def _enter(self, index: int, block, args) -> None:
-        buffer = self._holding(index) or self._fill(index, self._free_buffer(index, evict_guess=True))
+        # evict_guess: _free_buffer always gives one
+        buffer = self._holding(index) or self._fill(index, cast(_Buffer, self._free_buffer(index, evict_guess=True)))
         self.queues.wait(buffer.copied)
         self.queues.used(buffer.copied, self.blocks[index].name)
         buffer.copied = None
@@ -216,9 +220,10 @@ class StreamHook(MovingHook):
     def _prefetch(self, index: int) -> None:
         """The next ``depth`` blocks in the learnt order, each into a free buffer, on the copy queue."""
         for _ in range(self.spec.depth):
-            index = self.next_of.get(index)
-            if index is None or index == self.previous:
+            following = self.next_of.get(index)
+            if following is None or following == self.previous:
                 return
+            index = following
             if self._holding(index) is None:
                 buffer = self._free_buffer(index)
                 if buffer is None:
@@ -235,6 +240,7 @@ class StreamHook(MovingHook):
         if empty is not None or not evict_guess:
             return empty
         guess = fitting[0]  # the block prefetched first: the furthest from any use now
+        assert guess.block is not None  # no empty buffer fits, so each holds a block
         self._evict(self.blocks[guess.block])
         guess.block = None
         return guess

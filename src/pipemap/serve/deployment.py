@@ -78,7 +78,8 @@ def application(options: Options, replicas: int = 1, autoscale: str | None = Non
     deployment = serve.deployment(PipemapReplica, name="pipemap", max_ongoing_requests=max_ongoing,
                                   ray_actor_options={"num_gpus": gpus(plan), "num_cpus": num_cpus},
                                   health_check_period_s=2, health_check_timeout_s=30, **scaling)
-    return deployment.bind(options, plan.to_dict())
+    # ray annotates the decorator form's return, but given the class it returns the Deployment
+    return deployment.bind(options, plan.to_dict())  # type: ignore[attr-defined, unused-ignore]
 
 
 def run_on_ray(options: Options, host: str, port: int, replicas: int = 1, autoscale: str | None = None) -> int:

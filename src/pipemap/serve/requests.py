@@ -12,7 +12,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -86,7 +86,7 @@ class Limits:
     multiple: int
     max_n: int
     parameters: frozenset[str]
-    tokenizers: tuple[tuple[str, object], ...] = ()
+    tokenizers: tuple[tuple[str, Any], ...] = ()  # transformers tokenizers
 
     @classmethod
     def of(cls, pipe, max_n: int = 4) -> Limits:

@@ -28,7 +28,8 @@ class _DrainingServer(uvicorn.Server):
 def run(service: Service, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Serve ``service`` on ``host:port`` until SIGTERM or Ctrl-C."""
     config = uvicorn.Config(create_app(service), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=service.timeout + 5)
+                            # uvicorn annotates int, but takes any number of seconds (asyncio.timeout)
+                            timeout_graceful_shutdown=service.timeout + 5)  # type: ignore[arg-type, unused-ignore]
     _DrainingServer(config, service).run()
 
 

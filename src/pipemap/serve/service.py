@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ class Options:
 
     path: str
     hardware: str | None = None
-    strategy: object = "balanced"
+    strategy: str | Mapping[str, str] | None = "balanced"
     dtype: str | None = None
     variant: str | None = None
     headroom: float | None = None
