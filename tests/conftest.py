@@ -12,7 +12,8 @@ import torch  # noqa: E402
 from diffusers.utils import logging as diffusers_logging  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
-from helpers import plain_pipeline  # noqa: E402
+import pipemap  # noqa: E402
+from helpers import moving, plain_pipeline  # noqa: E402
 from pipemap import tiny  # noqa: E402
 
 torch.set_num_threads(1)
@@ -37,3 +38,17 @@ def reference_outputs(tiny_folders) -> dict[str, torch.Tensor]:
         pipe = plain_pipeline(folder)
         outputs[kind] = torch.as_tensor(pipe(**tiny.default_call(pipe, kind)).images)
     return outputs
+
+
+@pytest.fixture(scope="session")
+def sd_inventory(tiny_folders):
+    """The tiny SD pipeline's inventory, read from its folder."""
+    return pipemap.inspect(tiny_folders["sd"])
+
+
+@pytest.fixture(scope="session")
+def sd_plan(sd_inventory):
+    """The tiny SD pipeline on two GPUs, the unet streamed to cuda:0, the text encoder and the vae to cuda:1."""
+    base = pipemap.plan(sd_inventory, hardware="cuda:0=1GiB,cuda:1=1GiB,cpu=4GiB", strategy="balanced")
+    return moving(base, sd_inventory, {"unet": ("stream", "cuda:0"), "text_encoder": ("stream", "cuda:1"),
+                                       "vae": ("stream", "cuda:1")})

@@ -4,6 +4,7 @@ inventories and random planning problems. Fixtures live in ``conftest.py``; this
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from diffusers import DiffusionPipeline
 from hypothesis import strategies as st
 
 import pipemap
-from pipemap import Component, Hardware, Inventory, Plan, tiny
+from pipemap import Component, Hardware, Inventory, Plan, granularity, tiny
+from pipemap.plan import Placement
 
 
 def plain_pipeline(folder: str, **kwargs):
@@ -58,3 +60,47 @@ def problems(draw):
     budgets_ = draw(st.lists(st.integers(0, 2000), min_size=1, max_size=4))
     hardware = ",".join(f"cuda:{i}={b}" for i, b in enumerate(budgets_)) + ",cpu=100000"
     return inventory(*zip(names, sizes)), hardware
+
+
+def models_of(pipe) -> dict[str, torch.nn.Module]:
+    """The pipeline's components that are torch modules, by name."""
+    return {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+
+
+def pipeline_state(pipe) -> dict:
+    """Everything dispatch may touch: devices, tensor identities (buffers too), hooks, instance attributes."""
+    return {
+        name: (sorted(module.__dict__), [(id(p), p.device, p.is_pinned()) for p in module.parameters()],
+               [id(b) for b in module.buffers()], [m for m in module.modules() if hasattr(m, "_hf_hook")],
+               [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in module.modules()])
+        for name, module in models_of(pipe).items()
+    } | {"pipe": sorted(k for k in pipe.__dict__ if not k.startswith("_") or k.startswith("_pipemap")),
+         "map": pipe.hf_device_map}  # a pipeline call sets _guidance_scale and the like on the pipe
+
+
+def moving(base: Plan, inv: Inventory, modes: dict[str, tuple[str, str]]) -> Plan:
+    """``base`` with the components of ``modes`` moved: ``{name: (mode, execution GPU)}``; streamed ones cut as
+    finely as the planner can (their charge: ``granularity.cut`` at the inventory's bytes in flight), offloaded
+    ones with the component's bytes as room. ``inv``: the inventory ``base`` was planned from."""
+    found_in = {c.name: c for c in inv.models}
+    parts = []
+    for p in base.components:
+        if p.component in modes:
+            mode, gpu = modes[p.component]
+            if mode == "stream":  # its pieces as the planner lays them out at the fewest bytes it can stream in
+                found = granularity.cut(found_in[p.component].tree, found_in[p.component].in_flight)
+                p = Placement(p.component, "cpu", p.bytes, mode, gpu, found.in_flight, (), found.blocks,
+                              found.resident, found.resident_bytes, found.prefetch, found.level)
+            else:
+                p = Placement(p.component, "cpu", p.bytes, mode, gpu, found_in[p.component].bytes)
+        parts.append(p)
+    return dataclasses.replace(base, components=tuple(parts))
+
+
+def replica_inventory(pipeline_class: str) -> Inventory:
+    """Text encoder 2 GiB, transformer 10 GiB, vae 1 GiB, in bfloat16, of ``pipeline_class``."""
+    gib = 2**30
+    models = (Component("text_encoder", "transformers", "CLIPTextModel", 2 * gib, True),
+              Component("transformer", "diffusers", "Model", 10 * gib, True),
+              Component("vae", "diffusers", "AutoencoderKL", gib, True))
+    return Inventory("test", pipeline_class, models, "bfloat16")

@@ -9,7 +9,7 @@ import pipemap
 from helpers import plain_pipeline, run
 from pipemap import tiny
 from pipemap.cost import seconds_per_image, workload_for
-from pipemap.granularity import LOOSE, Pieces, cut
+from pipemap.granularity import LOOSE, Pieces, cut, stream_charge
 from pipemap.hooks import packing
 from pipemap.inventory import block_tree
 
@@ -137,3 +137,9 @@ def test_partly_resident_denoiser_moves_only_its_streamed_pieces(tiny_folders):
     assert moved["h2d_bytes"] == moved["calls"] * per_call < moved["calls"] * packing.Group(
         packing.slots(pipe.unet.modules()).values()).nbytes
     pipemap.reset(pipe)
+
+
+def test_stream_charge():
+    assert stream_charge(10, [30, 20, 50, 40]) == 110  # root + 2 buffers of the largest block
+    assert stream_charge(10, [30, 20, 50, 40], depth=2) == 10 + 140  # every block at once is less than 3x50
+    assert stream_charge(7, []) == 7

@@ -1,46 +1,13 @@
-"""Devices and hardware profiles: one canonical device name, profiles parsed from text, detected, or restricted."""
+"""Hardware profiles: parsed from text, detected, or restricted by ``max_memory``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipemap import Device, Hardware, HardwareSpecError, PipemapError, UnknownDeviceError, normalize_device
+from pipemap import Device, Hardware, HardwareSpecError, PipemapError, UnknownDeviceError
 
 GiB = 1024**3
-
-
-# ---- normalize_device --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("given", "expected"),
-    [
-        (0, "cuda:0"),
-        (3, "cuda:3"),
-        ("cuda", "cuda:0"),
-        ("cuda:1", "cuda:1"),
-        (" CUDA:2 ", "cuda:2"),
-        ("cpu", "cpu"),
-        ("cpu:0", "cpu"),
-        ("meta:1", "meta:1"),
-        ("meta", "meta:0"),
-        (torch.device("cuda"), "cuda:0"),
-        (torch.device("cuda", 1), "cuda:1"),
-        (torch.device("cpu"), "cpu"),
-        (torch.device("meta", 2), "meta:2"),
-    ],
-)
-def test_normalize_device(given, expected):
-    assert normalize_device(given) == expected
-
-
-@pytest.mark.parametrize("given", ["gpu", "cuda:x", "cuda:-1", "", "cuda:0:1", "tpu:0", True, -1, None])
-def test_normalize_device_rejects_garbage(given):
-    with pytest.raises(UnknownDeviceError) as info:
-        normalize_device(given)
-    assert info.value.device is given
-    assert isinstance(info.value, ValueError) and isinstance(info.value, PipemapError)
 
 
 # ---- Hardware.parse ----------------------------------------------------------------------------------------------

@@ -154,3 +154,15 @@ def test_text_encoder_follows_its_config_dtype_when_no_dtype_is_given(tmp_path):
     pipe = plain_pipeline(str(folder))
     assert pipe.text_encoder.dtype == torch.float16 and pipe.unet.dtype == torch.float32
     assert _header_bytes(pipemap.inspect(folder)) == _loaded_bytes(pipe)
+
+
+DENOISERS = ("unet", "controlnet")
+
+
+def test_inventory_counts_calls_and_blocks_in_flight(tiny_folders):
+    for folder in tiny_folders.values():
+        headers = {c.name: c for c in pipemap.inspect(folder).models}
+        live = {c.name: c for c in pipemap.inspect(plain_pipeline(folder)).models}
+        for name, component in headers.items():
+            assert component.calls_per_image == (100 if name in DENOISERS else 1)
+            assert 0 < live[name].in_flight <= component.in_flight < component.bytes  # headers err high

@@ -1,4 +1,4 @@
-"""parallel: overlapped requests (run_many), calls from several threads, denoiser replicas."""
+"""parallel: overlapped requests (run_many), calls from several threads, run_many over denoiser replicas."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 
 import pipemap
 from pipemap import tiny
-from pipemap.hooks import CallLock
 from pipemap.parallel import current_request
 
 TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny sd: unet 3.0 MiB; vae 2.5 + text encoder 0.2
@@ -148,126 +147,10 @@ def test_run_many_refuses_hooks_it_cannot_lock():
     assert err.value.component == "unet" and err.value.hook == "CpuOffload"
 
 
-def test_call_lock_copies_are_new_locks():
-    import copy
+# ---- run_many over denoiser replicas ------------------------------------------------------------------------------
 
-    lock = CallLock()
-    with lock:
-        other = copy.deepcopy(lock)
-        assert other._lock.acquire(blocking=False)  # not the held one
-        other._lock.release()
-
-
-# ---- denoiser replicas: strategy "parallel" -----------------------------------------------------------------------
-
-# tiny sd: unet 3.0 MiB, vae 2.5, text encoder 0.2; sdxl: unet 3.2, vae 2.5, text encoders 0.2 each. At 8 MiB a GPU
-# holds a copy of the unet and the vae: every GPU gets a copy.
-PARALLEL_GPUS = {2: "2x8MiB,cpu=1GiB", 3: "3x8MiB,cpu=1GiB"}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("kind", "gpus"), [("sd", 2), ("sdxl", 3)])
-def test_parallel_dry_run_puts_a_copy_on_each_stand_in_within_budget(kind, gpus):
-    pipe = tiny.build(kind)
-    plan = pipemap.plan(pipe, hardware=PARALLEL_GPUS[gpus], strategy="parallel", headroom=0.0)
-    unet = plan.placement("unet")
-    assert unet.mode == "replicated" and (unet.device, *unet.replicas) == tuple(f"cuda:{i}" for i in range(gpus))
-    assert plan.execution_device == unet.device and "unet replicated on" in plan.notes[-1]
-    report = pipemap.simulate(pipe, plan, num_images_per_prompt=gpus - 1)  # guidance: a batch of 2 x images
-    assert report.ok, report.error
-    for device in plan.devices:
-        if device.device == "cpu":
-            continue
-        assert report.weight_bytes[device.device] == pytest.approx(device.used, rel=0.01)  # its copy landed there
-        assert report.activation_bytes[device.device] > 0  # and computed its part of the batch there
-        assert report.peak_bytes[device.device] <= device.budget
-
-
-def _thread_names(module: torch.nn.Module, names: list[str]):
-    return module.register_forward_pre_hook(lambda m, a: names.append(threading.current_thread().name))
-
-
-@pytest.mark.parametrize("kind", ["sd", "sdxl"])
-def test_parallel_on_the_cpu_equals_plain_diffusers(kind):
-    pipe = tiny.build(kind)
-    pipe.set_progress_bar_config(disable=True)
-    calls = [tiny.default_call(pipe, kind), dict(tiny.default_call(pipe, kind), num_images_per_prompt=2),
-             dict(tiny.default_call(pipe, kind), guidance_scale=1.0)]  # no guidance: a batch of 1, no copy runs
-    plain = [pipe(**call).images for call in calls]
-    plan = pipemap.plan(pipe, hardware=PARALLEL_GPUS[2], strategy="parallel", headroom=0.0)
-    pipemap.dispatch(pipe, plan.remap(ON_CPU))
-    hook = pipe.unet._hf_hook
-    assert isinstance(hook, pipemap.hooks.ReplicaHook) and len(hook.replicas) == 1
-    home, copies = [], []
-    handles = [_thread_names(pipe.unet, home), _thread_names(hook.replicas[0], copies)]
-    steps = calls[0]["num_inference_steps"]
-    for call, want, copy_calls in zip(calls, plain, [steps, steps, 0], strict=True):
-        copies.clear()
-        call["generator"] = torch.Generator().manual_seed(0)
-        torch.testing.assert_close(torch.as_tensor(pipe(**call).images), torch.as_tensor(want), atol=1e-5, rtol=0)
-        assert len(copies) == copy_calls
-    for handle in handles:
-        handle.remove()
-    assert set(home) == {threading.main_thread().name}
-    assert {name.rsplit("_", 1)[0] for name in copies} <= {"pipemap-unet"}  # the copy ran on its own thread
-    pipemap.reset(pipe)
-    assert hook.replicas == [] and not hasattr(pipe.unet, "_hf_hook")
-
-
-def _inventory(pipeline_class: str) -> pipemap.Inventory:
-    gib = 2**30
-    models = (pipemap.Component("text_encoder", "transformers", "CLIPTextModel", 2 * gib, True),
-              pipemap.Component("transformer", "diffusers", "Model", 10 * gib, True),
-              pipemap.Component("vae", "diffusers", "AutoencoderKL", gib, True))
-    return pipemap.Inventory("test", pipeline_class, models, "bfloat16")
-
-
-@pytest.mark.parametrize(("pipeline_class", "why"), [
-    ("FluxPipeline", "calls its transformer once per guidance branch"),
-    ("WanPipeline", "calls its transformer once per guidance branch"),
-    ("MyOwnPipeline", "not a diffusers pipeline class"),
-])
-def test_parallel_gives_no_replicas_where_calls_carry_no_batch_and_says_why(pipeline_class, why):
-    plan = pipemap.plan(_inventory(pipeline_class), hardware="2x16GiB,cpu=64GiB", strategy="parallel")
-    assert {p.mode for p in plan.components} == {"resident"} and plan.strategy == "parallel"
-    assert why in plan.notes[-1] and "placed as balanced" in plan.notes[-1]
-    balanced = pipemap.plan(_inventory(pipeline_class), hardware="2x16GiB,cpu=64GiB")
-    assert plan.device_map == balanced.device_map
-
-
-# text encoder 2 GiB, transformer 10 GiB, vae 1 GiB: 2 x 16 GiB hold a copy of the transformer each, 3 x 11 GiB
-# only two copies beside the rest, 2 x 11 GiB none (a copy on each leaves 1 GiB, not the text encoder's 2)
-def test_parallel_places_copies_where_room_allows():
-    inv = _inventory("StableDiffusion3Pipeline")
-    two = pipemap.plan(inv, hardware="2x16GiB,cpu=64GiB", strategy="parallel", headroom=0.0)
-    assert two.placement("transformer").replicas == ("cuda:1",)
-    assert {d.device: d.used for d in two.devices} == {"cuda:0": 12 * 2**30, "cuda:1": 11 * 2**30, "cpu": 0}
-    three = pipemap.plan(inv, hardware="3x11GiB,cpu=64GiB", strategy="parallel", headroom=0.0)
-    assert three.placement("transformer").replicas == ("cuda:1",)
-    assert {three.device_map["text_encoder"], three.device_map["vae"]} == {"cuda:2"}
-    none = pipemap.plan(inv, hardware="2x11GiB,cpu=64GiB", strategy="parallel", headroom=0.0)
-    assert none.placement("transformer").mode == "resident" and "no two GPUs hold a copy" in none.notes[-1]
-    assert pipemap.Plan.from_json(three.to_json()) == three
-    on_cpu = three.remap({"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"})
-    assert on_cpu.placement("transformer").replicas == ("cpu",)
-
-
-def test_auto_weighs_replicas_and_explains_both_speeds():
-    from pipemap.cost import device_seconds, images_per_second, seconds_per_image
-
-    inv, hw = _inventory("StableDiffusion3Pipeline"), pipemap.Hardware.parse("2x16GiB,cpu=64GiB")
-    plan = pipemap.plan(inv, hardware=hw, strategy="auto", headroom=0.0)
-    assert plan.placement("transformer").mode == "replicated" and "auto: parallel" in plan.notes[-1]
-    balanced = pipemap.plan(inv, hardware=hw, headroom=0.0)
-    one, two = (seconds_per_image(p, inv, hw.performance) for p in (balanced, plan))
-    assert two < one < 2 * two  # compute halves; the copy's inputs and outputs cross GPUs
-    busy = device_seconds(balanced, inv, hw.performance)  # the transformer's GPU is the busiest: it sets the pace
-    assert images_per_second(balanced, inv, hw.performance) == pytest.approx(1 / max(busy.values()))
-    assert sum(busy.values()) == pytest.approx(one) and max(busy.values()) < one  # overlap beats one by one
-    text = plan.explain()
-    assert "images/s" in text and "parallel" in text
-    rates = {c.strategy: c.images_per_second for c in plan.candidates}
-    assert rates["balanced"] == pytest.approx(1 / max(busy.values()))
+# tiny sd: unet 3.0 MiB, vae 2.5, text encoder 0.2. At 8 MiB a GPU holds a copy of the unet and the vae.
+PARALLEL_GPUS = {2: "2x8MiB,cpu=1GiB"}
 
 
 def test_loaded_onto_a_parallel_plan_and_run_many_over_replicas(tiny_folders, reference_outputs):

@@ -1,0 +1,127 @@
+"""Every error pipemap raises (``pipemap.errors``): one base, ``ValueError`` for what the user gave, the data as
+attributes, and a message that says what to do."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+import pipemap
+from pipemap import errors as E
+from pipemap.errors import PipemapError, format_bytes
+
+GIB = 2**30
+
+# class -> (arguments, the attributes they become, words of the message that say what to do)
+CASES = {
+    E.MemorySpecError: (("lots",), {"text": "lots"}, ["'24GiB'", "integer number of bytes"]),
+    E.HardwareSpecError: (("gpu0=1", "gpu0=1", "not a device name"),
+                          {"spec": "gpu0=1", "part": "gpu0=1", "reason": "not a device name"},
+                          ["not a device name", "2x24GiB,cpu=64GiB"]),
+    E.UnknownDeviceError: (("cuda:3", ("cuda:0", "cpu")), {"device": "cuda:3", "available": ("cuda:0", "cpu")},
+                           ["cuda:0, cpu", "Use one of them"]),
+    E.UnknownComponentError: (("unett", ("unet", "vae")), {"component": "unett", "known": ("unet", "vae")},
+                              ["unet, vae", "Fix the name"]),
+    E.UnknownStrategyError: (("fastest", ("balanced", "auto")), {"strategy": "fastest", "known": ("balanced", "auto")},
+                             ["balanced, auto", "a dict {component: device}"]),
+    E.DoesNotFitError: (("unet", 3 * GIB, GIB, "balanced", ("balanced_split",), "cuda:1"),
+                        {"component": "unet", "bytes": 3 * GIB, "largest_room": GIB, "strategy": "balanced",
+                         "strategies": ("balanced_split",), "device": "cuda:1"},
+                        ["3.00 GiB", "on cuda:1", "balanced_split", "max_memory="]),
+    E.NotAPipelineError: (("/tmp/x", "no model_index.json"), {"path": "/tmp/x", "reason": "no model_index.json"},
+                          ["no model_index.json", "save_pretrained"]),
+    E.CheckpointError: (("/tmp/x.safetensors", "truncated"), {"path": "/tmp/x.safetensors", "reason": "truncated"},
+                        ["truncated", "Re-download or re-save"]),
+    E.ArgumentConflictError: (("dtype", "float16", "torch_dtype", "bfloat16"),
+                              {"first": "dtype", "first_value": "float16", "second": "torch_dtype",
+                               "second_value": "bfloat16"},
+                              ["dtype='float16'", "torch_dtype='bfloat16'", "pass only one"]),
+    E.PipelineMappedError: (("pipe.to('cuda')",), {"operation": "pipe.to('cuda')"}, ["pipemap.reset(pipe)"]),
+    E.DispatchError: (("unet", "cuda:0", MemoryError("full")), {"component": "unet", "device": "cuda:0"},
+                      ["MemoryError: full", "restored as it was", "re-plan"]),
+    E.UnknownDtypeError: (("int8", "not a floating dtype"), {"dtype": "int8", "reason": "not a floating dtype"},
+                          ["torch.float16", "'bfloat16'"]),
+    E.PlanMismatchError: (("unet", "the pipeline has no unet"), {"component": "unet",
+                                                                  "reason": "the pipeline has no unet"},
+                          ["cannot dispatch 'unet'", "the pipeline has no unet"]),
+    E.HeadroomError: ((2.5, "not in [0, 1)"), {"headroom": 2.5, "reason": "not in [0, 1)"}, ["'measure'", "'2GiB'"]),
+    E.SimulationFailedError: ((SimpleNamespace(error="unet ran out"),), {}, ["unet ran out", "Fix the plan"]),
+    E.ArgumentTypeError: (("hardware", 5, "a string or a Hardware"),
+                          {"argument": "hardware", "value": 5, "expected": "a string or a Hardware"},
+                          ["hardware=5 is a int", "give a string or a Hardware"]),
+    E.PlanFormatError: (("the key 'devices' is missing",), {"reason": "the key 'devices' is missing"},
+                        ["plan.to_json()", "Plan.from_json()"]),
+    E.VariantNotFoundError: (("/tmp/sd", "fp8", ("fp16",)), {"path": "/tmp/sd", "variant": "fp8",
+                                                             "available": ("fp16",)},
+                             ["'fp8'", "fp16", "or no variant"]),
+    E.CallArgumentError: (("FluxPipeline", ("negative_prompt",), ("prompt", "height")),
+                          {"pipeline": "FluxPipeline", "names": ("negative_prompt",), "accepted": ("prompt", "height")},
+                          ["'negative_prompt'", "prompt, height", "Fix or drop"]),
+    E.FolderNotEmptyError: (("/tmp/out",), {"path": "/tmp/out"}, ["a new or empty one", "give another path"]),
+    E.RunManyCallError: (("workers", 0, "give 1 or more"), {"argument": "workers", "value": 0, "fix": "give 1 or more"},
+                         ["workers is 0", "give 1 or more"]),
+    E.ForeignHookError: (("unet", "CpuOffload"), {"component": "unet", "hook": "CpuOffload"},
+                         ["CpuOffload", "pipe.remove_all_hooks()", "pipemap.dispatch"]),
+}
+# errors in what pipemap was asked to do at run time, not in what the user gave
+RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError}
+
+
+def test_the_table_covers_every_error_of_the_module():
+    defined = {c for _, c in inspect.getmembers(E, inspect.isclass)
+               if issubclass(c, Exception) and c.__module__ == E.__name__}
+    assert defined - {PipemapError} == set(CASES)
+
+
+@pytest.mark.parametrize("cls", list(CASES), ids=lambda c: c.__name__)
+def test_each_error_carries_its_data_and_says_what_to_do(cls):
+    args, attributes, words = CASES[cls]
+    error = cls(*args)
+    assert isinstance(error, PipemapError)
+    assert isinstance(error, ValueError) == (cls not in RUNTIME)
+    if cls in RUNTIME:
+        assert isinstance(error, RuntimeError)
+    for name, value in attributes.items():
+        assert getattr(error, name) == value, name
+    for word in words:
+        assert word in str(error), (word, str(error))
+    with pytest.raises(cls):  # raisable, and caught by what the user catches
+        raise error
+
+
+def test_every_error_is_exported_by_the_package():
+    assert pipemap.PipemapError is PipemapError
+    missing = [cls.__name__ for cls in CASES if getattr(pipemap, cls.__name__, None) is not cls]
+    assert missing == [], missing
+
+
+def test_argument_type_error_is_a_type_error_too():
+    assert issubclass(E.ArgumentTypeError, TypeError)
+
+
+def test_dispatch_error_keeps_its_cause():
+    cause = RuntimeError("CUDA out of memory")
+    assert E.DispatchError("vae", "cuda:1", cause).cause is cause
+
+
+def test_long_values_are_shortened_in_the_message():
+    error = E.ArgumentConflictError("strategy", {f"component_{i}": "cuda:0" for i in range(20)}, "device_map", "auto")
+    text = str(error)
+    assert "..." in text and len(text) < 300 and "device_map='auto'" in text
+
+
+def test_unknown_device_error_without_devices_says_none():
+    assert "the devices are none" in str(E.UnknownDeviceError("gpu", ()))
+
+
+def test_does_not_fit_error_without_strategies_or_device():
+    text = str(E.DoesNotFitError("unet", 100, 10, "balanced", ()))
+    assert "on any GPU" in text and "no strategy fits it" in text
+
+
+@pytest.mark.parametrize(("n", "text"), [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (3 * GIB, "3.00 GiB"),
+                                         (1536 * 2**20, "1.50 GiB"), (-2048, "-2.00 KiB")])
+def test_format_bytes(n, text):
+    assert format_bytes(n) == text

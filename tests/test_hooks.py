@@ -1,0 +1,85 @@
+"""The hooks wing's table (``pipemap.hooks``): one hook for each placement mode, and ``hook_maker``, which gives the
+hooks that move weights one ledger and one lock per dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipemap
+from helpers import pipeline_state, plain_pipeline, run
+from pipemap import hooks, streams
+from pipemap.hooks import HOOKS, MOVING, Ledger, hook_maker, stream
+from pipemap.plan import MODES, DeviceUse, Placement, Plan
+
+# one placement of each mode, all on the CPU
+PLACEMENTS = {
+    "resident": Placement("vae", "cpu", 20),
+    "offload": Placement("text_encoder", "cpu", 30, "offload", "cpu", 40),
+    "stream": Placement("unet", "cpu", 60, "stream", "cpu", 30),
+    "split": Placement("transformer", "cpu", 90, "split", shards=(("blocks.1", "cpu", 45),)),
+    "replicated": Placement("controlnet", "cpu", 10, "replicated", replicas=("cpu",)),
+}
+CLASSES = {"resident": hooks.PlacementHook, "offload": hooks.OffloadHook, "stream": hooks.StreamHook,
+           "split": hooks.SplitHook, "replicated": hooks.ReplicaHook}
+PLAN = Plan("balanced", tuple(PLACEMENTS.values()), (DeviceUse("cpu", 1000, 1000, 210),), "cpu")
+
+
+def test_every_mode_has_a_hook_and_every_hook_a_mode():
+    assert set(HOOKS) == set(MODES) == set(PLACEMENTS)
+    assert set(MOVING) == {"offload", "stream"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_makes_its_own_hook_from_the_placement(mode):
+    placement = PLACEMENTS[mode]
+    hook = HOOKS[mode](placement, "cpu", Ledger())
+    assert type(hook) is CLASSES[mode] and isinstance(hook, hooks.PlacementHook)
+    assert hook.component == placement.component and hook.execution_device == torch.device("cpu")
+    if mode in MOVING:
+        assert hook.room == placement.room
+
+
+def test_hook_maker_gives_the_moving_hooks_one_ledger_and_one_lock():
+    make = hook_maker(PLAN)
+    made = {p.mode: make(p) for p in PLAN.components}
+    offload, streamed = made["offload"], made["stream"]
+    assert offload.ledger is streamed.ledger and offload.lock is streamed.lock
+    locks = {id(h.lock) for mode, h in made.items() if mode not in MOVING}
+    assert len(locks) == 3 and id(offload.lock) not in locks  # the others each keep a lock of their own
+    again = hook_maker(PLAN)(PLACEMENTS["offload"])
+    assert again.ledger is not offload.ledger and again.lock is not offload.lock  # one of each per dispatch
+
+
+def test_hook_maker_hands_its_queues_to_the_ledger():
+    asked = []
+
+    def queues(device):
+        asked.append(str(device))
+        return streams.ModelQueues(device)
+
+    hook = hook_maker(PLAN, queues)(PLACEMENTS["stream"])
+    assert asked == ["cpu"] and isinstance(hook.queues, streams.ModelQueues)
+
+
+# ---- offload and stream in one dispatch --------------------------------------------------------------------------
+
+
+def test_two_gpus_offload_and_stream_mixed(tiny_folders, reference_outputs):
+    pipe = plain_pipeline(tiny_folders["controlnet"])
+    base = pipemap.plan(pipe, hardware="cuda:0=4MiB,cuda:1=4MiB,cpu=1GiB", strategy="balanced_low_memory",
+                        headroom=0.0)
+    # the vae offloaded to cuda:1, the text encoder streamed from the CPU to cuda:0 beside the unet
+    te = base.placement("text_encoder")
+    mixed = Plan(base.strategy, tuple(
+        Placement("text_encoder", "cpu", te.bytes, "stream", "cuda:0", te.bytes) if p.component == "text_encoder"
+        else p for p in base.components), base.devices, base.execution_device)
+    assert {p.mode for p in mixed.components} == {"resident", "offload", "stream"}
+    assert len({p.execution_device for p in mixed.components}) == 2
+    run(pipe, "controlnet")  # transformers installs hooks of its own at the first call
+    before = pipeline_state(pipe)
+    pipemap.dispatch(pipe, mixed.remap({"cuda:0": "cpu", "cuda:1": "cpu"}))
+    torch.testing.assert_close(run(pipe, "controlnet"), reference_outputs["controlnet"], atol=1e-5, rtol=0)
+    assert isinstance(pipe.text_encoder._hf_hook, stream.StreamHook)
+    pipemap.reset(pipe)
+    assert pipeline_state(pipe) == before

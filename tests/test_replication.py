@@ -1,0 +1,87 @@
+"""Which denoisers strategy ``"parallel"`` copies, and what the plan says (``pipemap.replication``): read from the
+diffusers pipeline classes' own code, and seen in the plans made with it."""
+
+from __future__ import annotations
+
+import pytest
+
+import pipemap
+from helpers import replica_inventory
+from pipemap import Component, Inventory
+from pipemap.plan import Placement
+from pipemap.replication import batches_guidance, plan_notes, replicable
+
+
+@pytest.mark.parametrize(("pipeline_class", "why"), [
+    ("FluxPipeline", "calls its transformer once per guidance branch"),
+    ("WanPipeline", "calls its transformer once per guidance branch"),
+    ("MyOwnPipeline", "not a diffusers pipeline class"),
+])
+def test_parallel_gives_no_replicas_where_calls_carry_no_batch_and_says_why(pipeline_class, why):
+    plan = pipemap.plan(replica_inventory(pipeline_class), hardware="2x16GiB,cpu=64GiB", strategy="parallel")
+    assert {p.mode for p in plan.components} == {"resident"} and plan.strategy == "parallel"
+    assert why in plan.notes[-1] and "placed as balanced" in plan.notes[-1]
+    balanced = pipemap.plan(replica_inventory(pipeline_class), hardware="2x16GiB,cpu=64GiB")
+    assert plan.device_map == balanced.device_map
+
+
+# text encoder 2 GiB, transformer 10 GiB, vae 1 GiB: 2 x 16 GiB hold a copy of the transformer each, 3 x 11 GiB
+# only two copies beside the rest, 2 x 11 GiB none (a copy on each leaves 1 GiB, not the text encoder's 2)
+def test_parallel_places_copies_where_room_allows():
+    inv = replica_inventory("StableDiffusion3Pipeline")
+    two = pipemap.plan(inv, hardware="2x16GiB,cpu=64GiB", strategy="parallel", headroom=0.0)
+    assert two.placement("transformer").replicas == ("cuda:1",)
+    assert {d.device: d.used for d in two.devices} == {"cuda:0": 12 * 2**30, "cuda:1": 11 * 2**30, "cpu": 0}
+    three = pipemap.plan(inv, hardware="3x11GiB,cpu=64GiB", strategy="parallel", headroom=0.0)
+    assert three.placement("transformer").replicas == ("cuda:1",)
+    assert {three.device_map["text_encoder"], three.device_map["vae"]} == {"cuda:2"}
+    none = pipemap.plan(inv, hardware="2x11GiB,cpu=64GiB", strategy="parallel", headroom=0.0)
+    assert none.placement("transformer").mode == "resident" and "no two GPUs hold a copy" in none.notes[-1]
+    assert pipemap.Plan.from_json(three.to_json()) == three
+    on_cpu = three.remap({"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"})
+    assert on_cpu.placement("transformer").replicas == ("cpu",)
+
+
+@pytest.mark.parametrize(("pipeline_class", "batched"), [
+    ("StableDiffusionPipeline", True),  # torch.cat([latents] * 2): both guidance branches in one call
+    ("StableDiffusionXLPipeline", True),
+    ("StableDiffusionControlNetPipeline", True),
+    ("StableDiffusion3Pipeline", True),
+    ("FluxPipeline", False),  # true CFG: the transformer called once per branch
+    ("WanPipeline", False),
+    ("QwenImagePipeline", False),
+    ("MyOwnPipeline", None),  # no such diffusers class: nothing to read
+])
+def test_batches_guidance_reads_the_pipeline_class(pipeline_class, batched):
+    assert batches_guidance(pipeline_class) is batched
+
+
+def _inventory(pipeline_class: str, *names: str) -> Inventory:
+    return Inventory("test", pipeline_class, tuple(Component(n, "diffusers", "Model", 100, True) for n in names))
+
+
+def test_replicable_is_the_denoiser_of_a_batching_pipeline():
+    assert replicable(_inventory("StableDiffusionPipeline", "text_encoder", "unet", "vae")) == ("unet",)
+    assert replicable(replica_inventory("StableDiffusion3Pipeline")) == ("transformer",)
+    assert replicable(replica_inventory("FluxPipeline")) == ()
+    assert replicable(_inventory("StableDiffusionPipeline", "text_encoder", "vae")) == ()  # no denoiser
+
+
+def test_plan_notes_say_what_was_done_with_the_denoiser_and_why():
+    sd = _inventory("StableDiffusionPipeline", "text_encoder", "unet", "vae")
+    copied = {"unet": Placement("unet", "cuda:0", 100, "replicated", replicas=("cuda:1", "cuda:2"))}
+    assert plan_notes(sd, copied) == ["parallel: unet replicated on cuda:0, cuda:1, cuda:2; each call's batch "
+                                      "(guidance, images per prompt) is split across the copies"]
+    [note] = plan_notes(sd, {"unet": Placement("unet", "cuda:0", 100)})
+    assert "no two GPUs hold a copy of the unet (100 B)" in note and note.endswith("placed as balanced")
+    [note] = plan_notes(replica_inventory("FluxPipeline"), {})
+    assert "FluxPipeline calls its transformer once per guidance branch" in note
+    assert plan_notes(_inventory("StableDiffusionPipeline", "vae"), {}) == [
+        "parallel: no denoiser to replicate; placed as balanced"]
+
+
+def test_a_plan_without_copies_is_the_balanced_plan():
+    inv = _inventory("FluxPipeline", "text_encoder", "transformer", "vae")
+    plan = pipemap.plan(inv, hardware="2x1000,cpu=10000", strategy="parallel", headroom=0.0)
+    assert plan.device_map == pipemap.plan(inv, hardware="2x1000,cpu=10000", headroom=0.0).device_map
+    assert plan.notes[-1] == plan_notes(inv, {p.component: p for p in plan.components})[0]
