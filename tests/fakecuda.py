@@ -164,6 +164,7 @@ class Block:
     nbytes: int
     owner: int  # the stream whose pool it returns to
     label: str = ""
+    used: int = 0  # bytes the allocation now in it asked for (rounded): what memory_allocated counts, as on CUDA
     last_write: Access | None = None
     reads: dict[int, Access] = field(default_factory=dict)  # latest read per stream since the last write
 
@@ -199,6 +200,7 @@ class FakeCuda:
         self.allocated: dict[int, int] = {}
         self.peak: dict[int, int] = {}
         self.reserved: dict[int, int] = {}
+        self.peak_reserved: dict[int, int] = {}
         self.races: list[Race] = []
         self.registered: dict[int, int] = {}  # cudaHostRegister'ed host address -> bytes
         self.register_log: list[tuple[str, int, int]] = []
@@ -291,8 +293,10 @@ class FakeCuda:
                 block = Block(index, self.next_address, size, stream.id, label)
                 self.next_address += size
                 self.reserved[index] = self.reserved.get(index, 0) + size
+                self.peak_reserved[index] = max(self.peak_reserved.get(index, 0), self.reserved[index])
             self.blocks[storage.data_ptr()] = block
-            self.allocated[index] = used + block.nbytes
+            block.used = size  # the caching allocator splits a larger cached block: only this much is allocated
+            self.allocated[index] = used + size
             self.peak[index] = max(self.peak.get(index, 0), self.allocated[index])
         weakref.finalize(storage, self._free, storage.data_ptr(), block)
         return block
@@ -301,7 +305,7 @@ class FakeCuda:
         with self.lock:
             if self.blocks.get(address) is block:
                 del self.blocks[address]
-            self.allocated[block.device] -= block.nbytes
+            self.allocated[block.device] -= block.used
             self.pools.setdefault(block.owner, []).append(block)
 
     def empty_cache(self) -> None:
@@ -822,10 +826,9 @@ def _check_error(code) -> None:
 
 
 def _properties(fake: FakeCuda, device=None):
-    index = fake.index(device)
-    return types.SimpleNamespace(name="Fake GPU", total_memory=fake.limit.get(index, fake.memory), major=9, minor=0,
-                                 multi_processor_count=132, uuid=f"GPU-fake-{index}", pci_domain_id=0,
-                                 pci_bus_id=index + 1, pci_device_id=0)
+    return types.SimpleNamespace(name="Fake GPU", total_memory=fake.memory, major=9, minor=0,
+                                 multi_processor_count=132, uuid=f"GPU-fake-{fake.index(device)}", pci_domain_id=0,
+                                 pci_bus_id=fake.index(device) + 1, pci_device_id=0)
 
 
 class Patches:
@@ -863,13 +866,17 @@ def install(monkeypatch=None, gpus: int = 2) -> FakeCuda:
         "get_device_properties": lambda d=None: _properties(fake, d),
         "get_device_name": lambda d=None: _properties(fake, d).name,
         "get_device_capability": lambda d=None: (9, 0), "can_device_access_peer": lambda a, b: True,
-        "mem_get_info": lambda d=None: (_properties(fake, d).total_memory - fake.allocated.get(fake.index(d), 0),
-                                        _properties(fake, d).total_memory),
+        "mem_get_info": lambda d=None: (fake.limit.get(fake.index(d), fake.memory) - fake.allocated.get(
+            fake.index(d), 0), fake.memory),
+        "set_per_process_memory_fraction": lambda fraction, d=None: fake.limit.__setitem__(
+            fake.index(d), int(fraction * fake.memory)),
+        "max_memory_reserved": lambda d=None: fake.peak_reserved.get(fake.index(d), 0),
         "memory_allocated": lambda d=None: fake.allocated.get(fake.index(d), 0),
         "max_memory_allocated": lambda d=None: fake.peak.get(fake.index(d), 0),
         "memory_reserved": lambda d=None: fake.reserved.get(fake.index(d), 0),
-        "reset_peak_memory_stats": lambda d=None: fake.peak.__setitem__(fake.index(d),
-                                                                        fake.allocated.get(fake.index(d), 0)),
+        "reset_peak_memory_stats": lambda d=None: (fake.peak.__setitem__(
+            fake.index(d), fake.allocated.get(fake.index(d), 0)), fake.peak_reserved.__setitem__(
+            fake.index(d), fake.reserved.get(fake.index(d), 0))),
         "empty_cache": fake.empty_cache,
     }
     for name, value in replacements.items():
