@@ -336,6 +336,129 @@ class FakeCuda:
         if earlier is not None and earlier.sid != stream.id and stream.clock.get(earlier.sid, 0) < earlier.count:
             self.races.append(Race(f"cuda:{block.device} block {block.address:#x} ({block.label})", earlier, later))
 
+    # ---- ops, and copies between the host and the devices and between devices
+
+    def run(self, func, args, kwargs):
+        if func is aten._to_copy.default:
+            return self.to_copy(args[0], kwargs)
+        if func is aten.copy_.default:
+            return self.copy_(args[0], args[1], bool(args[2]) if len(args) > 2 else kwargs.get("non_blocking", False))
+        flat = tree_flatten((args, kwargs))[0]
+        index = self.kernel_device(func, flat)
+        target = kwargs.get("device")
+        if target is not None and torch.device(target).type == "cuda":
+            index = self.index(target)
+            kwargs = {**kwargs, "device": "cpu"}
+        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        if target is not None and torch.device(target).type == "cpu":
+            return out  # e.g. new_zeros(..., device="cpu"): a host tensor
+        schema = _schema(func)
+        inputs = {id(t.inner.untyped_storage()): t for t in flat if isinstance(t, CudaTensor)}
+        known = {t.inner.untyped_storage().data_ptr() for t in inputs.values()}
+        op = str(func).removeprefix("aten.")
+        fresh: list[Block] = []
+
+        def wrap(o):
+            if not isinstance(o, torch.Tensor):
+                return o
+            if o.untyped_storage().data_ptr() not in known and o.untyped_storage().nbytes():
+                block = self.allocate(o, index, f"{op} {tuple(o.shape)}")
+                if block is not None and func not in _NO_ACCESS:
+                    fresh.append(block)
+            return CudaTensor(o, index)
+
+        wrapped = tree_map(wrap, out)
+        if schema.view or func in _NO_ACCESS:
+            return wrapped
+        written = [args[w] if isinstance(w, int) and w < len(args) else kwargs.get(w) for w in schema.writes]
+        writes = [self.block_of(t.inner) for t in written if isinstance(t, CudaTensor)]
+        reads = [self.block_of(t.inner) for t in inputs.values()]
+        self.access(self.current_stream(index), [b for b in reads if b], [b for b in [*writes, *fresh] if b], op)
+        if not isinstance(out, (torch.Tensor, list, tuple)) or out is None:
+            self.current_stream(index).synchronize()  # a value the host reads (item, equal, is_nonzero): it waits
+        return wrapped
+
+    def kernel_device(self, func, flat) -> int:
+        """The device a kernel runs on; tensors of two devices, or a host tensor beside a GPU one, fail as on a GPU."""
+        devices = {t.device.index for t in flat if isinstance(t, CudaTensor)}
+        host = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, CudaTensor) and t.dim() > 0]
+        if len(devices) > 1 or (host and func not in _MIXED_OK):
+            found = sorted({f"cuda:{i}" for i in devices} | ({"cpu"} if host else set()))
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"{found[0]} and {found[1]}! (in {func}, fake CUDA)")
+        return devices.pop()
+
+    def to_copy(self, source, kwargs: dict):
+        target = kwargs.get("device")
+        target = torch.device(target) if target is not None else source.device
+        options = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking", "pin_memory")}
+        inner = aten._to_copy.default(_unwrap(source), **options)  # a new CPU tensor of the asked dtype and layout
+        non_blocking = bool(kwargs.get("non_blocking", False))
+        if target.type == "cpu":
+            return self.device_to_host(source, inner, non_blocking)
+        index = self.index(target)
+        if not isinstance(source, CudaTensor):
+            return self.host_to_device(source, inner, index, non_blocking)
+        out = CudaTensor(inner, index)
+        block = self.allocate(inner, index, f"copy of {tuple(inner.shape)}")
+        self.transfer(source, block, index, non_blocking, "to_copy")
+        return out
+
+    def copy_(self, destination, source, non_blocking: bool):
+        _unwrap(destination).copy_(_unwrap(source))
+        if not isinstance(destination, CudaTensor):  # device to host, into an existing host tensor
+            stream = self.current_stream(source.device)
+            self.access(stream, [self.block_of(source.inner)] if self.block_of(source.inner) else [], [], "copy_ d2h")
+            if not non_blocking:
+                stream.synchronize()
+            return destination
+        block = self.block_of(destination.inner)
+        index = destination.device.index
+        if not isinstance(source, CudaTensor):
+            stream = self.current_stream(index)
+            self.access(stream, [], [block] if block else [], "copy_ h2d")
+            self.after_host_copy(source, stream, non_blocking)
+            return destination
+        self.transfer(source, block, index, non_blocking, "copy_")
+        return destination
+
+    def host_to_device(self, source: torch.Tensor, inner: torch.Tensor, index: int, non_blocking: bool):
+        out = CudaTensor(inner, index)
+        block = self.allocate(inner, index, f"h2d {tuple(inner.shape)}")
+        stream = self.current_stream(index)
+        self.access(stream, [], [block] if block else [], "h2d copy")
+        self.after_host_copy(source, stream, non_blocking)
+        return out
+
+    def after_host_copy(self, source: torch.Tensor, stream: FakeStream, non_blocking: bool) -> None:
+        """A blocking copy from the host waits for its stream; an asynchronous one from pinned memory reads it
+        until it runs (from pageable memory the driver stages it first: nothing to wait for)."""
+        if non_blocking:
+            self.host_read(source, stream)
+        else:
+            stream.synchronize()
+
+    def device_to_host(self, source, inner: torch.Tensor, non_blocking: bool):
+        stream = self.current_stream(source.device)
+        block = self.block_of(source.inner)
+        self.access(stream, [block] if block else [], [], "d2h copy")
+        if not non_blocking:
+            stream.synchronize()
+        return inner
+
+    def transfer(self, source: CudaTensor, block: Block | None, index: int, non_blocking: bool, op: str):
+        """A copy from ``source`` into ``block`` on ``cuda:index``; between two GPUs, Copy.cu's two-way fence: the copy
+        runs on the source's current stream after the destination's current stream, which then waits for it."""
+        source_block = self.block_of(source.inner)
+        if source.device.index == index:
+            reads, writes = [source_block] if source_block else [], [block] if block else []
+            self.access(self.current_stream(index), reads, writes, op)
+            return
+        copier, receiver = self.current_stream(source.device), self.current_stream(index)
+        copier.wait_event(receiver.record_event())
+        self.access(copier, [source_block] if source_block else [], [block] if block else [], f"{op} p2p")
+        receiver.wait_event(copier.record_event())
+
     # ---- host registrations
 
     def host_read(self, source: torch.Tensor, stream: FakeStream) -> None:
@@ -428,139 +551,27 @@ _NO_ACCESS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_l
               aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
 
 
-def _run(self: FakeCuda, func, args, kwargs):
-    if func is aten._to_copy.default:
-        return self.to_copy(args[0], kwargs)
-    if func is aten.copy_.default:
-        return self.copy_(args[0], args[1], bool(args[2]) if len(args) > 2 else kwargs.get("non_blocking", False))
-    flat = tree_flatten((args, kwargs))[0]
-    index = self.kernel_device(func, flat)
-    target = kwargs.get("device")
-    if target is not None and torch.device(target).type == "cuda":
-        index = self.index(target)
-        kwargs = {**kwargs, "device": "cpu"}
-    out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-    if target is not None and torch.device(target).type == "cpu":
-        return out  # e.g. new_zeros(..., device="cpu"): a host tensor
-    schema = _schema(func)
-    inputs = {id(t.inner.untyped_storage()): t for t in flat if isinstance(t, CudaTensor)}
-    known = {t.inner.untyped_storage().data_ptr() for t in inputs.values()}
-    op = str(func).removeprefix("aten.")
-    fresh: list[Block] = []
-
-    def wrap(o):
-        if not isinstance(o, torch.Tensor):
-            return o
-        if o.untyped_storage().data_ptr() not in known and o.untyped_storage().nbytes():
-            block = self.allocate(o, index, f"{op} {tuple(o.shape)}")
-            if block is not None and func not in _NO_ACCESS:
-                fresh.append(block)
-        return CudaTensor(o, index)
-
-    wrapped = tree_map(wrap, out)
-    if schema.view or func in _NO_ACCESS:
-        return wrapped
-    written = [args[w] if isinstance(w, int) and w < len(args) else kwargs.get(w) for w in schema.writes]
-    writes = [self.block_of(t.inner) for t in written if isinstance(t, CudaTensor)]
-    reads = [self.block_of(t.inner) for t in inputs.values()]
-    self.access(self.current_stream(index), [b for b in reads if b], [b for b in [*writes, *fresh] if b], op)
-    if not isinstance(out, (torch.Tensor, list, tuple)) or out is None:
-        self.current_stream(index).synchronize()  # a value the host reads (item, equal, is_nonzero): it waits
-    return wrapped
 
 
-def _kernel_device(self: FakeCuda, func, flat) -> int:
-    """The device a kernel runs on; tensors of two devices, or a host tensor beside a GPU one, fail as on a GPU."""
-    devices = {t.device.index for t in flat if isinstance(t, CudaTensor)}
-    host = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, CudaTensor) and t.dim() > 0]
-    if len(devices) > 1 or (host and func not in _MIXED_OK):
-        found = sorted({f"cuda:{i}" for i in devices} | ({"cpu"} if host else set()))
-        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                           f"{found[0]} and {found[1]}! (in {func}, fake CUDA)")
-    return devices.pop()
 
 
 _MIXED_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
 
-FakeCuda.run = _run  # type: ignore[attr-defined]
-FakeCuda.kernel_device = _kernel_device  # type: ignore[attr-defined]
 
 
 # ---- copies between the host and the devices, and between devices -----------------------------------------------
 
 
-def _to_copy(self: FakeCuda, source, kwargs: dict):
-    target = kwargs.get("device")
-    target = torch.device(target) if target is not None else source.device
-    options = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking", "pin_memory")}
-    inner = aten._to_copy.default(_unwrap(source), **options)  # a new CPU tensor of the asked dtype and layout
-    non_blocking = bool(kwargs.get("non_blocking", False))
-    if target.type == "cpu":
-        return self.device_to_host(source, inner, non_blocking)
-    index = self.index(target)
-    if not isinstance(source, CudaTensor):
-        return self.host_to_device(source, inner, index, non_blocking)
-    out = CudaTensor(inner, index)
-    block = self.allocate(inner, index, f"copy of {tuple(inner.shape)}")
-    self.transfer(source, block, index, non_blocking, "to_copy")
-    return out
 
 
-def _copy_(self: FakeCuda, destination, source, non_blocking: bool):
-    _unwrap(destination).copy_(_unwrap(source))
-    if not isinstance(destination, CudaTensor):  # device to host, into an existing host tensor
-        stream = self.current_stream(source.device)
-        self.access(stream, [self.block_of(source.inner)] if self.block_of(source.inner) else [], [], "copy_ d2h")
-        if not non_blocking:
-            stream.synchronize()
-        return destination
-    block = self.block_of(destination.inner)
-    index = destination.device.index
-    if not isinstance(source, CudaTensor):
-        stream = self.current_stream(index)
-        self.access(stream, [], [block] if block else [], "copy_ h2d")
-        self.host_read(source, stream) if non_blocking else stream.synchronize()
-        return destination
-    self.transfer(source, block, index, non_blocking, "copy_")
-    return destination
 
 
-def _host_to_device(self: FakeCuda, source: torch.Tensor, inner: torch.Tensor, index: int, non_blocking: bool):
-    out = CudaTensor(inner, index)
-    block = self.allocate(inner, index, f"h2d {tuple(inner.shape)}")
-    stream = self.current_stream(index)
-    self.access(stream, [], [block] if block else [], "h2d copy")
-    self.host_read(source, stream) if non_blocking else stream.synchronize()
-    return out
 
 
-def _device_to_host(self: FakeCuda, source, inner: torch.Tensor, non_blocking: bool):
-    stream = self.current_stream(source.device)
-    block = self.block_of(source.inner)
-    self.access(stream, [block] if block else [], [], "d2h copy")
-    if not non_blocking:
-        stream.synchronize()
-    return inner
 
 
-def _transfer(self: FakeCuda, source: CudaTensor, block: Block | None, index: int, non_blocking: bool, op: str):
-    """A copy from ``source`` into ``block`` on ``cuda:index``; between two GPUs, Copy.cu's two-way fence: the copy
-    runs on the source's current stream after the destination's current stream, which then waits for it."""
-    source_block = self.block_of(source.inner)
-    if source.device.index == index:
-        self.access(self.current_stream(index), [source_block] if source_block else [], [block] if block else [], op)
-        return
-    copier, receiver = self.current_stream(source.device), self.current_stream(index)
-    copier.wait_event(receiver.record_event())
-    self.access(copier, [source_block] if source_block else [], [block] if block else [], f"{op} p2p")
-    receiver.wait_event(copier.record_event())
 
 
-FakeCuda.to_copy = _to_copy  # type: ignore[attr-defined]
-FakeCuda.copy_ = _copy_  # type: ignore[attr-defined]
-FakeCuda.host_to_device = _host_to_device  # type: ignore[attr-defined]
-FakeCuda.device_to_host = _device_to_host  # type: ignore[attr-defined]
-FakeCuda.transfer = _transfer  # type: ignore[attr-defined]
 
 
 # ---- the host side: factories, .to(), .data = ------------------------------------------------------------------
