@@ -22,9 +22,13 @@ past it, as a GPU of that size would). Figures: seconds per image (median of the
 denoising step (from the calls at two step counts), peak GPU memory of the timed calls, allocated
 (``max_memory_allocated``) and reserved by the caching allocator (which also holds memory freed while another
 stream may still use it), each above the figure before the method's pipeline existed, host memory pinned by
-pipemap, the largest difference of its image from the first method's at the same step count, and the GPU memory
-left after ``pipemap.reset``. Then the transfer self-test (with one GPU: host copies only, no GPU pair) and
-``python -m pipemap doctor``.
+pipemap, weight bytes moved host to GPU per image and what that makes per second, the largest difference of its
+image and of its final latents from the first method's at the same step count, and the GPU memory left after
+``pipemap.reset``. Then, each section capped: denoiser replicas and ``run_many`` (speed), pipemap's lifetime and
+concurrency checks (a streamed pipeline dropped without reset, then loaded again; reset right after a call whose
+latents the host never waited for; a streamed plan under ``run_many``), the host-to-GPU bandwidth of one pinned
+packed copy, the transfer self-test (with one GPU: host copies only, no GPU pair) and ``python -m pipemap doctor``.
+The whole run fits ``--time-budget`` (400 s; ``gpu_check.sh`` caps everything, installing included, at 7 minutes).
 Writes ``table.md`` and ``results.json`` (rewritten after every method, so a run cut short still leaves them) into
 OUT_DIR; the last line printed is ``summary: name=value ...``. bench/README.md says how to read it.
 """
@@ -58,8 +62,11 @@ import torch  # noqa: E402
 
 HEADROOM = 0.05
 TOLERANCE = 2e-2  # max |difference| of images in [0, 1] computed in fp16 along different paths
+LATENT_TOLERANCE = 5e-2  # the same for the final latents (scaled, about unit variance)
 PROMPT = "an astronaut riding a horse on the moon, detailed photograph"
-RESERVE = 30.0  # seconds kept at the end of --time-budget for the transfer self-test, the doctor and the report
+# seconds each section after the methods may take; their sum (and 5 s for the report) is kept from the methods
+SECTIONS = {"speed": 45.0, "lifetime": 75.0, "bandwidth": 15.0, "transfers": 20.0, "doctor": 30.0}
+RESERVE = sum(SECTIONS.values()) + 5.0
 
 
 # ---- the pipeline ----------------------------------------------------------------------------------------------
@@ -185,6 +192,9 @@ class Result:
     reserved_bytes: int | None = None  # the caching allocator's peak above the start: blind spots of allocated
     pinned_bytes: int | None = None  # host memory pinned by pipemap's hooks (exactly their groups' bytes)
     max_diff: float | None = None
+    max_latent_diff: float | None = None  # of the final latents (before the VAE), same reference
+    h2d_bytes: int | None = None  # weight bytes pipemap moved host to GPU per image (timed calls at --steps)
+    h2d_gbps: float | None = None  # those bytes / s per image: the host-to-GPU traffic the run achieved
     finite: bool | None = None
     left_after_reset: int | None = None
     plan: str = ""
@@ -199,10 +209,15 @@ class Runner:
         self.args, self.models, self.device = args, models, device
         self.cuda = device.startswith("cuda")
         self.references: dict[int, torch.Tensor] = {}
+        self.latent_references: dict[int, torch.Tensor] = {}
+        self.latents: torch.Tensor | None = None  # the final latents of the last call
 
-    def call(self, pipe, steps: int) -> torch.Tensor:
+    def call(self, pipe, steps: int, seed: int = 0) -> torch.Tensor:
+        kept = []
         out = pipe(prompt=PROMPT, height=self.args.size, width=self.args.size, num_inference_steps=steps,
-                   guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(0), output_type="pt").images
+                   guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(seed), output_type="pt",
+                   callback_on_step_end=lambda p, i, t, kw: kept.append(kw["latents"]) or {}).images
+        self.latents = kept[-1].float().cpu() if kept else None  # each step's end: the last one is what is decoded
         return out.float().cpu()
 
     def sync(self):
@@ -219,12 +234,12 @@ class Runner:
             torch.cuda.empty_cache()
         return self.allocated()
 
-    def timed(self, pipe, steps: int) -> tuple[float, torch.Tensor]:
+    def timed(self, pipe, steps: int) -> tuple[float, torch.Tensor, torch.Tensor | None]:
         self.sync()
         start = time.perf_counter()
         out = self.call(pipe, steps)
         self.sync()
-        return time.perf_counter() - start, out
+        return time.perf_counter() - start, out, self.latents
 
     def run(self, method: Method, cap: float) -> Result:
         result = Result(method.key, method.label, budget=method.budget, note=method.budget_note)
@@ -272,21 +287,24 @@ class Runner:
         full = self.args.steps
         high, low = (self.args.seq_steps, 1) if method.slow else (full, self.args.seq_steps)
         repeats = 1 if method.slow else self.args.repeats
-        result.first_call_s, _ = self.timed(pipe, low if method.slow else high)
+        result.first_call_s = self.timed(pipe, low if method.slow else high)[0]
         result.peak_first_bytes = self._peak(base)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        outputs = {}
+        outputs, latents, ours = {}, {}, method.key.startswith("pipemap")
         for steps, n in ((high, repeats), (low, max(1, repeats // 2))):
+            moved = h2d_bytes(pipe) if ours else 0
             runs = [self.timed(pipe, steps) for _ in range(n)]
-            result.times[steps] = [round(t, 5) for t, _ in runs]
-            outputs[steps] = runs[-1][1]
+            result.times[steps] = [round(t, 5) for t, _, _ in runs]
+            outputs[steps], latents[steps] = runs[-1][1], runs[-1][2]
+            if ours and steps == high:
+                result.h2d_bytes = (h2d_bytes(pipe) - moved) // n
         result.peak_bytes = self._peak(base)
         result.reserved_bytes = torch.cuda.max_memory_reserved(self.device) - base_reserved if self.cuda else None
-        result.pinned_bytes = pinned_now() if method.key.startswith("pipemap") else None
+        result.pinned_bytes = pinned_now() if ours else None
         self._figures(result, high, low, full)
-        self._compare(result, outputs)
-        result.stats = pipemap_stats(pipe) if method.key.startswith("pipemap") else None
+        self._compare(result, outputs, latents)
+        result.stats = pipemap_stats(pipe) if ours else None
 
     def _figures(self, result: Result, high: int, low: int, full: int) -> None:
         t_high, t_low = statistics.median(result.times[high]), statistics.median(result.times[low])
@@ -294,16 +312,14 @@ class Runner:
         result.steps = full
         result.s_per_image = t_high + (full - high) * (result.s_per_step or 0.0)
         result.s_per_image_scaled = high != full
+        if result.h2d_bytes is not None and not result.s_per_image_scaled and t_high > 0:
+            result.h2d_gbps = result.h2d_bytes / t_high / 1e9
 
-    def _compare(self, result: Result, outputs: dict[int, torch.Tensor]) -> None:
-        diffs, finite = [], True
-        for steps, image in outputs.items():
-            finite = finite and bool(torch.isfinite(image).all())
-            reference = self.references.setdefault(steps, image)
-            if reference is not image:
-                diffs.append(float((torch.nan_to_num(image) - torch.nan_to_num(reference)).abs().max()))
-        result.finite = finite
-        result.max_diff = max(diffs) if diffs else 0.0
+    def _compare(self, result: Result, outputs: dict[int, torch.Tensor], latents: dict) -> None:
+        result.max_diff, finite = _largest_diff(outputs, self.references)
+        result.max_latent_diff, finite_latents = _largest_diff(
+            {k: v for k, v in latents.items() if v is not None}, self.latent_references)
+        result.finite = finite and finite_latents
 
     def _peak(self, base: int) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) - base if self.cuda else None
@@ -312,12 +328,38 @@ class Runner:
         try:
             if method.teardown is not None:
                 method.teardown(pipe)
-                result.left_after_reset = self.clean() - base if self.cuda else None
+                # the scheduler's timesteps stay on the GPU in any pipeline: not what reset must give back
+                result.left_after_reset = self.clean() - base - scheduler_bytes(pipe) if self.cuda else None
         except Exception as err:
             result.note += f" | teardown: {type(err).__name__}: {err}"
             traceback.print_exc()
         del pipe
         self.clean()
+
+
+def _largest_diff(found: dict[int, torch.Tensor], references: dict[int, torch.Tensor]) -> tuple[float, bool]:
+    """The largest |difference| from the references (the first seen at each step count become them), and whether
+    everything found is finite."""
+    diffs, finite = [], True
+    for steps, value in found.items():
+        finite = finite and bool(torch.isfinite(value).all())
+        reference = references.setdefault(steps, value)
+        if reference is not value:
+            diffs.append(float((torch.nan_to_num(value) - torch.nan_to_num(reference)).abs().max()))
+    return (max(diffs) if diffs else 0.0), finite
+
+
+def scheduler_bytes(pipe) -> int:
+    """GPU bytes the scheduler's state holds (timesteps, sigmas), in the caching allocator's 512-byte blocks."""
+    tensors = [t for t in vars(pipe.scheduler).values() if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+    return sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors)
+
+
+def h2d_bytes(pipe) -> int:
+    """Weight bytes pipemap's hooks moved host to GPU since dispatch, every component together."""
+    import pipemap
+
+    return sum(s["h2d_bytes"] for s in pipemap.stats(pipe).values())
 
 
 class MethodTimeout(Exception):
@@ -367,16 +409,21 @@ def pipemap_method(key: str, label: str, strategy: str, budget: int, note: str, 
     method = Method(key, label, setup=None, teardown=pipemap.reset, budget=budget, budget_note=note)
 
     def setup(pipe, device):
-        hardware = pipemap.Hardware.parse(f"cuda:0={budget},cpu=100GiB")
-        plan = pipemap.plan(pipe, hardware=hardware, strategy=strategy, headroom=HEADROOM)
-        if not cuda:
-            plan = plan.remap({"cuda:0": "cpu"})
-        method.plan = plan
-        print(plan)
-        pipemap.dispatch(pipe, plan)
+        method.plan = plan_for(pipe, strategy, budget, cuda)
+        print(method.plan)
+        pipemap.dispatch(pipe, method.plan)
 
     method.setup = setup
     return method
+
+
+def plan_for(pipe, strategy: str, budget: int, cuda: bool):
+    """``strategy`` planned for one GPU of ``budget`` bytes, remapped onto the CPU in a dry run."""
+    import pipemap
+
+    plan = pipemap.plan(pipe, hardware=pipemap.Hardware.parse(f"cuda:0={budget},cpu=100GiB"), strategy=strategy,
+                        headroom=HEADROOM)
+    return plan if cuda else plan.remap({"cuda:0": "cpu"})
 
 
 def diffusers_methods() -> list[Method]:
@@ -602,6 +649,157 @@ def _timed_calls(args, pipe, warm: int, repeats: int) -> tuple[torch.Tensor, flo
     return image.float().cpu(), statistics.median(times)
 
 
+# ---- lifetime and concurrency ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    """One lifetime or concurrency check: whether it held, with what it measured."""
+
+    name: str
+    passed: bool | None = None
+    figures: dict = field(default_factory=dict)
+    note: str = ""
+
+
+def lifetime_checks(args, runner: Runner, budgets: Budgets, cap: float) -> dict[str, Check]:
+    """pipemap's lifetime and concurrency checks on a streamed plan (the stream budget), each a row; together
+    within ``cap`` seconds, each within what is left of it."""
+    checks = {}
+    end = time.perf_counter() + cap
+    for name, check in (("del_without_reset_then_reload", _del_then_reload), ("reset_right_after_a_call",
+                         _reset_after_call), ("streamed_plan_under_run_many", _streamed_run_many)):
+        left = end - time.perf_counter()
+        if left < 5:
+            checks[name] = Check(name, None, note="skipped: the section's time is spent")
+            continue
+        print(f"\n== check {name} (t={elapsed():.0f} s, at most {left:.0f} s)", flush=True)
+        try:
+            with time_limit(left):
+                checks[name] = check(args, runner, budgets)
+        except Exception as err:  # a check that fails is a row, not the end of the run
+            checks[name] = Check(name, False, note=f"{type(err).__name__}: {err}".splitlines()[0][:300])
+            traceback.print_exc()
+        finally:
+            runner.clean()
+        print(f"   {checks[name]}", flush=True)
+    return checks
+
+
+def _streamed(runner: Runner, budgets: Budgets):
+    import pipemap
+
+    pipe = fresh_pipeline(runner.models)
+    pipemap.dispatch(pipe, plan_for(pipe, "balanced_ultra_low_memory", budgets.stream, runner.cuda))
+    return pipe
+
+
+def _del_then_reload(args, runner: Runner, budgets: Budgets) -> Check:
+    """A streamed pipeline dropped without reset (a notebook re-run, a reloaded model), then built and placed again:
+    its pinned memory and GPU buffers go with it, and the next placement of the same shapes works."""
+    base = runner.clean()
+    pipe = _streamed(runner, budgets)
+    first = runner.call(pipe, 1)
+    pinned = pinned_now()
+    del pipe
+    left = runner.clean() - base  # collects the pipeline: its groups unregister their pinned buffers
+    figures = {"pinned_before_bytes": pinned, "pinned_after_del_bytes": pinned_now(), "gpu_left_after_del_bytes": left}
+    pipe = _streamed(runner, budgets)
+    figures["reload_max_diff"] = float((runner.call(pipe, 1) - first).abs().max())
+    _reset(pipe)
+    passed = figures["pinned_after_del_bytes"] == 0 and left <= 0 and figures["reload_max_diff"] <= TOLERANCE
+    return Check("del_without_reset_then_reload", passed, figures)
+
+
+def _reset_after_call(args, runner: Runner, budgets: Budgets) -> Check:
+    """Reset right after a call whose latents stay on the GPU (the host never waited): the copies out of pinned
+    memory still queued must run before it is unpinned, or the latents are garbage."""
+    steps = args.seq_steps
+    pipe = _streamed(runner, budgets)
+    latents = pipe(prompt=PROMPT, height=args.size, width=args.size, num_inference_steps=steps, guidance_scale=5.0,
+                   generator=torch.Generator("cpu").manual_seed(0), output_type="latent").images
+    _reset(pipe)  # no synchronisation before it
+    latents = latents.float().cpu()
+    reference = runner.latent_references.get(steps)
+    diff = float((torch.nan_to_num(latents) - reference).abs().max()) if reference is not None else None
+    passed = bool(torch.isfinite(latents).all()) and (diff is None or diff <= LATENT_TOLERANCE)
+    note = "" if reference is not None else "no reference latents at this step count (plain did not run)"
+    return Check("reset_right_after_a_call", passed, {"latent_max_diff": diff}, note)
+
+
+def _streamed_run_many(args, runner: Runner, budgets: Budgets) -> Check:
+    """A streamed plan under ``run_many(workers=2)``: the same images as one by one, and what the overlap gives."""
+    import pipemap
+
+    pipe = _streamed(runner, budgets)
+    calls = [dict(prompt=f"{PROMPT} {i}", height=args.size, width=args.size, num_inference_steps=args.seq_steps,
+                  guidance_scale=5.0, output_type="pt", generator=torch.Generator("cpu").manual_seed(i))
+             for i in range(3)]
+    fresh = lambda: [dict(c, generator=torch.Generator("cpu").manual_seed(i)) for i, c in enumerate(calls)]  # noqa: E731
+    one_by_one: list = []
+    alone = _clock(lambda: one_by_one.extend(pipe(**c).images.float().cpu() for c in fresh()))
+    together: list = []
+    overlapped = _clock(lambda: together.extend(o.images.float().cpu() for o in pipemap.run_many(pipe, fresh(), 2)))
+    _reset(pipe)
+    diff = max(float((a - b).abs().max()) for a, b in zip(one_by_one, together))
+    figures = {"max_diff": diff, "one_by_one_s": alone, "run_many_s": overlapped}
+    return Check("streamed_plan_under_run_many", diff <= TOLERANCE and len(together) == 3, figures)
+
+
+def _reset(pipe) -> None:
+    import pipemap
+
+    pipemap.reset(pipe)
+
+
+def bandwidth_check(args, device: str, cap: float) -> dict:
+    """Host-to-GPU bandwidth of one pinned packed copy as pipemap makes them (one ``cudaHostRegister``ed buffer,
+    one ``copy_`` on a side stream), timed with events: the ceiling the streamed rows' ``h2d GB/s`` is read
+    against."""
+    if not device.startswith("cuda"):
+        return {"note": "needs CUDA"}
+    from pipemap.hooks import packing
+
+    nbytes = 1 << 30
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    packing._pin_host(host)
+    try:
+        with time_limit(cap):
+            side = torch.cuda.Stream(device)
+            with torch.cuda.stream(side):
+                target.copy_(host, non_blocking=True)  # warm-up
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(3):
+                    target.copy_(host, non_blocking=True)
+                end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000 or float("nan")  # a fake CUDA's events take no time
+    finally:
+        torch.cuda.synchronize(device)
+        packing._unpin_host(host)
+    return {"bytes": 3 * nbytes, "seconds": seconds, "gb_per_s": 3 * nbytes / seconds / 1e9}
+
+
+def capped(name: str, args, run: Callable):
+    """``run(cap)``, which keeps within ``cap`` seconds: the section's share, or what is left of
+    ``--time-budget``; its error, or that it was skipped, as its result."""
+    cap = min(SECTIONS[name], args.time_budget - elapsed() - 5)
+    if cap < 5:
+        return {"skipped": f"--time-budget {args.time_budget:.0f} s spent"}
+    print(f"\n== {name} (t={elapsed():.0f} s, at most {cap:.0f} s)", flush=True)
+    try:
+        return run(cap)
+    except Exception as err:  # the other figures stand without these
+        return {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
+
+
+def within(cap: float, run: Callable, *args):
+    with time_limit(cap):
+        return run(*args)
+
+
 # ---- transfers and doctor --------------------------------------------------------------------------------------
 
 
@@ -631,10 +829,10 @@ def pinned_now() -> int:
     return packing.pinned_bytes()
 
 
-def doctor() -> str:
+def doctor(timeout: float = 45.0) -> str:
     try:
         done = subprocess.run([sys.executable, "-m", "pipemap", "doctor"], capture_output=True, text=True,
-                              timeout=45)
+                              timeout=timeout)
         return done.stdout + (f"\n(stderr)\n{done.stderr}" if done.returncode else "")
     except Exception as err:
         return f"pipemap doctor failed: {type(err).__name__}: {err}"
@@ -660,8 +858,13 @@ def line_of(r: Result) -> str:
         return f"   {r.status}: {r.note}"
     scaled = " (scaled)" if r.s_per_image_scaled else ""
     return (f"   {secs(r.s_per_image)} s/image{scaled}, {secs(r.s_per_step)} s/step, peak {gib(r.peak_bytes)} GiB "
-            f"allocated, {gib(r.reserved_bytes)} GiB reserved, pinned {gib(r.pinned_bytes)} GiB, "
-            f"max|diff| {r.max_diff:.2e}, modes {r.plan_modes or '-'}")
+            f"allocated, {gib(r.reserved_bytes)} GiB reserved, pinned {gib(r.pinned_bytes)} GiB, h2d "
+            f"{gbps(r.h2d_gbps)} GB/s, max|diff| {r.max_diff:.2e} (latents {r.max_latent_diff or 0:.2e}), modes "
+            f"{r.plan_modes or '-'}")
+
+
+def gbps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 PEERS = {  # method -> the peer its ratios are taken against
@@ -673,22 +876,22 @@ PEERS = {  # method -> the peer its ratios are taken against
 }
 
 
-COLUMNS = ("method", "budget GiB", "s/image", "s/step", "peak GiB", "reserved GiB", "pinned GiB",
-           "vs peer: time, peak", "max abs diff", "setup s", "after reset GiB", "modes / note")
+COLUMNS = ("method", "budget GiB", "s/image", "s/step", "peak GiB", "reserved GiB", "pinned GiB", "h2d GB/s",
+           "vs peer: time, peak", "max abs diff: image, latents", "setup s", "after reset GiB", "modes / note")
 
 
 def methods_table(results: dict[str, Result]) -> list[str]:
     rows = ["| " + " | ".join(COLUMNS) + " |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |"]
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |"]
     for r in results.values():
         if r.status != "ok":
-            rows.append(f"| {r.label} | {gib(r.budget)} | {r.status} | | | | | | | | | {r.note} |")
+            rows.append(f"| {r.label} | {gib(r.budget)} | {r.status} | | | | | | | | | | {r.note} |")
             continue
         image = secs(r.s_per_image) + (" *" if r.s_per_image_scaled else "")
         rows.append(f"| {r.label} | {gib(r.budget)} | {image} | {secs(r.s_per_step)} | {gib(r.peak_bytes)} | "
-                    f"{gib(r.reserved_bytes)} | {gib(r.pinned_bytes)} | "
-                    f"{versus(r, results)} | {r.max_diff:.1e} | {secs(r.setup_s)} | {gib(r.left_after_reset)} | "
-                    f"{row_note(r)} |")
+                    f"{gib(r.reserved_bytes)} | {gib(r.pinned_bytes)} | {gbps(r.h2d_gbps)} | "
+                    f"{versus(r, results)} | {r.max_diff:.1e}, {r.max_latent_diff or 0:.1e} | {secs(r.setup_s)} | "
+                    f"{gib(r.left_after_reset)} | {row_note(r)} |")
     return rows
 
 
@@ -716,7 +919,26 @@ class Target:
     detail: str = ""
 
 
-def targets(results: dict[str, Result]) -> list[Target]:
+def targets(results: dict[str, Result], checks: dict | None = None) -> list[Target]:
+    """The goals the run is read against: speed and peak against the peers, images and latents alike, nothing left
+    after reset, every budgeted pipemap row's reserved memory within its budget, and the lifetime checks."""
+    out = _peer_targets(results)
+    ran = [r for r in results.values() if r.status == "ok"]
+    latent = max((r.max_latent_diff for r in ran if r.max_latent_diff is not None), default=None)
+    out.append(Target("max_latent_diff", latent, f"<= {LATENT_TOLERANCE:g}", None if latent is None else
+                      latent <= LATENT_TOLERANCE, "final latents against the first method's"))
+    for r in ran:
+        if r.key.startswith("pipemap") and r.budget is not None and r.reserved_bytes is not None:
+            share = r.reserved_bytes / r.budget
+            out.append(Target(f"{r.key}_reserved_within_budget", share, "<= 1.0", share <= 1.0,
+                              "caching allocator's reserved peak / the plan's budget"))
+    for check in (c for c in (checks or {}).values() if isinstance(c, Check)):
+        out.append(Target(check.name, None, "holds", check.passed, check.note or ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in check.figures.items())))
+    return out
+
+
+def _peer_targets(results: dict[str, Result]) -> list[Target]:
     def ok(key):
         r = results.get(key)
         return r if r is not None and r.status == "ok" else None
@@ -801,15 +1023,19 @@ class Report:
     transfers: dict = field(default_factory=dict)
     doctor: str = ""
     speed: dict = field(default_factory=dict)
+    checks: dict = field(default_factory=dict)
+    bandwidth: dict = field(default_factory=dict)
 
     def write(self) -> str:
-        found = targets(self.results)
+        found = targets(self.results, self.checks)
         text = "\n".join(self.markdown(found)) + "\n"
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "table.md").write_text(text, encoding="utf-8")
         data = {"args": self.args, "env": self.env, "budgets": self.budgets, "targets": [asdict(t) for t in found],
                 "results": {k: asdict(v) for k, v in self.results.items()}, "transfers": self.transfers,
-                "doctor": self.doctor, "summary": self.summary(found), "elapsed_s": elapsed(), "speed": self.speed}
+                "doctor": self.doctor, "summary": self.summary(found), "elapsed_s": elapsed(), "speed": self.speed,
+                "checks": {k: asdict(v) if isinstance(v, Check) else v for k, v in self.checks.items()},
+                "bandwidth": self.bandwidth}
         (self.out / "results.json").write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
         return text
 
@@ -832,13 +1058,17 @@ class Report:
                     ", ".join(f"{p}={s}" for p, s in v["pairs"].items())) for name, v in self.transfers.items()]
         speed = [f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in self.speed.items()]
         head += ["## Speed from a second GPU (replicas; run_many)", "", *speed, ""] if speed else []
+        bandwidth = [f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in self.bandwidth.items()]
+        head += ["## Host-to-GPU bandwidth (one pinned packed copy of 1 GiB, 3 times)", "", *bandwidth, ""] if (
+            bandwidth) else []
         return head + methods_table(self.results) + ["", "## Targets", ""] + targets_table(found) + (
             ["", "## Transfer self-test (pipemap.check_transfers(refresh=True))", ""] + transfer if transfer else [])
 
     def summary(self, found: list[Target]) -> str:
         parts = [f"device={self.env.get('gpu', self.env['device']).replace(' ', '_')}"]
         for t in found:
-            parts.append(f"{t.name}={'-' if t.value is None else format(t.value, '.3g')}")
+            shown = {None: "-", True: "yes", False: "no"}[t.passed] if t.value is None else format(t.value, ".3g")
+            parts.append(f"{t.name}={shown}")
         for key, r in self.results.items():
             parts.append(f"{key}_s={secs(r.s_per_image) if r.status == 'ok' else r.status.replace(' ', '_')}")
         if "gpus" in self.transfers:
@@ -846,6 +1076,8 @@ class Report:
         for key in ("replicas_speedup", "run_many_speedup"):
             if isinstance(self.speed.get(key), float):
                 parts.append(f"{key}={self.speed[key]:.3g}")
+        if isinstance(self.bandwidth.get("gb_per_s"), float):
+            parts.append(f"h2d_pinned_gbps={self.bandwidth['gb_per_s']:.3g}")
         parts.append(f"offload_budget_gib={gib(self.budgets['offload'])}")
         parts.append(f"stream_budget_gib={gib(self.budgets['stream'])}")
         parts.append(f"total_s={elapsed():.0f}")
@@ -859,6 +1091,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="folder for table.md and results.json")
     p.add_argument("--dry-cpu", action="store_true", help="small pipeline on the CPU; CUDA-only methods skipped")
+    p.add_argument("--fake-cuda", action="store_true", help="with --dry-cpu: the CUDA path on the CPU, under the test "
+                   "suite's fake CUDA (tests/fakecuda.py, one 'GPU'): pinning, streams, memory caps, every method")
     p.add_argument("--width", type=float, help="channel width factor of the SDXL configs (1 = SDXL; dry: 0.2)")
     p.add_argument("--depth", type=float, help="transformer depth factor (1 = SDXL; dry: 0.2)")
     p.add_argument("--size", type=int, help="image side in pixels (GPU: 512; dry: 128)")
@@ -876,9 +1110,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip ultra_low re-run at the group / sequential offload peaks")
     p.add_argument("--no-speed", dest="speed", action="store_false",
                    help="skip the replicas / run_many measurements (speed_check)")
+    p.add_argument("--no-checks", dest="checks", action="store_false",
+                   help="skip the lifetime and concurrency checks (del without reset, reset after a call, run_many)")
     p.add_argument("--only", help="comma-separated method key prefixes (plain,pipemap_low,diffusers_group,...)")
-    p.add_argument("--time-budget", type=float, default=255.0, help="seconds for the whole run, imports included: "
-                   "each method is capped to what is left (less 30 s for the self-test and report), or skipped")
+    p.add_argument("--time-budget", type=float, default=400.0, help="seconds for the whole run, imports included: "
+                   f"each method is capped to what is left less {RESERVE:.0f} s for the sections after the methods "
+                   "(each capped in turn), or skipped")
     args = p.parse_args(argv)
     dry = args.dry_cpu
     for name, gpu, cpu in (("width", 1.0, 0.2), ("depth", 1.0, 0.2), ("size", 512, 128), ("repeats", 5, 1),
@@ -892,10 +1129,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.fake_cuda:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import fakecuda
+
+        fakecuda.install(gpus=1)
     if not args.dry_cpu and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-cpu to exercise the script on the CPU", file=sys.stderr)
         return 2
-    device = "cpu" if args.dry_cpu else "cuda:0"
+    device = "cpu" if args.dry_cpu and not args.fake_cuda else "cuda:0"
     torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.perf_counter()
     models = build_models(sdxl_configs(args.width, args.depth), device, getattr(torch, args.dtype))
@@ -910,19 +1152,22 @@ def main(argv=None) -> int:
         report.results = results
         report.write()
 
-    report.results = run_all(args, Runner(args, models, device), budgets, write)
-    if args.speed and elapsed() < args.time_budget - RESERVE - 20:
-        try:
-            report.speed = speed_check(args, models, device)
-        except Exception as err:  # the other figures stand without these
-            report.speed = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
+    runner = Runner(args, models, device)
+    report.results = run_all(args, runner, budgets, write)
+    if args.speed:
+        report.speed = capped("speed", args, lambda cap: within(cap, speed_check, args, models, device))
         print(f"speed: {report.speed}", flush=True)
-    report.transfers = transfer_check(device != "cpu")
-    report.doctor = doctor()
+    if args.checks:
+        report.checks = capped("lifetime", args, lambda cap: lifetime_checks(args, runner, budgets, cap))
+    report.bandwidth = capped("bandwidth", args, lambda cap: bandwidth_check(args, device, cap))
+    print(f"bandwidth: {report.bandwidth}", flush=True)
+    report.write()
+    report.transfers = capped("transfers", args, lambda cap: within(cap, transfer_check, device != "cpu"))
+    report.doctor = str(capped("doctor", args, doctor))
     print("\n" + report.doctor)
     text = report.write()
     print("\n" + text)
-    print(report.summary(targets(report.results)))
+    print(report.summary(targets(report.results, report.checks)))
     return 0
 
 

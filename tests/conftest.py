@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -52,3 +53,26 @@ def sd_plan(sd_inventory):
     base = pipemap.plan(sd_inventory, hardware="cuda:0=1GiB,cuda:1=1GiB,cpu=4GiB", strategy="balanced")
     return moving(base, sd_inventory, {"unet": ("stream", "cuda:0"), "text_encoder": ("stream", "cuda:1"),
                                        "vae": ("stream", "cuda:1")})
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, tmp_path):
+    """A fake CUDA with two GPUs for one test (``tests/fakecuda.py``): pipemap's CUDA code runs on the CPU, every
+    copy and read is checked for ordering, and the test fails on any race it leaves (set ``expect_races`` to look
+    at them yourself). ``fake_cuda.gpus`` may be raised before anything is placed."""
+    import fakecuda
+    from pipemap import transfer
+
+    monkeypatch.setenv("PIPEMAP_CACHE_DIR", str(tmp_path / "cache"))  # the transfer check's cache: not the user's
+    transfer.clear_transfer_cache()
+    fake = fakecuda.install(monkeypatch)
+    fake.expect_races = False
+    try:
+        yield fake
+        gc.collect()  # what the test dropped releases its pinned memory under this fake
+    finally:
+        fake.exit()
+        transfer.clear_transfer_cache()
+    if not fake.expect_races:
+        fake.assert_no_races()
+    assert not fake.registered, f"host memory still registered after the test: {fake.registered}"

@@ -26,7 +26,7 @@ from .errors import ArgumentTypeError, DispatchError, PipelineMappedError, PlanM
 from .hooks import Ledger, Moved, hook_component, hook_maker, unhook_component
 from .plan import Plan
 from .streams import Queues, queues_for
-from .transfer import ensure_safe_transfers, move_tensor, plan_devices
+from .transfer import ensure_safe_transfers, move_tensor, plan_devices, synchronize
 
 _GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload",
             "reset_device_map")
@@ -81,6 +81,7 @@ def place(pipe, plan: Plan, *, check_transfers: bool = True,
         except Exception as err:
             _undo(modules.values(), moves)
             raise DispatchError(placement.component, placement.device, err) from err
+    synchronize(plan_devices(plan))  # the placed weights ready for whatever stream calls first
     _mark(pipe, plan)
 
 

@@ -47,7 +47,7 @@ def check_plan_fits(plan: Plan, inventory: Inventory) -> None:
                                 f"{', '.join(sorted(models))}); re-plan from this folder")
     here = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
     for p in plan.components:
-        for device in (p.device, p.execution_device, *(d for _, d, _ in p.shards)):
+        for device in (p.device, p.execution_device, *(d for _, d, _ in p.shards), *p.replicas):
             if device not in here:
                 raise UnknownDeviceError(device, tuple(here), f"(where the plan puts {p.component!r}) is not on "
                                          "this machine: re-plan here, or plan.remap() it onto devices it has")

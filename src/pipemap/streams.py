@@ -8,7 +8,9 @@ not of timing:
 
 - every buffer is allocated on the compute queue and freed only after the compute queue has waited for every copy
   into it, so the caching allocator may hand it to the next allocation at once (stream-ordered reuse, no
-  ``record_stream``): an evicted component's memory serves the next onload, however far the host runs ahead;
+  ``record_stream``): an evicted component's memory serves the next onload, however far the host runs ahead; on
+  CUDA the compute queue is the caller's current stream, so a buffer read on another stream (``reading``) is freed
+  only once the stream it was allocated on has waited for that one;
 - a copy into a buffer first waits for the event recorded when the block that last used it finished;
 - a block is used only after the compute queue waited for its copy.
 
@@ -70,6 +72,10 @@ class Queues:
     def used(self, event, name: str) -> None:
         """The compute queue is about to read what ``event``'s copy wrote (the model checks it waited)."""
 
+    def reading(self, buffer: torch.Tensor | None) -> None:
+        """The compute queue reads ``buffer`` from here on (a buffer kept across calls, which may come on other
+        streams)."""
+
     def record(self, buffer: torch.Tensor | None = None):
         """An event at the compute queue's current point: where the use of ``buffer`` so far ends (a copy into it
         then waits for this event)."""
@@ -102,9 +108,20 @@ class CudaQueues(Queues):
     def __init__(self, device: torch.device):
         super().__init__(device)
         self.side = torch.cuda.Stream(device)
+        self._streams: dict[int, list] = {}  # id(buffer) -> [the stream it was allocated on, others that read it]
 
     def _compute(self):
         return torch.cuda.current_stream(self.device)
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        buffer = super().alloc(nbytes)
+        self._streams[id(buffer)] = [self._compute()]
+        return buffer
+
+    def reading(self, buffer: torch.Tensor | None) -> None:
+        streams = self._streams.get(id(buffer))
+        if streams is not None and self._compute() not in streams:
+            streams.append(self._compute())
 
     def copy(self, pairs, after=None, side: bool = True, name: str = ""):
         stream = self.side if side else self._compute()
@@ -126,7 +143,13 @@ class CudaQueues(Queues):
         return event
 
     def free(self, buffer, copies=()) -> None:
-        super().free(buffer, copies)  # then dropping the last reference returns it to the compute stream's pool
+        super().free(buffer, copies)
+        # dropping the last reference returns it to the pool of the stream it was allocated on: that stream first
+        # waits for every other stream that used it (what record_stream would do, without holding the memory)
+        owner, *users = self._streams.pop(id(buffer), [self._compute()])
+        for stream in [*users, self._compute()]:
+            if stream != owner:
+                owner.wait_stream(stream)
 
     def synchronize(self) -> None:
         self.side.synchronize()

@@ -358,7 +358,8 @@ def gpu_identity(device: str) -> str:
 
 def plan_devices(plan) -> list[str]:
     """Every device ``plan`` copies between: the pipeline's execution device, each component's home and execution
-    device, and the GPUs its split shards live on.
+    device, the GPUs its split shards live on and those holding its denoiser's replicas (weights, inputs and outputs
+    are copied straight between the home GPU and each replica's).
 
     >>> plan = pipemap.plan("path/to/wan", hardware="2x16GiB", strategy="auto")        # doctest: +SKIP
     >>> plan_devices(plan)                                                            # doctest: +SKIP
@@ -366,8 +367,16 @@ def plan_devices(plan) -> list[str]:
     """
     found = [plan.execution_device]
     for p in plan.components:
-        found += [p.device, p.execution_device, *(device for _, device, _ in p.shards)]
+        found += [p.device, p.execution_device, *(device for _, device, _ in p.shards), *p.replicas]
     return list(dict.fromkeys(found))
+
+
+def synchronize(devices: Iterable[str]) -> None:
+    """The host waits for every copy queued on these GPUs: weights a load or a dispatch placed are then ready for
+    any stream (a caller's own ``torch.cuda.stream`` included), not only for the stream that copied them."""
+    for device in dict.fromkeys(devices):
+        if device.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.synchronize(device)
 
 
 def _endpoints(devices) -> list[str]:

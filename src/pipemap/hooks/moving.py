@@ -14,6 +14,7 @@ swapped in and out; the byte counters then count that logical traffic, the bytes
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -108,12 +109,14 @@ class MovingHook(PlacementHook):
             if own:
                 self._free(buffer)
             raise
+        group.copied(event)  # its pinned buffer is not unregistered before this copy ran
         self.moved.h2d_bytes += group.nbytes
         return buffer, event
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
+        buffer = self.queues.alloc(nbytes)  # first: an allocation that fails (out of memory) is not counted
         self.ledger.add(str(self.device), nbytes)
-        return self.queues.alloc(nbytes)
+        return buffer
 
     def _free(self, buffer: torch.Tensor, copies=()) -> None:
         self.ledger.add(str(self.device), -buffer.numel())
@@ -122,5 +125,22 @@ class MovingHook(PlacementHook):
     def _evict(self, group: Group) -> None:
         self.moved.d2h_bytes += group.evict()
 
+    def watch_conversions(self, module: torch.nn.Module) -> None:
+        """A ``.to(dtype)`` of the component (the SDXL pipeline upcasts its VAE for each decode) first gives back
+        what is onloaded between calls: converted on the GPU, the weights would sit in new tensors beside the
+        buffer the plan counted; converted in CPU RAM, the next call onloads them at their new size."""
+        module.__dict__["_apply"] = functools.partial(_converting, self, module)
+
+    def unwatch_conversions(self, module: torch.nn.Module) -> None:
+        module.__dict__.pop("_apply", None)
+
+    def unload(self) -> None:
+        """Give back what is onloaded between calls (nothing while a call runs)."""
+
     def abort(self, module) -> None:
         """Undo what an unfinished call onloaded (its ``post_forward`` never ran)."""
+
+
+def _converting(hook: MovingHook, module: torch.nn.Module, fn, recurse: bool = True):
+    hook.unload()
+    return type(module)._apply(module, fn, recurse)

@@ -14,7 +14,9 @@ from .packing import Group, slots
 class OffloadHook(MovingHook):
     """The whole component onloaded at its call through its device's LRU cache, kept there while room allows.
 
-    The buffer is allocated and filled on the compute queue, so once evicted it serves the next onload at once.
+    The buffer is allocated and filled on the compute queue, so once evicted it serves the next onload at once. The
+    copy's event is kept while the weights stay onloaded: each call waits for it on its own compute queue, so a call
+    on another CUDA stream (a caller's ``torch.cuda.stream``) never reads weights before they arrive.
     """
 
     @classmethod
@@ -26,14 +28,18 @@ class OffloadHook(MovingHook):
         self.group = Group(slots(module.modules()).values(), self.component)
         self.cache = self.ledger.cache(str(self.device), self.room)
         self.buffer: torch.Tensor | None = None
+        self.copied = None  # the event of the copy into ``buffer``
         self.running = 0
         if self.cuda:
             self.group.pin()
+        self.watch_conversions(module)
         return module
 
     def pre_forward(self, module, *args, **kwargs):
         self.running += 1  # first: an onload that fails is undone by abort
         self.cache.use(self)
+        self.queues.wait(self.copied)
+        self.queues.reading(self.buffer)
         return super().pre_forward(module, *args, **kwargs)
 
     def post_forward(self, module, output):
@@ -48,19 +54,25 @@ class OffloadHook(MovingHook):
                 self.evict()
 
     def onload(self) -> None:
-        self.buffer, _ = self._onload(self.group)
+        self.buffer, self.copied = self._onload(self.group)
 
     def evict(self) -> None:
         self._evict(self.group)
         assert self.buffer is not None  # evicted only when onloaded
-        self._free(self.buffer)
-        self.buffer = None
+        self._free(self.buffer, [self.copied])
+        self.buffer = self.copied = None
+
+    def unload(self) -> None:
+        if self.group.loaded and not self.running:
+            self.cache.drop(self)
+            self.evict()
 
     def detach_hook(self, module):
+        self.unwatch_conversions(module)
         self.cache.drop(self)
         if self.group.loaded:
             self.evict()
-        self.group.unpin()
+        self.group.unpin()  # after the last copy out of its pinned buffer ran
         return module
 
     def __repr__(self) -> str:

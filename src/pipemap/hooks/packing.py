@@ -4,10 +4,16 @@ A ``Slot`` is one tensor of a component (a parameter or a buffer) with every mod
 ``Group`` is the tensors moved together (a whole offloaded component, one streamed block, a streamed component's
 loose tensors); a ``Packing`` says where each of a group's tensors sits in a packed buffer, so the pinned host copy
 and every GPU buffer share one layout and a copy moves a group in one go.
+
+A pinned buffer lives exactly as long as its group: ``reset`` unpins it, and a group dropped without ``reset`` (``del
+pipe``, a notebook cell re-run, a model reloaded) unpins it when collected (``weakref.finalize``), after the last
+copy out of it has run, so the driver never keeps freed memory registered (page-locked RAM leaked, and error 712 for
+the next registration that gets the same addresses).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -119,14 +125,14 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _unpin_host(buffer: torch.Tensor) -> None:
+    torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())))
+
+
 def _pin_host(buffer: torch.Tensor) -> None:
     # page-lock the exact bytes (cudaHostRegister), bypassing the pinned host allocator's rounding and its cache,
     # without touching the process-wide allocator settings; portable (flag 1): every GPU copies from it at full speed
     torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1)))
-
-
-def _unpin_host(buffer: torch.Tensor) -> None:
-    torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())))
 
 
 _PINNED: dict[int, int] = {}  # host address -> bytes, of every buffer pinned here
@@ -135,6 +141,24 @@ _PINNED: dict[int, int] = {}  # host address -> bytes, of every buffer pinned he
 def pinned_bytes() -> int:
     """Host bytes pinned by offload and stream hooks now (exactly their groups' ``Packing.nbytes``)."""
     return sum(_PINNED.values())
+
+
+class _Registration:
+    """One registered host buffer, and the event of the last copy out of it, which unregistering waits for (the
+    driver would otherwise unlock memory a queued copy still reads). It holds the buffer until then."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host: torch.Tensor | None = host
+        self.last_copy = None
+
+    def release(self) -> None:
+        if self.last_copy is not None:
+            self.last_copy.synchronize()
+            self.last_copy = None
+        if self.host is not None:
+            _PINNED.pop(self.host.data_ptr(), None)
+            host, self.host = self.host, None
+            _unpin_host(host)
 
 
 class Group:
@@ -149,6 +173,8 @@ class Group:
         self.loaded = False
         self.host: torch.Tensor | None = None  # the pinned buffer the masters are views of
         self._layout: Packing | None = None
+        self._registration: _Registration | None = None
+        self._unpin: weakref.finalize | None = None  # unregisters ``host``: at unpin, or when the group is collected
 
     @property
     def layout(self) -> Packing:
@@ -164,7 +190,9 @@ class Group:
         return sum(nbytes_of(s.get()) for s in self.slots)
 
     def install(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Point every tensor at its place in ``buffer``; returns the ``(place, master)`` copies to queue."""
+        """Point every tensor at its place in ``buffer``; returns the ``(place, master)`` copies to queue: one for
+        the whole group when its masters are views of its pinned buffer (same layout), else one per tensor."""
+        packed = self.pinned()
         copies = []
         for slot, view in zip(self.slots, self.layout.views(buffer)):
             slot.master = slot.get()  # what it holds while evicted: a `.to(dtype)` made meanwhile is kept
@@ -172,7 +200,14 @@ class Group:
             slot.set(slot.onloaded)
             copies.append((view, slot.master.detach()))
         self.loaded = True
+        if packed and self.host is not None:
+            return [(buffer[:self.host.numel()], self.host)]
         return copies
+
+    def copied(self, event) -> None:
+        """``event`` ends the latest copy out of the pinned buffer: unpinning waits for it."""
+        if self._registration is not None:
+            self._registration.last_copy = event
 
     def evict(self) -> int:
         """Put every master back; returns the bytes copied back (only tensors whose dtype changed meanwhile)."""
@@ -191,9 +226,12 @@ class Group:
     def pin(self) -> None:
         """Masters as views of one exact-size page-locked buffer: host-to-GPU copies then run at full speed and
         without the host waiting. Copied tensor by tensor into pageable memory first, each original dropped as it
-        goes, then locked: the host holds the group about once, not twice."""
+        goes, then locked: the host holds the group about once, not twice. Registered once per buffer, and
+        unregistered at ``unpin`` or when the group is collected, whichever comes first."""
         tensors = [s.get() for s in self.slots]
         if self.host is not None or not tensors or any(t.device.type != "cpu" for t in tensors):
+            return
+        if self.layout.nbytes == 0:  # nothing to lock (a block of empty tensors): the driver refuses size 0
             return
         host = torch.empty(self.layout.nbytes, dtype=torch.uint8)
         for slot, view in zip(self.slots, self.layout.views(host)):
@@ -202,6 +240,11 @@ class Group:
         _pin_host(host)
         _PINNED[host.data_ptr()] = host.numel()
         self.host = host
+        # the finalizer holds the buffer (through the registration), not the group: the memory is unregistered
+        # before it can be freed, whether unpin or the group's collection comes first
+        self._registration = _Registration(host)
+        self._unpin = weakref.finalize(self, _Registration.release, self._registration)
+        self._unpin.atexit = False  # at exit the process's memory goes back whole; the driver may be gone already
 
     def pinned(self) -> bool:
         """Are the masters still the views of its pinned buffer (a ``.to(dtype)`` replaces them)?"""
@@ -220,9 +263,9 @@ class Group:
             tensor = slot.get()
             if tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
                 slot.set_data(tensor.detach().clone())
-        _unpin_host(self.host)
-        _PINNED.pop(self.host.data_ptr(), None)
-        self.host = None
+        if self._unpin is not None:
+            self._unpin()  # once: waits for the last copy out of it, then unregisters
+        self._unpin, self._registration, self.host = None, None, None
 
     def repin(self) -> None:
         """After a dtype change: the new masters pinned, the old buffer given back."""

@@ -4,6 +4,11 @@ GPUs; each call's batch (classifier-free guidance concatenates the unconditional
 thread and each other part on its own copy in a thread of its own, and the outputs joined in order on the home
 device. ``torch.nn.DataParallel`` does the same cut for a training batch, but replicates the module at every call and
 gathers on one device it owns; here the copies are made once, at dispatch, and live where the plan put them.
+
+A replica's thread runs under the caller's per-thread state (``CallerState``), as ``parallel_apply`` (what
+``DataParallel`` runs) carries it into its threads: grad and inference mode, autocast, and on CUDA each device's
+current stream, so the copies into and out of the replica are ordered after the caller's work and before what the
+caller does next on its stream.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import contextlib
 import copy
 import functools
 import itertools
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -35,6 +41,7 @@ class ReplicaHook(PlacementHook):
         self.replicas: list[torch.nn.Module] = []
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[list[Future]] = []  # one entry per call in progress (a stack: calls may nest)
+        self._joining = False  # post_forward runs: a failure there has cleaned up already
 
     @classmethod
     def for_placement(cls, p, execution_device: str, ledger) -> ReplicaHook:
@@ -54,17 +61,27 @@ class ReplicaHook(PlacementHook):
     def pre_forward(self, module, *args, **kwargs):
         args, kwargs = super().pre_forward(module, *args, **kwargs)
         chunks = split_batch(args, kwargs, 1 + len(self.replicas))
-        grad = torch.is_grad_enabled()  # grad mode is per thread: the pipeline's no_grad must reach the copies
-        self._pending.append([self._start(r, d, c, grad) for r, d, c in
+        state = CallerState.capture((self.device, *self.replica_devices))
+        self._pending.append([self._start(r, d, c, state) for r, d, c in
                               zip(self.replicas, self.replica_devices, chunks[1:])])
         return chunks[0]
 
     def post_forward(self, module, output):
-        parts = [output] + [job.result() for job in self._pending.pop()]
+        self._joining = True
+        try:
+            parts = [output] + _joined(self._pending.pop())
+        finally:
+            self._joining = False
         return super().post_forward(module, join_batch(parts) if len(parts) > 1 else output)
 
-    def _start(self, module: torch.nn.Module, device: torch.device, chunk, grad: bool) -> Future:
-        run = functools.partial(_run_replica, module, device, self.device, chunk, grad)
+    def abort(self, module) -> None:
+        """The home part failed (out of memory on the home GPU, say): wait for this call's other parts and drop
+        them, so nothing of the call stays pending."""
+        if self._pending and not self._joining:
+            wait(self._pending.pop())
+
+    def _start(self, module: torch.nn.Module, device: torch.device, chunk, state: CallerState) -> Future:
+        run = functools.partial(_run_replica, module, device, self.device, chunk, state)
         if device.type == "meta":
             done: Future = Future()
             done.set_result(run())
@@ -100,10 +117,52 @@ def replica(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return copied
 
 
-def _run_replica(module, device: torch.device, home: torch.device, chunk, grad: bool):
-    args, kwargs = move(chunk, device)
-    on_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with torch.set_grad_enabled(grad), on_gpu:
+def _joined(jobs: list[Future]) -> list:
+    """Every part's output, once all have finished (the first failure raised after that)."""
+    wait(jobs)
+    return [job.result() for job in jobs]
+
+
+@dataclass(frozen=True)
+class CallerState:
+    """What PyTorch keeps per thread that a replica's thread must share with the caller's."""
+
+    grad: bool
+    inference: bool
+    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of each autocast the caller runs under
+    autocast_cache: bool
+    streams: tuple = ()  # the caller's current stream on each CUDA device of the call
+
+    @classmethod
+    def capture(cls, devices) -> CallerState:
+        autocast = tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+                         if torch.is_autocast_enabled(kind))
+        cuda = torch.cuda.is_available()
+        streams = tuple(torch.cuda.current_stream(d) for d in dict.fromkeys(devices) if d.type == "cuda" and cuda)
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast,
+                   torch.is_autocast_cache_enabled(), streams)
+
+    @contextlib.contextmanager
+    def entered(self, device: torch.device):
+        """This state in the running thread, ``device`` its current CUDA device."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            for kind, dtype in self.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=self.autocast_cache))
+            for stream in self.streams:  # each sets its device current: the replica's device comes last
+                stack.enter_context(torch.cuda.stream(stream))
+            if device.type == "cuda":
+                stack.enter_context(torch.cuda.device(device))
+            yield
+
+
+def _run_replica(module, device: torch.device, home: torch.device, chunk, state: CallerState):
+    # the copy in runs on the home device's current stream (the caller's), fenced with the replica's; the copy out
+    # is then waited for by the caller's stream
+    with state.entered(device):
+        args, kwargs = move(chunk, device)
         return move(module(*args, **kwargs), home)
 
 

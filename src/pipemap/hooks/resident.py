@@ -89,7 +89,11 @@ def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
     A call that raises skips accelerate's ``post_forward``: a forward hook that always runs then tells the hook
     (``abort``, where it has one), so an offloaded or streamed component leaves nothing onloaded.
     """
-    add_hook_to_module(module, hook)
+    try:
+        add_hook_to_module(module, hook)
+    except BaseException:  # init_hook refused (a pinned registration, say): accelerate left its _old_forward
+        module.__dict__.pop("_old_forward", None)
+        raise
     if hasattr(hook, "abort"):
         hook.abort_handle = module.register_forward_hook(_aborting(hook), always_call=True)
     # accelerate's forward runs pre_forward, the call and post_forward; the lock spans them, exceptions included

@@ -3,8 +3,14 @@ directly between consecutive blocks on one GPU."""
 
 from __future__ import annotations
 
-from accelerate.hooks import add_hook_to_module
+import functools
+import weakref
 
+import torch
+from accelerate.hooks import add_hook_to_module
+from torch.utils._pytree import tree_map
+
+from ..transfer import move, move_tensor
 from .resident import PlacementHook, unhook_component
 
 
@@ -12,11 +18,13 @@ class SplitHook(PlacementHook):
     """A component cut across GPUs: its root on ``device``, each block of ``shards`` on its own GPU with a hook that
     brings the block's inputs there. A run of consecutive blocks of one list on one GPU passes activations on
     directly; only the last block of the run returns its outputs to ``device`` (the dry run proves a plan's
-    component touches nothing of them between two blocks)."""
+    component touches nothing of them between two blocks). Inputs every block takes unchanged (a timestep
+    embedding, rotary tables) are copied to each GPU once per call (``CallInputs``)."""
 
     def __init__(self, component: str, device: str, execution_device: str, shards: tuple[tuple[str, str, int], ...]):
         super().__init__(component, device, execution_device)
         self.shards = shards
+        self.inputs = CallInputs()
 
     @classmethod
     def for_placement(cls, p, execution_device: str, ledger) -> SplitHook:
@@ -25,14 +33,68 @@ class SplitHook(PlacementHook):
 
     def init_hook(self, module):  # dispatch has placed the blocks already (``_place``)
         for (path, device, _), last in zip(self.shards, _run_ends(self.shards)):
-            add_hook_to_module(module.get_submodule(path), PlacementHook(f"{self.component}.{path}", device,
-                                                                         str(self.device) if last else device))
+            add_hook_to_module(module.get_submodule(path), ShardHook(
+                f"{self.component}.{path}", device, str(self.device) if last else device, self.inputs))
         return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.inputs.clear()
+        return super().pre_forward(module, *args, **kwargs)
+
+    def post_forward(self, module, output):
+        self.inputs.clear()
+        return super().post_forward(module, output)
+
+    def abort(self, module) -> None:
+        self.inputs.clear()  # the failed call's copies are not kept until the next call
 
     def detach_hook(self, module):
         for path, _, _ in self.shards:
             unhook_component(module.get_submodule(path))
+        self.inputs.clear()
         return module
+
+
+class ShardHook(PlacementHook):
+    """A block on its GPU: its inputs brought there through the call's ``CallInputs``."""
+
+    def __init__(self, component: str, device: str, execution_device: str, inputs: CallInputs):
+        super().__init__(component, device, execution_device)
+        self.inputs = inputs
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.moved.calls += 1
+        args, kwargs = self.inputs.move((args, kwargs), self.device)
+        return move(args, self.device), move(kwargs, self.device)  # what the tree walk does not reach
+
+
+class CallInputs:
+    """The copies of one call's block inputs on each GPU, by the identity (and version) of the tensor copied: a
+    tensor every block takes crosses to a GPU once per call, not once per block. A copy is dropped as soon as its
+    source is, so activations passed along are not held; ``clear`` at each call's start and end drops the rest."""
+
+    def __init__(self):
+        self.copies: dict[tuple[int, torch.device], tuple[int, torch.Tensor, weakref.ref]] = {}
+
+    def move(self, tree, device: torch.device):
+        return tree_map(lambda leaf: self._moved(leaf, device) if isinstance(leaf, torch.Tensor) else leaf, tree)
+
+    def _moved(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if tensor.device == device:
+            return tensor
+        key = (id(tensor), device)
+        entry = self.copies.get(key)
+        if entry is not None and entry[2]() is tensor and entry[0] == tensor._version:
+            return entry[1]
+        moved = move_tensor(tensor, device)
+        self.copies[key] = (tensor._version, moved, weakref.ref(tensor, functools.partial(self._forget, key)))
+        return moved
+
+    def _forget(self, key: tuple[int, torch.device], _) -> None:
+        self.copies.pop(key, None)
+
+    def clear(self) -> None:
+        self.copies.clear()
 
 
 def _run_ends(shards: tuple[tuple[str, str, int], ...]) -> list[bool]:

@@ -128,15 +128,21 @@ class StreamHook(MovingHook):
         if self.root_kept:
             self.kept.append(self.root)
         self.streamed = [i for i, p in enumerate(paths) if p not in kept and self.blocks[i].slots]
-        self.handles = [h for i in self.streamed for h in self._attach(i, blocks[i])]
         self.next_of: dict[int, int] = {}
         self.previous, self.depth = _START, 0
         self.buffers: list[_Buffer] = []
         self.root_buffer: torch.Tensor | None = None
-        self.kept_buffers: list[torch.Tensor] = []
+        self.kept_buffers: list[tuple[torch.Tensor, object]] = []  # (buffer, the event of the copy into it)
         if self.cuda:
-            for group in [self.root, *self.blocks]:
-                group.pin()
+            try:
+                for group in [self.root, *self.blocks]:
+                    group.pin()
+            except BaseException:  # a registration refused part-way: none left behind
+                for group in [self.root, *self.blocks]:
+                    group.unpin()
+                raise
+        self.handles = [h for i in self.streamed for h in self._attach(i, blocks[i])]
+        self.watch_conversions(module)
         return module
 
     @property
@@ -170,9 +176,11 @@ class StreamHook(MovingHook):
     # ---- one call: buffers in, blocks through them, buffers out
 
     def _begin(self) -> None:
-        for group in self.kept:
-            if not group.loaded:
-                self.kept_buffers.append(self._onload(group)[0])
+        for group in self.kept[len(self.kept_buffers):]:
+            self.kept_buffers.append(self._onload(group))
+        for buffer, copied in self.kept_buffers:  # kept from an earlier call, maybe on another stream
+            self.queues.wait(copied)
+            self.queues.reading(buffer)
         if not self.root_kept:
             self.root_buffer, _ = self._onload(self.root)  # on the compute queue: ordered before every use
         for size, home in self._buffer_sizes():
@@ -250,15 +258,20 @@ class StreamHook(MovingHook):
         buffer.block = index
         return buffer
 
+    def unload(self) -> None:
+        if not self.depth:
+            for group, (buffer, copied) in zip(self.kept, self.kept_buffers):
+                self._evict(group)
+                self._free(buffer, [copied])
+            self.kept_buffers = []
+
     def detach_hook(self, module):
+        self.unwatch_conversions(module)
         for handle in self.handles:
             handle.remove()
         if self.depth:
             self.abort(module)
-        for group, buffer in zip(self.kept, self.kept_buffers):
-            self._evict(group)
-            self._free(buffer)
-        self.kept_buffers = []
+        self.unload()
         self.queues.synchronize()
         for group in [self.root, *self.blocks]:
             group.unpin()

@@ -32,9 +32,11 @@ class AutoscaleSpecError(PipemapError, ValueError):
 
 
 def gpus(plan: Plan) -> int:
-    """The whole GPUs a replica needs: every distinct accelerator the plan places a component or shard on."""
+    """The whole GPUs a replica needs: every distinct accelerator the plan places a component, a shard or a copy of
+    its denoiser on."""
     used = {p.device for p in plan.components} | {p.execution_device for p in plan.components}
     used |= {device for p in plan.components for _, device, _ in p.shards}
+    used |= {device for p in plan.components for device in p.replicas}
     return sum(1 for device in used if normalize_device(device) not in ("cpu", "disk"))
 
 

@@ -1,0 +1,96 @@
+"""Denoiser replicas run under the caller's per-thread state: autocast, grad and inference mode, and on CUDA its
+current streams (under the fake CUDA, tests/fakecuda.py), so their copies are ordered with the caller's work; a
+call whose home part fails leaves nothing pending."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipemap.dispatch import place_module
+from pipemap.hooks import ReplicaHook, hook_component, unhook_component
+from pipemap.hooks.replica import CallerState, replica
+
+
+class Denoiser(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail and x.shape[0] == 1:  # the home part (the first half of the batch) fails
+            raise torch.OutOfMemoryError("CUDA out of memory on the home GPU (simulated)")
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+def _replicated(device: str = "cpu", copies: tuple[str, ...] = ("cpu",)) -> tuple[Denoiser, Denoiser, ReplicaHook]:
+    torch.manual_seed(0)
+    plain, net = Denoiser(), Denoiser()
+    net.load_state_dict(plain.state_dict())
+    place_module(net, device)
+    hook = ReplicaHook("unet", device, device, copies)
+    hook_component(net, hook)
+    return plain, net, hook
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_part_runs_under_the_callers_autocast(dtype):
+    plain, net, _ = _replicated()
+    x = torch.randn(2, 64)
+    with torch.autocast("cpu", dtype=dtype):
+        expected, got = plain(x), net(x)
+    assert got.dtype == expected.dtype == dtype
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    unhook_component(net)
+
+
+def test_every_part_runs_under_the_callers_grad_and_inference_mode():
+    _, net, _ = _replicated()
+    with torch.inference_mode():
+        out = net(torch.randn(2, 64))
+    assert out.is_inference() and not out.requires_grad
+    with torch.no_grad():
+        assert not net(torch.randn(2, 64)).requires_grad
+    unhook_component(net)
+
+
+def test_calls_whose_home_part_fails_leave_nothing_pending():
+    _, net, hook = _replicated()
+    net.fail = True
+    for _ in range(3):
+        with pytest.raises(torch.OutOfMemoryError):
+            net(torch.randn(2, 64))
+    assert hook._pending == []
+    net.fail = False
+    assert net(torch.randn(2, 64)).shape == (2, 64)
+    unhook_component(net)
+
+
+def _on_caller_stream(net: Denoiser) -> torch.Tensor:
+    caller = torch.cuda.Stream("cuda:0")
+    with torch.cuda.stream(caller):
+        latents = torch.linspace(-1, 1, 128).reshape(2, 64).to("cuda:0") * 2  # the caller's work on its stream
+        out = net(latents) + 1  # and what it does next with the joined output
+        return out.cpu()
+
+
+def test_a_caller_chosen_stream_orders_the_copies_into_and_out_of_the_replica(fake_cuda):
+    plain, net, _ = _replicated("cuda:0", ("cuda:1",))
+    out = _on_caller_stream(net)
+    torch.testing.assert_close(out, plain(torch.linspace(-1, 1, 128).reshape(2, 64) * 2) + 1)
+    assert replica(net, torch.device("cuda:1")).a.weight.device == torch.device("cuda:1")
+    unhook_component(net)
+
+
+def test_a_replica_thread_on_its_default_streams_races_with_the_caller(fake_cuda, monkeypatch):
+    # the defect this replaces: the pool thread's own streams, not the caller's
+    fake_cuda.expect_races = True
+    capture = CallerState.capture
+    monkeypatch.setattr(CallerState, "capture", classmethod(lambda cls, devices: capture(())))
+    _, net, _ = _replicated("cuda:0", ("cuda:1",))
+    _on_caller_stream(net)
+    races = {(r.earlier.kind, r.earlier.op, r.later.kind, r.later.op) for r in fake_cuda.take()}
+    assert races == {("write", "mul.Tensor", "read", "to_copy p2p"),  # the copy in, before the latents exist
+                     ("write", "to_copy p2p", "read", "cat.default")}  # the join, before the copy out arrived
+    unhook_component(net)

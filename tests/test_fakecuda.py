@@ -1,0 +1,131 @@
+"""The fake CUDA of the test suite (tests/fakecuda.py): PyTorch's stream, event, allocator and copy semantics, and a
+checker that finds what a missing wait would let a GPU reorder. Every test of pipemap's CUDA code relies on it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import fakecuda
+
+
+def _ops(fake) -> list[str]:
+    return [f"{r.earlier.kind} {r.earlier.op} || {r.later.kind} {r.later.op}" for r in fake.take()]
+
+
+def test_values_are_computed_for_real_and_devices_are_cuda(fake_cuda):
+    layer = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    expected = layer(x)
+    layer.to("cuda:1")
+    out = layer(x.to("cuda:1"))
+    assert out.device == torch.device("cuda:1") and fakecuda.on_device(out)
+    torch.testing.assert_close(out.cpu(), expected)
+
+
+def test_tensors_of_two_devices_in_one_kernel_fail_as_on_a_gpu(fake_cuda):
+    a, b = torch.ones(3, device="cuda:0"), torch.ones(3, device="cuda:1")
+    with pytest.raises(RuntimeError, match="same device"):
+        a + b
+    with pytest.raises(RuntimeError, match="same device"):
+        a + torch.ones(3)  # a weight left on the host
+    assert float((a + torch.tensor(2.0)).sum()) == 9.0  # a 0-dim host tensor is a scalar to CUDA
+
+
+def test_a_copy_on_a_side_stream_races_with_its_use_until_waited_for(fake_cuda):
+    fake_cuda.expect_races = True
+    side = torch.cuda.Stream("cuda:0")
+    weights = torch.empty(16, device="cuda:0")
+    with torch.cuda.stream(side):
+        weights.copy_(torch.ones(16), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    weights * 2
+    assert _ops(fake_cuda) == ["write copy_ h2d || read mul.Tensor"]
+    torch.cuda.current_stream().wait_event(copied)
+    weights * 2
+    assert fake_cuda.take() == []
+
+
+def test_a_host_wait_orders_everything_enqueued_after_it(fake_cuda):
+    side = torch.cuda.Stream("cuda:0")
+    weights = torch.empty(16, device="cuda:0")
+    with torch.cuda.stream(side):
+        weights.copy_(torch.ones(16), non_blocking=True)
+    side.synchronize()
+    weights * 2  # fixture: no race
+
+
+def test_memory_used_on_another_stream_then_freed_races_at_its_reuse(fake_cuda):
+    # the caching allocator hands a freed block to the next allocation on the stream it was allocated on at once
+    fake_cuda.expect_races = True
+    side = torch.cuda.Stream("cuda:0")
+    for waits in (False, True):
+        block = torch.ones(256, device="cuda:0")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            block.sum()  # read on the side stream
+        if waits:
+            torch.cuda.current_stream().wait_stream(side)  # what record_stream would arrange
+        del block
+        again = torch.zeros(256, device="cuda:0")  # the same block, written on the default stream
+        assert _ops(fake_cuda) == ([] if waits else ["read sum.default || write zeros"])
+        del again
+
+
+def test_the_current_stream_is_per_thread_and_per_device(fake_cuda):
+    mine = torch.cuda.Stream("cuda:1")
+    seen = {}
+    with torch.cuda.stream(mine):
+        assert torch.cuda.current_stream("cuda:1") == mine and torch.cuda.current_device() == 1
+        assert torch.cuda.current_stream("cuda:0") == torch.cuda.default_stream("cuda:0")
+        thread = threading.Thread(target=lambda: seen.update(stream=torch.cuda.current_stream("cuda:1")))
+        thread.start()
+        thread.join()
+    assert seen["stream"] == torch.cuda.default_stream("cuda:1") != mine
+    assert torch.cuda.current_device() == 0
+
+
+def test_a_copy_between_gpus_is_fenced_with_both_current_streams(fake_cuda):
+    # Copy.cu: on the source's current stream, after the destination's current stream, which then waits for it
+    fake_cuda.expect_races = True
+    caller = torch.cuda.Stream("cuda:0")
+    with torch.cuda.stream(caller):
+        x = torch.ones(8, device="cuda:0") * 3
+    other = threading.Thread(target=lambda: x.to("cuda:1"))  # its cuda:0 stream is the default one, not caller
+    other.start()
+    other.join()
+    assert _ops(fake_cuda) == ["write mul.Tensor || read to_copy p2p"]
+    with torch.cuda.stream(caller):
+        y = torch.ones(8, device="cuda:0") * 3
+        moved = y.to("cuda:1")
+    moved + 1  # on cuda:1's default stream, which waited for the copy
+    assert fake_cuda.take() == []
+
+
+def test_host_registration_answers_as_the_driver(fake_cuda):
+    fake_cuda.expect_races = True
+    cudart = torch.cuda.cudart()
+    host = torch.empty(4096, dtype=torch.uint8)
+    assert cudart.cudaHostRegister(host.data_ptr(), 4096, 1) == 0
+    assert cudart.cudaHostRegister(host.data_ptr() + 1024, 1024, 1) == 712  # already registered
+    assert cudart.cudaHostUnregister(host.data_ptr() + 1) == 713  # not registered
+    torch.empty(4096, dtype=torch.uint8, device="cuda:0").copy_(host, non_blocking=True)
+    assert cudart.cudaHostUnregister(host.data_ptr()) == 0
+    assert _ops(fake_cuda) == ["read async copy from pinned memory || unregister cudaHostUnregister"]
+    assert cudart.cudaHostRegister(host.data_ptr(), 4096, 1) == 0
+    torch.empty(4096, dtype=torch.uint8, device="cuda:0").copy_(host, non_blocking=True)
+    torch.cuda.synchronize("cuda:0")
+    assert cudart.cudaHostUnregister(host.data_ptr()) == 0 and fake_cuda.take() == []
+
+
+def test_the_allocator_counts_and_refuses_past_its_limit(fake_cuda):
+    fake_cuda.limit[0] = 4096
+    kept = torch.empty(1000, dtype=torch.uint8, device="cuda:0")
+    assert torch.cuda.memory_allocated(0) == 1024  # rounded to the allocator's 512-byte blocks
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(4000, dtype=torch.uint8, device="cuda:0")
+    del kept
+    assert torch.cuda.memory_allocated(0) == 0 and torch.cuda.max_memory_allocated(0) == 1024
