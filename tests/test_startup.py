@@ -22,7 +22,7 @@ PACKAGE = Path(pipemap.__file__).parent
 LAYERS = {
     "values": ("errors", "units", "devices", "quiet", "hardware", "granularity", "inventory", "picture", "plan"),
     "planning": ("replication", "cost", "planner", "catalog"),
-    "runtime": ("transfer", "streams", "hooks", "dispatch", "loading", "parallel", "traffic"),
+    "runtime": ("transfer", "streams", "admission", "hooks", "dispatch", "relief", "loading", "parallel", "traffic"),
     "dry run": ("dryrun",),
     "api": ("api",),
     "tools": ("cli", "demo", "doctor", "serve", "tiny", "__main__"),

@@ -16,6 +16,7 @@ from .errors import (
     ArgumentConflictError,
     ArgumentTypeError,
     CallArgumentError,
+    CallTooLargeError,
     CheckpointError,
     DispatchError,
     DoesNotFitError,
@@ -44,14 +45,14 @@ __version__ = "0.1.0"
 # public name -> the module that defines it, imported when the name is first read
 _LAZY = {
     "plan": "api", "inspect": "api", "load": "api", "simulate": "api", "estimate": "api", "Request": "api",
-    "Estimate": "api",
+    "Estimate": "api", "simulate_many": "api", "run_many": "api", "iter_many": "api",
     "dispatch": "dispatch", "reset": "dispatch", "stats": "dispatch",
     "normalize_device": "devices", "Device": "hardware", "Hardware": "hardware",
     "Component": "inventory", "Inventory": "inventory",
-    "current_request": "parallel", "iter_many": "parallel", "run_many": "parallel",
+    "current_request": "parallel",
     "DeviceUse": "plan", "Placement": "plan", "Plan": "plan",
     "STRATEGIES": "planner",
-    "Failure": "dryrun.report", "SimulationReport": "dryrun.report",
+    "Failure": "dryrun.report", "SimulationReport": "dryrun.report", "ManyReport": "dryrun.many",
     "PipemapWarning": "transfer", "TransferReport": "transfer", "UnsafeTransferWarning": "transfer",
     "check_transfers": "transfer",
 }
@@ -83,13 +84,14 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eagerly
-    from .api import Estimate, Request, estimate, inspect, load, plan, simulate
+    from .api import Estimate, Request, estimate, inspect, iter_many, load, plan, run_many, simulate, simulate_many
     from .devices import normalize_device
     from .dispatch import dispatch, reset, stats
+    from .dryrun.many import ManyReport
     from .dryrun.report import Failure, SimulationReport
     from .hardware import Device, Hardware
     from .inventory import Component, Inventory
-    from .parallel import current_request, iter_many, run_many
+    from .parallel import current_request
     from .plan import DeviceUse, Placement, Plan
     from .planner import STRATEGIES
     from .transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
@@ -104,4 +106,5 @@ __all__ = [
     "normalize_device", "parse_bytes", "plan", "reset", "Failure", "SimulationReport", "simulate", "PipemapWarning",
     "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
     "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request",
+    "simulate_many", "ManyReport", "CallTooLargeError",
 ]

@@ -1,14 +1,17 @@
-"""The verbs: ``plan``, ``inspect``, ``load``, ``simulate`` and ``estimate``, each built on one frozen, validated
-``Request`` (the source and what a user asks of it: hardware, strategy, dtype, variant, headroom, max_memory, the
-call a dry run measures). The command line, the demo and serve build a ``Request`` and nothing else, so an argument
-means the same wherever it is given.
+"""The verbs: ``plan``, ``inspect``, ``load``, ``simulate``, ``simulate_many`` and ``estimate``, each built on one
+frozen, validated ``Request`` (the source and what a user asks of it: hardware, strategy, dtype, variant, headroom,
+max_memory, the call a dry run measures). The command line, the demo and serve build a ``Request`` and nothing else,
+so an argument means the same wherever it is given.
 
 The planner below keeps the pure strategies; the measured headroom (a plan whose reservations a dry run measured) is
-composed here, above the planner and the dry run, so neither imports the other.
+composed here, above the planner and the dry run, so neither imports the other. So is the memory ledger of a placed
+pipeline (``memory_for``): the runtime's rule, fed by the dry run's figures at each call's shape; ``run_many`` and
+``iter_many`` here are the runtime's, admitted by it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -16,17 +19,29 @@ from pathlib import Path
 
 import torch
 
-from . import catalog
+from . import catalog, parallel
+from .admission import Admission, cuda_peaks
 from .cost import Cost, Workload, predict, workload_for
-from .devices import real_device
+from .devices import is_accelerator, real_device
+from .dispatch import planned
+from .dryrun.many import ManyReport, needs_of, snapshot
+from .dryrun.many import simulate_many as dry_run_many
 from .dryrun.report import SimulationReport
 from .dryrun.run import simulate as dry_run
-from .errors import ArgumentConflictError, ArgumentTypeError, HeadroomError, SimulationFailedError, UnknownStrategyError
+from .errors import (
+    ArgumentConflictError,
+    ArgumentTypeError,
+    HeadroomError,
+    PipelineMappedError,
+    SimulationFailedError,
+    UnknownStrategyError,
+)
 from .hardware import Hardware
 from .inventory import Inventory, inventory_of, read_model_index, resolve_dtype
 from .loading import check_plan_fits, load_onto, with_passed
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
+from .relief import relieve
 from .units import format_bytes, parse_bytes
 
 MEASURE = "measure"  # the headroom a dry run measures
@@ -186,6 +201,100 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **
     if not isinstance(plan, Plan):
         raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
     return dry_run(source, plan, steps=steps, vae_tiling=vae_tiling, **call_kwargs)
+
+
+def simulate_many(source, plan: Plan, calls, workers: int = 2, *, steps: int = 2) -> ManyReport:
+    """The dry run of ``run_many(pipe, calls, workers)``: each call shape run once on stand-in devices, then the
+    calls run together under the memory rule a real run uses; each device's peak with the requests overlapped, how
+    many ran at once, and the calls too large for the plan refused with their figures.
+
+    >>> plan = pipemap.plan("flux.1-dev", hardware="2x16GiB", strategy="auto")                    # doctest: +SKIP
+    >>> calls = [{"prompt": "a cat", "height": 1024, "width": 1024}] * 4
+    >>> report = pipemap.simulate_many("flux.1-dev", plan, calls, workers=2)                      # doctest: +SKIP
+    >>> report.peak_bytes, report.most_in_flight, report.refused                                  # doctest: +SKIP
+    """
+    if not isinstance(plan, Plan):
+        raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ArgumentTypeError("workers", workers, "a whole number of requests in flight, at least 1")
+    calls = list(calls)
+    if not all(isinstance(c, Mapping) for c in calls):
+        raise ArgumentTypeError("calls", calls, "a list of dicts of the pipeline's keyword arguments")
+    return dry_run_many(source, plan, calls, workers, steps=steps)
+
+
+_ADMISSION = "_pipemap_admission"
+
+
+def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | None:
+    """The memory ledger ``run_many`` and serve admit ``pipe``'s requests by, made once per placement: each call
+    shape measured by a dry run of ``source`` (the pipeline itself, copied with no weight; or its folder, which a
+    pipeline with offloaded or streamed components needs), over the devices of ``plan`` (the pipeline's own, or the
+    plan it was remapped from). None when the pipeline is not placed or ``plan`` has no GPU.
+
+    >>> admission = pipemap.api.memory_for(pipe)                                                  # doctest: +SKIP
+    >>> print(admission.describe())                                                               # doctest: +SKIP
+    """
+    running = planned(pipe) if isinstance(getattr(pipe, "components", None), dict) else None
+    if plan is not None and not isinstance(plan, Plan):
+        raise ArgumentTypeError("plan", plan, "the pipemap.Plan the pipeline was placed by (or remapped from)")
+    if running is None:
+        return None
+    counted = plan or running
+    if not any(is_accelerator(d.device) for d in counted.devices):
+        return None
+    found = pipe.__dict__.get(_ADMISSION)
+    if found is not None and found.running is running and found.asked == plan:
+        return found
+    admission = Admission(counted, _measure(source if source is not None else _dry_run_source(pipe, running)),
+                          running=running, relieve=functools.partial(relieve, pipe),
+                          allocator=cuda_peaks(counted, running))
+    admission.asked = plan
+    pipe.__dict__[_ADMISSION] = admission
+    return admission
+
+
+def _measure(source):
+    def measure(plan: Plan, call: dict):
+        return needs_of(source, plan, call)
+
+    return measure
+
+
+def _dry_run_source(pipe, running: Plan):
+    """What a placed pipeline's dry runs start from: a weightless copy of it, or its folder when it has offloaded
+    or streamed components (their hooks hold the weights' masters, which no copy can share)."""
+    if all(p.mode in ("resident", "split", "replicated") for p in running.components):
+        return snapshot(pipe)
+    folder = getattr(getattr(pipe, "config", None), "_name_or_path", None)
+    if folder and (Path(folder) / "model_index.json").is_file():
+        return str(folder)
+    raise PipelineMappedError("measuring the memory of a pipeline with offloaded or streamed components that was "
+                              "not loaded from a folder (give source= its folder)")
+
+
+def run_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False, plan: Plan | None = None) -> list:
+    """Run the pipeline once per keyword dict of ``calls``, results in order, at most ``workers`` requests in flight
+    and as many as memory allows: a request starts only when its activations (a dry run at its own shape, cached)
+    fit beside the plan's weights and the running requests on every device it touches; a call too large for the
+    plan fails with ``CallTooLargeError``. ``plan``: the plan the pipeline was remapped from, when it runs on other
+    devices (tests on the CPU). See ``parallel.run_many``.
+
+    >>> calls = [{"prompt": p, "generator": torch.Generator().manual_seed(i)} for i, p in enumerate(prompts)]
+    >>> images = [out.images[0] for out in pipemap.run_many(pipe, calls, workers=4)]          # doctest: +SKIP
+    """
+    return list(iter_many(pipe, calls, workers, return_exceptions=return_exceptions, plan=plan))
+
+
+def iter_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False, plan: Plan | None = None):
+    """``run_many`` as a generator: each result as soon as it and those before it are done (``parallel.iter_many``),
+    requests admitted by memory as ``run_many`` admits them.
+
+    >>> for out in pipemap.iter_many(pipe, ({"prompt": p} for p in prompts)):               # doctest: +SKIP
+    ...     out.images[0].save(...)
+    """
+    return parallel.iter_many(pipe, calls, workers, return_exceptions=return_exceptions,
+                              memory=memory_for(pipe, plan))
 
 
 @dataclass(frozen=True)

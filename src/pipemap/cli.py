@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--vae-tiling", action="store_true", help="call vae.enable_tiling() before the call")
     simulate.add_argument("--prompt", default="a dry run")
     simulate.add_argument("--svg", metavar="FILE", help="also write each device's memory over the call as SVG")
+    simulate.add_argument("--concurrent", type=int, metavar="N", help="also run N such calls at once, as run_many "
+                          "and serve do, each admitted by the memory it needs: each device's peak with the requests "
+                          "overlapped, and how many ran at once")
     # the dry run asks "does it fit, and how": auto weighs every strategy, splits and offloads included
     simulate.set_defaults(run=_simulate, strategy="auto")
     _add_run(commands)
@@ -191,11 +194,28 @@ def _simulate(args) -> int:
     print(result)
     options = {k: v for k, v in (("height", args.height), ("width", args.width), ("output_type", args.output_type))
                if v}
+    if args.concurrent:
+        return _simulate_many(args, result, dict(options, prompt=args.prompt))
     report = simulate(args.path, result, steps=args.steps, vae_tiling=args.vae_tiling, prompt=args.prompt, **options)
     print(report)
     if args.svg:
         Path(args.svg).write_text(report.picture().svg(), encoding="utf-8")
     return 0 if report.ok else 1
+
+
+def _simulate_many(args, plan, call: dict) -> int:
+    """``simulate --concurrent N``: the call's own dry run, then N of them at once under the memory ledger."""
+    from .api import simulate_many
+    from .errors import ArgumentTypeError
+
+    if args.concurrent < 1 or args.vae_tiling or args.svg:
+        raise ArgumentTypeError("--concurrent", args.concurrent, "a whole number of calls at once, at least 1 (and "
+                                "without --vae-tiling or --svg, which a single call's dry run takes)")
+    many = simulate_many(args.path, plan, [call] * args.concurrent, workers=args.concurrent, steps=args.steps)
+    for report in many.reports:
+        print(report)
+    print(many)
+    return 0 if many.ok else 1
 
 
 def _run(args) -> int:

@@ -263,3 +263,21 @@ class ForeignHookError(PipemapError, RuntimeError):
             "would evict each other's weights: call pipe.remove_all_hooks() and place the pipeline with "
             "pipemap.dispatch(pipe, pipemap.plan(pipe, ...)) instead"
         )
+
+
+# ---- admission.py: requests admitted by the memory their activations need ----------------------------------------
+
+
+class CallTooLargeError(PipemapError, ValueError):
+    """A call whose activations, measured by a dry run at its own shape, fit beside the plan's weights on some
+    device even when it runs alone: ``needs`` bytes there against ``room`` (``memory`` less ``weights``)."""
+
+    def __init__(self, device: str, needs: int, room: int, memory: int, phase: str = "", advice: tuple[str, ...] = ()):
+        self.device, self.needs, self.room, self.memory = device, needs, room, memory
+        self.phase, self.advice = phase, tuple(advice)
+        by = f" (its peak set by {phase})" if phase else ""
+        fix = "; ".join(self.advice) or "plan for more memory, or a strategy that leaves more room on it"
+        super().__init__(
+            f"the call needs {_fmt(needs)} of activations on {device}{by}, but the plan leaves {_fmt(room)} there "
+            f"beside its weights ({_fmt(memory)} of memory, {_fmt(memory - room)} of weights): {fix}"
+        )

@@ -7,6 +7,11 @@ call (``hooks.CallLock``), so two requests never run one component at once, whil
 k+1 and the VAE of request k-1 run beside the denoiser of request k when they sit on other GPUs: the stages
 pipeline by themselves, with no schedule written down.
 
+Memory bounds the requests in flight, not ``workers`` alone: given an ``admission.Admission`` (``pipemap.run_many``
+makes one for a pipeline placed on GPUs), a request starts only when its activations, measured by a dry run at its
+own shape, fit beside what is resident and what the running requests hold on every device it touches, and each of
+its components' calls waits for its own share (``admission``); ``workers`` is then an upper bound.
+
 A mapped pipeline called from several threads outside ``run_many`` has its calls take turns
 (``dispatch.guard_calls``): correct, never corrupted, not overlapped. Denoiser replicas, the other speed from a
 second GPU, are a hook (``hooks/replica.py``).
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .admission import Admission
 from .dispatch import CALL_LOCK, unguarded_class
 from .errors import ForeignHookError, RunManyCallError
 from .hooks import PlacementHook
@@ -37,23 +43,26 @@ def current_request() -> int | None:
     return getattr(_local, "request", None)
 
 
-def run_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False) -> list:
+def run_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False,
+             memory: Admission | None = None) -> list:
     """Run the pipeline once per keyword dict of ``calls``, ``workers`` requests in flight, results in order.
 
     The stages of different requests overlap where they sit on different devices (the text encoders of one request
     and the VAE of another run while the denoiser works); each component runs one request at a time. The images
     equal those of the same calls made one by one, provided each call brings its own ``generator`` (a shared
     generator, or none, is drawn from in whatever order the requests reach it). ``return_exceptions=True`` puts a
-    failed call's exception in its place in the results instead of raising it.
+    failed call's exception in its place in the results instead of raising it. ``memory`` admits each request by
+    the memory it needs (``admission.Admission``; ``pipemap.run_many`` passes the pipeline's own).
 
     >>> pipe = pipemap.load("path/to/sdxl", strategy="balanced", hardware="2x24GiB")          # doctest: +SKIP
     >>> calls = [{"prompt": p, "generator": torch.Generator().manual_seed(i)} for i, p in enumerate(prompts)]
     >>> images = [out.images[0] for out in pipemap.run_many(pipe, calls, workers=3)]          # doctest: +SKIP
     """
-    return list(iter_many(pipe, calls, workers, return_exceptions=return_exceptions))
+    return list(iter_many(pipe, calls, workers, return_exceptions=return_exceptions, memory=memory))
 
 
-def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False) -> Iterator:
+def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False,
+              memory: Admission | None = None) -> Iterator:
     """``run_many`` as a generator: each result as soon as it and those before it are done; ``calls`` is read
     lazily (at most ``2 * workers`` ahead), so it may be an endless iterator, e.g. a request queue.
 
@@ -63,10 +72,11 @@ def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_except
     if not isinstance(workers, int) or workers < 1:
         raise RunManyCallError("workers", workers, "give workers=N with N >= 1 requests in flight")
     _check_hooks(pipe)
-    return _results(pipe, calls, workers, return_exceptions)  # checked now, run as it is iterated
+    return _results(pipe, calls, workers, return_exceptions, memory)  # checked now, run as it is iterated
 
 
-def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bool) -> Iterator:
+def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bool,
+             memory: Admission | None) -> Iterator:
     twins: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(workers):
         twins.put(twin(pipe))
@@ -79,7 +89,7 @@ def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bo
         if not isinstance(call, Mapping):
             raise RunManyCallError(f"calls[{index}]", call, "each call is a dict of the pipeline's keyword arguments, "
                                    "e.g. {'prompt': 'a cat', 'generator': torch.Generator().manual_seed(0)}")
-        pending.append(pool.submit(_run_one, twins, index, dict(call)))
+        pending.append(pool.submit(_run_one, twins, index, dict(call), memory))
 
     try:
         for item in itertools.islice(numbered, 2 * workers):
@@ -94,11 +104,14 @@ def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bo
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _run_one(twins: queue.SimpleQueue, index: int, call: dict):
+def _run_one(twins: queue.SimpleQueue, index: int, call: dict, memory: Admission | None):
     pipe = twins.get()
     _local.request = index
     try:
-        return pipe(**call)
+        if memory is None:
+            return pipe(**call)
+        with memory.request(call, label=index):  # waits until its activations fit
+            return pipe(**call)
     finally:
         _local.request = None
         twins.put(pipe)

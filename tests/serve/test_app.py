@@ -32,15 +32,18 @@ from pipemap.serve import Background, Options, Service, resolve_folder  # noqa: 
 
 GENERATIONS = "/v1/images/generations"
 STEPS = 2
+ROOM = 8 * 2**20  # for activations: two 32x32 images with guidance take 3.2 MiB on the tiny SD
 
 
 @pytest.fixture(scope="module")
 def service(tiny_folders):
     """The tiny SD pipeline on a plan that offloads (so bytes move), remapped onto the CPU; one waiting request at
-    most, so a second one waiting is refused; two requests in flight through run_many."""
+    most, so a second one waiting is refused; two requests in flight through run_many. The GPU has ``ROOM`` bytes
+    beyond the budget the plan fills, kept as headroom: the memory ledger admits requests' activations there."""
     folder = tiny_folders["sd"]
-    hardware = forcing_hardware(pipemap.inspect(folder), "balanced_low_memory")
-    return Service.load(Options(folder, hardware=hardware, strategy="balanced_low_memory", headroom=0.0,
+    budget = re.fullmatch(r"cuda:0=(\d+),(.*)", forcing_hardware(pipemap.inspect(folder), "balanced_low_memory"))
+    hardware = f"cuda:0={int(budget[1]) + ROOM},{budget[2]}"
+    return Service.load(Options(folder, hardware=hardware, strategy="balanced_low_memory", headroom=ROOM,
                                 max_queue=1, timeout=120.0, max_n=2, workers=2))
 
 

@@ -40,19 +40,27 @@ from .trackers import ComponentTracker, PhasedTracker, PhaseTracker
 def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **call_kwargs) -> SimulationReport:
     """The dry run behind ``pipemap.simulate`` (``api.simulate``, which checks its arguments and documents them):
     ``source``'s own call on stand-in devices as ``plan`` places it; the caller's pipeline is never touched."""
+    report, _, pipe = traced(source, plan, steps=steps, vae_tiling=vae_tiling, call=call_kwargs)
+    if not vae_tiling and hasattr(pipe.vae if hasattr(pipe, "vae") else None, "enable_tiling"):
+        report = replace(report, advice=_tiling_advice(source, plan, steps, call_kwargs, report))
+    return report
+
+
+def traced(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, call: Mapping | None = None,
+           tracker: type[PhasedTracker] = PhasedTracker) -> tuple[SimulationReport, PhasedTracker, object]:
+    """``simulate``'s run without its tiling advice, with the tracker that counted it (of class ``tracker``; its
+    figures keyed by stand-in devices, ``standin.devices_for(plan)``) and the fake pipeline it ran: ``dryrun.many``
+    reads a call's course in the tracker."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     standins = standin.devices_for(plan)
     pipe = _fake_pipeline(source, plan, mode, standins)
     if vae_tiling:
         pipe.vae.enable_tiling()
-    call = dry_call(pipe, steps, call_kwargs)
+    made = dry_call(pipe, steps, call or {})
     start = time.perf_counter()
-    tracker, failure = _run(pipe, plan.remap(standins), mode, call)
+    counted, failure = _run(pipe, plan.remap(standins), mode, made, tracker)
     back = {v: k for k, v in standins.items()}
-    report = report_of(tracker, failure, plan, back, time.perf_counter() - start, call)
-    if not vae_tiling and hasattr(pipe.vae if hasattr(pipe, "vae") else None, "enable_tiling"):
-        report = replace(report, advice=_tiling_advice(source, plan, steps, call_kwargs, report))
-    return report
+    return report_of(counted, failure, plan, back, time.perf_counter() - start, made), counted, pipe
 
 
 def _tiling_advice(source, plan: Plan, steps: int, call_kwargs: Mapping, report: SimulationReport) -> tuple:
@@ -137,10 +145,10 @@ def _resolution(pipe, overrides: Mapping) -> tuple[int, int]:
     return overrides.get("height", base), overrides.get("width", base)
 
 
-def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict):
+def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict, tracker_class: type[PhasedTracker] = PhasedTracker):
     phases = PhaseTracker(pipe)
     components = ComponentTracker(pipe)
-    tracker = PhasedTracker(phases, lambda: components.current)
+    tracker = tracker_class(phases, lambda: components.current)
     failure = None
     try:
         place(pipe, plan, queues=functools.partial(StandinQueues, tracker=tracker))

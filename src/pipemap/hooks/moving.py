@@ -78,6 +78,10 @@ class LruCache:
     def drop(self, hook: OffloadHook) -> None:
         self.loaded.pop(hook, None)
 
+    def over(self) -> bool:
+        """Whether what is onloaded exceeds the room (a component larger than its room, onloaded for its call)."""
+        return sum(self.loaded.values()) > self.room
+
 
 class MovingHook(PlacementHook):
     """What offload and stream hooks share: weights in CPU RAM, run on ``device``, counted in ``moved``.

@@ -44,6 +44,9 @@ class OffloadHook(MovingHook):
 
     def post_forward(self, module, output):
         self.running -= 1
+        if not self.running and self.cache.over():  # a room smaller than the component keeps none of it onloaded
+            self.cache.drop(self)
+            self.evict()
         return super().post_forward(module, output)
 
     def abort(self, module) -> None:

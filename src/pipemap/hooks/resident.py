@@ -16,6 +16,7 @@ import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
+from ..admission import component_call
 from ..transfer import move
 
 
@@ -87,7 +88,9 @@ def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
     """Attach ``hook`` at the component's root, and to the methods diffusers routes through ``apply_forward_hook``.
 
     A call that raises skips accelerate's ``post_forward``: a forward hook that always runs then tells the hook
-    (``abort``, where it has one), so an offloaded or streamed component leaves nothing onloaded.
+    (``abort``, where it has one), so an offloaded or streamed component leaves nothing onloaded. Each call goes
+    through ``admission.component_call``: the component's lock, and inside ``run_many`` or serve the memory its
+    activations need (the hook is read there, at the call: an out-of-memory move may hook the module anew).
     """
     try:
         add_hook_to_module(module, hook)
@@ -97,7 +100,7 @@ def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
     if hasattr(hook, "abort"):
         hook.abort_handle = module.register_forward_hook(_aborting(hook), always_call=True)
     # accelerate's forward runs pre_forward, the call and post_forward; the lock spans them, exceptions included
-    module.forward = functools.update_wrapper(functools.partial(_locked, hook.lock, module.forward), module.forward)
+    module.forward = functools.update_wrapper(functools.partial(_locked, module, module.forward), module.forward)
     for name in _hooked_methods(module):
         module.__dict__[name] = _wrap_method(module, getattr(type(module), name), hook)
 
@@ -141,13 +144,13 @@ def _wrap_method(module, function, hook: ModelHook):
 
     @functools.wraps(raw)
     def wrapper(*args, **kwargs):
-        with hook.lock:  # another thread's call of this component waits (pipemap.run_many)
+        def call(hook):  # under the component's lock: another thread's call of this component waits (run_many)
             if inside:
                 return raw(*args, **kwargs)
             inside.append(True)
             try:
-                args, kwargs = hook.pre_forward(module, *args, **kwargs)
-                output = raw(*args, **kwargs)
+                moved_args, moved_kwargs = hook.pre_forward(module, *args, **kwargs)
+                output = raw(*moved_args, **moved_kwargs)
             except BaseException:
                 if hasattr(hook, "abort"):
                     hook.abort(module)
@@ -156,9 +159,10 @@ def _wrap_method(module, function, hook: ModelHook):
                 inside.clear()
             return hook.post_forward(module, output)
 
+        return component_call(module, call)
+
     return wrapper
 
 
-def _locked(lock: CallLock, forward, *args, **kwargs):
-    with lock:
-        return forward(*args, **kwargs)
+def _locked(module: torch.nn.Module, forward, *args, **kwargs):
+    return component_call(module, lambda hook: forward(*args, **kwargs))

@@ -39,8 +39,8 @@ async def generations(service: Service, request: Request) -> Response:
 
 
 async def _generate(service: Service, request: Request) -> Response:
-    try:
-        generation, job = service.submit(parse(await request.body()))
+    try:  # off the event loop: a new call shape is measured by a dry run first
+        generation, job = await run_in_threadpool(service.submit, parse(await request.body()))
     except RequestError as err:
         return error(400, err.message, "invalid_request_error", err.param, err.code)
     except QueueFullError as err:
@@ -57,6 +57,9 @@ async def _generate(service: Service, request: Request) -> Response:
         return error(504, f"the request took more than the server's timeout of {service.timeout:g} s; its work "
                      "was dropped: ask for fewer steps or images, or retry later", "timeout", code="timeout")
     except Exception as err:  # noqa: BLE001 - the pipeline failed on this request; the server goes on
+        if type(err).__name__ == "OutOfMemoryError":  # torch's, after the retry a move to the host allowed
+            return error(503, f"out of memory on the GPU, after moving weights to the host and retrying: {err}",
+                         "server_busy", code="out_of_memory", headers={"Retry-After": "5"})
         return error(500, f"the pipeline failed: {type(err).__name__}: {err}", "server_error", code="pipeline_error")
     images = await run_in_threadpool(lambda: [_png(image) for image in output.images])
     body = {"created": int(time.time()), "seed": generation.seed, "data": [{"b64_json": i} for i in images]}

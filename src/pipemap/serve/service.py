@@ -16,15 +16,16 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 from .. import catalog
-from ..api import Request, load, runnable
+from ..admission import Admission
+from ..api import Request, load, memory_for, runnable
 from ..cost import bytes_moved
-from ..errors import NotAPipelineError
+from ..errors import CallTooLargeError, NotAPipelineError
 from ..inventory import inventory_of
 from ..parallel import iter_many
 from ..plan import Plan
 from .home import home_page
 from .metrics import Metrics
-from .requests import Generation, GenerationRequest, Limits
+from .requests import Generation, GenerationRequest, Limits, RequestError
 from .worker import Job, Worker
 
 
@@ -42,7 +43,7 @@ class Options:
     max_queue: int = 16
     timeout: float = 300.0
     max_n: int = 4
-    workers: int | None = None  # requests in flight together; None: one per device the plan computes on
+    workers: int | None = None  # requests in flight at most; None: as many as the plan's room holds at once
 
     def request(self) -> Request:
         """What to load and how, as every verb takes it (the folder resolved in the Hugging Face cache)."""
@@ -50,16 +51,33 @@ class Options:
                           variant=self.variant, headroom=self.headroom)
 
 
-def pipeline_runner(workers: int):
+def pipeline_runner(workers: int, memory: Admission | None = None):
     """``runner(pipe, calls) -> outcomes`` for the worker: ``iter_many`` (``run_many`` as a stream), so the stages
-    of ``workers`` requests in flight overlap across devices; outcomes in order, a failed call's error in its
-    place."""
-    return functools.partial(iter_many, workers=workers, return_exceptions=True)
+    of ``workers`` requests in flight overlap across devices, each admitted by the memory it needs (``memory``);
+    outcomes in order, a failed call's error in its place."""
+    return functools.partial(iter_many, workers=workers, return_exceptions=True, memory=memory)
 
 
 def default_workers(plan: Plan) -> int:
-    """Requests in flight at once: one per device a component computes on, the most that can overlap."""
+    """Requests in flight at once without a memory ledger: one per device a component computes on."""
     return len({p.execution_device for p in plan.components}) or 1
+
+
+MOST_WORKERS = 8  # threads held for requests in flight, however much room a plan leaves
+
+
+def workers_for(memory: Admission | None, plan: Plan, call: dict) -> int:
+    """Requests in flight at most: as many calls like ``call`` (the pipeline's default size, one image) as the
+    plan's room holds at once under the ledger's rule (every rest, and the largest extra beside them); memory admits
+    each request anyway, so this only bounds the threads."""
+    if memory is None:
+        return default_workers(plan)
+    try:
+        needs = memory.needs(call)
+    except CallTooLargeError:
+        return 1
+    fits = [(memory.ledger.room(d) - needs.most_extra(d)) // rest for d, rest in needs.rest.items() if rest > 0]
+    return max(1, min([MOST_WORKERS, *fits]))
 
 
 class Service:
@@ -70,14 +88,16 @@ class Service:
     """
 
     def __init__(self, pipe, plan: Plan, running_plan: Plan | None = None, *, max_queue: int = 16,
-                 timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None):
+                 timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None,
+                 memory: Admission | None = None):
         self.pipe, self.plan, self.running_plan = pipe, plan, running_plan or plan
         self.timeout = timeout
         self.limits = Limits.of(pipe, max_n)
+        self.memory = memory  # the ledger requests are admitted by (``api.memory_for``); None: no GPU in the plan
         pipe.set_progress_bar_config(disable=True)
-        self.workers = workers or default_workers(self.running_plan)
-        self.worker = Worker(pipe, runner or pipeline_runner(self.workers), max_queue)
-        self.metrics = Metrics(pipe, self.worker)
+        self.workers = workers or workers_for(memory, self.running_plan, {"prompt": "a", "num_images_per_prompt": 1})
+        self.worker = Worker(pipe, runner or pipeline_runner(self.workers, memory), max_queue)
+        self.metrics = Metrics(pipe, self.worker, memory)
         self.worker.on_finished = self.metrics.finished
         self._home: str | None = None
 
@@ -89,8 +109,9 @@ class Service:
         plan = plan or make_plan(options)
         running = runnable(plan)
         pipe = load(folder, plan=running, progress=False)
+        memory = memory_for(pipe, plan, source=str(folder))
         return cls(pipe, plan, running, max_queue=options.max_queue, timeout=options.timeout, max_n=options.max_n,
-                   workers=options.workers)
+                   workers=options.workers, memory=memory)
 
     def start(self) -> None:
         self.worker.start()
@@ -99,18 +120,27 @@ class Service:
         self.worker.stop()
 
     def submit(self, request: GenerationRequest) -> tuple[Generation, Job]:
-        """The checked request and its job, queued (RequestError, QueueFullError or DrainingError if not)."""
+        """The checked request and its job, queued (RequestError, QueueFullError or DrainingError if not). A request
+        whose activations fit the plan's room on no device, even alone, is a RequestError with the figures (its
+        shape's dry run, once, may take seconds: the app calls this off its event loop)."""
         seed = request.seed if request.seed is not None else secrets.randbits(31)
         generation = self.limits.check(request, seed)
+        if self.memory is not None:
+            try:
+                self.memory.needs(generation.call)
+            except CallTooLargeError as err:
+                raise RequestError("n" if generation.n > 1 else "size", str(err), "insufficient_memory") from None
         job = Job(generation.call, seed, generation.n, time.monotonic() + self.timeout)
         self.worker.submit(job)
         return generation, job
 
     def plan_json(self) -> dict:
-        """The plan as made; where it runs on other devices (planned GPUs this machine lacks), ``runs_on`` says."""
-        data = self.plan.to_dict()
-        if self.running_plan != self.plan:
-            data["runs_on"] = self.running_plan.device_map
+        """The plan as made (with the moves an out-of-memory error caused since, in its notes); where it runs on
+        other devices (planned GPUs this machine lacks), ``runs_on`` says."""
+        plan, running = (self.memory.plan, self.memory.running) if self.memory else (self.plan, self.running_plan)
+        data = plan.to_dict()
+        if running != plan:
+            data["runs_on"] = running.device_map
         return data
 
     def home_page(self) -> str:

@@ -1,0 +1,563 @@
+"""Requests admitted by memory, not by a worker count: a ledger of the activation bytes each running request holds on
+each device, against the room the plan leaves there beside its weights.
+
+A plan reserves room for one call. ``run_many`` and serve run several at once, and two components on one GPU run at
+the same time (one request's VAE decode beside another's denoiser), so their activations add. Here each call's
+figures come from a dry run at its own shape (``Needs``, cached by ``call_shape``), in two parts per device: ``rest``,
+what the call holds for its whole course (latents, embeddings, what pipeline code allocates between components), and
+``extra[component]``, what each component's call adds on top while it runs.
+
+The rule (``MemoryLedger``), per device, with ``room`` = memory less the most weight bytes the plan keeps there:
+
+- a request is admitted (its ``rest`` reserved until it ends) when it fits beside what is held now, and when every
+  running request's largest ``extra`` would still fit beside all the rests: so the first component call waiting on a
+  device always fits once the calls running there end, and requests never wait on each other in a circle;
+- a component call is admitted (its ``extra`` reserved while it runs) when it fits beside what is held; calls wait
+  in the order they came on each device, requests in the order they came: none starves.
+
+``Admission`` blocks threads on the ledger (``run_many``, serve); the dry run's ``simulate_many`` drives the same
+ledger with a clock of its own. A component's hook passes ``component_call``, which also retries a call once after an
+out-of-memory error, once ``Admission.relieve`` has moved resident components of that device to the host.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CallTooLargeError
+from .plan import Plan
+from .units import format_bytes, parse_bytes
+
+# ---- what a call needs ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Needs:
+    """One call's activation bytes per device: ``rest`` held for its whole course, and ``extra[component]`` more
+    during each call of that component. ``phase``: what set each device's peak in the dry run."""
+
+    rest: Mapping[str, int]
+    extra: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    phase: Mapping[str, str] = field(default_factory=dict)
+
+    def most_extra(self, device: str) -> int:
+        return max((e.get(device, 0) for e in self.extra.values()), default=0)
+
+    @property
+    def peak(self) -> dict[str, int]:
+        """The most the call holds on each device: its rest and its largest extra."""
+        devices = set(self.rest) | {d for e in self.extra.values() for d in e}
+        return {d: self.rest.get(d, 0) + self.most_extra(d) for d in sorted(devices)}
+
+    def scaled(self, measured: Mapping[str, int]) -> Needs:
+        """These needs with each measured device's peak replaced by ``measured`` (an allocator's figure), every
+        part on that device scaled alike."""
+        peak = self.peak
+        factor = {d: b / peak[d] for d, b in measured.items() if peak.get(d)}
+
+        def at(device: str, value: int) -> int:
+            return math.ceil(value * factor.get(device, 1.0))
+
+        rest = {d: at(d, v) for d, v in self.rest.items()}
+        rest.update({d: b for d, b in measured.items() if not peak.get(d)})
+        return Needs(rest, {c: {d: at(d, v) for d, v in e.items()} for c, e in self.extra.items()}, self.phase)
+
+    def grown(self, component: str, device: str, more: int) -> Needs:
+        """These needs with ``component``'s extra on ``device`` ``more`` bytes larger (an out-of-memory error
+        showed the dry run's figure short)."""
+        extra = {c: dict(e) for c, e in self.extra.items()}
+        extra.setdefault(component, {})[device] = extra.get(component, {}).get(device, 0) + more
+        return Needs(self.rest, extra, self.phase)
+
+
+# call keywords that change no device memory: the seed, the host conversion, callbacks
+_UNSHAPED = frozenset({"generator", "output_type", "return_dict", "callback_on_step_end",
+                       "callback_on_step_end_tensor_inputs", "callback", "callback_steps"})
+TEXT_BUCKET = 256  # characters: one figure per 256 characters of prompt, measured at the longest of them
+
+
+def call_shape(call: Mapping) -> tuple:
+    """What of a call sets its activation memory, as a cache key: sizes, images, frames, tensors' shapes, whether
+    guidance doubles the batch, steps up to 2 (steps repeat), prompt length by ``TEXT_BUCKET`` characters; not the
+    seed, the prompt's words, the output type or callbacks."""
+    return tuple((name, _shape(name, value)) for name, value in sorted(call.items()) if name not in _UNSHAPED)
+
+
+def _shape(name: str, value: Any) -> Any:
+    if name == "num_inference_steps" and isinstance(value, int):
+        return min(value, 2)
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return ("text", len(value) // TEXT_BUCKET) if "prompt" in name else value
+    if isinstance(value, float) and ("guidance" in name or "cfg" in name):
+        return ("guided", value > 1)  # classifier-free guidance doubles the batch above 1, whatever the scale
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return (len(value), *dict.fromkeys(_shape(name, v) for v in value))
+    if hasattr(value, "shape"):
+        return ("array", tuple(value.shape), str(getattr(value, "dtype", "")))
+    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        return ("image", tuple(value.size), value.mode)
+    return type(value).__name__
+
+
+def measured_call(call: Mapping) -> dict:
+    """The call a dry run measures for ``call``'s shape: each prompt made as long as the longest of its bucket, so
+    the figure holds for every call of the shape (a pipeline that does not pad its prompts, Qwen-Image's, grows with
+    them); the caller's generator and callbacks left out (the dry run draws from none of them)."""
+    return {name: _longest(value) if "prompt" in name else value for name, value in call.items()
+            if name not in _UNSHAPED}
+
+
+def _longest(value: Any) -> Any:
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return [_longest(v) for v in value]
+    if not isinstance(value, str) or not value:
+        return value
+    target = (len(value) // TEXT_BUCKET + 1) * TEXT_BUCKET - 1
+    text = value
+    while len(text) < target:
+        text += " " + value
+    return text[:target]
+
+
+def weights_ceiling(plan: Plan) -> dict[str, int]:
+    """The most weight bytes each device holds at once: the plan's figure, plus what an offload room larger than
+    the largest component offloaded there lets it keep onloaded besides."""
+    out = {d.device: d.used for d in plan.devices}
+    for device in out:
+        offloaded = [p for p in plan.components if p.mode == "offload" and p.execution_device == device]
+        if offloaded:
+            out[device] += max(0, max(p.room for p in offloaded) - max(p.bytes for p in offloaded))
+    return out
+
+
+def too_large(ledger: MemoryLedger, needs: Needs, device: str, call: Mapping) -> CallTooLargeError:
+    """The error for a call whose needs on ``device`` exceed its room even alone, with what to ask for instead:
+    fewer images, a smaller size (activations grow with the pixels), VAE tiling when decoding set the peak."""
+    need, room = needs.peak[device], ledger.room(device)
+    share = max(room, 0) / need
+    advice = []
+    images = call.get("num_images_per_prompt") or 1
+    if isinstance(images, int) and images > 1 and images * share >= 1:
+        fit = math.floor(images * share)
+        advice.append(f"ask for at most {fit} image{'s' if fit > 1 else ''} a request")
+    height, width = call.get("height"), call.get("width")
+    if isinstance(height, int) and isinstance(width, int):
+        side = math.sqrt(share)
+        advice.append(f"a smaller size (about {_eighth(width * side)}x{_eighth(height * side)} or less)")
+    else:
+        advice.append("a smaller size")
+    phase = needs.phase.get(device, "")
+    if phase.startswith("VAE decode"):
+        advice.append("VAE tiling (pipe.vae.enable_tiling())")
+    return CallTooLargeError(device, need, room, ledger.memory.get(device, 0), phase, tuple(advice))
+
+
+def _eighth(side: float) -> int:
+    return max(8, int(side) // 8 * 8)
+
+
+# ---- the rule -------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Lease:
+    """A request under the ledger: its label, its needs, the shape they were measured at, and how many component
+    calls are open on its thread (a call inside another runs under the outer one's reservation)."""
+
+    label: object
+    needs: Needs
+    shape: tuple = ()
+    depth: int = 0
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A wait for room: a request's ``rest`` (``component`` None) or one component call's extra, ``bytes`` per
+    device."""
+
+    lease: Lease
+    component: str | None
+    bytes: Mapping[str, int]
+    admitted: bool = False
+    waited: bool = False
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """One admission as the ledger recorded it: whose, each device's weights and reservations after it, and how
+    many requests were admitted then."""
+
+    label: object
+    component: str | None
+    total: Mapping[str, int]
+    running: int = 0
+
+
+class MemoryLedger:
+    """Each device's memory, the most weight bytes the plan keeps there, and the activation bytes reserved by the
+    requests admitted: the admission rule, with no clock and no thread (``Admission`` blocks threads on it, the dry
+    run's ``simulate_many`` drives it with a clock of its own). ``history`` keeps the latest admissions."""
+
+    def __init__(self, memory: Mapping[str, int], weights: Mapping[str, int], history: int = 4096):
+        self.memory, self.weights = dict(memory), dict(weights)
+        self.rest: collections.Counter = collections.Counter()
+        self.extra: collections.Counter = collections.Counter()
+        self.running: list[Lease] = []
+        self.waiting: list[Ticket] = []
+        self.history: collections.deque[Admitted] = collections.deque(maxlen=history)
+        self.waits = 0  # tickets that had to wait
+        self.admitted = 0  # requests admitted so far
+
+    @classmethod
+    def of(cls, plan: Plan) -> MemoryLedger:
+        return cls({d.device: d.memory for d in plan.devices}, weights_ceiling(plan))
+
+    def room(self, device: str) -> int:
+        return self.memory.get(device, 0) - self.weights.get(device, 0)
+
+    def held(self) -> dict[str, int]:
+        """Activation bytes reserved on each device now."""
+        return {d: self.rest[d] + self.extra[d] for d in self.memory}
+
+    def too_large(self, needs: Needs) -> str | None:
+        """The first device where ``needs`` do not fit even when the call runs alone, or None."""
+        return next((d for d, peak in needs.peak.items() if peak > self.room(d)), None)
+
+    def offer(self, ticket: Ticket) -> bool:
+        """Queue ``ticket`` and admit what the rule lets go; whether ``ticket`` is admitted already."""
+        self.waiting.append(ticket)
+        self.grant()
+        if not ticket.admitted:
+            ticket.waited = True
+            self.waits += 1
+        return ticket.admitted
+
+    def grant(self) -> list[Ticket]:
+        """Admit every waiting ticket that may go, in order: requests one after another, component calls first
+        come first served on each device they need."""
+        admitted: list[Ticket] = []
+        blocked: set[str] = set()
+        requests_wait = False
+        for ticket in list(self.waiting):
+            if ticket.component is None:
+                if requests_wait or not self._request_fits(ticket.lease.needs):
+                    requests_wait = True
+                    continue
+            else:
+                devices = {d for d, b in ticket.bytes.items() if b > 0}
+                if devices & blocked or not self._call_fits(ticket.bytes):
+                    blocked |= devices
+                    continue
+            self._admit(ticket)
+            admitted.append(ticket)
+        return admitted
+
+    def release(self, ticket: Ticket) -> None:
+        """A component call ended (its extra freed), or a request did (its rest freed); call ``grant`` next."""
+        held = self.extra if ticket.component is not None else self.rest
+        for device, size in ticket.bytes.items():
+            held[device] -= size
+        if ticket.component is None:
+            self.running.remove(ticket.lease)
+
+    def _request_fits(self, needs: Needs) -> bool:
+        for device in set(self.memory) | set(needs.peak):
+            rest = self.rest[device] + needs.rest.get(device, 0)
+            most = max([needs.most_extra(device), *(lease.needs.most_extra(device) for lease in self.running)])
+            if rest + max(self.extra[device], most) > self.room(device):
+                return False
+        return True
+
+    def _call_fits(self, extra: Mapping[str, int]) -> bool:
+        return all(self.rest[d] + self.extra[d] + b <= self.room(d) for d, b in extra.items() if b > 0)
+
+    def _admit(self, ticket: Ticket) -> None:
+        self.waiting.remove(ticket)
+        ticket.admitted = True
+        held = self.extra if ticket.component is not None else self.rest
+        for device, size in ticket.bytes.items():
+            held[device] += size
+        if ticket.component is None:
+            self.running.append(ticket.lease)
+            self.admitted += 1
+        total = {d: self.weights.get(d, 0) + b for d, b in self.held().items()}
+        self.history.append(Admitted(ticket.lease.label, ticket.component, total, len(self.running)))
+
+
+# ---- threads on the ledger ------------------------------------------------------------------------------------
+
+
+class Gate:
+    """Component calls pass it together; an out-of-memory move closes it: it waits for the calls inside to end and
+    holds new ones back until the move is done (a readers-writer lock whose writer goes first)."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._closer = threading.Lock()  # one move at a time
+        self._inside = 0
+        self._closing = False
+
+    @contextlib.contextmanager
+    def passing(self) -> Iterator[None]:
+        with self._changed:
+            while self._closing:
+                self._changed.wait()
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._inside -= 1
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def closed(self) -> Iterator[None]:
+        with self._closer:
+            with self._changed:
+                self._closing = True
+                while self._inside:
+                    self._changed.wait()
+            try:
+                yield
+            finally:
+                with self._changed:
+                    self._closing = False
+                    self._changed.notify_all()
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """An out-of-memory error inside a component's call: the plan's device it hit, the bytes it tried to allocate
+    (0 when the message does not say), and what the call had reserved there."""
+
+    component: str
+    device: str
+    tried: int
+    reserved: int
+    message: str
+
+
+_TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) ?([KMGT]i?B|bytes?)", re.IGNORECASE)
+_GPU = re.compile(r"\bGPU (\d+)\b")
+
+
+class Admission:
+    """A placed pipeline's requests admitted by memory: the ledger over ``plan``'s devices, each call shape's needs
+    (``measure(plan, call)``: a dry run, once per shape), the gate component calls pass, and the moves an
+    out-of-memory error caused (``relieve(admission, failure)``, which re-places components; ``moves``).
+
+    ``running`` is the plan the pipeline runs on (``plan`` remapped onto the CPU, in tests); ``allocator`` reads a
+    real device's figures (``CudaPeaks``): after a call that ran alone they replace its shape's dry-run figures.
+
+    >>> admission = pipemap.api.memory_for(pipe)                                             # doctest: +SKIP
+    >>> with admission.request({"prompt": "a cat", "height": 1024, "width": 1024}):         # doctest: +SKIP
+    ...     pipe("a cat", height=1024, width=1024)
+    """
+
+    def __init__(self, plan: Plan, measure: Callable[[Plan, dict], Needs], *, running: Plan | None = None,
+                 relieve: Callable | None = None, allocator=None):
+        self.plan, self.running = plan, running or plan
+        self.asked: Plan | None = None  # the plan it was asked for (``api.memory_for``), None: the pipeline's own
+        self.ledger = MemoryLedger.of(plan)
+        self.gate = Gate()
+        self.moves: list = []  # ``relief.Relief`` values, oldest first
+        self.unmeasured: dict[tuple, str] = {}  # shapes whose dry run failed: why (they run alone)
+        self._measure, self.relieve, self.allocator = measure, relieve, allocator
+        self._figures: dict[tuple, Needs] = {}
+        self._corrected: set[tuple] = set()
+        self._measuring = threading.Lock()  # dry runs patch library code process-wide: one at a time
+        self._changed = threading.Condition()
+
+    @property
+    def waiting(self) -> int:
+        """Requests and component calls waiting for memory now."""
+        return len(self.ledger.waiting)
+
+    def needs(self, call: Mapping) -> Needs:
+        """``call``'s needs, measured once per shape; ``CallTooLargeError`` when they fit on no device even alone."""
+        needs = self._needs(call_shape(call), call)
+        device = self.ledger.too_large(needs)
+        if device is not None:
+            raise too_large(self.ledger, needs, device, call)
+        return needs
+
+    def _needs(self, shape: tuple, call: Mapping) -> Needs:
+        found = self._figures.get(shape)  # a shape measured already waits for no other shape's dry run
+        if found is not None:
+            return found
+        with self._measuring:
+            if shape not in self._figures:
+                self._figures[shape] = self._measured(shape, call)
+            return self._figures[shape]
+
+    def _measured(self, shape: tuple, call: Mapping) -> Needs:
+        try:
+            return self._measure(self.plan, measured_call(call))
+        except Exception as err:  # noqa: BLE001 - a call the dry run cannot follow still runs, alone
+            self.unmeasured[shape] = f"{type(err).__name__}: {err}"
+            warnings.warn(f"pipemap: no dry run of this call's shape ({type(err).__name__}: {err}); its requests "
+                          "run alone", RuntimeWarning, stacklevel=4)
+            return Needs({d: max(0, self.ledger.room(d)) for d in self.ledger.memory})
+
+    @contextlib.contextmanager
+    def request(self, call: Mapping, label: object = None) -> Iterator[Lease]:
+        """Run one call under the ledger: wait until its ``rest`` fits, and hold it until the call ends; its
+        components' calls (``component_call``) wait for their extra."""
+        shape = call_shape(call)
+        lease = Lease(label, self.needs(call), shape)
+        ticket = Ticket(lease, None, dict(lease.needs.rest))
+        self._wait(ticket)
+        outer = getattr(_local, "lease", None)
+        _local.lease = (self, lease)
+        try:
+            with self._correcting(lease):
+                yield lease
+        finally:
+            _local.lease = outer
+            self._release(ticket)
+
+    @contextlib.contextmanager
+    def _correcting(self, lease: Lease) -> Iterator[None]:
+        """Measure, then correct: a call of a new shape that runs alone has its dry-run figures replaced by the
+        allocator's own."""
+        if self.allocator is None or lease.shape in self._corrected or len(self.ledger.running) != 1:
+            yield
+            return
+        admitted = self.ledger.admitted
+        self.allocator.start()
+        yield
+        if self.ledger.admitted == admitted and self.ledger.running == [lease]:  # it ran alone all along
+            measured = self.allocator.peaks()
+            with self._measuring:
+                self._figures[lease.shape] = lease.needs.scaled(measured)
+                self._corrected.add(lease.shape)
+
+    def run_component(self, module: torch.nn.Module, lease: Lease, call: Callable):
+        """One call of a placed component inside a request: past the gate, its extra admitted, under the
+        component's lock; after an out-of-memory error, ``relieve`` moves resident components off that device and
+        the call runs once more."""
+        for last in (False, True):
+            with self.gate.passing():
+                hook: Any = module._hf_hook  # read past the gate: a move may have hooked the module anew
+                ticket = Ticket(lease, hook.component, dict(lease.needs.extra.get(hook.component, {})))
+                self._wait(ticket)
+                lease.depth += 1
+                try:
+                    with hook.lock:
+                        return call(hook)
+                except torch.OutOfMemoryError as err:
+                    if last or self.relieve is None:
+                        raise
+                    failure = self._failure(err, hook, ticket)
+                    error = err.with_traceback(None)  # the failed call's frames, and their tensors, are freed
+                    error.__context__ = None
+                finally:
+                    lease.depth -= 1
+                    self._release(ticket)
+            self._recover(failure, error, lease)
+        raise AssertionError("unreachable")  # the second attempt returned or raised
+
+    def _recover(self, failure: OutOfMemory, error: BaseException, lease: Lease) -> None:
+        with self.gate.closed():  # no component call runs while components are re-placed
+            relief = self.relieve(self, failure) if self.relieve is not None else None
+        if relief is None:
+            raise error
+        with self._changed:
+            self.plan, self.running = relief.plan, relief.running
+            self.ledger.weights = weights_ceiling(relief.plan)
+            self.moves.append(relief)
+            self._grant()
+        if failure.tried:  # the dry run's figure was short by at least this: later calls of the shape reserve it
+            with self._measuring:
+                grown = lease.needs.grown(failure.component, failure.device, failure.tried)
+                if self.ledger.too_large(grown) is None:
+                    self._figures[lease.shape] = grown
+
+    def _failure(self, err: BaseException, hook, ticket: Ticket) -> OutOfMemory:
+        message = str(err)
+        device = self.plan.placement(hook.component).execution_device
+        gpu = _GPU.search(message)
+        if gpu and f"cuda:{gpu[1]}" in self.ledger.memory and self.running.device_map == self.plan.device_map:
+            device = f"cuda:{gpu[1]}"  # a split component's shard on another GPU
+        tried = _TRIED.search(message)
+        size = parse_bytes(f"{tried[1]}{tried[2].replace('bytes', '').replace('byte', '')}") if tried else 0
+        return OutOfMemory(hook.component, device, size, ticket.bytes.get(device, 0), message.splitlines()[0][:300])
+
+    def _wait(self, ticket: Ticket) -> None:
+        with self._changed:
+            if not self.ledger.offer(ticket):
+                while not ticket.admitted:
+                    self._changed.wait()
+            self._changed.notify_all()
+
+    def _release(self, ticket: Ticket) -> None:
+        with self._changed:
+            self.ledger.release(ticket)
+            self._grant()
+
+    def _grant(self) -> None:
+        if self.ledger.grant():
+            self._changed.notify_all()
+
+    def describe(self) -> str:
+        """The ledger now, a line per device: weights, reserved, room."""
+        held = self.ledger.held()
+        return "\n".join(f"{d}: weights {format_bytes(self.ledger.weights.get(d, 0))}, reserved "
+                         f"{format_bytes(held[d])} of {format_bytes(self.ledger.room(d))} room"
+                         for d in self.ledger.memory)
+
+
+_local = threading.local()
+
+
+def component_call(module: torch.nn.Module, call: Callable):
+    """Run ``call(hook)``, one call of a placed component, under its lock; inside ``Admission.request`` also past
+    the admission of its extra (``Admission.run_component``). A call inside another runs under the outer one's."""
+    found = getattr(_local, "lease", None)
+    if found is None or found[1].depth:
+        hook: Any = module._hf_hook
+        with hook.lock:
+            return call(hook)
+    admission, lease = found
+    return admission.run_component(module, lease, call)
+
+
+class CudaPeaks:
+    """The CUDA allocator's own figures for a call that ran alone: on each of ``devices`` (ledger name -> CUDA
+    device), the most bytes allocated during the call above what was allocated when it started. Devices where
+    offloaded or streamed weights are onloaded are left out: their onloads would count as activations."""
+
+    def __init__(self, devices: Mapping[str, str]):
+        self.devices = dict(devices)
+        self._base: dict[str, int] = {}
+
+    def start(self) -> None:
+        for name, device in self.devices.items():
+            torch.cuda.reset_peak_memory_stats(device)
+            self._base[name] = torch.cuda.memory_allocated(device)
+
+    def peaks(self) -> dict[str, int]:
+        return {n: max(0, torch.cuda.max_memory_allocated(d) - self._base[n]) for n, d in self.devices.items()}
+
+
+def cuda_peaks(plan: Plan, running: Plan) -> CudaPeaks | None:
+    """The allocator reader for a pipeline running ``plan`` as planned on CUDA GPUs, or None (remapped, no GPU)."""
+    if running.device_map != plan.device_map or not torch.cuda.is_available():
+        return None
+    moving = {p.execution_device for p in plan.components if p.mode in ("offload", "stream")}
+    devices = {d.device: d.device for d in plan.devices if d.device.startswith("cuda") and d.device not in moving}
+    return CudaPeaks(devices) if devices else None

@@ -1,0 +1,131 @@
+"""Out of memory inside a component's call: the least-used resident components of that device moved to the host,
+so the call can be retried (``admission.Admission`` retries it once, with every other component call held back).
+
+A moved component is offloaded, as a plan at a smaller budget would have it: its weights live in CPU RAM and are
+onloaded to its device for its own calls only (an offload room of 0: the GPU keeps none of it between them). What
+leaves first is what was called least since dispatch (a text encoder runs once per prompt, the denoiser every step),
+and as many leave as free what the call tried to allocate, or at least its own reservation there. The move is all or
+nothing: if placing any tensor fails, every tensor moved goes back and the old hooks return; the plan's notes say
+what moved and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .admission import OutOfMemory
+from .dispatch import Move, place_module, stats
+from .errors import DispatchError
+from .hooks import HOOKS, CallLock, Ledger, hook_component, unhook_component
+from .hooks.moving import MovingHook
+from .plan import DeviceUse, Plan
+from .units import format_bytes
+
+
+@dataclass(frozen=True)
+class Relief:
+    """One out-of-memory move: where it hit (``component``'s call on ``device``), what moved to the host and the
+    bytes that freed there, the plans after it (as planned, and as the pipeline runs), and its note."""
+
+    component: str
+    device: str
+    moved: tuple[str, ...]
+    freed: int
+    plan: Plan
+    running: Plan
+    note: str
+
+
+def relieve(pipe, admission, failure: OutOfMemory) -> Relief | None:
+    """Move the least-used resident components of ``failure.device`` to the host; None when none is left to move.
+
+    >>> admission = pipemap.api.memory_for(pipe)            # run_many and serve call it on an out-of-memory error
+    """
+    plan, running = admission.plan, admission.running
+    moved = least_used(plan, failure, stats(pipe))
+    if not moved:
+        return None
+    freed = sum(plan.placement(name).bytes for name in moved)
+    note = (f"out of memory in {failure.component!r} on {failure.device}: moved {', '.join(moved)} "
+            f"({format_bytes(freed)}, least used) to the host, onloaded to {failure.device} for their own calls; "
+            "the call was retried")
+    after, running_after = offloaded(plan, moved, note), offloaded(running, moved, note)
+    replace_placements(pipe, running_after, moved)
+    return Relief(failure.component, failure.device, moved, freed, after, running_after, note)
+
+
+def least_used(plan: Plan, failure: OutOfMemory, counted: dict[str, dict[str, int]]) -> tuple[str, ...]:
+    """The resident components of the failing device other than the failing one, fewest calls first (then the
+    largest), as many as free what the call tried to allocate or had reserved there; at least one."""
+    need = max(failure.tried, failure.reserved, 1)
+    there = [p for p in plan.components if p.mode == "resident" and p.device == failure.device
+             and p.component != failure.component and p.bytes > 0]
+    there.sort(key=lambda p: (counted.get(p.component, {}).get("calls", 0), -p.bytes, p.component))
+    chosen, freed = [], 0
+    for p in there:
+        if freed >= need:
+            break
+        chosen.append(p.component)
+        freed += p.bytes
+    return tuple(chosen)
+
+
+def offloaded(plan: Plan, names: tuple[str, ...], note: str) -> Plan:
+    """``plan`` with the resident ``names`` offloaded to the device they lived on (room 0), its totals redone."""
+    components = tuple(replace(p, device="cpu", mode="offload", room=0) if p.component in names else p
+                       for p in plan.components)
+    used = {d.device: d.used for d in plan.devices}
+    for device in {plan.placement(n).device for n in names}:
+        gone = [plan.placement(n).bytes for n in names if plan.placement(n).device == device]
+        before = max((p.bytes for p in plan.components if p.mode == "offload" and p.execution_device == device),
+                     default=0)
+        # a device's peak counts its largest offloaded component, onloaded for its call
+        used[device] -= sum(gone) - max(0, max(gone) - before)
+    used["cpu"] = used.get("cpu", 0) + sum(plan.placement(n).bytes for n in names)
+    devices = tuple(replace(d, used=used[d.device]) for d in plan.devices)
+    if "cpu" not in {d.device for d in devices}:
+        devices += (DeviceUse("cpu", 0, 0, used["cpu"]),)
+    return replace(plan, components=components, devices=devices, notes=plan.notes + (note,))
+
+
+def replace_placements(pipe, plan: Plan, names: tuple[str, ...]) -> None:
+    """Re-place and re-hook ``names`` as ``plan`` says, all or none: on a failure every tensor moved goes back
+    and the old hooks return, and a ``DispatchError`` names the component."""
+    make = _hook_maker(pipe, plan)
+    done: list[tuple[object, object, list[Move]]] = []
+    for name in names:
+        module, placement = pipe.components[name], plan.placement(name)
+        try:
+            old = module._hf_hook
+            unhook_component(module)
+            done.append((module, old, []))
+            place_module(module, placement.device, moves=done[-1][2])
+            hook_component(module, make(placement))
+        except Exception as err:
+            _undo(done)
+            raise DispatchError(name, placement.device, err) from err
+    pipe.__dict__["_pipemap_plan"] = plan
+    pipe.hf_device_map = plan.device_map
+
+
+def _undo(done: list) -> None:
+    for module, old, moves in reversed(done):
+        unhook_component(module)
+        for moved in reversed(moves):
+            moved.undo()
+        hook_component(module, old)
+
+
+def _hook_maker(pipe, plan: Plan):
+    """Hooks for ``plan``'s placements that share the ledger of onloads and the lock of the pipeline's offloaded and
+    streamed components, if it has any (they evict each other, so they take turns)."""
+    moving = next((m._hf_hook for m in pipe.components.values() if isinstance(getattr(m, "_hf_hook", None),
+                                                                              MovingHook)), None)
+    ledger, lock = (moving.ledger, moving.lock) if moving is not None else (Ledger(), CallLock())
+
+    def make(placement):
+        hook = HOOKS[placement.mode](placement, plan.execution_device, ledger)
+        hook.lock = lock
+        return hook
+
+    return make

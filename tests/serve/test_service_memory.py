@@ -1,0 +1,131 @@
+"""``pipemap serve`` under the memory ledger: requests of mixed sizes at once on a tight plan are each answered 200
+or a typed 400 with the figures (never 500); those that fit later wait, and ``/metrics`` counts the waits; the
+default worker count follows from the plan's room."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+from pipemap.serve import Background, Options, Service  # noqa: E402
+
+GENERATIONS = "/v1/images/generations"
+# the tiny SD balanced on two GPUs with no headroom: unet and text encoder on cuda:0 leave 1.8 MiB of room there, where
+# a 32x32 request rests 90 KiB and its unet calls take 1.6 MiB more (16x16: a quarter of that); 64x64, or two images,
+# fit on no device even alone
+TIGHT = "cuda:0=5MiB,cuda:1=4MiB,cpu=1GiB"
+
+
+@pytest.fixture(scope="module")
+def service(tiny_folders):
+    return Service.load(Options(tiny_folders["sd"], hardware=TIGHT, strategy="balanced", headroom=0.0, max_queue=8,
+                                timeout=120.0, max_n=2))
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    with Background(service) as url, httpx.Client(base_url=url, timeout=120) as session:
+        yield session
+
+
+def ask(client, size: str, n: int = 1, seed: int = 1) -> httpx.Response:
+    return client.post(GENERATIONS, json={"prompt": "a tiny cat", "size": size, "n": n, "seed": seed,
+                                          "num_inference_steps": 2})
+
+
+def counted(client) -> dict[str, float]:
+    text = client.get("/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+def wait_until(predicate, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "gave up waiting"
+        time.sleep(0.02)
+
+
+def image(response) -> np.ndarray:
+    return np.array(Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))).convert("RGB"))
+
+
+@pytest.mark.slow
+def test_mixed_sizes_at_once_are_answered_200_or_a_typed_400_and_memory_waits(service, client):
+    # the default worker count: (1.8 MiB of room less one unet call's 1.6 MiB) / 90 KiB of rest: two requests
+    assert service.memory is not None and service.workers == 2
+    for size in ("16x16", "32x32"):  # each shape measured once, by a dry run, before the rush
+        assert ask(client, size).status_code == 200
+    before = counted(client)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(*_) -> None:
+        entered.set()
+        release.wait(60)
+
+    stall = service.pipe.unet.register_forward_pre_hook(hold)
+    with ThreadPoolExecutor(5) as pool:
+        first = pool.submit(ask, client, "32x32", 1, 0)  # holds the pipeline while the others arrive together
+        assert entered.wait(60)
+        stall.remove()
+        sizes = [("16x16", 1), ("32x32", 1), ("32x32", 2), ("64x64", 1)]
+        rush = [pool.submit(ask, client, size, n, seed) for seed, (size, n) in enumerate(sizes, start=2)]
+        wait_until(lambda: service.worker.depth == 2)  # the two that fit wait in the queue, to run together
+        release.set()
+        answers = [first.result()] + [r.result() for r in rush]
+    codes = [a.status_code for a in answers]
+    assert codes == [200, 200, 200, 400, 400], [a.text for a in answers]
+    for refused, param in zip(answers[3:], ("n", "size")):
+        error = refused.json()["error"]
+        assert error["code"] == "insufficient_memory" and error["param"] == param
+        assert re.search(r"needs [\d.]+ \w+ of activations on cuda:0 .* leaves [\d.]+ \w+ there", error["message"])
+    after = counted(client)
+    assert after["pipemap_memory_waits_total"] > before["pipemap_memory_waits_total"]  # the unet calls took turns
+    assert after['pipemap_requests_total{code="400"}'] == before.get('pipemap_requests_total{code="400"}', 0) + 2
+    assert after.get('pipemap_requests_total{code="500"}', 0) == 0
+    assert after['pipemap_activation_reserved_bytes{device="cuda:0"}'] == 0 and after["pipemap_memory_waiting"] == 0
+    assert after['pipemap_activation_room_bytes{device="cuda:0"}'] == service.memory.ledger.room("cuda:0")
+    direct = service.pipe(prompt="a tiny cat", width=16, height=16, num_inference_steps=2, output_type="pil",
+                          generator=torch.Generator("cpu").manual_seed(2)).images[0]
+    np.testing.assert_array_equal(image(answers[1]), np.array(direct))
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_move_is_answered_200_and_counted(service, client):
+    # injected on the CPU inside the unet's first call: the least-used component of cuda:0 (the text encoder, the
+    # vae being on cuda:1) moves to the host and the call is retried
+    failures = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 KiB. GPU 0 has a total "
+                                       "capacity of 5.00 MiB of which 0 bytes are free.")]
+
+    def fail_once(*_) -> None:
+        if failures:
+            raise failures.pop()
+
+    before = counted(client)
+    inner = next(m for m in service.pipe.unet.modules() if not list(m.children()))  # inside the unet's call
+    handle = inner.register_forward_pre_hook(fail_once)
+    try:
+        response = ask(client, "32x32", seed=9)
+    finally:
+        handle.remove()
+    assert response.status_code == 200 and not failures
+    after = counted(client)
+    key = 'pipemap_memory_moves_total{device="cuda:0"}'
+    assert after[key] == before.get(key, 0) + 1
+    (relief,) = service.memory.moves
+    plan = client.get("/v1/plan").json()
+    assert relief.moved == ("text_encoder",) and relief.note in plan["notes"]
+    assert plan["components"]["text_encoder"]["mode"] == "offload"
+    direct = service.pipe(prompt="a tiny cat", width=32, height=32, num_inference_steps=2, output_type="pil",
+                          generator=torch.Generator("cpu").manual_seed(9)).images[0]
+    np.testing.assert_array_equal(image(response), np.array(direct))

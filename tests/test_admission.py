@@ -1,0 +1,253 @@
+"""admission: the ledger's rule on byte figures written in the test, threads admitted on it, call shapes, and the
+figures a call that ran alone corrects. No dry run here (tests/dryrun/test_many.py, tests/test_parallel_memory.py)."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+import pipemap
+from pipemap.admission import (
+    Admission,
+    Gate,
+    Lease,
+    MemoryLedger,
+    Needs,
+    Ticket,
+    call_shape,
+    component_call,
+    measured_call,
+    weights_ceiling,
+)
+from pipemap.plan import DeviceUse, Placement, Plan
+
+MB = 1_000_000
+
+
+def ledger(room: int = 10 * MB) -> MemoryLedger:
+    """One GPU of 20 MB, 10 MB of it weights."""
+    return MemoryLedger({"cuda:0": 10 * MB + room}, {"cuda:0": 10 * MB})
+
+
+def needs(rest: int, unet: int = 0, vae: int = 0) -> Needs:
+    extra = {name: {"cuda:0": size} for name, size in (("unet", unet), ("vae", vae)) if size}
+    return Needs({"cuda:0": rest}, extra)
+
+
+def request(book: MemoryLedger, label, figures: Needs) -> Ticket:
+    ticket = Ticket(Lease(label, figures), None, dict(figures.rest))
+    book.offer(ticket)
+    return ticket
+
+
+def call(book: MemoryLedger, ticket: Ticket, component: str) -> Ticket:
+    lease = ticket.lease
+    extra = Ticket(lease, component, dict(lease.needs.extra.get(component, {})))
+    book.offer(extra)
+    return extra
+
+
+def test_needs_peak_scaled_and_grown():
+    figures = needs(2 * MB, unet=5 * MB, vae=3 * MB)
+    assert figures.peak == {"cuda:0": 7 * MB} and figures.most_extra("cuda:0") == 5 * MB
+    measured = figures.scaled({"cuda:0": 14 * MB})  # the allocator saw twice the dry run's peak
+    assert measured.rest == {"cuda:0": 4 * MB} and measured.extra["unet"] == {"cuda:0": 10 * MB}
+    assert figures.grown("vae", "cuda:0", 4 * MB).extra["vae"] == {"cuda:0": 7 * MB}
+    assert figures.extra["vae"] == {"cuda:0": 3 * MB}  # a value: the original is unchanged
+
+
+def test_requests_share_the_room_and_the_largest_extra_stays_free():
+    # room 10 MB: each request rests 2 MB and its unet call adds 5 MB. Two rest at once (4 MB) with one unet call
+    # (5 MB) beside them; a third would leave no room for any unet call, so it waits
+    book = ledger()
+    first, second, third = (request(book, i, needs(2 * MB, unet=5 * MB)) for i in range(3))
+    assert first.admitted and second.admitted and not third.admitted and third.waited
+    running = call(book, first, "unet")
+    waiting = call(book, second, "unet")  # 2 + 2 + 5 + 5 > 10: the second unet call waits for the first
+    assert running.admitted and not waiting.admitted
+    book.release(running)
+    book.grant()
+    assert waiting.admitted and not third.admitted
+    book.release(waiting)
+    book.release(first)
+    book.grant()
+    assert third.admitted
+    assert all(record.total["cuda:0"] <= book.memory["cuda:0"] for record in book.history)
+    assert book.waits == 2
+
+
+def test_requests_go_in_order_and_calls_in_order_per_device():
+    # a large request at the head is not overtaken by a small one behind it, which would fit
+    book = ledger()
+    holder = request(book, 0, needs(6 * MB))
+    large, small = request(book, 1, needs(5 * MB)), request(book, 2, needs(MB))
+    assert holder.admitted and not large.admitted and not small.admitted
+    book.release(holder)
+    book.grant()
+    assert large.admitted and small.admitted
+    # component calls: first come first served on their device, another device's call goes by
+    two = MemoryLedger({"cuda:0": 10 * MB, "cuda:1": 10 * MB}, {})
+    lease = Lease("r", Needs({}, {"unet": {"cuda:0": 6 * MB}, "te": {"cuda:0": 2 * MB}, "vae": {"cuda:1": 9 * MB}}))
+    tickets = [Ticket(lease, c, dict(lease.needs.extra[c])) for c in ("unet", "unet", "te", "vae")]
+    for ticket in tickets:
+        two.offer(ticket)
+    assert [t.admitted for t in tickets] == [True, False, False, True]  # te would fit, but waits behind the unet
+
+
+def test_a_request_that_fits_alone_never_deadlocks_the_ledger():
+    # every order of releases lets each waiting call in eventually: the head fits once the calls before it end
+    book = ledger()
+    leases = [request(book, i, needs(3 * MB, unet=4 * MB, vae=MB)) for i in range(4)]
+    done = 0
+    while done < 4:
+        for ticket in [t for t in leases if t.admitted and not getattr(t, "done", False)]:
+            for component in ("unet", "vae"):
+                extra = call(book, ticket, component)
+                assert extra.admitted  # a running request's call never waits on a lone ledger
+                book.release(extra)
+                book.grant()
+            book.release(ticket)
+            ticket.done = True
+            done += 1
+            book.grant()
+    assert book.too_large(needs(9 * MB, unet=2 * MB)) == "cuda:0"
+
+
+def test_call_shape_keeps_what_sets_memory():
+    base = {"prompt": "a cat", "height": 64, "width": 64, "num_inference_steps": 30, "guidance_scale": 7.5,
+            "generator": torch.Generator().manual_seed(1), "output_type": "pil"}
+    same = dict(base, prompt="a dog", num_inference_steps=2, guidance_scale=5.0,
+                generator=torch.Generator().manual_seed(2), output_type="np")
+    assert call_shape(base) == call_shape(same)
+    for other in (dict(base, height=128), dict(base, num_images_per_prompt=2), dict(base, guidance_scale=1.0),
+                  dict(base, num_inference_steps=1), dict(base, prompt="a cat " * 100), dict(base, prompt=["a", "b"]),
+                  dict(base, latents=torch.zeros(1, 4, 8, 8))):
+        assert call_shape(other) != call_shape(base)
+    long = measured_call(dict(base, prompt="a cat"))
+    assert len(long["prompt"]) == 255 and long["prompt"].startswith("a cat a cat") and long["height"] == 64
+    assert "generator" not in long and "output_type" not in long  # the dry run draws from no caller's generator
+
+
+def test_weights_ceiling_counts_an_offload_room_larger_than_its_component():
+    plan = Plan("balanced_low_memory", (Placement("unet", "cuda:0", 5 * MB),
+                                       Placement("te", "cpu", 2 * MB, "offload", "cuda:0", room=4 * MB)),
+                (DeviceUse("cuda:0", 20 * MB, 18 * MB, 7 * MB), DeviceUse("cpu", 100 * MB, 100 * MB, 2 * MB)),
+                "cuda:0")
+    assert weights_ceiling(plan) == {"cuda:0": 9 * MB, "cpu": 2 * MB}  # 2 MB more onloaded besides, at most
+
+
+def test_too_large_names_the_figures_and_what_to_ask_for():
+    admission = Admission(_plan(), lambda plan, call: Needs({"cuda:0": 2 * MB}, {"vae": {"cuda:0": 18 * MB}},
+                                                            {"cuda:0": "VAE decode"}))
+    with pytest.raises(pipemap.CallTooLargeError) as err:
+        admission.needs({"prompt": "a", "height": 1024, "width": 1024, "num_images_per_prompt": 4})
+    error = err.value
+    assert isinstance(error, ValueError) and error.device == "cuda:0" and error.needs == 20 * MB
+    assert error.room == 10 * MB and error.memory == 20 * MB
+    assert "at most 2 images" in str(error) and "about 720x720" in str(error) and "enable_tiling" in str(error)
+
+
+def _plan() -> Plan:
+    return Plan("balanced", (Placement("unet", "cuda:0", 10 * MB),), (DeviceUse("cuda:0", 20 * MB, 20 * MB, 10 * MB),),
+                "cuda:0")
+
+
+class _Hooked(torch.nn.Module):
+    """A module with what ``component_call`` reads of a pipemap hook: its component name and lock."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self._hf_hook = types.SimpleNamespace(component=name, lock=threading.RLock())
+
+
+def test_threads_on_the_ledger_never_exceed_the_room():
+    # 6 requests on 4 threads, each resting 2 MB with a 5 MB unet call (x3) and a 3 MB vae call: memory, not the
+    # thread count, bounds them: at most 2 admitted at once, the unet calls one at a time
+    admission = Admission(_plan(), lambda plan, call: needs(2 * MB, unet=5 * MB, vae=3 * MB))
+    unet, vae = _Hooked("unet"), _Hooked("vae")
+    inside = {"unet": 0, "most": 0}
+
+    start = threading.Barrier(3)
+
+    def run(index: int) -> None:
+        if index < 3:
+            start.wait(5)  # the first three requests offered together: the third must wait
+        with admission.request({"prompt": "a"}, label=index):
+            for _ in range(3):
+                component_call(unet, lambda hook: _count(inside))
+            component_call(vae, lambda hook: None)
+
+    threads = [threading.Thread(target=lambda i=i: [run(i + k) for k in (0, 4)]) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    history = list(admission.ledger.history)
+    assert len(history) == 6 * 5 and all(r.total["cuda:0"] <= 20 * MB for r in history)
+    assert max(r.running for r in history) == 2 and admission.ledger.waits > 0
+    assert admission.ledger.held() == {"cuda:0": 0} and admission.waiting == 0
+
+
+def _count(inside: dict) -> None:
+    inside["unet"] += 1
+    inside["most"] = max(inside["most"], inside["unet"])
+    threading.Event().wait(0.001)
+    inside["unet"] -= 1
+
+
+def test_measure_then_correct_with_the_allocator_figures():
+    class Allocator:  # what CudaPeaks reads on a GPU: here, the figures a call would show
+        started = 0
+
+        def start(self):
+            self.started += 1
+
+        def peaks(self):
+            return {"cuda:0": 9 * MB}
+
+    allocator = Allocator()
+    admission = Admission(_plan(), lambda plan, call: needs(2 * MB, unet=4 * MB), allocator=allocator)
+    with admission.request({"prompt": "a"}):
+        pass
+    assert allocator.started == 1 and admission.needs({"prompt": "b"}).peak == {"cuda:0": 9 * MB}
+    with admission.request({"prompt": "a"}):  # corrected once per shape
+        pass
+    assert allocator.started == 1
+
+
+def test_a_shape_the_dry_run_cannot_follow_runs_alone():
+    def fails(plan, call):
+        raise RuntimeError("no dry run of this")
+
+    admission = Admission(_plan(), fails)
+    with pytest.warns(RuntimeWarning, match="run alone"):
+        figures = admission.needs({"prompt": "a"})
+    assert figures.rest == {"cuda:0": 10 * MB} and "no dry run of this" in next(iter(admission.unmeasured.values()))
+
+
+def test_the_gate_closes_once_the_calls_inside_end():
+    gate, order = Gate(), []
+    inside, closing = threading.Event(), threading.Event()
+
+    def call():
+        with gate.passing():
+            inside.set()
+            closing.wait(5)
+            order.append("call")
+
+    def move():
+        with gate.closed():
+            order.append("move")
+
+    first = threading.Thread(target=call)
+    first.start()
+    inside.wait(5)
+    mover = threading.Thread(target=move)
+    mover.start()
+    closing.set()
+    mover.join(5)
+    first.join(5)
+    assert order == ["call", "move"]
