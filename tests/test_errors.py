@@ -64,6 +64,10 @@ CASES = {
                          ["workers is 0", "give 1 or more"]),
     E.ForeignHookError: (("unet", "CpuOffload"), {"component": "unet", "hook": "CpuOffload"},
                          ["CpuOffload", "pipe.remove_all_hooks()", "pipemap.dispatch"]),
+    E.CallTooLargeError: (("cuda:1", 3 * GIB, GIB, 16 * GIB, "VAE decode", ("at most 1 image",)),
+                          {"device": "cuda:1", "needs": 3 * GIB, "room": GIB, "memory": 16 * GIB,
+                           "phase": "VAE decode", "advice": ("at most 1 image",)},
+                          ["3.00 GiB", "cuda:1", "VAE decode", "at most 1 image"]),
 }
 # errors in what pipemap was asked to do at run time, not in what the user gave
 RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError}

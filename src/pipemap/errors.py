@@ -269,8 +269,8 @@ class ForeignHookError(PipemapError, RuntimeError):
 
 
 class CallTooLargeError(PipemapError, ValueError):
-    """A call whose activations, measured by a dry run at its own shape, fit beside the plan's weights on some
-    device even when it runs alone: ``needs`` bytes there against ``room`` (``memory`` less ``weights``)."""
+    """A call whose activations, measured by a dry run at its own shape, do not fit beside the plan's weights on
+    some device even when it runs alone: ``needs`` bytes there against ``room`` (``memory`` less the weights)."""
 
     def __init__(self, device: str, needs: int, room: int, memory: int, phase: str = "", advice: tuple[str, ...] = ()):
         self.device, self.needs, self.room, self.memory = device, needs, room, memory
