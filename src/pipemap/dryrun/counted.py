@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
+import diffusers
 import torch
+import transformers
 
 from .. import catalog
 from ..counts import Counts, shape_of
@@ -86,9 +88,6 @@ def counts_key(source, dtype: str | None, call: Mapping) -> str | None:
     configs = _configs(source)
     if configs is None:
         return None
-    import diffusers
-    import transformers
-
     text = json.dumps([configs, str(dtype), shape_of(call), COUNTER_VERSION, torch.__version__,
                        diffusers.__version__, transformers.__version__], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
