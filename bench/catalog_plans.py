@@ -1,18 +1,16 @@
-"""Print the README's table: each catalog pipeline's "auto" plan in bf16 on three machines, with the cost model's
-predicted seconds per image (at the pipeline's own default call: steps, guidance, resolution, frames) and the
-layout, and a column of speed from two GPUs (``SPEED_MACHINE``). No download: sizes come from the catalog's
-published configs.
+"""Print the README's table: each catalog pipeline's "auto" plan at its published dtype on three machines, with the
+cost model's predicted seconds per image (at the pipeline's own default call: steps, guidance, resolution, frames,
+priced from the work the catalog's record counted for it) and the layout, and a column of speed from two GPUs
+(``SPEED_MACHINE``). No download: sizes come from the catalog's published configs.
 
     python bench/catalog_plans.py            # markdown table on stdout
 """
 
 from __future__ import annotations
 
-import torch
-
 import pipemap
 from pipemap import catalog
-from pipemap.cost import images_per_second, seconds_per_image, workload_for
+from pipemap.cost import TRUE_CFG, images_per_second, seconds_per_image, workload_for
 
 MACHINES = ("1x24GiB,cpu=64GiB", "2x16GiB,cpu=64GiB", "1x80GiB,cpu=128GiB")
 SPEED_MACHINE = "2x80GiB,cpu=128GiB"  # room for a copy of every catalog denoiser on each GPU
@@ -42,27 +40,43 @@ def layout(plan: pipemap.Plan) -> str:
 
 
 def row(name: str, machine: str) -> str:
-    inventory = pipemap.inspect(name, dtype=torch.bfloat16)
+    inventory = pipemap.inspect(name)
     hardware = pipemap.Hardware.parse(machine)
     try:
-        plan = pipemap.plan(inventory, hardware=hardware, strategy="auto")
+        plan = pipemap.plan(name, hardware=hardware, strategy="auto")
     except pipemap.DoesNotFitError as err:
         return f"does not fit ({err.component})"
-    seconds = seconds_per_image(plan, inventory, hardware.performance)
+    seconds = seconds_per_image(plan, inventory, hardware.performance, counts=catalog.recorded_counts(name))
     return f"{seconds:.0f} s: {layout(plan)}"
+
+
+def default_call(name: str) -> str:
+    """The default call in words: size, steps, and what the denoiser does a step as the dry run counted it."""
+    inventory, counts = pipemap.inspect(name), catalog.recorded_counts(name)
+    work = workload_for(inventory)
+    denoiser = next(c for c in counts.components if c.component in ("transformer", "unet"))
+    calls = round(denoiser.calls_per_step)
+    if not work.guidance:
+        why = "true CFG only with a negative prompt" if TRUE_CFG.get(inventory.pipeline_class, 1.0) > 1.0 \
+            else "guidance-distilled"
+        how = f"{why}: {calls} call a step"
+    else:
+        how = "true CFG, 2 calls a step" if calls == 2 else "CFG as a batch of 2, 1 call a step"
+    frames = f"x{work.frames} frames" if work.frames > 1 else ""
+    return f"{work.width}x{work.height}{frames}, {counts.steps} steps, {how}"
 
 
 def speed(name: str, machine: str = SPEED_MACHINE) -> str:
     """Two GPUs as the cost model sees them: seconds per image of one request against the 1-GPU plan of the same
     GPU, and images per second with requests overlapped (``pipemap.run_many``), for the "auto" plan."""
-    inventory = pipemap.inspect(name, dtype=torch.bfloat16)
+    inventory, counts = pipemap.inspect(name), catalog.recorded_counts(name)
     two = pipemap.Hardware.parse(machine)
     one = pipemap.Hardware.parse(machine.replace("2x", "1x", 1))
     figures = {}
     for label, hardware in (("one", one), ("two", two)):
-        plan = pipemap.plan(inventory, hardware=hardware, strategy="auto")
-        figures[label] = (seconds_per_image(plan, inventory, hardware.performance),
-                          images_per_second(plan, inventory, hardware.performance), plan)
+        plan = pipemap.plan(name, hardware=hardware, strategy="auto")
+        figures[label] = (seconds_per_image(plan, inventory, hardware.performance, counts=counts),
+                          images_per_second(plan, inventory, hardware.performance, counts=counts), plan)
     (s1, r1, _), (s2, r2, plan) = figures["one"], figures["two"]
     how = "replicas" if any(p.mode == "replicated" for p in plan.components) else "no replicas"
     return f"{s2:.0f} s ({s1 / s2:.2f}x, {how}); {r2 * 60:.2g}/min overlapped ({r2 / r1:.2f}x)"
@@ -73,8 +87,7 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in catalog.names():
-        call = workload_for(pipemap.inspect(name)).describe()
-        print("| " + " | ".join([name, call, *(row(name, m) for m in MACHINES), speed(name)]) + " |")
+        print("| " + " | ".join([name, default_call(name), *(row(name, m) for m in MACHINES), speed(name)]) + " |")
 
 
 if __name__ == "__main__":

@@ -135,8 +135,8 @@ def test_an_injected_copy_never_reaches_the_cache(machine):
     assert check_transfers(DEVICES).ok and check_transfers(DEVICES).cached and good.calls == 6 * 24
 
 
-# the README's auto plans on 2x16GiB: Wan 2.1 streams its transformer and VAE to cuda:1, where no component lives;
-# Flux.1-dev splits its transformer over both GPUs and streams its text encoders to cuda:1
+# plans on 2x16GiB: Wan 2.1's auto plan streams its transformer and VAE to cuda:1, where no component lives;
+# Flux.1-dev split and streamed splits its transformer over both GPUs and streams its text encoders to cuda:1
 @pytest.mark.parametrize(("name", "shape"), [("wan2.1-t2v-14b", "stream"), ("flux.1-dev", "split")])
 def test_dispatch_checks_every_gpu_a_stream_and_split_plan_copies_between(monkeypatch, name, shape):
     import importlib
@@ -144,7 +144,8 @@ def test_dispatch_checks_every_gpu_a_stream_and_split_plan_copies_between(monkey
     from pipemap import catalog
 
     dispatch = importlib.import_module("pipemap.dispatch")  # the module: pipemap.dispatch is the function
-    plan = pipemap.plan(catalog.inventory(name), hardware="2x16GiB", strategy="auto")
+    strategy = "auto" if shape == "stream" else "balanced_split+ultra_low_memory"
+    plan = pipemap.plan(catalog.inventory(name), hardware="2x16GiB", strategy=strategy)
     modes = {p.component: (p.mode, p.execution_device) for p in plan.components}
     assert ("stream", "cuda:1") in modes.values()
     if shape == "stream":

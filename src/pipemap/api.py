@@ -22,8 +22,10 @@ import torch
 from . import catalog, parallel
 from .admission import Admission, cuda_peaks
 from .cost import Cost, Workload, predict, workload_for
+from .counts import Counts
 from .devices import is_accelerator, real_device
 from .dispatch import planned
+from .dryrun.counted import counts_for, known_counts
 from .dryrun.many import ManyReport, needs_of, snapshot
 from .dryrun.many import simulate_many as dry_run_many
 from .dryrun.report import SimulationReport
@@ -116,7 +118,13 @@ class Request:
         strategy = self.strategy if self.strategy is not None else "balanced"
         if self.measured:
             return measured_plan(self.source, inventory, hw, strategy, self.call)
-        return plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom))
+        counts = self.known_counts(inventory) if strategy == AUTO else None
+        return plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts)
+
+    def known_counts(self, inventory: Inventory) -> Counts | None:
+        """The default call's counted work, if known without a dry run (the catalog's record, this process, the
+        disk cache): what ``"auto"`` prices its candidates by."""
+        return known_counts(self.source, inventory.dtype)
 
 
 def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
@@ -299,21 +307,52 @@ def iter_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False,
 
 @dataclass(frozen=True)
 class Estimate:
-    """Predicted seconds per image of a plan for one call, and each component's share (compute, transfer)."""
+    """Predicted seconds of one call of a plan and their parts: each component's compute, copies and the copies its
+    compute hides (``components``, ``cost.Cost``), the call (``work``), the images it makes and what priced it
+    (``priced_by``: a dry run's counts, recorded or cached ones, or the formula)."""
 
     seconds: float
     components: dict[str, Cost]
     work: Workload
+    priced_by: str = "formula"
+    images: int = 1
+
+    @property
+    def per_image(self) -> float:
+        return self.seconds / max(1, self.images)
+
+    @property
+    def compute(self) -> float:
+        return sum(c.compute for c in self.components.values())
+
+    @property
+    def transfer(self) -> float:
+        return sum(c.transfer for c in self.components.values())
+
+    @property
+    def hidden(self) -> float:
+        return sum(c.hidden for c in self.components.values())
 
     def __str__(self) -> str:
-        parts = ", ".join(f"{c.component} {c.total:.3g} s" for c in self.components.values())
-        return f"{self.seconds:.3g} s per image ({self.work.describe()}): {parts}"
+        lines = [f"{self.seconds:.3g} s a call ({self.work.describe()}), {self.per_image:.3g} s an image; priced by "
+                 f"{self.priced_by}",
+                 f"{'component':<18}{'compute s':>11}{'copies s':>11}{'hidden s':>11}{'total s':>11}"]
+        for c in self.components.values():
+            lines.append(f"{c.component:<18}{c.compute:>11.3g}{c.transfer:>11.3g}{c.hidden:>11.3g}{c.total:>11.3g}")
+        return "\n".join(lines)
 
 
-def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, **call) -> Estimate:
-    """Predicted seconds per image of ``plan`` on ``hardware`` (its GPUs' speeds and links; this machine by
-    default) for the call ``call`` describes (``num_inference_steps``, ``height``, ``width``, ``num_frames``,
-    ``guidance_scale``...), by the cost model ``auto`` uses.
+def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, count: bool = True,
+             **call) -> Estimate:
+    """Predicted seconds of one call of ``source`` placed by ``plan`` on ``hardware`` (its GPUs' speeds and links;
+    this machine by default), for the call ``call`` describes (``num_inference_steps``, ``height``, ``width``,
+    ``num_frames``, ``num_images_per_prompt``, ``guidance_scale``, ``negative_prompt``...), by the cost model
+    ``auto`` uses.
+
+    The work is what the pipeline does for that call, counted by a dry run at its shapes (guidance as the
+    pipeline decides it: a pipeline whose true CFG needs a negative prompt makes one call a step without one); the
+    count is kept by call shape, so the next estimate of the same shape, and ``auto``, need no dry run. A catalog
+    name's default call is recorded. ``count=False`` (or an ``Inventory`` source) prices by the formula instead.
 
     >>> plan = pipemap.plan("flux.1-dev", hardware="2x16GiB", strategy="auto")                # doctest: +SKIP
     >>> pipemap.estimate("flux.1-dev", plan, hardware="2x16GiB,gpu=4090", num_inference_steps=28)  # doctest: +SKIP
@@ -323,8 +362,13 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, **ca
     request = Request.of(source, hardware, dtype=plan.dtype, variant=plan.variant)
     inventory = request.inventory()
     work = workload_for(inventory, call)
-    parts = predict(plan, inventory, request.machine().performance, work)
-    return Estimate(sum(c.total for c in parts.values()), parts, work)
+    counts = counts_for(source, plan.dtype, call) if count else None
+    if counts is not None:
+        work = replace(work, steps=counts.steps)
+    parts = predict(plan, inventory, request.machine().performance, work, counts=counts)
+    priced = f"{counts.origin} counts" if counts is not None else "the formula on parameter counts"
+    return Estimate(sum(c.total for c in parts.values()), parts, work, priced,
+                    int(call.get("num_images_per_prompt") or 1))
 
 
 def runnable(plan: Plan) -> Plan:

@@ -1,35 +1,39 @@
-"""A cost model: predicted seconds per image for a plan, so ``"auto"`` can take the fastest plan that fits.
+"""The cost model: predicted seconds per image for a plan, so ``"auto"`` can take the fastest plan that fits and
+``pipemap.estimate`` can say what a call will take.
 
-Crude on purpose and explained by its parts: compute from parameter counts and the tokens each call processes (plus
-self-attention, quadratic in the tokens, for transformers), host-to-GPU traffic for offloaded and streamed
-components, GPU-to-GPU traffic where a component is split. The workload is the pipeline's own default call (steps,
-true classifier-free guidance or guidance-distilled, resolution, frames: ``PIPELINE_DEFAULTS``) unless a call says
-otherwise. The figures it uses live in ``Hardware.performance`` (FLOP/s, link bandwidths), overridable in the
-hardware spec; ``bench/calibration.py`` holds its predictions against published measurements.
+Work is counted, not guessed: a dry run runs each component's real forward at the call's shapes and counts its
+FLOPs, the bytes its memory-bound kernels move and the kernels it launches (``counts.Counts``, from
+``dryrun.counter``); a folder whose counts are not known yet is priced by a formula on its parameter counts
+(``formula_counts``), and the plan says which priced it. Compute is FLOPs over sustained FLOP/s, plus memory-bound
+bytes over sustained memory bandwidth, plus each kernel launch's overhead (``compute_seconds``); copies are bytes
+over the link plus a latency a copy (``copy_seconds``); a streamed component's copies overlap its compute as its
+hook's streams do: a copy queue ahead of the compute queue by ``prefetch`` pieces, through ``prefetch + 1`` buffers
+(``stream_call_seconds``). The figures live in ``Hardware.performance``; ``bench/calibration.py`` fits the two
+constants on few published measurements and holds the model against others it was never fitted on.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+import functools
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .counts import PIPELINE, ComponentCounts, Counts, Tally
 from .devices import is_accelerator
-from .granularity import LOOSE
+from .granularity import LOOSE, Block
 from .hardware import Performance
 from .inventory import PER_STEP, Component, Inventory
 from .plan import Placement, Plan
 
-# of the shorter of a streamed call's compute and copies, the part the other hides, by pieces fetched ahead: copies
-# on a side stream still contend with the kernels for memory bandwidth, and a piece that computes faster than the
-# next one copies leaves the GPU waiting unless more are already on their way. From cache-dit's L20 figures
-# (bench/CALIBRATION.md): ~0.35 hidden with one piece ahead, most of it with four and a large resident share.
-STREAM_OVERLAP = {0: 0.0, 1: 0.35, 2: 0.55, 3: 0.75}
 COPY_LATENCY = 10e-6  # seconds per copy beyond its bytes: the launch, the event, the hook around the block
 # host-to-GPU bandwidth from pageable memory (``module.to`` without pinning: accelerate's and diffusers' offloads), as
-# a share of the pinned figure: staged through a driver buffer, ~2 GB/s on PCIe 4 (bench/CALIBRATION.md)
-PAGEABLE_SHARE = 0.085
+# a share of the pinned figure: staged through a driver buffer. Fitted on diffusers' sequential offload of FLUX.1-dev
+# on an L20 (bench/CALIBRATION.md).
+PAGEABLE_SHARE = 0.0869
+FP32_RATE = 0.5  # float32 operands run on TF32 tensor cores: half the bf16 rate on every GPU of GPU_PERFORMANCE
 ACTIVATION_BYTES = 6144  # per token crossing GPUs: a 3072-wide hidden state in 16 bits
 # A denoiser copy's share of a call crosses GPUs as latents (in and out: 4 latent pixels per token, 16 channels, 16
 # bits) and the prompt's embeddings (512 tokens of 4096 in 16 bits); a call under guidance carries both halves,
@@ -37,12 +41,19 @@ ACTIVATION_BYTES = 6144  # per token crossing GPUs: a 3072-wide hidden state in 
 REPLICA_BYTES_PER_TOKEN = 2 * 4 * 16 * 2
 PROMPT_BYTES = 512 * 4096 * 2
 GUIDANCE_BATCH = 2
+# The formula's stand-ins for what only a count knows, the medians over the catalog's recorded counts
+# (``catalog/counts.record``; bench/calibration.py derives them): bytes the memory-bound kernels of a denoiser move
+# per FLOP, and kernels a call per module with weights, a denoiser's and another component's.
+MEMORY_BYTES_PER_FLOP = 0.0019
+KERNELS_PER_MODULE = 4.7
+KERNELS_PER_MODULE_ONCE = 1.8
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What one image asks of the pipeline: its size, frames, denoising steps and whether each step calls the
-    denoiser twice (true classifier-free guidance) or once (guidance-distilled, or guidance off)."""
+    """What one call asks of the pipeline: its size, frames, denoising steps, images per prompt and whether each
+    step calls the denoiser twice (true classifier-free guidance) or once (guidance-distilled, or guidance off).
+    What the formula prices when no count is known, and what a plan's description says."""
 
     height: int = 1024
     width: int = 1024
@@ -50,10 +61,11 @@ class Workload:
     guidance: bool = True
     frames: int = 1
     text_tokens: int = 0  # tokens a joint-attention transformer attends over beside the image's (Flux: 512)
+    images: int = 1
 
     @property
     def calls(self) -> int:
-        """Denoiser calls per image."""
+        """Denoiser calls per image (batch-1 equivalents)."""
         return self.steps * (2 if self.guidance else 1)
 
     @property
@@ -67,28 +79,33 @@ class Workload:
         return self.height * self.width * max(1, self.frames)
 
     def describe(self) -> str:
-        cfg = "true CFG, 2 calls a step" if self.guidance else "guidance-distilled, 1 call a step"
+        cfg = "true CFG, 2 calls a step" if self.guidance else "1 call a step"
         frames = f"x{self.frames} frames" if self.frames > 1 else ""
-        return f"{self.width}x{self.height}{frames}, {self.steps} steps, {cfg}"
+        images = f", {self.images} images" if self.images > 1 else ""
+        return f"{self.width}x{self.height}{frames}, {self.steps} steps, {cfg}{images}"
 
 
-# each pipeline's default call, as its diffusers __call__ (and model card) has it
+# each pipeline's default call, as its diffusers __call__ has it
 PIPELINE_DEFAULTS: dict[str, Workload] = {
     "StableDiffusionPipeline": Workload(512, 512, 50, True),
     "StableDiffusionControlNetPipeline": Workload(512, 512, 50, True),
     "StableDiffusionXLPipeline": Workload(1024, 1024, 50, True),
     "StableDiffusion3Pipeline": Workload(1024, 1024, 28, True, text_tokens=333),  # 77 CLIP + 256 T5 tokens
     "FluxPipeline": Workload(1024, 1024, 28, False, text_tokens=512),  # guidance-distilled: guidance is an input
-    # true CFG with the model card's negative prompt and true_cfg_scale=4.0
-    "QwenImagePipeline": Workload(1024, 1024, 50, True, text_tokens=128),
+    # true CFG only with a negative prompt (true_cfg_scale > 1 and negative_prompt given): without one, 1 call a step
+    "QwenImagePipeline": Workload(1024, 1024, 50, False, text_tokens=128),
     "WanPipeline": Workload(480, 832, 50, True, frames=81),
 }
 
 
+# pipelines whose true classifier-free guidance runs only with a negative prompt, and their default true_cfg_scale
+TRUE_CFG = {"QwenImagePipeline": 4.0, "FluxPipeline": 1.0}
+
+
 def workload_for(inventory: Inventory, call: Mapping | None = None) -> Workload:
     """The pipeline's default call (``PIPELINE_DEFAULTS``, else 1024x1024, 50 steps, true CFG), with what ``call``
-    sets: ``num_inference_steps``, ``height``, ``width``, ``num_frames``, ``guidance_scale`` (<= 1 turns true CFG
-    off), ``true_cfg_scale`` with a ``negative_prompt`` (turns it on).
+    sets: ``num_inference_steps``, ``height``, ``width``, ``num_frames``, ``num_images_per_prompt``,
+    ``guidance_scale`` (<= 1 turns true CFG off), ``true_cfg_scale`` with a ``negative_prompt`` (turns it on).
 
     >>> workload_for(pipemap.inspect("flux.1-dev"), {"num_inference_steps": 50}).calls   # doctest: +SKIP
     50
@@ -96,25 +113,28 @@ def workload_for(inventory: Inventory, call: Mapping | None = None) -> Workload:
     work = PIPELINE_DEFAULTS.get(inventory.pipeline_class, Workload())
     call = dict(call or {})
     fields = {"steps": call.get("num_inference_steps"), "height": call.get("height"), "width": call.get("width"),
-              "frames": call.get("num_frames")}
+              "frames": call.get("num_frames"), "images": call.get("num_images_per_prompt")}
     given: dict[str, Any] = {k: int(v) for k, v in fields.items() if v is not None}
     work = replace(work, **given)
     if work.guidance and call.get("guidance_scale") is not None and float(call["guidance_scale"]) <= 1.0:
         work = replace(work, guidance=False)
-    if call.get("true_cfg_scale") is not None and call.get("negative_prompt") is not None:
-        work = replace(work, guidance=float(call["true_cfg_scale"]) > 1.0)
+    if call.get("negative_prompt") is not None and inventory.pipeline_class in TRUE_CFG:
+        scale = call.get("true_cfg_scale", TRUE_CFG[inventory.pipeline_class])
+        work = replace(work, guidance=float(scale) > 1.0)
     return work
 
 
 @dataclass(frozen=True)
 class Mechanism:
     """How moved weights travel: from pinned memory (else pageable), overlapped with compute on a side stream
-    (else the GPU waits for each copy), and whether an offloaded model is copied back to the CPU after its use.
-    pipemap's own hooks pin, overlap and never copy back; ``bench/calibration.py`` prices other tools' too."""
+    (else the GPU waits for each copy), whether an offloaded model is copied back to the CPU after its use, and the
+    seconds each copy adds beyond its bytes. pipemap's own hooks pin, overlap and never copy back;
+    ``bench/calibration.py`` prices other tools' too."""
 
     pinned: bool = True
     overlap: bool = True
     copy_back: bool = False
+    copy_latency: float = COPY_LATENCY
 
 
 PIPEMAP = Mechanism()
@@ -122,19 +142,92 @@ PIPEMAP = Mechanism()
 
 @dataclass(frozen=True)
 class Cost:
-    """One component's share of an image's time, in seconds."""
+    """One component's share of an image's time, in seconds: its compute, its copies, the part of the copies its
+    compute hides (``hidden``), and the total (compute + transfer - hidden, and latencies)."""
 
     component: str
     compute: float
     transfer: float
     total: float
+    hidden: float = 0.0
+
+
+# ---- pricing work and copies ----------------------------------------------------------------------------------
+
+
+def compute_seconds(work: Tally, perf: Performance, on_gpu: bool = True) -> float:
+    """Seconds the kernels of ``work`` take: the GPU's time (FLOPs over the sustained FLOP/s, float32 operands at
+    ``FP32_RATE`` of it, plus memory-bound bytes over the sustained memory bandwidth) or the host's time launching
+    them (each kernel's Python and dispatch overhead), whichever is longer: eager PyTorch launches asynchronously,
+    so a large model keeps the GPU busy while the host runs ahead, and a small one leaves it waiting for launches.
+    On the CPU, its FLOP/s alone.
+
+    >>> compute_seconds(Tally(flops=1e12, memory_bytes=1e9, kernels=1000), Performance(flops=100e12,
+    ...                 memory_bandwidth=1e12, kernel_seconds=1e-5))
+    0.011
+    """
+    if not on_gpu:
+        return work.flops / perf.cpu_flops
+    return max(gpu_seconds(work, perf), work.kernels * perf.kernel_seconds)
+
+
+def gpu_seconds(work: Tally, perf: Performance) -> float:
+    """The GPU's own time for ``work``: FLOPs and memory-bound bytes at its sustained rates."""
+    dense = work.flops - work.fp32_flops
+    return (dense / perf.flops + work.fp32_flops / (perf.flops * FP32_RATE)
+            + work.memory_bytes / perf.memory_bandwidth)
+
+
+def copy_seconds(size: float, bandwidth: float, copies: float = 1, latency: float = COPY_LATENCY) -> float:
+    """Seconds ``copies`` copies of ``size`` bytes in all take over a link of ``bandwidth`` bytes per second."""
+    return size / bandwidth + copies * latency
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a streamed call: its compute seconds and, if it crosses the host link, its copy's seconds."""
+
+    compute: float
+    copy: float | None = None  # None: resident on the GPU
+
+
+def stream_call_seconds(pieces: Sequence[Piece], root_copy: float = 0.0, depth: int = 1, own_buffers: bool = False,
+                        overlap: bool = True) -> float:
+    """Seconds one call of a streamed component takes, as ``hooks.stream.StreamHook`` runs it: the loose tensors
+    copied first on the compute queue (``root_copy``), then the pieces in order; a streamed piece's copy runs on
+    one copy queue ahead of the compute, at most ``depth`` pieces ahead, into one of ``depth + 1`` buffers, which it
+    waits to be freed by the piece that used it last (unless every piece has its own buffer); a piece computes once
+    its copy is in. Without ``overlap`` every copy waits for the compute before it (synchronous copies).
+
+    >>> stream_call_seconds([Piece(1.0, 1.0), Piece(1.0, 1.0), Piece(1.0, 1.0)])    # copies hide behind compute
+    4.0
+    >>> stream_call_seconds([Piece(1.0, 1.0)] * 3, overlap=False)
+    6.0
+    """
+    compute_free = link_free = root_copy
+    freed: list[float] = []  # when each streamed piece's buffer was freed, in order
+    for piece in pieces:
+        if piece.copy is None:
+            compute_free += piece.compute
+            continue
+        start = link_free if overlap else max(link_free, compute_free)
+        if not own_buffers and len(freed) > depth:
+            start = max(start, freed[-depth - 1])
+        link_free = start + piece.copy
+        compute_free = max(compute_free, link_free) + piece.compute
+        freed.append(compute_free)
+    return compute_free
+
+
+# ---- the work of a component -------------------------------------------------------------------------------------
 
 
 def tokens_per_call(component: Component, work: Workload) -> int:
-    """How many positions one call of the component processes (what its FLOPs scale with)."""
+    """How many positions one call of the component processes, for the formula: a denoiser its image's tokens, a
+    VAE its pixels at the decoder's working resolution, a text encoder its sequence."""
     name, cls = component.name, (component.class_name or "").lower()
     if name in PER_STEP:
-        return work.latent_tokens + work.text_tokens
+        return work.latent_tokens
     if name.startswith("vae") or "autoencoder" in cls:
         return work.pixels // 16  # the decoder's convolutions run at up to full resolution
     if "t5" in cls or "umt5" in cls:
@@ -144,14 +237,66 @@ def tokens_per_call(component: Component, work: Workload) -> int:
     return 77
 
 
+# a denoiser's weights by what they act on, from diffusers' module names: the text stream of a joint transformer
+# (Flux's ``*_context``, SD 3's ``add_*_proj``, Qwen-Image's ``txt_*``), and the modulation and timestep layers that
+# act on one token a sample (``*norm*.linear``, ``*_mod``, ``time*``)
+_TEXT = re.compile(r"(^|\.)(txt_|add_[qkv]_proj|to_add_out|context_embedder|ff_context|norm1_context|norm_added)")
+_ONE_TOKEN = re.compile(r"(^|\.)(img_mod|txt_mod|time|norm\w*\.linear|norm_out|adaln)")
+
+
 def flops_per_call(component: Component, dtype_bytes: int, work: Workload) -> float:
-    """2 FLOPs per parameter per token, and for a transformer's self-attention 4 per token pair per unit of width
-    (scores and their weighted sum)."""
+    """The formula: 2 FLOPs per parameter per token it acts on (a denoiser's text-stream weights on the text's
+    tokens, its modulation layers on one, the rest on the image's), and for a transformer's self-attention 4 per
+    token pair per unit of width (scores and their weighted sum) over image and text tokens."""
     tokens = tokens_per_call(component, work)
-    flops = 2.0 * component.bytes / dtype_bytes * tokens
-    if "transformer" in (component.class_name or "").lower() and component.name in PER_STEP:
-        flops += 4.0 * tokens * tokens * component.attention_width
+    if component.name not in PER_STEP or component.tree is None:
+        return 2.0 * component.bytes / dtype_bytes * tokens
+    if "unet" in (component.class_name or "").lower():
+        return 2.0 / dtype_bytes * _unet_weight_positions(component.tree, work)
+    text, one = _weights_by_use(component.tree)
+    image = max(0, component.bytes - text - one)
+    flops = 2.0 / dtype_bytes * (image * tokens + text * work.text_tokens + one)
+    if "transformer" in (component.class_name or "").lower():
+        attended = tokens + work.text_tokens
+        flops += 4.0 * attended * attended * component.attention_width
     return flops
+
+
+def _unet_weight_positions(tree: Block, work: Workload) -> float:
+    """A UNet's bytes times the positions they act on: each down block at its resolution (the latent's halved at
+    each block before it), the up blocks mirrored, the mid block at the lowest; time embeddings on one position."""
+    latent = work.latent_tokens * 4  # the 8x VAE's latent pixels (latent_tokens assumes a further 2x2)
+    tops = {child.path: child for child in tree.children}
+    downs = len([p for p in tops.get("down_blocks", Block("", 0)).children])
+    total = 0.0
+    for path, block in tops.items():
+        if path in ("down_blocks", "up_blocks"):
+            for i, child in enumerate(block.children):
+                level = i if path == "down_blocks" else downs - 1 - i
+                total += child.bytes * latent / 4 ** max(0, level)
+        elif path == "mid_block":
+            total += block.bytes * latent / 4 ** max(0, downs - 1)
+        elif not path.startswith(("time", "add_", "class_")):
+            total += block.bytes * latent
+        else:
+            total += block.bytes
+    return total
+
+
+@functools.lru_cache(maxsize=32)
+def _weights_by_use(tree: Block) -> tuple[int, int]:
+    """Bytes of a denoiser's text-stream weights and of its one-token weights."""
+    text = one = 0
+    stack = [tree]
+    while stack:
+        block = stack.pop()
+        if _ONE_TOKEN.search(block.path):
+            one += block.bytes
+        elif _TEXT.search(block.path):
+            text += block.bytes
+        else:
+            stack.extend(block.children)
+    return text, one
 
 
 def calls_per_image(component: Component, work: Workload) -> int:
@@ -159,27 +304,140 @@ def calls_per_image(component: Component, work: Workload) -> int:
     return work.calls if component.name in PER_STEP else 1
 
 
+def formula_component(component: Component, dtype_bytes: int, work: Workload) -> ComponentCounts:
+    """A component's counts by the formula, for a pipeline no dry run has counted: its FLOPs from its parameters
+    (``flops_per_call``), memory-bound bytes and kernels at the catalog's median rates."""
+    flops = flops_per_call(component, dtype_bytes, work) * work.images
+    rate = KERNELS_PER_MODULE if component.name in PER_STEP else KERNELS_PER_MODULE_ONCE
+    kernels = rate * _modules(component)
+    call = Tally(flops=flops, memory_bytes=flops * MEMORY_BYTES_PER_FLOP, kernels=kernels)
+    if component.name in PER_STEP:
+        per_step = work.calls / max(1, work.steps)
+        return ComponentCounts(component.name, per_step=call.scaled(per_step), calls_per_step=per_step)
+    return ComponentCounts(component.name, once=call, calls_once=1.0)
+
+
+def formula_counts(inventory: Inventory, work: Workload) -> Counts:
+    """The whole pipeline's counts by the formula (``formula_component``), at ``work``'s steps."""
+    dtype_bytes = _dtype_bytes(inventory.dtype)
+    return Counts(inventory.pipeline_class, (), work.steps,
+                  tuple(formula_component(c, dtype_bytes, work) for c in inventory.models), inventory.dtype, "formula")
+
+
+def _modules(component: Component) -> int:
+    if component.tree is None:
+        return max(1, len(component.blocks)) * 10
+    stack, leaves = [component.tree], 0
+    while stack:
+        block = stack.pop()
+        leaves += 1 if block.own else 0
+        stack.extend(block.children)
+    return max(1, leaves)
+
+
+def _dtype_bytes(dtype: str | None) -> int:
+    return {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(dtype or "", 4)
+
+
+# ---- one component as placed -----------------------------------------------------------------------------------
+
+
 def component_cost(placement: Placement, component: Component, dtype_bytes: int, perf: Performance,
-                   work: Workload, mechanism: Mechanism = PIPEMAP) -> Cost:
-    """Seconds one image spends in a component as placed: its compute, plus the moves its mode implies
-    (``moved_per_image`` bytes, over the host link or between GPUs)."""
-    rate = perf.flops if is_accelerator(placement.execution_device) else perf.cpu_flops
-    calls = calls_per_image(component, work)
-    compute = calls * flops_per_call(component, dtype_bytes, work) / rate
+                   work: Workload, mechanism: Mechanism = PIPEMAP, counted: ComponentCounts | None = None,
+                   steps: int | None = None) -> Cost:
+    """Seconds one image spends in a component as placed: its compute (``counted``, else the formula), plus the
+    moves its mode implies (``moved_per_image`` bytes, over the host link or between GPUs), less what overlaps."""
+    counted = counted or formula_component(component, dtype_bytes, work)
+    steps = work.steps if steps is None else steps
+    on_gpu = is_accelerator(placement.execution_device)
+    compute = compute_seconds(counted.total(steps), perf, on_gpu)
     bandwidth = perf.host_bandwidth * (1.0 if mechanism.pinned else PAGEABLE_SHARE)
-    moved = moved_per_image(placement, component, work)
     if placement.mode == "offload":  # one onload per image: the LRU keeps it while the others' calls run
-        transfer = moved / bandwidth * (2 if mechanism.copy_back else 1)
+        transfer = copy_seconds(component.bytes, bandwidth, 1, mechanism.copy_latency) * (
+            2 if mechanism.copy_back else 1)
         return Cost(component.name, compute, transfer, compute + transfer)
     if placement.mode == "stream":
-        return Cost(component.name, compute, *_stream_seconds(placement, component, compute, calls, bandwidth,
-                                                              mechanism))
+        return _stream_cost(placement, component, counted, steps, perf, bandwidth, mechanism, on_gpu)
+    moved = moved_per_image(placement, component, work)
     if placement.mode == "replicated":  # each call's parts run at once on the copies
-        parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas))
+        parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas)) if work.guidance else 1
         transfer = moved / perf.peer_bandwidth
         return Cost(component.name, compute / parts, transfer, compute / parts + transfer)
     transfer = moved / perf.peer_bandwidth  # split: activations to each run of shards and back; resident: none
     return Cost(component.name, compute, transfer, compute + transfer)
+
+
+def _stream_cost(placement: Placement, component: Component, counted: ComponentCounts, steps: int,
+                 perf: Performance, bandwidth: float, mechanism: Mechanism, on_gpu: bool) -> Cost:
+    """A streamed component: each call's pieces through its buffers (``stream_call_seconds``), at every call."""
+    calls = max(1.0, counted.calls(steps))
+    per_call = counted.per_call(steps)
+    blocks = placement.blocks or tuple(component.blocks)
+    kept = set(placement.resident_blocks)
+    shares = _piece_work(counted, per_call, blocks, component)
+    pieces = [Piece(compute_seconds(shares[path], perf, on_gpu),
+                    None if path in kept else copy_seconds(size, bandwidth, 1, mechanism.copy_latency))
+              for path, size in blocks]
+    loose_bytes = max(0, component.bytes - sum(size for _, size in blocks))
+    loose = compute_seconds(shares[LOOSE], perf, on_gpu)
+    root = 0.0 if LOOSE in kept or not loose_bytes else copy_seconds(loose_bytes, bandwidth, 1,
+                                                                     mechanism.copy_latency)
+    sizes = [size for path, size in blocks if path not in kept]
+    depth = max(1, placement.prefetch or 1)
+    own = bool(sizes) and min(depth + 1, len(sizes)) * max(sizes) >= sum(sizes)
+    call = stream_call_seconds([Piece(loose), *pieces], root, depth, own, mechanism.overlap)
+    compute = calls * (loose + sum(p.compute for p in pieces))
+    transfer = calls * (root + sum(p.copy or 0.0 for p in pieces))
+    total = calls * call
+    return Cost(component.name, compute, transfer, total, max(0.0, compute + transfer - total))
+
+
+def _piece_work(counted: ComponentCounts, per_call: Tally, blocks: Sequence[tuple[str, int]],
+                component: Component) -> dict[str, Tally]:
+    """One call's work inside each piece, and what is left for the loose tensors' modules (``LOOSE``): counted by
+    module where the counts say; a piece below the counted modules (the catalog's record keeps 3 levels) takes its
+    share by bytes of its nearest counted module; without counts by module (the formula), shares by bytes."""
+    if not counted.pieces:
+        total = sum(size for _, size in blocks) or 1
+        return {**{path: per_call.scaled(size / total) for path, size in blocks}, LOOSE: Tally()}
+    table = _by_path(counted)
+    sizes = _tree_bytes(component.tree) if component.tree is not None else {}
+    counted_depth = max(len(path.split(".")) for path, _ in counted.pieces)
+    found = {}
+    for path, size in blocks:
+        ancestor = path
+        if ancestor not in table and len(path.split(".")) > counted_depth:  # below the counted modules
+            ancestor = ".".join(path.split(".")[:counted_depth])
+        share = 1.0 if ancestor == path else size / max(1, sizes.get(ancestor, component.bytes))
+        found[path] = table.get(ancestor, Tally()).scaled(min(1.0, share))
+    inside = Tally()
+    for tally in found.values():
+        inside = inside + tally
+    rest = Tally(*(max(0.0, a - b) for a, b in zip(per_call.to_list(exact=True), inside.to_list(exact=True))))
+    return {**found, LOOSE: rest}
+
+
+@functools.lru_cache(maxsize=32)
+def _tree_bytes(tree: Block) -> dict[str, int]:
+    """The bytes under every module path of a component's tree."""
+    found, stack = {}, [tree]
+    while stack:
+        block = stack.pop()
+        found[block.path] = block.bytes
+        stack.extend(block.children)
+    return found
+
+
+@functools.lru_cache(maxsize=64)
+def _by_path(counted: ComponentCounts) -> dict[str, Tally]:
+    """One call's work under every module path (a module's own and its children's)."""
+    table: dict[str, Tally] = collections.defaultdict(Tally)
+    for path, tally in counted.pieces:
+        parts = path.split(".") if path else []
+        for depth in range(len(parts) + 1):
+            key = ".".join(parts[:depth])
+            table[key] = table[key] + tally
+    return dict(table)
 
 
 def moved_per_image(placement: Placement, component: Component, work: Workload) -> float:
@@ -200,19 +458,6 @@ def moved_per_image(placement: Placement, component: Component, work: Workload) 
     return 0
 
 
-def _stream_seconds(placement: Placement, component: Component, compute: float, calls: int, bandwidth: float,
-                    mechanism: Mechanism) -> tuple[float, float]:
-    """(transfer, total) of a streamed component: at each call its non-resident pieces cross the host link, each
-    copy costing ``COPY_LATENCY`` more; the copies hide behind compute as far as the prefetch depth allows; the first
-    piece of each call waits for its copy."""
-    moved, copies, first = _moved_per_call(placement, component)
-    transfer = calls * moved / bandwidth
-    overlap = STREAM_OVERLAP[min(placement.prefetch or 1, 3)] if mechanism.overlap else 0.0
-    hidden = overlap * min(compute, transfer)
-    total = compute + transfer - hidden + calls * (copies * COPY_LATENCY + (first / bandwidth if overlap else 0))
-    return transfer, total
-
-
 def _moved_per_call(placement: Placement, component: Component) -> tuple[int, int, int]:
     """Bytes, copies and the largest piece moved at each call of a streamed component."""
     if not placement.blocks:  # a plan without pieces: its top-level blocks, every one at every call
@@ -224,15 +469,39 @@ def _moved_per_call(placement: Placement, component: Component) -> tuple[int, in
     return sum(streamed) + loose, len(streamed) + (1 if loose else 0), max(streamed, default=loose)
 
 
+# ---- a plan ----------------------------------------------------------------------------------------------------
+
+
 def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None,
-            mechanism: Mechanism = PIPEMAP) -> dict[str, Cost]:
-    """Each planned component's predicted seconds per image; ``sum(c.total for c in ...)`` is the image's.
-    Without ``work``, the pipeline's own default call (``workload_for``)."""
+            mechanism: Mechanism = PIPEMAP, counts: Counts | None = None) -> dict[str, Cost]:
+    """Each planned component's predicted seconds per call (``sum(c.total for c in ...)`` is the call's), and the
+    pipeline's own code between them (``counts.PIPELINE``) when counted. ``counts``: the call's counted work (else
+    the formula's); ``work``: the call (else the pipeline's default call, ``workload_for``), whose steps price the
+    counts when given, the counts' own steps otherwise."""
+    steps = work.steps if work is not None else counts.steps if counts is not None else None
+    if counts is not None:  # the loop's iterations: one more than the steps for PNDM
+        steps = counts.iterations(steps)
     work = work or workload_for(inventory)
-    dtype_bytes = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(plan.dtype or "", 4)
+    dtype_bytes = _dtype_bytes(plan.dtype)
     by_name = {c.name: c for c in inventory.models}
-    return {p.component: component_cost(p, by_name[p.component], dtype_bytes, perf, work, mechanism)
-            for p in plan.components if p.component in by_name}
+    found = {}
+    for p in plan.components:
+        if p.component not in by_name:
+            continue
+        counted = _counted(counts, p.component)
+        found[p.component] = component_cost(p, by_name[p.component], dtype_bytes, perf, work, mechanism, counted,
+                                            steps)
+    code = counts.get(PIPELINE) if counts is not None else None
+    if code is not None and steps is not None:
+        seconds = compute_seconds(code.total(steps), perf, is_accelerator(plan.execution_device))
+        found[PIPELINE] = Cost(PIPELINE, seconds, 0.0, seconds)
+    return found
+
+
+def _counted(counts: Counts | None, component: str) -> ComponentCounts | None:
+    if counts is None:
+        return None
+    return counts.get(component) or ComponentCounts(component)  # never called in the counted call: no work
 
 
 def split_hops(placement: Placement) -> int:
@@ -252,20 +521,24 @@ def bytes_moved(plan: Plan, inventory: Inventory, work: Workload | None = None) 
 
 
 def seconds_per_image(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None,
-                      mechanism: Mechanism = PIPEMAP) -> float:
-    """The predicted seconds per image of a plan (the pipeline's default call unless ``work`` is given)."""
-    return sum(c.total for c in predict(plan, inventory, perf, work, mechanism).values())
+                      mechanism: Mechanism = PIPEMAP, counts: Counts | None = None) -> float:
+    """The predicted seconds of one call of the plan (the pipeline's default call unless ``work`` is given; priced
+    from ``counts`` when given)."""
+    return sum(c.total for c in predict(plan, inventory, perf, work, mechanism, counts).values())
 
 
-def device_seconds(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None
-                   ) -> dict[str, float]:
+def device_seconds(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None,
+                   counts: Counts | None = None) -> dict[str, float]:
     """Each device's busy seconds per image: a component's time on the device it computes on, a split
-    component's compute shared by its GPUs in proportion to their bytes, a replicated one's on each copy's device."""
+    component's compute shared by its GPUs in proportion to their bytes, a replicated one's on each copy's device,
+    the pipeline's own code on the execution device."""
     busy: dict[str, float] = collections.defaultdict(float)
     placements = {p.component: p for p in plan.components}
-    for name, cost in predict(plan, inventory, perf, work).items():
-        p = placements[name]
-        if p.mode == "replicated":
+    for name, cost in predict(plan, inventory, perf, work, counts=counts).items():
+        p = placements.get(name)
+        if p is None:
+            busy[plan.execution_device] += cost.total
+        elif p.mode == "replicated":
             for device in (p.execution_device, *p.replicas):
                 busy[device] += cost.total
         elif p.mode == "split" and p.bytes:
@@ -278,9 +551,9 @@ def device_seconds(plan: Plan, inventory: Inventory, perf: Performance, work: Wo
     return dict(busy)
 
 
-def images_per_second(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None
-                      ) -> float | None:
+def images_per_second(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None,
+                      counts: Counts | None = None) -> float | None:
     """The predicted images per second with requests overlapped (``pipemap.run_many``): each device works on one
     request at a time, so the busiest device's seconds per image set the pace. None for an empty plan."""
-    slowest = max(device_seconds(plan, inventory, perf, work).values(), default=0.0)
+    slowest = max(device_seconds(plan, inventory, perf, work, counts).values(), default=0.0)
     return 1.0 / slowest if slowest > 0 else None

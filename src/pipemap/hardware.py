@@ -32,34 +32,48 @@ class Device:
         return f"{self.name}={format_bytes(self.memory)}"
 
 
+# The cost model's fitted constants (bench/CALIBRATION.md: each fitted on one published figure, then held against
+# figures nothing was fitted on). The share of a GPU's datasheet dense bf16 FLOP/s and memory bandwidth that eager
+# PyTorch sustains over a diffusion pipeline's kernels, for the GPUs a published figure fits it on (H200: the H100's
+# chip); every other GPU takes their median. And the seconds the host takes to launch a kernel (Python, dispatch),
+# fitted on SD 1.5 on an A100, a small UNet whose GPU waits for its launches.
+SUSTAINED = {"l40s": 0.891, "h100": 0.573, "l20": 1.03, "a100": 0.497}
+SUSTAINED_SHARE = sorted(SUSTAINED.values())[len(SUSTAINED) // 2]
+SUSTAINED["h200"] = SUSTAINED["h100"]
+KERNEL_SECONDS = 4.02e-5
+
+
 @dataclass(frozen=True)
 class Performance:
-    """What the cost model needs to know of a machine: sustained FLOP/s of one GPU (about 60% of its dense bf16
-    peak), the host-to-GPU link and the GPU-to-GPU link in bytes per second, and the CPU's FLOP/s."""
+    """What the cost model needs to know of a machine: one GPU's sustained FLOP/s (bf16 tensor cores; float32
+    operands run at half of it, as TF32 does) and memory bandwidth, the seconds a kernel launch adds, the
+    host-to-GPU link and the GPU-to-GPU link in bytes per second, and the CPU's FLOP/s."""
 
     flops: float = 100e12
     host_bandwidth: float = 25e9
     peer_bandwidth: float = 20e9
     cpu_flops: float = 0.5e12
+    memory_bandwidth: float = 600e9
+    kernel_seconds: float = KERNEL_SECONDS
 
     def __post_init__(self) -> None:
-        for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops"):
+        for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops", "memory_bandwidth", "kernel_seconds"):
             value = getattr(self, name)
             # `not value > 0` also catches NaN; a zero figure would divide by zero in the cost model
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
                 raise HardwareSpecError(repr(self), f"{name}={value!r}", "a speed must be a positive finite number")
 
 
-# name fragment (lower case) -> (flops, host_bandwidth, peer_bandwidth); sustained figures as the cost model counts
-# FLOPs (2 per parameter per token, which overcounts a joint transformer's text stream), not datasheet peaks;
-# l20, l40s and h100 fitted to published measurements (bench/CALIBRATION.md)
+# name fragment (lower case) -> datasheet figures: dense bf16 tensor FLOP/s (GeForce: with FP32 accumulate, as
+# PyTorch runs them), memory bandwidth, and the links: pinned host-to-GPU copies (PCIe 4.0 x16 ~25 GB/s, PCIe 5.0
+# ~50 GB/s) and GPU-to-GPU. Nothing here is fitted: the sustained figures are the SUSTAINED share of them.
 GPU_PERFORMANCE = {
-    "h200": (600e12, 50e9, 300e9), "h100": (600e12, 50e9, 300e9), "a100": (230e12, 25e9, 200e9),
-    "l40s": (250e12, 20e9, 25e9), "l20": (150e12, 25e9, 25e9), "a6000": (90e12, 25e9, 25e9),
-    "4090": (120e12, 25e9, 20e9),
-    "3090": (55e12, 25e9, 20e9), "4080": (80e12, 25e9, 20e9), "l4": (70e12, 25e9, 20e9), "t4": (40e12, 12e9, 10e9),
+    "h200": (989e12, 4.8e12, 50e9, 300e9), "h100": (989e12, 3.35e12, 50e9, 300e9),
+    "a100": (312e12, 2.0e12, 25e9, 200e9), "l40s": (362e12, 864e9, 25e9, 25e9), "l20": (119.5e12, 864e9, 25e9, 25e9),
+    "a6000": (154.8e12, 768e9, 25e9, 25e9), "4090": (165.2e12, 1008e9, 25e9, 20e9), "3090": (71e12, 936e9, 25e9, 20e9),
+    "4080": (97.5e12, 717e9, 25e9, 20e9), "l4": (121e12, 300e9, 25e9, 20e9), "t4": (65e12, 320e9, 12e9, 10e9),
 }
-_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "reserve"}
+_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "reserve"}
 # Kept off each detected GPU's free memory, beside the activation headroom: cuBLAS/cuDNN workspaces and the
 # allocator's fragmentation (0.3 to 1 GiB); the CUDA context itself is already out of the free figure, since
 # reading it starts the context.
@@ -67,11 +81,14 @@ GPU_RESERVE = 512 * 2**20
 
 
 def performance_for(gpu_name: str | None) -> Performance:
-    """Defaults for a GPU model name (``"NVIDIA H100 80GB HBM3"``, ``"4090"``); generic figures if unknown."""
+    """Figures for a GPU model name (``"NVIDIA H100 80GB HBM3"``, ``"4090"``): the sustained share of its datasheet
+    FLOP/s and memory bandwidth (``SUSTAINED``, else ``SUSTAINED_SHARE``), and its links; generic figures if
+    unknown."""
     name = (gpu_name or "").lower()
-    for fragment, (flops, host, peer) in GPU_PERFORMANCE.items():
+    for fragment, (flops, memory, host, peer) in GPU_PERFORMANCE.items():
         if fragment in name:
-            return Performance(flops, host, peer)
+            share = SUSTAINED.get(fragment, SUSTAINED_SHARE)
+            return Performance(flops * share, host, peer, memory_bandwidth=memory * share)
     return Performance()
 
 
@@ -108,9 +125,9 @@ class Hardware:
         """A profile from text: ``"cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB"`` or ``"2x24GiB,cpu=64GiB"``.
 
         A profile without ``cpu`` gets this machine's available RAM as its CPU memory. The cost model's figures
-        may follow: ``gpu=4090`` (defaults for that model), ``flops=165T``, ``host_bw=25GB``, ``peer_bw=50GB``
-        (bytes per second); ``reserve=512MiB`` is kept off each GPU for the CUDA context and workspaces (none
-        unless given: a profile's figures are what the plan may use).
+        may follow: ``gpu=4090`` (defaults for that model), ``flops=120T`` (sustained), ``host_bw=25GB``,
+        ``peer_bw=50GB``, ``mem_bw=700GB`` (sustained; bytes per second); ``reserve=512MiB`` is kept off each GPU
+        for the CUDA context and workspaces (none unless given: a profile's figures are what the plan may use).
         """
         if not isinstance(spec, str):
             raise ArgumentTypeError("hardware", spec, "a spec string such as '2x24GiB,cpu=64GiB' or a Hardware")
@@ -194,7 +211,8 @@ def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
         host = _bandwidth(spec, "host_bw", settings["host_bw"])
     if "peer_bw" in settings:
         peer = _bandwidth(spec, "peer_bw", settings["peer_bw"])
-    return Performance(flops, host, peer, base.cpu_flops)
+    memory = _bandwidth(spec, "mem_bw", settings["mem_bw"]) if "mem_bw" in settings else base.memory_bandwidth
+    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds)
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:

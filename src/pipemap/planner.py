@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import replication
+from .counts import Counts
 from .devices import is_accelerator, real_device
 from .errors import (
     DoesNotFitError,
@@ -341,10 +342,12 @@ def _reserve(memory: int, headroom: float | int | str) -> int:
         raise HeadroomError(headroom, str(err)) from err
 
 
-def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, budget: Mapping[str, int]) -> Plan:
-    """The plan for an inventory on given hardware and budgets; ``plan()`` without the argument handling."""
+def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, budget: Mapping[str, int],
+                   counts: Counts | None = None) -> Plan:
+    """The plan for an inventory on given hardware and budgets; ``plan()`` without the argument handling.
+    ``counts``: the default call's counted work, for ``"auto"`` to price its candidates by (else the formula)."""
     if strategy == AUTO:
-        return auto_plan(inventory, hw, budget)
+        return auto_plan(inventory, hw, budget, counts)
     sizes = {c.name: c.bytes for c in inventory.models}
     fixed = _fixed(strategy, sizes, hw) if isinstance(strategy, dict) else {}
     name = strategy if isinstance(strategy, str) else "balanced"
@@ -498,11 +501,11 @@ def _fits(inventory: Inventory, hardware: Hardware, strategy: str) -> bool:
         return False
 
 
-def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int]) -> Plan:
+def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], counts: Counts | None = None) -> Plan:
     """The fastest plan that fits: every strategy's plan, priced by the cost model, the quickest kept.
 
     The plan carries every candidate (``plan.explain()``): its predicted seconds per image, its per-device peaks,
-    or why it does not fit.
+    or why it does not fit, and says what priced them: the default call's counted work (``counts``) or the formula.
     """
     from .cost import images_per_second, seconds_per_image
 
@@ -513,9 +516,9 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int]) -> 
         except DoesNotFitError as err:
             candidates.append(Candidate(name, None, (), f"{err.component} does not fit"))
             continue
-        seconds = seconds_per_image(plans[name], inventory, hw.performance)
+        seconds = seconds_per_image(plans[name], inventory, hw.performance, counts=counts)
         peaks = tuple((d.device, d.used) for d in plans[name].devices if d.used)
-        rate = images_per_second(plans[name], inventory, hw.performance)
+        rate = images_per_second(plans[name], inventory, hw.performance, counts=counts)
         candidates.append(Candidate(name, seconds, peaks, "", rate))
     fitting = sorted((c for c in candidates if c.seconds is not None), key=lambda c: c.seconds or 0.0)
     if not fitting:
@@ -525,7 +528,15 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int]) -> 
     best = plans[fitting[0].strategy]
     why = f"auto: {fitting[0].strategy} is the fastest plan that fits ({fitting[0].seconds:.3g} s per image"
     why += f"; next {fitting[1].strategy} at {fitting[1].seconds:.3g} s)" if len(fitting) > 1 else ")"
-    return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + (why,))
+    return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + (priced_by(counts), why))
+
+
+def priced_by(counts: Counts | None) -> str:
+    """What the cost model priced a plan's candidates by, as the plan's note says it."""
+    if counts is None:
+        return ("auto: priced by the formula on parameter counts (no dry-run counts known for this pipeline: "
+                "pipemap.estimate(source, plan) counts them once, and auto uses them after)")
+    return f"auto: priced by the work a dry run counted ({counts.origin}, {counts.steps} steps)"
 
 
 def execution_device(placements: tuple[Placement, ...]) -> str:

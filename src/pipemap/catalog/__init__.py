@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..counts import Counts
 from ..errors import NotAPipelineError
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 _FOLDER = Path(__file__).parent
 # each pipeline's model bytes at its published dtype, as `inventory` computes them (JSON; not *.json, which are entries)
 _SIZES = _FOLDER / "sizes.record"
+# each pipeline's default call counted by a dry run (``counts.Counts``), for the cost model (JSON)
+_COUNTS = _FOLDER / "counts.record"
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,27 @@ def write_sizes() -> None:
     """Record every pipeline's model bytes at its published dtype, for ``pipemap catalog`` to list at once."""
     sizes = {name: {c.name: c.bytes for c in inventory(name).models} for name in names()}
     _SIZES.write_text(json.dumps(sizes, indent=1) + "\n")
+
+
+def recorded_counts(name: str) -> Counts | None:
+    """The counted work of the pipeline's default call at its published dtype (``counts.Counts``), as recorded in
+    ``counts.record`` (``dryrun.counted.write_catalog_counts`` refreshes it; a test checks it); None if absent."""
+    return _recorded_counts().get(name)
+
+
+@functools.cache
+def _recorded_counts() -> dict[str, Counts]:
+    try:
+        data = json.loads(_COUNTS.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {name: Counts.from_dict(value, origin="recorded") for name, value in data.items()}
+
+
+def write_counts(recorded: dict) -> None:
+    """Write ``{pipeline: Counts.to_dict()}`` to ``counts.record``."""
+    _COUNTS.write_text(json.dumps(recorded, indent=None, separators=(",", ":"), sort_keys=True) + "\n")
+    _recorded_counts.cache_clear()
 
 
 def run_catalog() -> int:

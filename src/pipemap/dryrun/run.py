@@ -8,6 +8,7 @@ applied by the same ``dispatch`` a real run uses, then the pipeline's own call r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect as pyinspect
@@ -25,13 +26,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import catalog
+from ..counts import Counts, shape_of
 from ..dispatch import place, planned
-from ..errors import CallArgumentError, PipelineMappedError, PipemapError
+from ..errors import CallArgumentError, PipelineMappedError, PipemapError, SimulationFailedError
 from ..hooks import unhook_component
 from ..plan import Plan
 from ..units import format_bytes
 from . import catalog as catalog_dryrun
 from . import known, patches, standin
+from .counter import WorkCounter
 from .queues import StandinQueues
 from .report import Failure, SimulationReport, report_of
 from .trackers import ComponentTracker, PhasedTracker, PhaseTracker
@@ -61,6 +64,36 @@ def traced(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, call
     counted, failure = _run(pipe, plan.remap(standins), mode, made, tracker)
     back = {v: k for k, v in standins.items()}
     return report_of(counted, failure, plan, back, time.perf_counter() - start, made), counted, pipe
+
+
+def count_work(source, plan: Plan, *, steps: int = 2, **call_kwargs) -> Counts:
+    """The FLOPs, bytes and kernels of ``source``'s call as ``plan`` places it, per component, counted by a dry run
+    of ``steps`` denoising steps (``dryrun.counter``), for a call of the steps ``num_inference_steps`` asks (the
+    pipeline's default when not given). A failed dry run raises ``SimulationFailedError``.
+
+    >>> counts = count_work("flux.1-dev", plan, height=768, width=768)             # doctest: +SKIP
+    >>> counts["transformer"].per_step.flops                                      # doctest: +SKIP
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    standins = standin.devices_for(plan)
+    pipe = _fake_pipeline(source, plan, mode, standins)
+    call = dry_call(pipe, steps, {k: v for k, v in call_kwargs.items() if k != "num_inference_steps"})
+    counter = WorkCounter(pipe)
+    start = time.perf_counter()
+    tracker, failure = _run(pipe, plan.remap(standins), mode, call, counter=counter)
+    if failure is not None:
+        back = {v: k for k, v in standins.items()}
+        raise SimulationFailedError(report_of(tracker, failure, plan, back, time.perf_counter() - start, call))
+    return counter.counts(type(pipe).__name__, shape_of(call_kwargs), steps, call_steps(pipe, call_kwargs),
+                          plan.dtype)
+
+
+def call_steps(pipe, call_kwargs: Mapping) -> int:
+    """The denoising steps a call runs: ``num_inference_steps`` if given, else the pipeline's own default."""
+    if call_kwargs.get("num_inference_steps") is not None:
+        return int(call_kwargs["num_inference_steps"])
+    default = pyinspect.signature(type(pipe).__call__).parameters.get("num_inference_steps")
+    return int(default.default) if default is not None and isinstance(default.default, int) else 50
 
 
 def _tiling_advice(source, plan: Plan, steps: int, call_kwargs: Mapping, report: SimulationReport) -> tuple:
@@ -145,7 +178,8 @@ def _resolution(pipe, overrides: Mapping) -> tuple[int, int]:
     return overrides.get("height", base), overrides.get("width", base)
 
 
-def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict, tracker_class: type[PhasedTracker] = PhasedTracker):
+def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict, tracker_class: type[PhasedTracker] = PhasedTracker,
+         counter=None):
     phases = PhaseTracker(pipe)
     components = ComponentTracker(pipe)
     tracker = tracker_class(phases, lambda: components.current)
@@ -155,7 +189,7 @@ def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict, tracker_class: type
         tracker.track_module_tensors(pipe)
         with phases.watching(pipe.scheduler), standin.fused_attention(), patches.module_conversions(tracker), \
                 patches.tensor_outputs(), patches.host_copies(), patches.safety_checks(pipe), components, mode, \
-                standin.StrictDevices(), tracker, \
+                standin.StrictDevices(), tracker, counter or contextlib.nullcontext(), \
                 known.known_values(tracker.assume):  # innermost: the trackers see what it rewrites
             pipe(**call)
     except Exception as err:  # a dry run reports what broke instead of raising it

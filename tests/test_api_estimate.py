@@ -1,0 +1,114 @@
+"""pipemap.estimate: seconds of a call from the work a dry run counts at the call's shapes, responding to steps,
+size, frames, images and guidance as the pipeline does; counts kept by call shape and used by "auto"."""
+
+from __future__ import annotations
+
+import pytest
+
+import families
+import pipemap
+from pipemap.dryrun import counted
+
+# a GPU slow enough that its work, not the launches, sets every time: FLOPs and bytes show in the seconds
+SLOW = "1x1GiB,cpu=4GiB,flops=1000000,mem_bw=1MB"
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPEMAP_CACHE_DIR", str(tmp_path))
+    counted.clear_counts()
+    yield
+    counted.clear_counts()
+
+
+def _dry_runs(monkeypatch) -> list:
+    calls = []
+    run = counted.count_work
+    monkeypatch.setattr(counted, "count_work", lambda *a, **k: calls.append(k) or run(*a, **k))
+    return calls
+
+
+def _denoiser(estimate: pipemap.Estimate, name: str = "unet") -> float:
+    return estimate.components[name].compute
+
+
+@pytest.mark.slow
+def test_estimate_follows_steps_from_one_count_and_keeps_it(tiny_folders, monkeypatch):
+    folder = tiny_folders["sd"]
+    plan = pipemap.plan(folder, hardware=SLOW)
+    runs = _dry_runs(monkeypatch)
+    two, four, eight = (pipemap.estimate(folder, plan, hardware=SLOW, num_inference_steps=n) for n in (2, 4, 8))
+    assert len(runs) == 1  # one dry run: steps do not change the shape
+    assert two.work.steps == 2 and eight.work.steps == 8
+    assert _denoiser(eight) == pytest.approx(4 * _denoiser(two))  # per step
+    assert eight.seconds - four.seconds == pytest.approx(2 * (four.seconds - two.seconds))  # linear in steps
+    assert two.components["vae"].compute == eight.components["vae"].compute  # once per image
+    assert "dry run" in two.priced_by
+    assert two.compute == pytest.approx(sum(c.compute for c in two.components.values()))
+
+
+@pytest.mark.slow
+def test_estimate_follows_size_images_and_guidance_as_the_pipeline_does(tiny_folders):
+    folder = tiny_folders["sd"]
+    plan = pipemap.plan(folder, hardware=SLOW)
+    base = pipemap.estimate(folder, plan, hardware=SLOW, height=32, width=32)
+    larger = pipemap.estimate(folder, plan, hardware=SLOW, height=64, width=64)
+    assert _denoiser(larger) > 3.5 * _denoiser(base)  # 4x the latent pixels
+    two = pipemap.estimate(folder, plan, hardware=SLOW, height=32, width=32, num_images_per_prompt=2)
+    assert _denoiser(two) == pytest.approx(2 * _denoiser(base), rel=0.01) and two.images == 2
+    assert two.per_image == pytest.approx(two.seconds / 2)
+    # guidance_scale 1: SD's pipeline drops the unconditional half of its batch, and the negative prompt's encoding
+    plain = pipemap.estimate(folder, plan, hardware=SLOW, height=32, width=32, guidance_scale=1.0)
+    assert _denoiser(plain) == pytest.approx(_denoiser(base) / 2, rel=0.01)
+    assert plain.components["text_encoder"].compute < base.components["text_encoder"].compute
+
+
+@pytest.mark.slow
+def test_true_cfg_that_needs_a_negative_prompt_is_one_call_a_step_without_one():
+    pipe, call = families.build("qwen_image")
+    plan = pipemap.plan(pipe, hardware=SLOW)
+    shape = {k: call[k] for k in ("height", "width", "max_sequence_length")}
+    without = pipemap.estimate(pipe, plan, hardware=SLOW, true_cfg_scale=4.0, **shape)
+    with_negative = pipemap.estimate(pipe, plan, hardware=SLOW, true_cfg_scale=4.0, negative_prompt="blurry",
+                                     **shape)
+    assert _denoiser(with_negative, "transformer") == pytest.approx(2 * _denoiser(without, "transformer"), rel=0.02)
+    assert not without.work.guidance and with_negative.work.guidance
+
+
+@pytest.mark.slow
+def test_estimate_follows_frames():
+    pipe, call = families.build("wan_t2v")
+    plan = pipemap.plan(pipe, hardware=SLOW)
+    shape = {k: call[k] for k in ("height", "width", "max_sequence_length")}
+    five, nine = (pipemap.estimate(pipe, plan, hardware=SLOW, num_frames=n, **shape) for n in (5, 9))
+    # 3 latent frames against 2 (the tiny model's text and timestep layers do not grow with them); 9 frames decoded
+    assert _denoiser(nine, "transformer") > 1.1 * _denoiser(five, "transformer")
+    assert nine.components["vae"].compute > 1.5 * five.components["vae"].compute
+    assert nine.work.frames == 9
+
+
+def test_a_catalog_default_call_is_priced_by_its_record_without_a_dry_run(monkeypatch):
+    runs = _dry_runs(monkeypatch)
+    plan = pipemap.plan("qwen-image", hardware="1x141GiB,cpu=256GiB")
+    found = pipemap.estimate("qwen-image", plan, hardware="1x141GiB,cpu=256GiB,gpu=h200")
+    assert runs == [] and found.priced_by == "recorded counts"
+    assert found.work.steps == 50 and not found.work.guidance  # no negative prompt: one call a step
+    assert "1 call a step" in str(found)
+
+
+def test_an_inventory_is_priced_by_the_formula():
+    inventory = pipemap.inspect("stable-diffusion-1.5")
+    plan = pipemap.plan(inventory, hardware="1x24GiB,cpu=64GiB")
+    assert pipemap.estimate(inventory, plan, hardware="1x24GiB,gpu=4090").priced_by.startswith("the formula")
+
+
+@pytest.mark.slow
+def test_auto_prices_by_the_counts_once_known_and_says_so(tiny_folders):
+    folder = tiny_folders["sdxl"]
+    before = pipemap.plan(folder, hardware="1x1GiB,cpu=4GiB", strategy="auto")
+    assert "formula" in before.explain()
+    pipemap.estimate(folder, before, hardware="1x1GiB,cpu=4GiB")  # the default call, counted and kept
+    after = pipemap.plan(folder, hardware="1x1GiB,cpu=4GiB", strategy="auto")
+    assert "a dry run counted" in after.explain()
+    catalog = pipemap.plan("flux.1-dev", hardware="1x24GiB,cpu=64GiB", strategy="auto")
+    assert "recorded, 28 steps" in catalog.explain()

@@ -1,0 +1,88 @@
+"""The cost model on counted work: compute as the longer of the GPU's work and the host's launches, streamed calls
+as their copy and compute queues run them, pieces' work by module, and the formula when nothing is counted."""
+
+from __future__ import annotations
+
+import pytest
+
+import pipemap
+from pipemap import Component, Inventory, Placement, Plan
+from pipemap.cost import (
+    Piece,
+    Workload,
+    compute_seconds,
+    copy_seconds,
+    formula_counts,
+    predict,
+    stream_call_seconds,
+)
+from pipemap.counts import ComponentCounts, Counts, Tally
+from pipemap.granularity import Block
+from pipemap.hardware import Performance
+
+PERF = Performance(flops=100e12, host_bandwidth=10e9, memory_bandwidth=1e12, kernel_seconds=1e-5)
+
+
+def test_compute_is_the_gpus_work_or_the_hosts_launches_whichever_is_longer():
+    heavy = Tally(flops=100e12, fp32_flops=0.0, memory_bytes=1e12, kernels=10)
+    assert compute_seconds(heavy, PERF) == pytest.approx(1.0 + 1.0)
+    launches = Tally(flops=1e9, kernels=10_000)
+    assert compute_seconds(launches, PERF) == pytest.approx(0.1)
+    upcast = Tally(flops=100e12, fp32_flops=100e12)  # float32 operands: half the rate
+    assert compute_seconds(upcast, PERF) == pytest.approx(2.0)
+    assert compute_seconds(heavy, PERF, on_gpu=False) == pytest.approx(100e12 / PERF.cpu_flops)
+
+
+def test_a_streamed_call_overlaps_copies_with_compute_as_far_as_its_buffers_allow():
+    even = [Piece(1.0, 1.0)] * 4
+    assert stream_call_seconds(even) == pytest.approx(5.0)  # the first copy waits, the rest hide
+    assert stream_call_seconds(even, overlap=False) == pytest.approx(8.0)
+    slow_copies = [Piece(1.0, 2.0)] * 4
+    assert stream_call_seconds(slow_copies) == pytest.approx(9.0)  # the link sets the pace
+    # one piece ahead, two buffers: the third copy waits for the first piece's buffer (free at 4), then its copy
+    mixed = [Piece(3.0, 1.0), Piece(0.1, 1.0), Piece(3.0, 1.0)]
+    assert stream_call_seconds(mixed, depth=1) == pytest.approx(4.0 + 1.0 + 3.0)
+    assert stream_call_seconds(mixed, depth=2) == pytest.approx(1.0 + 3.0 + 0.1 + 3.0)  # a third buffer
+    assert stream_call_seconds(mixed, depth=1, own_buffers=True) == pytest.approx(7.1)
+    assert stream_call_seconds(mixed, depth=1) <= stream_call_seconds(mixed, depth=1, overlap=False)
+    assert stream_call_seconds([Piece(1.0), Piece(1.0, 1.0)], root_copy=0.5) == pytest.approx(2.5)
+
+
+def _tree() -> Block:
+    blocks = tuple(Block(f"blocks.{i}", 100, 100) for i in range(4))
+    return Block("", 400, 0, (Block("blocks", 400, 0, blocks, True),))
+
+
+def test_a_streamed_component_is_priced_from_its_counted_pieces():
+    unet = Component("unet", "diffusers", "UNet", 400, True, blocks=tuple((f"blocks.{i}", 100) for i in range(4)),
+                     tree=_tree())
+    # all the work in block 0: streaming the others hides their copies behind nothing but block 0's compute
+    work = ComponentCounts("unet", per_step=Tally(flops=4e12), calls_per_step=1.0,
+                           pieces=(("blocks.0.inner", Tally(flops=4e12)),))
+    counts = Counts("X", (), 1, (work,), "bfloat16")
+    inventory = Inventory("x", "X", (unet,), "bfloat16")
+    placement = Placement("unet", "cpu", 400, "stream", "cuda:0", blocks=unet.blocks, prefetch=1)
+    plan = Plan("x", (placement,), (), "cuda:0", "bfloat16")
+    cost = predict(plan, inventory, PERF, Workload(steps=1), counts=counts)["unet"]
+    assert cost.compute == pytest.approx(0.04)
+    assert cost.transfer == pytest.approx(4 * copy_seconds(100, 10e9))
+    assert cost.total == pytest.approx(cost.compute + cost.transfer - cost.hidden)
+    # a piece below the counted modules takes its share of its nearest counted module by bytes
+    deeper = Placement("unet", "cpu", 400, "stream", "cuda:0", blocks=(("blocks.0", 100), ("blocks.1", 100)),
+                       prefetch=1)
+    shallow = ComponentCounts("unet", per_step=Tally(flops=4e12), calls_per_step=1.0,
+                              pieces=(("blocks", Tally(flops=4e12)),))
+    priced = predict(Plan("x", (deeper,), (), "cuda:0", "bfloat16"), inventory, PERF, Workload(steps=1),
+                     counts=Counts("X", (), 1, (shallow,), "bfloat16"))["unet"]
+    assert priced.compute == pytest.approx(0.04)  # two pieces of a quarter each, the rest loose
+
+
+def test_a_component_the_call_never_ran_costs_nothing_and_the_formula_prices_without_counts():
+    inventory = pipemap.inspect("stable-diffusion-1.5")
+    plan = pipemap.plan(inventory, hardware="1x24GiB,cpu=64GiB,gpu=a100")
+    found = pipemap.catalog.recorded_counts("stable-diffusion-1.5")
+    without = Counts(found.pipeline_class, (), 50, tuple(c for c in found.components if c.component != "vae"))
+    assert predict(plan, inventory, PERF, counts=without)["vae"].total == 0
+    formula = formula_counts(inventory, Workload(512, 512, 50, True))
+    assert formula.origin == "formula" and formula["unet"].calls_per_step == 2
+    assert formula["unet"].per_step.flops > 0 and formula["vae"].once.kernels > 0
