@@ -263,3 +263,14 @@ class ForeignHookError(PipemapError, RuntimeError):
             "would evict each other's weights: call pipe.remove_all_hooks() and place the pipeline with "
             "pipemap.dispatch(pipe, pipemap.plan(pipe, ...)) instead"
         )
+
+
+# ---- a placed pipeline whose models change -----------------------------------------------------------------------
+
+
+class ComponentChangedError(PipemapError, ValueError):
+    """A change to a placed pipeline's model that pipemap cannot follow where it is: ``fix`` is the call to make."""
+
+    def __init__(self, component: str, reason: str, fix: str):
+        self.component, self.reason, self.fix = component, reason, fix
+        super().__init__(f"cannot keep {component!r} placed: {reason}; call {fix}")

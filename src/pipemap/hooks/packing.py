@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quantized import is_packed, rebuild_from, storage, stored_bytes
 from ..transfer import move_tensor
 from ..units import aligned
 
@@ -137,11 +138,21 @@ def pinned_bytes() -> int:
     return sum(_PINNED.values())
 
 
+def restored(tensor: torch.Tensor, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """``tensor`` made again around ``leaves`` (its storage elsewhere), a Parameter staying one."""
+    rebuilt = rebuild_from(tensor)(leaves)
+    if isinstance(tensor, torch.nn.Parameter) and not isinstance(rebuilt, torch.nn.Parameter):
+        return torch.nn.Parameter(rebuilt, requires_grad=tensor.requires_grad)
+    return rebuilt
+
+
 class Group:
     """Tensors moved together (a whole component, one block, or a streamed component's loose tensors).
 
     Onloaded into a buffer (``install``) its tensors are views of it, one layout for every buffer; pinned
-    (``pin``) its CPU masters are views of one page-locked buffer of the same layout.
+    (``pin``) its CPU masters are views of one page-locked buffer of the same layout. A quantized weight (a tensor
+    subclass, ``quantized``) is laid out as its storage (int data, scales) and made again around its views, so it
+    moves as stored, never dequantized.
     """
 
     def __init__(self, slots: Iterable[Slot], name: str = ""):
@@ -153,7 +164,7 @@ class Group:
     @property
     def layout(self) -> Packing:
         """The layout of the tensors as they are now: a ``.to(dtype)`` made meanwhile gives a new one."""
-        tensors = [s.get() for s in self.slots]
+        tensors = [leaf for s in self.slots for leaf in storage(s.get())]
         if self._layout is None or not self._layout.fits(tensors):
             self._layout = Packing.of(tensors)
         return self._layout
@@ -161,16 +172,19 @@ class Group:
     @property
     def nbytes(self) -> int:
         """Bytes of its tensors (what a copy moves); ``layout.nbytes`` adds the alignment gaps a buffer holds."""
-        return sum(nbytes_of(s.get()) for s in self.slots)
+        return sum(stored_bytes(s.get()) for s in self.slots)
 
     def install(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Point every tensor at its place in ``buffer``; returns the ``(place, master)`` copies to queue."""
         copies = []
-        for slot, view in zip(self.slots, self.layout.views(buffer)):
+        views = iter(self.layout.views(buffer))
+        for slot in self.slots:
             slot.master = slot.get()  # what it holds while evicted: a `.to(dtype)` made meanwhile is kept
-            slot.onloaded = slot.wrap(view)
+            leaves = storage(slot.master)
+            places = [next(views) for _ in leaves]
+            slot.onloaded = slot.wrap(rebuild_from(slot.master)(places))
             slot.set(slot.onloaded)
-            copies.append((view, slot.master.detach()))
+            copies += [(place, leaf.detach()) for place, leaf in zip(places, leaves)]
         self.loaded = True
         return copies
 
@@ -192,13 +206,18 @@ class Group:
         """Masters as views of one exact-size page-locked buffer: host-to-GPU copies then run at full speed and
         without the host waiting. Copied tensor by tensor into pageable memory first, each original dropped as it
         goes, then locked: the host holds the group about once, not twice."""
-        tensors = [s.get() for s in self.slots]
+        tensors = [leaf for s in self.slots for leaf in storage(s.get())]
         if self.host is not None or not tensors or any(t.device.type != "cpu" for t in tensors):
             return
         host = torch.empty(self.layout.nbytes, dtype=torch.uint8)
-        for slot, view in zip(self.slots, self.layout.views(host)):
-            view.copy_(slot.get().detach())
-            slot.set_data(view)
+        views = iter(self.layout.views(host))
+        for slot in self.slots:
+            tensor = slot.get()
+            places = [next(views).copy_(leaf.detach()) for leaf in storage(tensor)]
+            if is_packed(tensor):
+                slot.set(restored(tensor, places))
+            else:
+                slot.set_data(places[0])
         _pin_host(host)
         _PINNED[host.data_ptr()] = host.numel()
         self.host = host
@@ -209,7 +228,7 @@ class Group:
             return False
         start, end = self.host.data_ptr(), self.host.data_ptr() + self.host.numel()
         return self.layout.nbytes == self.host.numel() and all(
-            start <= s.get().data_ptr() < end or nbytes_of(s.get()) == 0 for s in self.slots)
+            start <= t.data_ptr() < end or nbytes_of(t) == 0 for s in self.slots for t in storage(s.get()))
 
     def unpin(self) -> None:
         """Each master back in a pageable tensor of its own, and the pinned buffer given back to the system."""
@@ -218,7 +237,10 @@ class Group:
         start, end = self.host.data_ptr(), self.host.data_ptr() + self.host.numel()
         for slot in self.slots:
             tensor = slot.get()
-            if tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
+            if is_packed(tensor):
+                if any(start <= t.data_ptr() < end for t in storage(tensor)):
+                    slot.set(restored(tensor, [t.detach().clone() for t in storage(tensor)]))
+            elif tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
                 slot.set_data(tensor.detach().clone())
         _unpin_host(self.host)
         _PINNED.pop(self.host.data_ptr(), None)
