@@ -16,6 +16,7 @@ from pipemap.hooks import ReplicaHook
 from pipemap.hooks.follow import groups, signature
 from pipemap.hooks.moving import MovingHook
 from pipemap.inventory import DENOISERS
+from pipemap.quantized import storage
 
 STRATEGIES = ("balanced", "balanced_low_memory", "balanced_ultra_low_memory", "parallel")
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
@@ -98,7 +99,8 @@ def _differences(home: torch.nn.Module, copy: torch.nn.Module) -> list[str]:
     mine, theirs = dict(_tensors(home)), dict(_tensors(copy))
     if mine.keys() != theirs.keys():
         return [f"tensors differ: {sorted(mine.keys() ^ theirs.keys())[:3]}"]
-    return [path for path in mine if not torch.equal(mine[path].detach().cpu(), theirs[path].detach().cpu())]
+    return [path for path in mine if not all(torch.equal(a.detach().cpu(), b.detach().cpu()) for a, b in
+                                             zip(storage(mine[path]), storage(theirs[path]), strict=True))]
 
 
 # ---- adapters built in code --------------------------------------------------------------------------------------
@@ -162,3 +164,21 @@ def ip_image():
 
     pixels = torch.Generator().manual_seed(5)
     return Image.fromarray((torch.rand(32, 32, 3, generator=pixels) * 255).to(torch.uint8).numpy())
+
+
+# ---- quantized components ------------------------------------------------------------------------------------------
+
+
+def quantize(module: torch.nn.Module, library: str) -> torch.nn.Module:
+    """``module``'s linear layers in int8 (weights only) by ``library``: ``"quanto"`` or ``"torchao"``."""
+    if library == "quanto":
+        from optimum.quanto import freeze, qint8
+        from optimum.quanto import quantize as quanto_quantize
+
+        quanto_quantize(module, weights=qint8)
+        freeze(module)
+    else:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(module, Int8WeightOnlyConfig())
+    return module

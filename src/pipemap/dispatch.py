@@ -29,6 +29,7 @@ from .hooks.follow import follow as follow_component
 from .hooks.follow import remember, settle
 from .inventory import module_bytes
 from .plan import Placement, Plan
+from .quantized import storage
 from .streams import Queues, queues_for
 from .transfer import ensure_safe_transfers, move_tensor, plan_devices
 
@@ -211,7 +212,7 @@ def _check_standins(modules: dict[str, torch.nn.Module], plan: Plan) -> None:
         devices = (p.device, p.execution_device, *(d for _, d, _ in p.shards))
         if any(d.startswith("meta") for d in devices):
             tensor = next(modules[p.component].parameters(), None)
-            if tensor is not None and not isinstance(tensor, FakeTensor):
+            if tensor is not None and not isinstance(storage(tensor)[0], FakeTensor):  # a quantized one: its data
                 raise PlanMismatchError(p.component, "the plan puts it on a dry run's stand-in device (meta), which "
                                         "holds no data: its weights would be lost. Plan for real devices")
 

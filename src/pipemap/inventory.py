@@ -405,7 +405,7 @@ def tensor_sizes(module: torch.nn.Module, dtype: torch.dtype | None = None,
     (floating tensors only, and those the model class keeps in float32 stay there); a quantized weight (a tensor
     subclass of torchao or quanto) at the bytes it stores, whatever ``dtype``."""
     keep, seen, sizes = tuple(keep_fp32), set(), {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
+    for key, tensor in _saved_tensors(module):
         if tensor is None or id(tensor) in seen:
             continue
         seen.add(id(tensor))
@@ -417,6 +417,15 @@ def tensor_sizes(module: torch.nn.Module, dtype: torch.dtype | None = None,
             element = 4 if kept_fp32(key, keep) else dtype.itemsize
         sizes[key] = tensor.numel() * element
     return sizes
+
+
+def _saved_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor | None]]:
+    """What ``state_dict(keep_vars=True)`` holds, by module path, without calling it: a quantized module's own
+    ``_save_to_state_dict`` (quanto's) splits a weight into its inner tensors, and fails on a dry run's fakes."""
+    for path, sub in module.named_modules():
+        prefix = f"{path}." if path else ""
+        yield from ((prefix + k, t) for k, t in sub._parameters.items())
+        yield from ((prefix + k, t) for k, t in sub._buffers.items() if k not in sub._non_persistent_buffers_set)
 
 
 @functools.lru_cache(maxsize=65536)  # the same names come back for every plan of a pipeline, and twice in each

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 Rebuild = Callable[[list[torch.Tensor]], torch.Tensor]
 
 
 def is_packed(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a subclass that keeps its bytes in inner tensors (a quantized weight)."""
-    return type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
+    return is_traceable_wrapper_subclass(tensor)
 
 
 def storage(tensor: torch.Tensor) -> list[torch.Tensor]:
