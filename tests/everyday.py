@@ -59,8 +59,9 @@ def images(pipe, kind: str, **extra) -> torch.Tensor:
 
 def strays(pipe) -> list[str]:
     """Every tensor of every component that is not where its placement keeps it (empty when all are): each model as
-    pipemap last placed it (nothing changed since, unfollowed); a resident component's tensors on its device; an offloaded or streamed one's in one of its hook's groups, its master in CPU RAM;
-    a replicated one's copies holding the same tensors (values, and modules' state) as the home copy."""
+    pipemap last placed it (nothing changed since, unfollowed); a resident component's tensors on its device; an
+    offloaded or streamed one's in one of its hook's groups, their masters in CPU RAM; a replicated one's copies
+    holding the same tensors (values, and modules' state) as the home copy."""
     plan = planned(pipe)
     found = []
     for name, module in models_of(pipe).items():
@@ -139,7 +140,7 @@ def save_ip_adapter(pipe, folder, seed: int = 3, tokens: int = 4) -> str:
     weights = {"image_proj.proj.weight": rand(cross * tokens, embed), "image_proj.proj.bias": rand(cross * tokens),
                "image_proj.norm.weight": torch.ones(cross), "image_proj.norm.bias": torch.zeros(cross)}
     key = 1
-    for name, processor in unet.attn_processors.items():
+    for name in unet.attn_processors:
         if name.endswith("attn1.processor"):
             continue
         hidden = unet.get_submodule(name.removesuffix(".processor")).to_k.out_features
@@ -156,7 +157,8 @@ def save_ip_adapter(pipe, folder, seed: int = 3, tokens: int = 4) -> str:
 
 
 def load_ip_adapter(pipe, folder) -> None:
-    pipe.load_ip_adapter(folder, subfolder="", weight_name="ip_adapter.safetensors", image_encoder_folder="image_encoder")
+    pipe.load_ip_adapter(folder, subfolder="", weight_name="ip_adapter.safetensors",
+                         image_encoder_folder="image_encoder")
 
 
 def ip_image():

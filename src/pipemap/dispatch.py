@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
 from .hooks import HOOKS, MOVING, CallLock, Ledger, Moved, PlacementHook, hook_component, hook_maker, unhook_component
 from .hooks.follow import follow as follow_component
-from .hooks.follow import remember, settle
+from .hooks.follow import forget, remember, settle
 from .inventory import module_bytes
 from .plan import Placement, Plan
 from .quantized import storage
@@ -103,6 +103,7 @@ def reset(pipe) -> None:
         settle(module)  # what was changed in place on the GPU (a fused LoRA) kept in the CPU masters
         unhook_component(module)
         place_module(module, "cpu")
+        forget(module)
     for each in pipes:
         _unmark(each)
 
@@ -389,6 +390,7 @@ def replace(pipe, name: str, module) -> None:
         settle(old)
         unhook_component(old)
         place_module(old, "cpu")
+        forget(old)
     unguarded_class(pipe).__setattr__(pipe, name, module)
     if module is None:
         plan = dataclasses.replace(plan, components=tuple(p for p in plan.components if p.component != name))

@@ -37,10 +37,10 @@ from .stream import StreamHook
 Place = Callable[[torch.nn.Module, Placement], Any]  # a component's tensors onto the devices of its placement
 
 # what a module's __dict__ holds that is no state of the model: torch's own bookkeeping, the hooks' traces, a
-# compiled call (a replica runs uncompiled), the cached input of some models
+# compiled call (a replica runs uncompiled)
 _NOT_STATE = frozenset(torch.nn.Module().__dict__) | {
     "_hf_hook", "_old_forward", "forward", "encode", "decode", "tiled_encode", "tiled_decode", "_compiled_call_impl",
-    "_pipemap_seen"}
+    "_pipemap_seen", "_diffusers_hook"}  # diffusers makes its (empty) hook registry at the first call
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,10 @@ def groups(hook: Any) -> list[Group]:
 def remember(module: torch.nn.Module) -> None:
     """Record ``module`` as placed now (after ``dispatch`` hooked it, or after a follow)."""
     module.__dict__["_pipemap_seen"] = signature(module)
+
+
+def forget(module: torch.nn.Module) -> None:
+    module.__dict__.pop("_pipemap_seen", None)
 
 
 def follow(module: torch.nn.Module, placement: Placement, place: Place) -> bool:
