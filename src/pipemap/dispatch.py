@@ -82,8 +82,9 @@ def place(pipe, plan: Plan, *, check_transfers: bool = True,
         module = modules[placement.component]
         try:
             _place(module, placement, moves)  # records each tensor as it moves, so a failure part-way undoes it
-            hook_component(module, make_hook(placement))
-            module._hf_hook.owner = weakref.ref(pipe)  # reset of a from_pipe copy finds the pipeline to unmark
+            hook: Any = make_hook(placement)
+            hook_component(module, hook)
+            hook.owner = weakref.ref(pipe)  # reset of a from_pipe copy finds the pipeline to unmark
             remember(module)  # what a later change (a LoRA loaded) is compared with
         except Exception as err:
             _undo(modules.values(), moves)
@@ -225,6 +226,7 @@ def _modules(pipe) -> dict[str, torch.nn.Module]:
 def _undo(modules, moves: list[Move]) -> None:
     for module in modules:
         unhook_component(module)
+        forget(module)
     for moved in reversed(moves):
         moved.undo()
 
@@ -327,12 +329,14 @@ def _taking_turns(call):
 
 
 def _replacing(cls: type):
+    setattr_of: Any = cls.__setattr__
+
     def __setattr__(self, name: str, value) -> None:
         plan = self.__dict__.get("_pipemap_plan")
         if plan is not None and name in plan.device_map and value is not self.__dict__.get(name):
             replace(self, name, value)  # ``pipe.unet = other``: placed as the old one was, or a typed error
         else:
-            cls.__setattr__(self, name, value)
+            setattr_of(self, name, value)
 
     return __setattr__
 
@@ -343,7 +347,7 @@ def _replacing(cls: type):
 def follow(pipe) -> None:
     """Bring a placed pipeline in line with its models as they are now (``hooks.follow``); every call of the
     pipeline does it first. A model added since dispatch (an IP-Adapter's image encoder) is placed where room is
-    left; one whose model object is no longer the one placed raises ``ComponentChangedError``.
+    left, and one that no longer fits where it is raises ``ComponentChangedError``.
 
     >>> pipe.load_lora_weights(folder, weight_name="lora.safetensors")                  # doctest: +SKIP
     >>> pipemap.follow(pipe)   # what pipe(...) does first; the LoRA layers now live where the unet does  # +SKIP
@@ -360,8 +364,7 @@ def follow(pipe) -> None:
         if name not in placements:
             plan = _adopt(pipe, plan, name, module)
         elif not isinstance(getattr(module, "_hf_hook", None), PlacementHook):
-            raise ComponentChangedError(name, "it is not the model pipemap placed (its hook is gone)",
-                                        f"pipemap.replace(pipe, {name!r}, module)")
+            continue  # its hook removed by hand: nothing pipemap placed to follow (a dry run names the device mix)
         elif follow_component(module, placements[name], _place):
             changed.append(name)
     if changed:
@@ -391,7 +394,8 @@ def replace(pipe, name: str, module) -> None:
         unhook_component(old)
         place_module(old, "cpu")
         forget(old)
-    unguarded_class(pipe).__setattr__(pipe, name, module)
+    setattr_of: Any = unguarded_class(pipe).__setattr__
+    setattr_of(pipe, name, module)
     if module is None:
         plan = dataclasses.replace(plan, components=tuple(p for p in plan.components if p.component != name))
     else:
@@ -418,8 +422,8 @@ def _check_room(plan: Plan, placement: Placement, module: torch.nn.Module) -> No
 
 def _hook_new(pipe, plan: Plan, placement: Placement, module: torch.nn.Module) -> None:
     """Place and hook ``module`` as ``placement`` says, sharing the dispatch's ledger and moving lock."""
-    moving = [h for h in (getattr(m, "_hf_hook", None) for m in _modules(pipe).values())
-              if isinstance(getattr(h, "ledger", None), Ledger)]
+    moving: list[Any] = [h for h in (getattr(m, "_hf_hook", None) for m in _modules(pipe).values())
+                         if isinstance(getattr(h, "ledger", None), Ledger)]
     ledger = moving[0].ledger if moving else Ledger()
     hook = HOOKS[placement.mode](placement, plan.execution_device, ledger)
     if placement.mode in MOVING:
