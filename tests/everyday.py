@@ -120,7 +120,7 @@ def save_lora(kind: str, folder, seed: int, targets=("to_q", "to_k", "to_v", "to
         denoiser.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=False))
     layers = get_peft_model_state_dict(denoiser)
     prefix = "transformer" if kind == "flux" else "unet"
-    type(pipe).save_lora_weights(folder, **{f"{prefix}_lora_layers": layers}, safe_serialization=True)
+    type(pipe).save_lora_weights(str(folder), **{f"{prefix}_lora_layers": layers}, safe_serialization=True)
     return str(folder)
 
 

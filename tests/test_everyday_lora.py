@@ -16,7 +16,7 @@ def loras(tmp_path_factory) -> dict[str, dict[str, str]]:
     """``{kind: {"a": folder, "b": folder}}``: two random LoRAs of each tiny denoiser (b on fewer layers)."""
     root = tmp_path_factory.mktemp("loras")
     out = {}
-    for kind in ("sd", "flux"):
+    for kind in ("sd", "sdxl", "flux"):
         (root / kind / "a").mkdir(parents=True)
         (root / kind / "b").mkdir()
         out[kind] = {"a": save_lora(kind, root / kind / "a", seed=1),
@@ -41,7 +41,7 @@ def _steps(folders: dict[str, str]):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("kind", ["sd", "flux"])
+@pytest.mark.parametrize("kind", ["sd", "sdxl", "flux"])
 def test_lora_follows_every_step(loras, kind, strategy):
     if kind == "flux" and strategy == "parallel":
         pytest.skip("Flux gets no replicas: its parallel plan is balanced's")

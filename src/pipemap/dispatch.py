@@ -323,7 +323,12 @@ def _taking_turns(call):
             return call(self, *args, **kwargs)
         with lock:
             follow(self)  # a LoRA loaded, fused or switched since the last call: placed before this one
-            return call(self, *args, **kwargs)
+            try:
+                return call(self, *args, **kwargs)
+            finally:  # what the models' own calls change (transformers' hooks, Wan's VAE caches) is no change
+                for module in _modules(self).values():
+                    if isinstance(getattr(module, "_hf_hook", None), PlacementHook):
+                        remember(module)
 
     return taking_turns
 

@@ -40,7 +40,7 @@ Place = Callable[[torch.nn.Module, Placement], Any]  # a component's tensors ont
 # compiled call (a replica runs uncompiled)
 _NOT_STATE = frozenset(torch.nn.Module().__dict__) | {
     "_hf_hook", "_old_forward", "forward", "encode", "decode", "tiled_encode", "tiled_decode", "_compiled_call_impl",
-    "_pipemap_seen", "_diffusers_hook"}  # diffusers makes its (empty) hook registry at the first call
+    "_pipemap_seen"}
 
 
 @dataclass(frozen=True)
