@@ -64,6 +64,9 @@ CASES = {
                          ["workers is 0", "give 1 or more"]),
     E.ForeignHookError: (("unet", "CpuOffload"), {"component": "unet", "hook": "CpuOffload"},
                          ["CpuOffload", "pipe.remove_all_hooks()", "pipemap.dispatch"]),
+    E.ComponentChangedError: (("unet", "it needs 9 bytes", "pipemap.reset(pipe)"),
+                              {"component": "unet", "reason": "it needs 9 bytes", "fix": "pipemap.reset(pipe)"},
+                              ["'unet'", "it needs 9 bytes", "call pipemap.reset(pipe)"]),
 }
 # errors in what pipemap was asked to do at run time, not in what the user gave
 RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError}

@@ -105,3 +105,18 @@ def test_placed_and_reset_leave_a_quantized_model_quantized():
     quantize(reference.text_encoder, "quanto")
     torch.testing.assert_close(images(pipe, "sd"), images(reference, "sd"), atol=1e-5, rtol=0)
     assert strays(pipe) == []
+
+
+class KeepsStateAside(torch.nn.Parameter):
+    """A weight whose meaning lives partly outside its storage (bitsandbytes' Params4bit keeps its quant_state so)."""
+
+
+def test_a_weight_that_cannot_be_packed_is_refused_before_anything_moves():
+    pipe = plain("sd")
+    plan = two_gpu_plan(pipe, "balanced_low_memory").remap(ON_CPU)
+    layer = pipe.unet.conv_in
+    layer.weight = KeepsStateAside(layer.weight.detach())
+    with pytest.raises(pipemap.PlanMismatchError, match="conv_in.weight is a KeepsStateAside") as caught:
+        pipemap.dispatch(pipe, plan)
+    assert caught.value.component == "unet" and pipe.hf_device_map is None
+    pipemap.dispatch(pipe, two_gpu_plan(pipe, "balanced").remap(ON_CPU))  # resident: nothing to pack

@@ -29,7 +29,7 @@ from .hooks.follow import follow as follow_component
 from .hooks.follow import forget, remember, settle
 from .inventory import module_bytes
 from .plan import Placement, Plan
-from .quantized import storage
+from .quantized import movable, storage
 from .streams import Queues, queues_for
 from .transfer import ensure_safe_transfers, move_tensor, plan_devices
 
@@ -198,7 +198,18 @@ def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
             raise PlanMismatchError(name, f"the plan places it but the pipeline has no such model (it has: "
                                     f"{', '.join(modules)})")
     _check_standins(modules, plan)
+    for p in plan.components:
+        if p.mode in MOVING:
+            _check_movable(p.component, modules[p.component])
     return modules
+
+
+def _check_movable(name: str, module: torch.nn.Module) -> None:
+    for path, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if not movable(tensor):
+            raise PlanMismatchError(name, f"its tensor {path} is a {type(tensor).__name__}, which offload and "
+                                    "streaming cannot pack (it keeps state outside its storage); place it resident "
+                                    f"(strategy={{{name!r}: 'cuda:0'}}) or quantize it with torchao or quanto")
 
 
 def check_pipeline(pipe, operation: str) -> None:

@@ -40,6 +40,14 @@ def storage(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [leaf for name in names for leaf in storage(getattr(tensor, name))]
 
 
+def movable(tensor: torch.Tensor) -> bool:
+    """Whether offload and streaming can move ``tensor`` through a packed buffer: a plain tensor, or a subclass that
+    says what it stores (``is_packed``). Others (bitsandbytes' ``Params4bit``, whose quantization state lives in a
+    Python attribute) would lose what the buffer cannot hold."""
+    own = type(tensor).__module__.split(".")[0] == "torch"  # torch's own: a dry run's fake tensors
+    return own or type(tensor) in (torch.Tensor, torch.nn.Parameter) or is_packed(tensor)
+
+
 def stored_bytes(tensor: torch.Tensor) -> int:
     """Bytes ``tensor`` really stores (a quantized weight: its int data and scales, not its float size)."""
     return sum(t.numel() * t.element_size() for t in storage(tensor))
