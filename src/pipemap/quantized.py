@@ -72,6 +72,14 @@ def rebuild_from(tensor: torch.Tensor) -> Rebuild:
     return rebuild
 
 
+def restored(tensor: torch.Tensor, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """``tensor`` made again around ``leaves`` (its storage elsewhere), a Parameter staying one."""
+    rebuilt = rebuild_from(tensor)(leaves)
+    if isinstance(tensor, torch.nn.Parameter) and not isinstance(rebuilt, torch.nn.Parameter):
+        return torch.nn.Parameter(rebuilt, requires_grad=tensor.requires_grad)
+    return rebuilt
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------------------
 
 

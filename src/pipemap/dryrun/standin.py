@@ -19,10 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import PipemapError
-from ..hooks.packing import restored
 from ..inventory import component_class, default_dtype, keep_in_fp32, kept_fp32, read_model_index
 from ..plan import Plan
-from ..quantized import is_packed, storage
+from ..quantized import is_packed, restored, storage
 
 
 class DeviceMixError(PipemapError, RuntimeError):

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from ..plan import Placement
-from ..quantized import storage
+from ..quantized import restored, storage
 from ..transfer import move_tensor
 from .moving import MovingHook
 from .offload import OffloadHook
-from .packing import Group, restored
+from .packing import Group
 from .replica import ReplicaHook
 from .resident import PlacementHook, hook_component, unhook_component
 from .stream import StreamHook

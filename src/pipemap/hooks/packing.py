@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quantized import is_packed, rebuild_from, storage, stored_bytes
+from ..quantized import is_packed, rebuild_from, restored, storage, stored_bytes
 from ..transfer import move_tensor
 from ..units import aligned
 
@@ -136,14 +136,6 @@ _PINNED: dict[int, int] = {}  # host address -> bytes, of every buffer pinned he
 def pinned_bytes() -> int:
     """Host bytes pinned by offload and stream hooks now (exactly their groups' ``Packing.nbytes``)."""
     return sum(_PINNED.values())
-
-
-def restored(tensor: torch.Tensor, leaves: list[torch.Tensor]) -> torch.Tensor:
-    """``tensor`` made again around ``leaves`` (its storage elsewhere), a Parameter staying one."""
-    rebuilt = rebuild_from(tensor)(leaves)
-    if isinstance(tensor, torch.nn.Parameter) and not isinstance(rebuilt, torch.nn.Parameter):
-        return torch.nn.Parameter(rebuilt, requires_grad=tensor.requires_grad)
-    return rebuilt
 
 
 class Group:
