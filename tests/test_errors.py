@@ -68,6 +68,9 @@ CASES = {
                           {"device": "cuda:1", "needs": 3 * GIB, "room": GIB, "memory": 16 * GIB,
                            "phase": "VAE decode", "advice": ("at most 1 image",)},
                           ["3.00 GiB", "cuda:1", "VAE decode", "at most 1 image"]),
+    E.ComponentChangedError: (("unet", "it needs 9 bytes", "pipemap.reset(pipe)"),
+                              {"component": "unet", "reason": "it needs 9 bytes", "fix": "pipemap.reset(pipe)"},
+                              ["'unet'", "it needs 9 bytes", "call pipemap.reset(pipe)"]),
 }
 # errors in what pipemap was asked to do at run time, not in what the user gave
 RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError}

@@ -548,3 +548,12 @@ def test_auto_weighs_replicas_and_explains_both_speeds():
     assert "images/s" in text and "parallel" in text
     rates = {c.strategy: c.images_per_second for c in plan.candidates}
     assert rates["balanced"] == pytest.approx(1 / max(busy.values()))
+
+
+def test_a_split_that_runs_out_of_room_names_the_largest_room_it_had():
+    # vae 45 bytes in three blocks of 15 on two GPUs of 24: one block each, the third fits neither. The error names
+    # the most one GPU had (24), less than the 45 needed (it once summed what was left and added the need back: 48)
+    vae = Component("vae", "diffusers", "AutoencoderKL", 45, True, blocks=(("b.0", 15), ("b.1", 15), ("b.2", 15)))
+    with pytest.raises(pipemap.DoesNotFitError) as caught:
+        plan(Inventory("test", "TestPipeline", (vae,)), "cuda:0=24,cuda:1=24,cpu=1000", strategy="balanced_split")
+    assert (caught.value.bytes, caught.value.largest_room) == (45, 24)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,14 +23,18 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .errors import ArgumentTypeError, DispatchError, PipelineMappedError, PlanMismatchError
-from .hooks import Ledger, Moved, hook_component, hook_maker, unhook_component
-from .plan import Plan
+from .errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
+from .hooks import HOOKS, MOVING, CallLock, Ledger, Moved, PlacementHook, hook_component, hook_maker, unhook_component
+from .hooks.follow import follow as follow_component
+from .hooks.follow import forget, remember, settle
+from .inventory import module_bytes
+from .plan import Placement, Plan
+from .quantized import movable, storage
 from .streams import Queues, queues_for
 from .transfer import ensure_safe_transfers, move_tensor, plan_devices, synchronize
 
 _GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload",
-            "reset_device_map")
+            "reset_device_map", "remove_all_hooks")
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,10 @@ def place(pipe, plan: Plan, *, check_transfers: bool = True,
         module = modules[placement.component]
         try:
             _place(module, placement, moves)  # records each tensor as it moves, so a failure part-way undoes it
-            hook_component(module, make_hook(placement))
+            hook: Any = make_hook(placement)
+            hook_component(module, hook)
+            hook.owner = weakref.ref(pipe)  # reset of a from_pipe copy finds the pipeline to unmark
+            remember(module)  # what a later change (a LoRA loaded) is compared with
         except Exception as err:
             _undo(modules.values(), moves)
             raise DispatchError(placement.component, placement.device, err) from err
@@ -92,9 +100,23 @@ def reset(pipe) -> None:
     True
     """
     check_pipeline(pipe, "reset")
-    for module in _modules(pipe).values():
+    pipes = [pipe, *_owners(pipe)]  # a from_pipe copy shares the models of the pipeline dispatch placed
+    for module in {id(m): m for p in pipes for m in _modules(p).values()}.values():
+        settle(module)  # what was changed in place on the GPU (a fused LoRA) kept in the CPU masters
         unhook_component(module)
         place_module(module, "cpu")
+        forget(module)
+    for each in pipes:
+        _unmark(each)
+
+
+def _owners(pipe) -> list:
+    owners = (getattr(getattr(m, "_hf_hook", None), "owner", None) for m in _modules(pipe).values())
+    found = {id(p): p for p in (o() for o in owners if isinstance(o, weakref.ref)) if p is not None}
+    return [p for p in found.values() if p is not pipe]
+
+
+def _unmark(pipe) -> None:
     for name in _GUARDED:
         pipe.__dict__.pop(name, None)
     pipe.__dict__.pop("_pipemap_plan", None)
@@ -177,7 +199,18 @@ def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
             raise PlanMismatchError(name, f"the plan places it but the pipeline has no such model (it has: "
                                     f"{', '.join(modules)})")
     _check_standins(modules, plan)
+    for p in plan.components:
+        if p.mode in MOVING:
+            _check_movable(p.component, modules[p.component])
     return modules
+
+
+def _check_movable(name: str, module: torch.nn.Module) -> None:
+    for path, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if not movable(tensor):
+            raise PlanMismatchError(name, f"its tensor {path} is a {type(tensor).__name__}, which offload and "
+                                    "streaming cannot pack (it keeps state outside its storage); place it resident "
+                                    f"(strategy={{{name!r}: 'cuda:0'}}) or quantize it with torchao or quanto")
 
 
 def check_pipeline(pipe, operation: str) -> None:
@@ -193,7 +226,7 @@ def _check_standins(modules: dict[str, torch.nn.Module], plan: Plan) -> None:
         devices = (p.device, p.execution_device, *(d for _, d, _ in p.shards))
         if any(d.startswith("meta") for d in devices):
             tensor = next(modules[p.component].parameters(), None)
-            if tensor is not None and not isinstance(tensor, FakeTensor):
+            if tensor is not None and not isinstance(storage(tensor)[0], FakeTensor):  # a quantized one: its data
                 raise PlanMismatchError(p.component, "the plan puts it on a dry run's stand-in device (meta), which "
                                         "holds no data: its weights would be lost. Plan for real devices")
 
@@ -205,6 +238,7 @@ def _modules(pipe) -> dict[str, torch.nn.Module]:
 def _undo(modules, moves: list[Move]) -> None:
     for module in modules:
         unhook_component(module)
+        forget(module)
     for moved in reversed(moves):
         moved.undo()
 
@@ -215,6 +249,7 @@ def _mark(pipe, plan: Plan) -> None:
     for name in _GUARDED:
         pipe.__dict__[name] = _refuse(f"pipe.{name}()")
     pipe.__dict__["reset_device_map"] = functools.partial(reset, pipe)  # diffusers' own undo does ours
+    pipe.__dict__["remove_all_hooks"] = functools.partial(reset, pipe)  # half removed would leave it half placed
     guard_calls(pipe)  # calls from several threads take turns: a call's state lives on the pipeline
 
 
@@ -287,7 +322,7 @@ def _guarded(cls: type) -> type:
     with _GUARDS_LOCK:
         if cls not in _GUARDS:
             body = {"__call__": _taking_turns(cls.__call__), "_pipemap_unguarded": cls, "__module__": cls.__module__,
-                    "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+                    "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, "__setattr__": _replacing(cls)}
             _GUARDS[cls] = type(cls.__name__, (cls,), body)
         return _GUARDS[cls]
 
@@ -299,6 +334,150 @@ def _taking_turns(call):
         if lock is None:  # a new pipeline of the class (``type(pipe)(...)``) that no dispatch marked
             return call(self, *args, **kwargs)
         with lock:
-            return call(self, *args, **kwargs)
+            follow(self)  # a LoRA loaded, fused or switched since the last call: placed before this one
+            try:
+                return call(self, *args, **kwargs)
+            finally:  # what the models' own calls change (transformers' hooks, Wan's VAE caches) is no change
+                for module in _modules(self).values():
+                    if isinstance(getattr(module, "_hf_hook", None), PlacementHook):
+                        remember(module)
 
     return taking_turns
+
+
+def _replacing(cls: type):
+    setattr_of: Any = cls.__setattr__
+
+    def __setattr__(self, name: str, value) -> None:
+        plan = self.__dict__.get("_pipemap_plan")
+        if plan is not None and name in plan.device_map and value is not self.__dict__.get(name):
+            replace(self, name, value)  # ``pipe.unet = other``: placed as the old one was, or a typed error
+        else:
+            setattr_of(self, name, value)
+
+    return __setattr__
+
+
+# ---- a placed pipeline whose models change ---------------------------------------------------------------------
+
+
+def follow(pipe) -> None:
+    """Bring a placed pipeline in line with its models as they are now (``hooks.follow``); every call of the
+    pipeline does it first. A model added since dispatch (an IP-Adapter's image encoder) is placed where room is
+    left, and one that no longer fits where it is raises ``ComponentChangedError``.
+
+    >>> pipe.load_lora_weights(folder, weight_name="lora.safetensors")                  # doctest: +SKIP
+    >>> pipemap.follow(pipe)   # what pipe(...) does first; the LoRA layers now live where the unet does  # +SKIP
+    """
+    plan = planned(pipe)
+    if plan is None:
+        return
+    placements = {p.component: p for p in plan.components}
+    modules = _modules(pipe)
+    if set(placements) - set(modules):  # set to None through the config: nothing left to place
+        plan = dataclasses.replace(plan, components=tuple(p for p in plan.components if p.component in modules))
+    changed = []
+    for name, module in modules.items():
+        if name not in placements:
+            plan = _adopt(pipe, plan, name, module)
+        elif not isinstance(getattr(module, "_hf_hook", None), PlacementHook):
+            continue  # its hook removed by hand: nothing pipemap placed to follow (a dry run names the device mix)
+        elif follow_component(module, placements[name], _place):
+            changed.append(name)
+    if changed:
+        plan = _resized(plan, {n: module_bytes(getattr(pipe, n)) for n in changed})
+    pipe.__dict__["_pipemap_plan"] = plan
+    pipe.__dict__["hf_device_map"] = plan.device_map
+
+
+def replace(pipe, name: str, module) -> None:
+    """Put ``module`` in place of the placed pipeline's component ``name`` (``pipe.unet = module`` does the same),
+    placed as the old one was; the old one is unhooked and back on the CPU. ``None`` removes the component.
+
+    >>> pipemap.replace(pipe, "unet", other_unet)                                        # doctest: +SKIP
+    """
+    plan = planned(pipe)
+    if plan is None or name not in plan.device_map:
+        raise ComponentChangedError(name, "it is not a component pipemap placed on this pipeline",
+                                    "assign it as usual; pipemap.dispatch places a pipeline that has no plan")
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise ArgumentTypeError(f"replace(pipe, {name!r}, module)", module, "a torch module, or None")
+    placement = plan.placement(name)
+    if module is not None:
+        _check_room(plan, placement, module)
+    old = getattr(pipe, name, None)
+    if isinstance(old, torch.nn.Module):
+        settle(old)
+        unhook_component(old)
+        place_module(old, "cpu")
+        forget(old)
+    setattr_of: Any = unguarded_class(pipe).__setattr__
+    setattr_of(pipe, name, module)
+    if module is None:
+        plan = dataclasses.replace(plan, components=tuple(p for p in plan.components if p.component != name))
+    else:
+        _hook_new(pipe, plan, placement, module)
+        plan = _resized(plan, {name: module_bytes(module)})
+    pipe.__dict__["_pipemap_plan"] = plan
+    pipe.__dict__["hf_device_map"] = plan.device_map
+
+
+def _check_room(plan: Plan, placement: Placement, module: torch.nn.Module) -> None:
+    size = module_bytes(module)
+    if placement.mode == "offload" and size > placement.room:
+        room = placement.room
+    elif placement.mode in ("resident", "replicated", "split"):
+        use = next(d for d in plan.devices if d.device == placement.device)
+        room = use.budget - use.used + placement.bytes
+    else:
+        return
+    if size > room:
+        raise ComponentChangedError(placement.component, f"the new model needs {size} bytes and its placement has "
+                                    f"room for {room}", "pipemap.reset(pipe), assign it, then "
+                                    "pipemap.dispatch(pipe, pipemap.plan(pipe, ...))")
+
+
+def _hook_new(pipe, plan: Plan, placement: Placement, module: torch.nn.Module) -> None:
+    """Place and hook ``module`` as ``placement`` says, sharing the dispatch's ledger and moving lock."""
+    moving: list[Any] = [h for h in (getattr(m, "_hf_hook", None) for m in _modules(pipe).values())
+                         if isinstance(getattr(h, "ledger", None), Ledger)]
+    ledger = moving[0].ledger if moving else Ledger()
+    hook = HOOKS[placement.mode](placement, plan.execution_device, ledger)
+    if placement.mode in MOVING:
+        hook.lock = moving[0].lock if moving else CallLock()
+    _place(module, placement)
+    hook_component(module, hook)
+    hook.owner = weakref.ref(pipe)
+    remember(module)
+
+
+def _adopt(pipe, plan: Plan, name: str, module: torch.nn.Module) -> Plan:
+    """A model the pipeline gained after dispatch, placed resident on the device with the most room left for it."""
+    size = module_bytes(module)
+    rooms = sorted(((d.budget - d.used, d.device) for d in plan.devices if d.device != "cpu"), reverse=True)
+    rooms = rooms or [(next((d.budget - d.used for d in plan.devices), 0), "cpu")]
+    room, device = rooms[0]
+    if size > room:
+        raise ComponentChangedError(name, f"the pipeline gained it after dispatch; it needs {size} bytes and the "
+                                    f"most room left is {room} on {device}",
+                                    "pipemap.reset(pipe), then pipemap.dispatch(pipe, pipemap.plan(pipe, ...))")
+    placement = Placement(name, device, size)
+    plan = dataclasses.replace(plan, components=(*plan.components, placement),
+                               notes=(*plan.notes, f"{name}: added after dispatch, placed on {device}"))
+    _hook_new(pipe, plan, placement, module)
+    return dataclasses.replace(plan, devices=tuple(dataclasses.replace(d, used=d.used + size) if d.device == device
+                                                   else d for d in plan.devices))
+
+
+def _resized(plan: Plan, sizes: dict[str, int]) -> Plan:
+    """``plan`` with the bytes of the components of ``sizes`` as they are now; each device's use moves by as much
+    (a replicated denoiser's copies too; a split one's growth counted on its home GPU)."""
+    delta: dict[str, int] = {}
+    parts = []
+    for p in plan.components:
+        grown = sizes.get(p.component, p.bytes) - p.bytes
+        for device in (p.device, *p.replicas):
+            delta[device] = delta.get(device, 0) + grown
+        parts.append(dataclasses.replace(p, bytes=p.bytes + grown))
+    devices = tuple(dataclasses.replace(d, used=d.used + delta.get(d.device, 0)) for d in plan.devices)
+    return dataclasses.replace(plan, components=tuple(parts), devices=devices)

@@ -281,3 +281,12 @@ class CallTooLargeError(PipemapError, ValueError):
             f"the call needs {_fmt(needs)} of activations on {device}{by}, but the plan leaves {_fmt(room)} there "
             f"beside its weights ({_fmt(memory)} of memory, {_fmt(memory - room)} of weights): {fix}"
         )
+# ---- a placed pipeline whose models change -----------------------------------------------------------------------
+
+
+class ComponentChangedError(PipemapError, ValueError):
+    """A change to a placed pipeline's model that pipemap cannot follow where it is: ``fix`` is the call to make."""
+
+    def __init__(self, component: str, reason: str, fix: str):
+        self.component, self.reason, self.fix = component, reason, fix
+        super().__init__(f"cannot keep {component!r} placed: {reason}; call {fix}")

@@ -30,6 +30,7 @@ from .errors import (
     VariantNotFoundError,
 )
 from .granularity import Block, finest_in_flight
+from .quantized import is_packed, quantization_method, quantization_state, stored_bytes
 from .units import aligned
 
 # safetensors dtype codes -> bytes per element
@@ -170,7 +171,9 @@ def _of_folder(folder: Path, dtype: torch.dtype | None, variant: str | None) -> 
             continue
         at = dtype if dtype is not None else default_dtype(folder / name, library)
         keep = keep_in_fp32(library, class_name, at)
-        sizes = {key: _tensor_bytes(meta, key, at, keep) for f in files for key, meta in read_header(f).items()}
+        quantized = quantization_method(_config(folder / name)) is not None
+        sizes = {key: _tensor_bytes(meta, key, at, keep, quantized) for f in files
+                 for key, meta in read_header(f).items()}
         tree = block_tree(sizes)
         components.append(Component(name, library, class_name, sum(sizes.values()), True,
                                     in_flight=finest_in_flight(tree),
@@ -227,6 +230,15 @@ def _variant_of(path: Path) -> str | None:
         stem = _SHARD.sub("", name[: -len(".safetensors")])
         return stem.rpartition(".")[2] if "." in stem else None
     return None
+
+
+def _config(subfolder: Path) -> dict[str, Any]:
+    """A component's ``config.json``, or an empty dict when it has none (or an unreadable one)."""
+    try:
+        config = json.loads((subfolder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def default_dtype(subfolder: Path, library: str) -> torch.dtype:
@@ -390,17 +402,30 @@ def live_blocks(module: torch.nn.Module, dtype: torch.dtype | None = None,
 def tensor_sizes(module: torch.nn.Module, dtype: torch.dtype | None = None,
                  keep_fp32: Iterable[str] = ()) -> dict[str, int]:
     """``{state_dict key: bytes}`` of a module, each shared tensor under its first key only, at ``dtype`` if given
-    (floating tensors only, and those the model class keeps in float32 stay there)."""
+    (floating tensors only, and those the model class keeps in float32 stay there); a quantized weight (a tensor
+    subclass of torchao or quanto) at the bytes it stores, whatever ``dtype``."""
     keep, seen, sizes = tuple(keep_fp32), set(), {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
+    for key, tensor in _saved_tensors(module):
         if tensor is None or id(tensor) in seen:
             continue
         seen.add(id(tensor))
+        if is_packed(tensor):
+            sizes[key] = stored_bytes(tensor)
+            continue
         element = tensor.element_size()
         if dtype is not None and tensor.is_floating_point():
             element = 4 if kept_fp32(key, keep) else dtype.itemsize
         sizes[key] = tensor.numel() * element
     return sizes
+
+
+def _saved_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor | None]]:
+    """What ``state_dict(keep_vars=True)`` holds, by module path, without calling it: a quantized module's own
+    ``_save_to_state_dict`` (quanto's) splits a weight into its inner tensors, and fails on a dry run's fakes."""
+    for path, sub in module.named_modules():
+        prefix = f"{path}." if path else ""
+        yield from ((prefix + k, t) for k, t in sub._parameters.items())
+        yield from ((prefix + k, t) for k, t in sub._buffers.items() if k not in sub._non_persistent_buffers_set)
 
 
 @functools.lru_cache(maxsize=65536)  # the same names come back for every plan of a pipeline, and twice in each
@@ -437,12 +462,13 @@ def _collect_blocks(module: torch.nn.Module, prefix: str, blocks: dict[int, tupl
             blocks.setdefault(id(child), (path, child))
 
 
-def _tensor_bytes(meta: Mapping[str, Any], key: str, dtype: torch.dtype | None, keep_fp32: tuple[str, ...]) -> int:
+def _tensor_bytes(meta: Mapping[str, Any], key: str, dtype: torch.dtype | None, keep_fp32: tuple[str, ...],
+                  quantized: bool = False) -> int:
     numel = 1
     for dim in meta["shape"]:
         numel *= int(dim)
     code = meta["dtype"]
-    if code not in _FLOATING:
+    if code not in _FLOATING or quantization_state(key, quantized):  # stored as it will stay
         return numel * _ELEMENT_BYTES[code]
     if kept_fp32(key, keep_fp32):
         return numel * 4

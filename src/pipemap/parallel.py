@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .admission import Admission
-from .dispatch import CALL_LOCK, unguarded_class
+from .dispatch import CALL_LOCK, follow, unguarded_class
 from .errors import ForeignHookError, RunManyCallError
 from .hooks import PlacementHook
 
@@ -72,6 +72,7 @@ def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_except
     if not isinstance(workers, int) or workers < 1:
         raise RunManyCallError("workers", workers, "give workers=N with N >= 1 requests in flight")
     _check_hooks(pipe)
+    follow(pipe)  # the twins' calls do not follow (they share the models): a LoRA loaded since is placed once, here
     return _results(pipe, calls, workers, return_exceptions, memory)  # checked now, run as it is iterated
 
 

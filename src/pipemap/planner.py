@@ -239,6 +239,7 @@ def _split_across(name: str, size: int, blocks: tuple[tuple[str, int], ...], ord
          strategy: str) -> Place:
     """Fill the roomiest GPU with the component's loose tensors and as many blocks as fit, then the next GPU."""
     home, shards = order[0], []
+    largest = rooms[home]  # the room the error names: what one GPU had left before this component's pieces
     left = size - sum(b for _, b in blocks)  # what is not in a block stays home
     if left > rooms[home] or not blocks:
         raise DoesNotFitError(name, size, rooms[home], strategy, ())
@@ -249,7 +250,7 @@ def _split_across(name: str, size: int, blocks: tuple[tuple[str, int], ...], ord
         while block > rooms[device]:
             following = next(devices, None)
             if following is None:
-                raise DoesNotFitError(name, size, sum(rooms.values()) + size - block, strategy, ())
+                raise DoesNotFitError(name, size, largest, strategy, ())
             device = following
         rooms[device] -= block
         if device != home:

@@ -228,7 +228,8 @@ def build_flux(scale: int = 1):
         block_out_channels=[32 * scale, 32 * scale], in_channels=3, out_channels=3, latent_channels=4,
         down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, norm_num_groups=GROUPS,
         sample_size=32, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035))
-    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_text_encoder(scale),
+    clip = _seeded(lambda: _text_encoder(scale))
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip,
                         tokenizer=tokenizer, text_encoder_2=t5, tokenizer_2=build_t5_tokenizer(),
                         transformer=transformer)
 

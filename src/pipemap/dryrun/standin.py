@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 from ..errors import PipemapError
 from ..inventory import component_class, default_dtype, keep_in_fp32, kept_fp32, read_model_index
 from ..plan import Plan
+from ..quantized import is_packed, restored, storage
 
 
 class DeviceMixError(PipemapError, RuntimeError):
@@ -48,6 +49,8 @@ def devices_for(plan: Plan) -> dict[str, str]:
 
 
 def _fake(tensor: torch.Tensor, mode: FakeTensorMode, device: str, dtype: torch.dtype | None = None):
+    if is_packed(tensor):  # a quantized weight: its storage faked, the subclass made again around it (stored size)
+        return restored(tensor, [_fake(leaf, mode, device) for leaf in storage(tensor)])
     # as .to(device) copies it: a view into a larger storage (a slice kept as a buffer) arrives as just its elements
     dense = tensor.is_meta or tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     with mode:

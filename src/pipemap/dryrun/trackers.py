@@ -19,6 +19,8 @@ from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from ..quantized import storage
+
 
 class StorageTracker(TorchDispatchMode):
     """Live bytes per device, every storage counted once and freed when it dies; ``peak`` is the high mark.
@@ -59,8 +61,8 @@ class StorageTracker(TorchDispatchMode):
 
     def track_module_tensors(self, pipe) -> None:
         for module in _with_replicas(pipe):
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                if self._track(tensor, weight=True):
+            for tensor in (t for w in [*module.parameters(), *module.buffers()] for t in storage(w)):
+                if self._track(tensor, weight=True):  # a quantized weight by its storage: the bytes it holds
                     self.weights[str(tensor.device)] += tensor.untyped_storage().nbytes()
 
     def _track(self, tensor: torch.Tensor, weight: bool = False) -> bool:

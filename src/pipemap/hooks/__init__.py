@@ -42,6 +42,19 @@ HOOKS: dict[str, Callable[[Placement, str, Ledger], PlacementHook]] = {
 MOVING = ("offload", "stream")  # modes whose hooks move weights: one ledger, and one call at a time among them
 
 
+def _outside_graphs(cls: type) -> None:
+    # ``module.compile()`` and ``compile_repeated_blocks`` compile the module's whole call, hooks included: dynamo
+    # would trace the hooks' bookkeeping (queues, events, the LRU cache) into the graph and guard on it (a new
+    # onloaded tensor each call, a recompile each call). Each hook method runs eagerly, between graphs, instead.
+    for name in ("pre_forward", "post_forward", "_enter", "_leave"):
+        if name in cls.__dict__:
+            setattr(cls, name, torch.compiler.disable(cls.__dict__[name], recursive=True))
+
+
+for _hook in (PlacementHook, OffloadHook, StreamHook, SplitHook, ReplicaHook):
+    _outside_graphs(_hook)
+
+
 def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
                ) -> Callable[[Placement], PlacementHook]:
     """``placement -> hook`` for one dispatch of ``plan``: the moving hooks share one ledger of what is onloaded

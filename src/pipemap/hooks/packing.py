@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quantized import is_packed, rebuild_from, restored, storage, stored_bytes
 from ..transfer import move_tensor
 from ..units import aligned
 
@@ -165,7 +166,9 @@ class Group:
     """Tensors moved together (a whole component, one block, or a streamed component's loose tensors).
 
     Onloaded into a buffer (``install``) its tensors are views of it, one layout for every buffer; pinned
-    (``pin``) its CPU masters are views of one page-locked buffer of the same layout.
+    (``pin``) its CPU masters are views of one page-locked buffer of the same layout. A quantized weight (a tensor
+    subclass, ``quantized``) is laid out as its storage (int data, scales) and made again around its views, so it
+    moves as stored, never dequantized.
     """
 
     def __init__(self, slots: Iterable[Slot], name: str = ""):
@@ -179,7 +182,7 @@ class Group:
     @property
     def layout(self) -> Packing:
         """The layout of the tensors as they are now: a ``.to(dtype)`` made meanwhile gives a new one."""
-        tensors = [s.get() for s in self.slots]
+        tensors = [leaf for s in self.slots for leaf in storage(s.get())]
         if self._layout is None or not self._layout.fits(tensors):
             self._layout = Packing.of(tensors)
         return self._layout
@@ -187,18 +190,21 @@ class Group:
     @property
     def nbytes(self) -> int:
         """Bytes of its tensors (what a copy moves); ``layout.nbytes`` adds the alignment gaps a buffer holds."""
-        return sum(nbytes_of(s.get()) for s in self.slots)
+        return sum(stored_bytes(s.get()) for s in self.slots)
 
     def install(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Point every tensor at its place in ``buffer``; returns the ``(place, master)`` copies to queue: one for
         the whole group when its masters are views of its pinned buffer (same layout), else one per tensor."""
         packed = self.pinned()
         copies = []
-        for slot, view in zip(self.slots, self.layout.views(buffer)):
+        views = iter(self.layout.views(buffer))
+        for slot in self.slots:
             slot.master = slot.get()  # what it holds while evicted: a `.to(dtype)` made meanwhile is kept
-            slot.onloaded = slot.wrap(view)
+            leaves = storage(slot.master)
+            places = [next(views) for _ in leaves]
+            slot.onloaded = slot.wrap(rebuild_from(slot.master)(places))
             slot.set(slot.onloaded)
-            copies.append((view, slot.master.detach()))
+            copies += [(place, leaf.detach()) for place, leaf in zip(places, leaves)]
         self.loaded = True
         if packed and self.host is not None:
             return [(buffer[:self.host.numel()], self.host)]
@@ -228,15 +234,20 @@ class Group:
         without the host waiting. Copied tensor by tensor into pageable memory first, each original dropped as it
         goes, then locked: the host holds the group about once, not twice. Registered once per buffer, and
         unregistered at ``unpin`` or when the group is collected, whichever comes first."""
-        tensors = [s.get() for s in self.slots]
+        tensors = [leaf for s in self.slots for leaf in storage(s.get())]
         if self.host is not None or not tensors or any(t.device.type != "cpu" for t in tensors):
             return
         if self.layout.nbytes == 0:  # nothing to lock (a block of empty tensors): the driver refuses size 0
             return
         host = torch.empty(self.layout.nbytes, dtype=torch.uint8)
-        for slot, view in zip(self.slots, self.layout.views(host)):
-            view.copy_(slot.get().detach())
-            slot.set_data(view)
+        views = iter(self.layout.views(host))
+        for slot in self.slots:
+            tensor = slot.get()
+            places = [next(views).copy_(leaf.detach()) for leaf in storage(tensor)]
+            if is_packed(tensor):
+                slot.set(restored(tensor, places))
+            else:
+                slot.set_data(places[0])
         _pin_host(host)
         _PINNED[host.data_ptr()] = host.numel()
         self.host = host
@@ -252,7 +263,7 @@ class Group:
             return False
         start, end = self.host.data_ptr(), self.host.data_ptr() + self.host.numel()
         return self.layout.nbytes == self.host.numel() and all(
-            start <= s.get().data_ptr() < end or nbytes_of(s.get()) == 0 for s in self.slots)
+            start <= t.data_ptr() < end or nbytes_of(t) == 0 for s in self.slots for t in storage(s.get()))
 
     def unpin(self) -> None:
         """Each master back in a pageable tensor of its own, and the pinned buffer given back to the system."""
@@ -261,7 +272,10 @@ class Group:
         start, end = self.host.data_ptr(), self.host.data_ptr() + self.host.numel()
         for slot in self.slots:
             tensor = slot.get()
-            if tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
+            if is_packed(tensor):
+                if any(start <= t.data_ptr() < end for t in storage(tensor)):
+                    slot.set(restored(tensor, [t.detach().clone() for t in storage(tensor)]))
+            elif tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
                 slot.set_data(tensor.detach().clone())
         if self._unpin is not None:
             self._unpin()  # once: waits for the last copy out of it, then unregisters

@@ -1,0 +1,156 @@
+"""A placed component whose model changed after dispatch: LoRA loaded, switched, fused, unfused or deleted, an
+IP-Adapter's projections, fused QKV projections, FreeU, ``load_state_dict``.
+
+The model is compared with what it was when last placed (``Signature``: every tensor it holds, with its version
+counter, and the plain state of every module: peft's active adapters, scales and merged adapters, FreeU's factors,
+attention processors). On a change:
+
+- a resident or split component gets its new tensors moved onto their devices;
+- an offloaded or streamed one first writes what its onloaded copies hold back into the CPU masters (``fuse_lora``
+  writes into the copy it finds, the one on the GPU), then gets a new hook over its tensors as they are now: every
+  new tensor packed into its group (or block), the old groups unpinned;
+- a replicated denoiser gets its copies made again from the home copy.
+
+Why not diffusers' own bookkeeping: it follows none of this either (``enable_model_cpu_offload`` users re-enable
+offload after loading a LoRA); and a copy of the model on another GPU, which only pipemap makes, shares no state with
+its original.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..plan import Placement
+from ..quantized import restored, storage
+from ..transfer import move_tensor
+from .moving import MovingHook
+from .offload import OffloadHook
+from .packing import Group
+from .replica import ReplicaHook
+from .resident import PlacementHook, hook_component, unhook_component
+from .stream import StreamHook
+
+Place = Callable[[torch.nn.Module, Placement], Any]  # a component's tensors onto the devices of its placement
+
+# what a module's __dict__ holds that is no state of the model: torch's own bookkeeping, the hooks' traces, a
+# compiled call (a replica runs uncompiled)
+_NOT_STATE = frozenset(torch.nn.Module().__dict__) | {
+    "_hf_hook", "_old_forward", "forward", "encode", "decode", "tiled_encode", "tiled_decode", "_compiled_call_impl",
+    "_pipemap_seen"}
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a component's model is made of: each tensor it holds (identity, version), each module's plain state."""
+
+    tensors: tuple[tuple[int, str, str, int, int], ...]
+    state: tuple[tuple[Any, ...], ...]
+
+
+def signature(module: torch.nn.Module) -> Signature:
+    """``module`` as its hook last saw it: an onloaded tensor counts as its CPU master, so onloading and evicting
+    change nothing, and an in-place write into the master (``load_state_dict``) changes its version."""
+    masters = _masters(getattr(module, "_hf_hook", None))
+    tensors, state = [], []
+    for sub in module.modules():
+        for store in ("_parameters", "_buffers"):
+            for key, tensor in getattr(sub, store).items():
+                if tensor is not None:
+                    held = masters.get(id(tensor), tensor)
+                    tensors.append((id(sub), store, key, id(held), held._version))
+        children = tuple((name, id(child)) for name, child in sub._modules.items())
+        state.append((id(sub), type(sub), children, _state(sub)))
+    return Signature(tuple(tensors), tuple(state))
+
+
+def _masters(hook: Any) -> dict[int, torch.Tensor]:
+    return {id(s.onloaded): s.master for g in groups(hook) if g.loaded for s in g.slots
+            if s.onloaded is not None and s.master is not None}
+
+
+def _state(module: torch.nn.Module) -> tuple[Any, ...]:
+    return tuple((k, _frozen(v)) for k, v in sorted(module.__dict__.items()) if k not in _NOT_STATE)
+
+
+def _frozen(value: Any, depth: int = 3) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return value
+    if depth and isinstance(value, dict):
+        return ("dict", tuple((str(k), _frozen(v, depth - 1)) for k, v in value.items()))
+    if depth and isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return (type(value).__name__, tuple(_frozen(v, depth - 1) for v in items))
+    return (type(value).__name__, id(value))  # an object (an attention processor): replaced or kept
+
+
+def groups(hook: Any) -> list[Group]:
+    """The groups of tensors a moving hook moves (none for the others)."""
+    if isinstance(hook, OffloadHook):
+        return [hook.group] if hasattr(hook, "group") else []
+    if isinstance(hook, StreamHook):
+        return [hook.root, *hook.blocks] if hasattr(hook, "root") else []
+    return []
+
+
+def remember(module: torch.nn.Module) -> None:
+    """Record ``module`` as placed now (after ``dispatch`` hooked it, or after a follow)."""
+    module.__dict__["_pipemap_seen"] = signature(module)
+
+
+def forget(module: torch.nn.Module) -> None:
+    module.__dict__.pop("_pipemap_seen", None)
+
+
+def follow(module: torch.nn.Module, placement: Placement, place: Place) -> bool:
+    """Bring a placed component's hook and tensors in line with its model as it is now; True if it had changed."""
+    seen = module.__dict__.get("_pipemap_seen")
+    if seen is not None and signature(module) == seen:
+        return False
+    hook = getattr(module, "_hf_hook", None)
+    if isinstance(hook, (MovingHook, ReplicaHook)):
+        rehook(module, hook, placement, place)
+    else:
+        place(module, placement)
+    remember(module)
+    return True
+
+
+def rehook(module: torch.nn.Module, hook: PlacementHook, placement: Placement, place: Place) -> None:
+    """A new hook of the same kind over ``module`` as it is now: the onloaded copies written back, the old hook
+    removed (masters back in place, buffers unpinned), every tensor placed anew, then hooked again."""
+    settle(module)
+    fresh = type(hook).for_placement(placement, str(hook.execution_device), getattr(hook, "ledger", None))
+    fresh.lock, fresh.moved = hook.lock, hook.moved  # one lock with the hooks it takes turns with; counts go on
+    unhook_component(module)
+    place(module, placement)
+    hook_component(module, fresh)
+
+
+def settle(module: torch.nn.Module) -> None:
+    """Write what the onloaded copies of ``module`` hold back into their CPU masters: an in-place change made while
+    they were onloaded (``fuse_lora``, ``unfuse_lora``) then survives eviction and ``reset``."""
+    for group in groups(getattr(module, "_hf_hook", None)):
+        if not group.loaded:
+            continue
+        for slot in group.slots:
+            current, master = slot.get(), slot.master
+            assert master is not None  # loaded groups have their masters
+            if current is not slot.onloaded:  # the model put a new tensor there: it is the master now
+                slot.master = _on_host(current)
+            elif _same_layout(current, master):
+                for into, source in zip(storage(master), storage(current)):
+                    into.detach().copy_(source.detach())
+            else:
+                slot.master = _on_host(current)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return type(a) is type(b) and [(t.dtype, t.shape) for t in storage(a)] == [(t.dtype, t.shape) for t in storage(b)]
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    return restored(tensor, [move_tensor(t.detach(), torch.device("cpu")) for t in storage(tensor)])
