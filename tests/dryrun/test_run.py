@@ -1,4 +1,6 @@
-"""simulate(): the pipeline's own call on stand-in GPUs (meta:N); mistakes caught and named; peaks measured."""
+"""dryrun/run.py, the dry run's entry: simulate() runs the pipeline's own call on stand-in GPUs (meta:N), from a
+loaded pipeline or a folder (models built with fake weights, in eval mode); mistakes caught and named; peaks
+measured."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pipemap
 from helpers import plain_pipeline
 from pipemap import tiny
 from pipemap.dispatch import planned
-from pipemap.dryrun.run import dry_call
+from pipemap.dryrun import standin
+from pipemap.dryrun.run import _fake_pipeline, dry_call
 from pipemap.dryrun.trackers import StorageTracker
 
 # tiny models: unet 3.0 MiB, vae 2.5, controlnet 1.6, text encoders 0.2 each
@@ -28,6 +32,11 @@ MAPS_3 = {"sd": {"unet": "cuda:0", "vae": "cuda:1", "text_encoder": "cuda:2"},
 @pytest.fixture(scope="module")
 def pipes(tiny_folders):
     return {kind: plain_pipeline(folder) for kind, folder in tiny_folders.items()}
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory):
+    return str(tiny.save("flux", tmp_path_factory.mktemp("flux")))
 
 
 def _strategies(kind: str, gpus: int) -> list:
@@ -99,6 +108,14 @@ def test_a_dispatched_pipeline_can_be_simulated(tiny_folders):
     report = pipemap.simulate(pipe, pipemap.plan(tiny_folders["sd"], hardware=GPUS[2], headroom=0.0))
     assert report.ok, report.error
     assert planned(pipe).device_map == {"vae": "cpu", "text_encoder": "cpu", "unet": "cpu"}
+
+
+def test_folder_built_models_are_in_eval_mode(flux_folder):
+    folder = flux_folder
+    plan = pipemap.plan(folder, hardware=GPUS[2], headroom=0.0)
+    pipe = _fake_pipeline(folder, plan, FakeTensorMode(allow_non_fake_inputs=True), standin.devices_for(plan))
+    models = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
+    assert len(models) == 4 and not any(m.training for m in [*models, *(s for m in models for s in m.modules())])
 
 
 # ---- wrong dispatches are caught and named ----------------------------------------------------------------------
@@ -200,9 +217,3 @@ def test_measured_headroom_reserves_the_dry_run_peak(tiny_folders):
 def test_measure_needs_a_pipeline_not_an_inventory(tiny_folders):
     with pytest.raises(pipemap.HeadroomError):
         pipemap.plan(pipemap.inspect(tiny_folders["sd"]), hardware=GPUS[2], headroom="measure")
-
-
-def test_report_prints_a_table(pipes):
-    report = pipemap.simulate(pipes["sd"], pipemap.plan(pipes["sd"], hardware=GPUS[2], headroom=0.0))
-    text = str(report)
-    assert "dry run ok" in text and "cuda:0" in text and "cuda:1" in text and "activations" in text

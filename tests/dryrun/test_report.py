@@ -1,0 +1,117 @@
+"""dryrun/report.py: what a dry run reports. Figures come back under the plan's device names (``cuda:0``, not the
+stand-in ``meta:0``), with every planned device present, the failure's devices renamed, the call shown without its
+tensors, and each device's timeline thinned without losing its peak."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import pipemap
+from helpers import inventory, plain_pipeline
+from helpers import plan as make_plan
+from pipemap.dryrun.report import TIMELINE_POINTS, Failure, report_of
+from pipemap.dryrun.trackers import Phase
+
+GPUS = {2: "2x5MiB,cpu=1GiB"}
+MiB = 2**20
+BACK = {"meta:0": "cuda:0", "meta:1": "cuda:1"}
+
+
+@pytest.fixture(scope="module")
+def pipes(tiny_folders):
+    return {"sd": plain_pipeline(tiny_folders["sd"])}
+
+
+def test_report_prints_a_table(pipes):
+    report = pipemap.simulate(pipes["sd"], pipemap.plan(pipes["sd"], hardware=GPUS[2], headroom=0.0))
+    text = str(report)
+    assert "dry run ok" in text and "cuda:0" in text and "cuda:1" in text and "activations" in text
+
+
+def _plan():
+    """unet on cuda:0, vae on cuda:1, nothing on the CPU."""
+    plan = make_plan(inventory(("unet", 3 * MiB), ("vae", 2 * MiB)), "2x4MiB,cpu=1GiB")
+    assert plan.device_map == {"unet": "cuda:0", "vae": "cuda:1"}
+    return plan
+
+
+def _tracker(**figures):
+    """What ``report_of`` reads from the dry run's tracker, keyed by stand-in devices."""
+    counters = ("peak", "weights", "weight_peak", "activation_peak")
+    base = {name: collections.Counter(figures.pop(name, {})) for name in counters}
+    return SimpleNamespace(**base, **{"peak_phase": {}, "peak_bound": {}, "samples": [], "peak_component": {},
+                                      **figures})
+
+
+def test_figures_are_keyed_by_the_plans_device_names_and_every_planned_device_is_there():
+    tracker = _tracker(peak={"meta:0": 5 * MiB, "cpu": 100}, weights={"meta:0": 3 * MiB},
+                       weight_peak={"meta:0": 4 * MiB}, activation_peak={"meta:0": 2 * MiB, "cpu": 100},
+                       peak_phase={"meta:0": Phase("denoising", 1)}, peak_component={"meta:0": "unet", "cpu": ""})
+    report = report_of(tracker, None, _plan(), BACK, 1.5, {"prompt": "a cat"})
+    assert report.ok and report.error is None and report.seconds == 1.5
+    # cuda:1 holds the VAE in the plan: there with 0 though the tracker never saw it; the CPU as the tracker saw it
+    assert report.peak_bytes == {"cuda:0": 5 * MiB, "cuda:1": 0, "cpu": 100}
+    assert report.weight_bytes == {"cuda:0": 3 * MiB, "cuda:1": 0, "cpu": 0}
+    assert report.weight_peak_bytes == {"cuda:0": 4 * MiB, "cuda:1": 0, "cpu": 0}
+    assert report.activation_bytes == {"cuda:0": 2 * MiB, "cuda:1": 0, "cpu": 100}
+    assert report.peak_phase == {"cuda:0": "denoising (step 1)"}
+    assert report.peak_component == {"cuda:0": "unet"}  # a peak set by pipeline code names no component
+
+
+def test_a_failure_names_the_plans_devices_and_the_call_is_shown_without_tensors():
+    failure = Failure("aten.add.Tensor", "unet", ("meta:0", "meta:1"), "aten.add.Tensor got tensors on ...")
+    call = {"prompt": "a cat", "generator": torch.Generator("cpu"), "image": torch.zeros(1, 3, 8, 8),
+            "num_inference_steps": 2}
+    report = report_of(_tracker(peak={"meta:0": 1}), failure, _plan(), BACK, 0.1, call)
+    assert not report.ok
+    assert report.error.devices == ("cuda:0", "cuda:1") and report.error.component == "unet"
+    assert report.call == {"prompt": "a cat", "generator": "generator", "num_inference_steps": 2}
+    assert "FAILED" in str(report) and "in 'unet'" in str(report)
+
+
+def test_failure_says_where_and_who():
+    assert str(Failure("aten.embedding", "text_encoder", ("cuda:0", "cuda:1"), "mixed", "clip.py:10 (forward)")) \
+        == "aten.embedding in 'text_encoder' at clip.py:10 (forward) on cuda:0, cuda:1: mixed"
+    assert str(Failure("dispatch", None, (), "no hook")) == "dispatch in the pipeline's own code on ?: no hook"
+
+
+def test_bound_peaks_and_advice_are_printed_under_the_table():
+    note = "every token routed to the first 2 experts"
+    tracker = _tracker(peak={"meta:0": 5 * MiB, "meta:1": 3 * MiB}, peak_bound={"meta:0": note},
+                       peak_phase={"meta:0": Phase("denoising", 2), "meta:1": Phase("VAE decode")})
+    report = report_of(tracker, None, _plan(), BACK, 0.0, {})
+    report = replace(report, advice=("cuda:1: use pipe.vae.enable_tiling()",))
+    lines = str(report).splitlines()
+    assert lines[0].startswith("dry run ok")
+    row = next(line for line in lines if line.startswith("cuda:0"))
+    assert "5.00 MiB" in row and "4.00 MiB" in row and row.endswith("denoising (step 2)  (bound)")
+    assert next(line for line in lines if line.startswith("cuda:1")).endswith("VAE decode")
+    assert lines[-2] == f"(bound): a peak at most this high; the dry run assumed {note}"
+    assert lines[-1] == "cuda:1: use pipe.vae.enable_tiling()"
+
+
+def test_the_timeline_keeps_each_devices_peak_in_at_most_its_points():
+    weights, peak_at = Phase("weights"), 1234
+    samples = [("meta:0", 10 + i % 7, weights) for i in range(5000)]
+    samples[peak_at] = ("meta:0", 10**6, Phase("VAE decode"))
+    samples[10] = ("meta:1", 42, weights)
+    report = report_of(_tracker(peak={"meta:0": 10**6, "meta:1": 42}, samples=samples), None, _plan(), BACK, 0, {})
+    by_device = collections.Counter(s.device for s in report.timeline)
+    assert 0 < by_device["cuda:0"] <= TIMELINE_POINTS and by_device["cuda:1"] == 1
+    top = max(report.timeline, key=lambda s: s.bytes)
+    assert (top.device, top.bytes, top.phase) == ("cuda:0", 10**6, "VAE decode")
+    assert [s.index for s in report.timeline] == sorted(s.index for s in report.timeline)
+
+
+def test_a_notebook_shows_the_picture_then_the_text_escaped():
+    failure = Failure("aten.add", None, ("meta:0",), "<bad> & worse")
+    samples = [("meta:0", 5, Phase("weights")), ("meta:0", 9, Phase("denoising", 1))]
+    report = report_of(_tracker(peak={"meta:0": 9}, samples=samples), failure, _plan(), BACK, 0, {})
+    html = report._repr_html_()
+    assert html.index("<svg") < html.index("<pre>")
+    assert "&lt;bad&gt; &amp; worse" in html and "<bad>" not in html

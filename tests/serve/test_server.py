@@ -1,0 +1,101 @@
+"""serve/server.py: the app under uvicorn. ``Background`` serves it on a thread on a free loopback port and, on
+exit, drains the worker and stops listening; an exit signal drains before uvicorn stops; ``pipemap serve`` finishes
+the request running when SIGTERM comes and refuses new ones."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
+uvicorn = pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+import pipemap.serve.server as server_module  # noqa: E402
+from pipemap.serve import Background, DrainingError, GenerationRequest, Service, create_app, run  # noqa: E402
+from serving import ask, in_background, pngs, wait_until  # noqa: E402
+
+
+@pytest.fixture
+def own(service):
+    """A service of its own on the module's pipeline: draining it leaves the others serving."""
+    return Service(service.pipe, service.plan, service.running_plan, timeout=30.0)
+
+
+def test_background_serves_on_a_free_loopback_port_then_drains_and_stops_listening(own):
+    with Background(own) as url:
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url)
+        assert httpx.get(f"{url}/health", timeout=30).json() == {"status": "ok", "queue_depth": 0, "running": 0}
+        answer = httpx.post(f"{url}/v1/images/generations", json={"prompt": "a cat", "size": "32x32",
+                                                                   "num_inference_steps": 1}, timeout=60)
+        assert len(pngs(answer)) == 1  # the app's lifespan started the worker
+    assert own.worker.draining
+    with pytest.raises(DrainingError):
+        own.submit(GenerationRequest(prompt="a cat"))
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=5)
+
+
+def test_two_backgrounds_get_two_ports(service, own):
+    other = Service(service.pipe, service.plan, service.running_plan)
+    with Background(own) as first, Background(other) as second:
+        assert first != second
+        assert httpx.get(f"{second}/health", timeout=30).status_code == 200
+
+
+def test_an_exit_signal_drains_the_worker_before_uvicorn_stops(own):
+    server = server_module._DrainingServer(uvicorn.Config(create_app(own)), own)
+    assert not own.worker.draining and not server.should_exit
+    server.handle_exit(signal.SIGTERM, None)
+    assert own.worker.draining and server.should_exit
+    assert own.health()["status"] == "draining"
+
+
+def test_run_serves_the_app_on_the_address_given_with_a_grace_period_past_the_timeout(own, monkeypatch):
+    started = []
+    monkeypatch.setattr(server_module._DrainingServer, "run", lambda self: started.append(self))
+    run(own, host="0.0.0.0", port=8123, log_level="warning")
+    (server,) = started
+    assert (server.config.host, server.config.port) == ("0.0.0.0", 8123)
+    assert server.config.timeout_graceful_shutdown == own.timeout + 5  # a request running may finish
+    assert server.config.app.state.service is own and server.service is own
+
+
+# ---- the command line: serve, then SIGTERM while a request runs -------------------------------------------------
+
+
+@pytest.mark.slow
+def test_pipemap_serve_finishes_running_work_on_sigterm_and_refuses_new(tiny_folders, tmp_path):
+    with socket.socket() as probe:  # a port free now; the server binds it a few seconds later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the child writes it until it exits
+    server = subprocess.Popen([sys.executable, "-m", "pipemap", "serve", tiny_folders["sd"], "--port", str(port)],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as session:
+            wait_until(lambda: _up(session) or server.poll() is not None, 240)
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
+            running = in_background(ask, session, prompt="a slow cat", seed=3, num_inference_steps=30)
+            wait_until(lambda: session.get("/health").json()["running"] == 1)
+            server.send_signal(signal.SIGTERM)
+            assert pngs(running())  # the request running when the signal came is answered
+            assert server.wait(60) in (0, -signal.SIGTERM)
+            with pytest.raises(httpx.ConnectError):
+                session.get("/health")
+    finally:
+        server.kill()
+        server.wait()
+        log.close()
+
+
+def _up(session) -> bool:
+    try:
+        return session.get("/health").status_code == 200
+    except httpx.TransportError:
+        return False

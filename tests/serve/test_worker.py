@@ -1,0 +1,210 @@
+"""serve/worker.py: the bounded queue between the handlers and the pipeline, and the thread that feeds it. Directly,
+on a pipeline stand-in: jobs answered in order with their seeds, failures in their place, a full queue refusing at
+once, a drain finishing what it took, a job dropped while waiting or stopped at its next step. Over HTTP, on the tiny
+pipeline: a full queue answers 429, a timeout 504, a failure 500, and the server goes on."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+from pipemap.serve import DrainingError, QueueFullError, WorkDropped, run_sequential  # noqa: E402
+from pipemap.serve.worker import Job, Worker  # noqa: E402
+from serving import Echo, ask, code, counted, direct, in_background, pngs, stalled, wait_until  # noqa: E402
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator("cpu").manual_seed(seed)
+
+
+def _job(prompt: str, seed: int = 0, images: int = 1, seconds: float = 60, **call) -> Job:
+    return Job({"prompt": prompt, "num_images_per_prompt": images, **call}, seed, images, time.monotonic() + seconds)
+
+
+@pytest.fixture
+def worker():
+    made = []
+
+    def make(pipe=None, **kwargs) -> Worker:
+        made.append(Worker(pipe or Echo(), **kwargs))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.stop(10)
+
+
+# ---- the queue and its worker, directly --------------------------------------------------------------------------
+
+
+def test_run_sequential_answers_each_call_in_order_with_a_failure_in_its_place():
+    pipe = Echo()
+    outcomes = list(run_sequential(pipe, [{"prompt": "a", "generator": _seeded(1)}, {"prompt": "fail"},
+                                          {"prompt": "b", "generator": _seeded(2)}]))
+    assert [o.prompt for o in (outcomes[0], outcomes[2])] == ["a", "b"]
+    assert isinstance(outcomes[1], RuntimeError) and pipe.calls == ["a", "fail", "b"]
+
+
+def test_jobs_are_answered_with_their_seed_and_images_and_a_failure_fails_only_its_own(worker):
+    finished = []
+    queue = worker(on_finished=finished.append)
+    jobs = [_job("a cat", seed=5, images=2), _job("fail"), _job("a dog", seed=9)]
+    for job in jobs:
+        queue.submit(job)
+    queue.start()
+    first, third = jobs[0].future.result(30), jobs[2].future.result(30)
+    assert (first.prompt, first.seed, first.images, first.output_type) == ("a cat", 5, ["a cat"] * 2, "pil")
+    assert (third.prompt, third.seed) == ("a dog", 9)
+    assert "the pipeline broke" in str(jobs[1].future.exception(30))
+    wait_until(lambda: len(finished) == 3)
+    assert [f.images for f in finished] == [2, 0, 1]  # a failed job made no images
+    assert all(f.seconds >= 0 for f in finished) and queue.running == 0 and queue.dropped == 0
+
+
+def test_a_full_queue_refuses_at_once_with_a_retry_estimate(worker):
+    queue = worker(max_queue=2)  # not started: the jobs wait
+    queue.submit(_job("a"))
+    queue.submit(_job("b"))
+    with pytest.raises(QueueFullError) as full:
+        queue.submit(_job("c"))
+    assert full.value.depth == 2 and full.value.retry_after >= 1 and queue.depth == 2
+    assert "retry in" in str(full.value)
+
+
+def test_a_drain_takes_no_new_job_and_finishes_those_it_took(worker):
+    pipe = Echo()
+    queue = worker(pipe)
+    waiting = [_job("a"), _job("b")]
+    for job in waiting:
+        queue.submit(job)
+    queue.drain()
+    with pytest.raises(DrainingError):
+        queue.submit(_job("c"))
+    queue.start()
+    queue.stop(30)
+    assert [job.future.result(0).prompt for job in waiting] == ["a", "b"] and pipe.calls == ["a", "b"]
+
+
+def test_a_cancelled_waiting_job_leaves_the_queue_and_is_never_run(worker):
+    pipe = Echo()
+    queue = worker(pipe)
+    gone, kept = _job("gone"), _job("kept")
+    queue.submit(gone)
+    queue.submit(kept)
+    queue.cancel(gone)
+    assert queue.depth == 1 and queue.dropped == 1
+    queue.start()
+    assert kept.future.result(30).prompt == "kept" and pipe.calls == ["kept"] and not gone.future.done()
+
+
+def test_a_job_past_its_deadline_while_waiting_is_skipped(worker):
+    pipe = Echo()
+    queue = worker(pipe)
+    queue.submit(_job("late", seconds=-1))
+    queue.submit(_job("on time"))
+    queue.start()
+    wait_until(lambda: queue.dropped == 1 and pipe.calls == ["on time"])
+
+
+def test_a_running_job_no_longer_wanted_stops_at_its_next_step(worker):
+    pipe = Echo()
+    queue = worker(pipe)
+    job = _job("slow", num_inference_steps=20)
+    pipe.gate.clear()
+    queue.submit(job)
+    queue.start()
+    assert pipe.entered.wait(30)
+    queue.cancel(job)
+    pipe.gate.set()
+    with pytest.raises(WorkDropped) as dropped:
+        job.future.result(30)
+    assert dropped.value.step == 1 and pipe.steps == 1  # stopped at the end of the step it was in
+    wait_until(lambda: queue.dropped == 1)
+
+
+def test_a_pipeline_without_step_callbacks_gets_none(worker):
+    class Plain:
+        def __call__(self, prompt, num_images_per_prompt=1, generator=None, output_type="pil"):
+            return prompt
+
+    queue = worker(Plain())
+    job = _job("a cat")
+    queue.submit(job)
+    queue.start()
+    assert job.future.result(30) == "a cat"
+
+
+def test_a_runner_that_fails_whole_fails_each_job_it_holds(worker):
+    def runner(pipe, calls):
+        list(calls)  # takes every waiting call, then breaks
+        raise OSError("the runner broke")
+
+    queue = worker(runner=runner)
+    jobs = [_job("a"), _job("b")]
+    for job in jobs:
+        queue.submit(job)
+    queue.start()
+    assert all(isinstance(job.future.exception(30), OSError) for job in jobs)
+    wait_until(lambda: queue.running == 0)
+
+
+# ---- over HTTP: a full queue, a timeout, a failure: each answered, and the server goes on ----------------------
+
+
+def test_a_full_queue_answers_429_with_retry_after(service, client):
+    before = code(client, 429)
+    with stalled(service.pipe.unet) as entered:
+        running = in_background(ask, client, prompt="first", seed=1)
+        assert entered.wait(60)
+        waiting = in_background(ask, client, prompt="second", seed=2)
+        wait_until(lambda: service.worker.depth == 1)
+        refused = ask(client, prompt="third", seed=3)
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert counted(client)["pipemap_queue_depth"] == 1 and counted(client)["pipemap_running"] == 1
+    for response, seed, prompt in ((running(), 1, "first"), (waiting(), 2, "second")):
+        np.testing.assert_array_equal(pngs(response)[0], direct(service.pipe, seed, prompt=prompt)[0])
+    assert code(client, 429) == before + 1
+
+
+def test_a_timeout_answers_504_drops_the_work_and_the_next_request_succeeds(service, client):
+    before = counted(client)
+    calls = []
+    counting = service.pipe.unet.register_forward_pre_hook(lambda *_: calls.append(1))
+    service.timeout = 1.0
+    try:
+        with stalled(service.pipe.unet):
+            response = ask(client, prompt="slow", seed=1, num_inference_steps=20)
+            assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+    finally:
+        service.timeout = 120.0
+    wait_until(lambda: counted(client)["pipemap_dropped_total"] == before["pipemap_dropped_total"] + 1)
+    counting.remove()
+    assert len(calls) < 20  # stopped at the end of the step it was in, not run to its 20th
+    assert pngs(ask(client, prompt="next", seed=2))
+    assert code(client, 504) == before.get('pipemap_requests_total{code="504"}', 0) + 1
+
+
+def test_a_failure_inside_the_pipeline_answers_500_and_the_next_request_succeeds(service, client):
+    before = code(client, 500)
+    failures = [RuntimeError("injected: the VAE decoder broke")]
+
+    def fail_once(*_):
+        if failures:
+            raise failures.pop()
+
+    handle = service.pipe.vae.decoder.register_forward_pre_hook(fail_once)
+    try:
+        response = ask(client, prompt="boom", seed=1)
+    finally:
+        handle.remove()
+    assert response.status_code == 500
+    assert "injected: the VAE decoder broke" in response.json()["error"]["message"]
+    np.testing.assert_array_equal(pngs(ask(client, prompt="after", seed=2))[0],
+                                  direct(service.pipe, 2, prompt="after")[0])
+    assert code(client, 500) == before + 1
