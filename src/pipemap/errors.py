@@ -6,10 +6,14 @@ already catches diffusers' ``ValueError`` for a bad ``device_map`` keeps working
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .dryrun.report import SimulationReport
+
+class _Failed(Protocol):
+    """What ``SimulationFailedError`` reads of a ``dryrun.report.SimulationReport``."""
+
+    @property
+    def error(self) -> object: ...
 
 
 class PipemapError(Exception):
@@ -187,7 +191,7 @@ class HeadroomError(PipemapError, ValueError):
 class SimulationFailedError(PipemapError, RuntimeError):
     """A dry run that was needed (``headroom="measure"``) failed; ``report`` says where and why."""
 
-    def __init__(self, report: SimulationReport):
+    def __init__(self, report: _Failed):
         self.report = report
         super().__init__(f"the dry run failed: {report.error}. Fix the plan or the call (call={{...}}) and retry")
 

@@ -12,7 +12,7 @@ import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .units import format_bytes
 
@@ -20,11 +20,70 @@ if TYPE_CHECKING:
     from rich.console import Group
     from rich.text import Text
 
-    from .dryrun.report import SimulationReport
-    from .plan import Placement, Plan
+# A ``plan.Plan`` and its placements are read by their fields (the protocols below): plan.py imports this module
+# (``Plan.picture``), so this one does not import plan.py, not even for the type checker.
 
-# A ``plan.Plan`` and its placements are read by their fields: plan.py imports this module (``Plan.picture``), so
-# this one imports plan.py only for the type checker.
+
+class _Placement(Protocol):
+    """What the picture reads of a ``plan.Placement`` (read-only, as the frozen value is)."""
+
+    @property
+    def component(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def execution_device(self) -> str: ...
+
+    @property
+    def room(self) -> int: ...
+
+    @property
+    def shards(self) -> tuple[tuple[str, str, int], ...]: ...
+
+    @property
+    def resident_bytes(self) -> int: ...
+
+    @property
+    def replicas(self) -> tuple[str, ...]: ...
+
+
+class _DeviceUse(Protocol):
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def memory(self) -> int: ...
+
+    @property
+    def budget(self) -> int: ...
+
+    @property
+    def used(self) -> int: ...
+
+
+class _Plan(Protocol):
+    """What the picture reads of a ``plan.Plan``."""
+
+    @property
+    def strategy(self) -> str: ...
+
+    @property
+    def dtype(self) -> str | None: ...
+
+    @property
+    def components(self) -> tuple[_Placement, ...]: ...
+
+    @property
+    def devices(self) -> tuple[_DeviceUse, ...]: ...
+
 
 # fills chosen to differ in lightness as well as hue, so neighbours stay apart in greyscale
 PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#145a32", "#f9e79f", "#4d5656",
@@ -88,7 +147,7 @@ class Picture:
         return buffer.getvalue().rstrip()
 
 
-def plan_picture(plan: Plan, moved: Mapping[str, int] | None = None) -> Picture:
+def plan_picture(plan: _Plan, moved: Mapping[str, int] | None = None) -> Picture:
     """The picture of ``plan``: per device, each component it holds (offloaded and streamed components as the most
     they hold there at once), the headroom and the budget line.
 
@@ -103,7 +162,7 @@ def plan_picture(plan: Plan, moved: Mapping[str, int] | None = None) -> Picture:
     return Picture(title, bars, _links(plan, moved or {}))
 
 
-def _bar(plan: Plan, device: str, memory: int, budget: int, used: int) -> Bar:
+def _bar(plan: _Plan, device: str, memory: int, budget: int, used: int) -> Bar:
     segments = [Segment(p.component, _held_at_home(p), p.mode) for p in plan.components
                 if p.device == device and _held_at_home(p)]
     segments += [Segment(f"{p.component} (shards)", sum(s for _, d, s in p.shards if d == device), "split")
@@ -124,12 +183,12 @@ def _bar(plan: Plan, device: str, memory: int, budget: int, used: int) -> Bar:
     return Bar(device, memory, budget, used, tuple(segments))
 
 
-def _held_at_home(p: Placement) -> int:
+def _held_at_home(p: _Placement) -> int:
     """What a placement keeps on its own device: a split one keeps all but its shards."""
     return p.bytes - sum(s for _, _d, s in p.shards) if p.mode == "split" else p.bytes
 
 
-def _links(plan: Plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
+def _links(plan: _Plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
     totals: dict[tuple[str, str], int] = {}
     for p in plan.components:
         amount = moved.get(p.component, 0)
@@ -140,7 +199,7 @@ def _links(plan: Plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
     return tuple(Link(s, t, b) for (s, t), b in totals.items())
 
 
-def _shard_device(p: Placement) -> str:
+def _shard_device(p: _Placement) -> str:
     return p.shards[0][1] if p.shards else p.device
 
 
@@ -372,10 +431,3 @@ class Timeline:
 
     def _repr_html_(self) -> str:
         return self.svg()
-
-
-def timeline_picture(report: SimulationReport) -> Timeline:
-    """The timeline of a ``SimulationReport``: its samples, each device's budget, who set each peak."""
-    budgets = {d.device: d.budget for d in report.plan.devices}
-    title = f"pipemap dry run: {report.plan.strategy}" + ("" if report.ok else " (failed)")
-    return Timeline(title, tuple(report.timeline), budgets, dict(report.peak_component))

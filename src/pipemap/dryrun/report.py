@@ -9,7 +9,7 @@ from html import escape
 
 import torch
 
-from ..picture import Sample, timeline_picture
+from ..picture import Sample, Timeline
 from ..plan import Plan
 from ..units import format_bytes
 
@@ -52,10 +52,12 @@ class SimulationReport:
     timeline: tuple = ()
     peak_component: dict[str, str] = field(default_factory=dict)
 
-    def picture(self):
+    def picture(self) -> Timeline:
         """Each device's memory over the call: the budget line, the peak marked with its phase and component
         (``report.picture().svg()``; ``pipemap simulate ... --svg run.svg``)."""
-        return timeline_picture(self)
+        budgets = {d.device: d.budget for d in self.plan.devices}
+        title = f"pipemap dry run: {self.plan.strategy}" + ("" if self.ok else " (failed)")
+        return Timeline(title, tuple(self.timeline), budgets, dict(self.peak_component))
 
     def _repr_html_(self) -> str:
         """What a notebook shows: the timeline picture, then the report's text."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -24,8 +24,17 @@ from ..streams import Queues, queues_for
 from .packing import Group
 from .resident import PlacementHook
 
-if TYPE_CHECKING:
-    from .offload import OffloadHook
+
+class Cached(Protocol):
+    """What ``LruCache`` asks of what it keeps (an ``offload.OffloadHook``): its group, onload and evict."""
+
+    @property
+    def group(self) -> Group: ...
+
+    def onload(self) -> None: ...
+
+    def evict(self) -> None: ...
+
 
 class Ledger:
     """What one dispatch onloads: an LRU cache per execution device, the device memory each holds for onloaded
@@ -60,9 +69,9 @@ class LruCache:
 
     def __init__(self, room: int):
         self.room = room
-        self.loaded: collections.OrderedDict[OffloadHook, int] = collections.OrderedDict()
+        self.loaded: collections.OrderedDict[Cached, int] = collections.OrderedDict()
 
-    def use(self, hook: OffloadHook) -> None:
+    def use(self, hook: Cached) -> None:
         if hook in self.loaded:
             self.loaded.move_to_end(hook)
             return
@@ -75,7 +84,7 @@ class LruCache:
         hook.onload()
         self.loaded[hook] = size
 
-    def drop(self, hook: OffloadHook) -> None:
+    def drop(self, hook: Cached) -> None:
         self.loaded.pop(hook, None)
 
     def over(self) -> bool:
