@@ -358,7 +358,7 @@ def gpu_identity(device: str) -> str:
 
 def plan_devices(plan) -> list[str]:
     """Every device ``plan`` copies between: the pipeline's execution device, each component's home and execution
-    device, and the GPUs its split shards live on.
+    device, the GPUs its split shards live on, and those its copies live on.
 
     >>> plan = pipemap.plan("path/to/wan", hardware="2x16GiB", strategy="auto")        # doctest: +SKIP
     >>> plan_devices(plan)                                                            # doctest: +SKIP
@@ -366,7 +366,7 @@ def plan_devices(plan) -> list[str]:
     """
     found = [plan.execution_device]
     for p in plan.components:
-        found += [p.device, p.execution_device, *(device for _, device, _ in p.shards)]
+        found += [p.device, p.execution_device, *(device for _, device, _ in p.shards), *p.replicas]
     return list(dict.fromkeys(found))
 
 
