@@ -13,7 +13,7 @@ import pipemap
 from families import build, fresh, output
 from helpers import pipeline_state, with_copy
 from pipemap.hooks import GuidanceHook, hook_component, unhook_component
-from pipemap.hooks.guidance import Inputs, predict, same
+from pipemap.hooks.guidance import Inputs, alike, predict, same
 from pipemap.plan import DeviceUse, Placement, Plan
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
@@ -75,6 +75,26 @@ def _halving_negative_embeddings_in_place(pipe, step, timestep, tensors):
     return {"negative_prompt_embeds": tensors["negative_prompt_embeds"].mul_(0.5)}  # the same tensor, changed
 
 
+def test_strategy_parallel_plans_guidance_branches_for_wan_and_its_plan_runs_as_plain():
+    pipe, call = true_cfg("wan_t2v")
+    plain = output(pipe(**fresh(call)))
+    plan = pipemap.plan(pipe, hardware="2x64MiB,cpu=1GiB", strategy="parallel", headroom=0.0)
+    transformer = plan.placement("transformer")
+    assert (transformer.mode, transformer.replicas) == ("guidance", ("cuda:1",))
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert pipe.transformer._hf_hook.hits == STEPS - 1
+
+
+def test_under_inference_mode_the_copy_s_result_is_still_used_and_equals_plain():
+    pipe, call = true_cfg("wan_t2v")
+    with torch.inference_mode():
+        plain = output(pipe(**fresh(call)))
+        pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+        torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert (pipe.transformer._hf_hook.hits, pipe.transformer._hf_hook.misses) == (STEPS - 1, 0)
+
+
 @pytest.mark.parametrize(("callback", "hits"), [
     (_replacing_negative_embeddings, 0),  # each second call brings other embeddings than the step before: a miss
     (_halving_negative_embeddings_in_place, STEPS - 1),  # the copy reads them after the change: a hit, still exact
@@ -130,18 +150,27 @@ def test_the_next_call_takes_the_second_branch_s_inputs_where_the_branches_diffe
     assert predict((first, second), _inputs(later, t2, context=cond, scale=2.0)) is None  # another call shape
 
 
-def test_inputs_are_the_same_when_one_unchanged_tensor_or_equal_values():
+def test_an_arriving_input_is_the_same_when_one_unchanged_tensor_or_equal_values():
     x = torch.arange(4.0)
-    seen = _inputs(x, 3, "a")
+    read = _inputs(x, 3, "a")
+    seen = Inputs.started(read.spec, read.leaves)
     assert all(same(seen, _inputs(x, 3, "a"), i) for i in range(3))
     assert same(seen, _inputs(x.clone(), 3, "a"), 0)  # equal values in another tensor
     assert not same(seen, _inputs(x + 1, 3, "a"), 0) and not same(seen, _inputs(x, 4, "a"), 1)
     assert not same(seen, _inputs(x.double(), 3, "a"), 0)
-    x.add_(1)  # changed in place since it was seen: its version counter moved on
+    x.add_(1)  # changed in place since it was read: its version counter moved on
     assert not same(seen, _inputs(x, 3, "a"), 0)
+    assert alike(x, x) and alike(3, 3) and not alike(3, 3.5) and not alike(x, 3)
+
+
+def test_without_a_version_counter_the_call_started_ahead_reads_a_copy():
     with torch.inference_mode():
         frozen = torch.ones(2)
-    assert not same(_inputs(frozen), _inputs(frozen), 0)  # no version counter: not known to be unchanged
+        started = Inputs.started(_inputs(frozen).spec, (frozen,))
+        assert started.leaves[0] is not frozen and started.versions == (None,)
+        assert same(started, _inputs(frozen), 0)
+        frozen.add_(1)  # no counter moves: the copy's values tell
+        assert not same(started, _inputs(frozen), 0)
 
 
 class Doubler(torch.nn.Module):

@@ -12,7 +12,7 @@ import torch.distributed._functional_collectives as funcol
 
 import pipemap
 from families import build, fresh, output
-from helpers import pipeline_state, with_copy
+from helpers import pipeline_state, plain_pipeline, run, with_copy
 from pipemap import tiny
 from pipemap.errors import DispatchError, PlanMismatchError
 from pipemap.hooks import SequenceHook
@@ -74,6 +74,27 @@ def test_the_tiny_flux_split_on_the_cpu_equals_plain_and_reset_leaves_no_trace()
         handle.remove()
     pipemap.reset(pipe)
     assert pipeline_state(pipe) == before and hook.ranks == [] and hook.groups == []
+
+
+@pytest.mark.slow
+def test_a_folder_loaded_onto_a_sequence_plan_equals_plain(tmp_path):
+    folder = str(tiny.save("flux", tmp_path / "flux"))
+    plain = plain_pipeline(folder)
+    pipe = pipemap.load(folder, plan=with_copy(plain, "sequence").remap(ON_CPU))
+    assert isinstance(pipe.transformer._hf_hook, SequenceHook)
+    assert pipe.transformer.device.type == "cpu" and pipe.transformer._hf_hook.ranks[1].device.type == "cpu"
+    torch.testing.assert_close(run(pipe, "flux"), run(plain, "flux"), **TOLERANCE)
+
+
+def test_requests_overlapped_by_run_many_take_turns_on_the_split_transformer():
+    pipe, call = tiny_flux()
+    calls = [dict(call, prompt=p) for p in ("a tiny cat", "a tiny dog", "a tiny bird")]
+    plain = [_run(pipe, c) for c in calls]
+    pipemap.dispatch(pipe, with_copy(pipe, "sequence").remap(ON_CPU))
+    results = pipemap.run_many(pipe, [dict(c, generator=torch.Generator().manual_seed(0)) for c in calls], workers=2)
+    for got, want in zip(results, plain, strict=True):
+        torch.testing.assert_close(torch.as_tensor(got.images), want, **TOLERANCE)
+    assert pipe.transformer._hf_hook.whole == 0
 
 
 def test_a_call_whose_tokens_do_not_divide_runs_whole_and_equals_plain():

@@ -42,8 +42,14 @@ class Inputs:
         leaves, spec = tree_flatten((args, kwargs))
         return cls(spec, tuple(leaves), tuple(_version(x) for x in leaves))
 
-    def call(self) -> tuple[tuple, dict]:
-        return tree_unflatten(list(self.leaves), self.spec)
+    @classmethod
+    def started(cls, spec: TreeSpec, leaves: tuple) -> Inputs:
+        """The inputs of a call started ahead: each tensor with its version counter now; a tensor without one
+        (``torch.inference_mode``) copied, so that the call and the check of the call that arrives read the values
+        it had now, whatever happens to it meanwhile."""
+        versions = tuple(_version(x) for x in leaves)
+        kept = tuple(x.clone() if isinstance(x, torch.Tensor) and v is None else x for x, v in zip(leaves, versions))
+        return cls(spec, kept, versions)
 
 
 @dataclass
@@ -135,35 +141,48 @@ def predict(history: tuple[Inputs, ...], arriving: Inputs) -> Inputs | None:
     first, second = history
     if not first.spec == second.spec == arriving.spec:
         return None
-    differ = [i for i in range(len(first.leaves)) if not same(first, second, i)]
-    if not all(same(first, arriving, i) for i in differ):
+    # a guess: the call started from it is checked when the next call arrives (``same``)
+    differ = [i for i in range(len(first.leaves)) if not alike(first.leaves[i], second.leaves[i])]
+    if not all(alike(first.leaves[i], arriving.leaves[i]) for i in differ):
         return None
-    leaves = tuple(second.leaves[i] if i in differ else x for i, x in enumerate(arriving.leaves))
-    return Inputs(arriving.spec, leaves, tuple(_version(x) for x in leaves))
+    return Inputs.started(arriving.spec, tuple(second.leaves[i] if i in differ else x
+                                               for i, x in enumerate(arriving.leaves)))
 
 
-def same(a: Inputs, b: Inputs, i: int) -> bool:
-    """Whether leaf ``i`` of ``a`` holds what leaf ``i`` of ``b`` holds now: one tensor unmodified since ``a`` read
-    it, or tensors of equal values (``a``'s unmodified since), or equal plain values."""
-    x, y = a.leaves[i], b.leaves[i]
+def same(started: Inputs, arriving: Inputs, i: int) -> bool:
+    """Whether leaf ``i`` of the call that arrives holds exactly what the call started ahead read: the same tensor
+    unmodified since (its version counter), or equal values; equal plain values."""
+    x, y = started.leaves[i], arriving.leaves[i]
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-        return x is y or (type(x) is type(y) and _equal(x, y))
-    if a.versions[i] is None or _version(x) != a.versions[i]:
-        return False  # changed since it was read, or no counter to tell
+        return alike(x, y)
+    if started.versions[i] is not None:  # else ``x`` is a copy of what was read (``Inputs.started``)
+        if _version(x) != started.versions[i]:
+            return False  # changed since it was read
+        if x is y:
+            return True
+    return _equal_tensors(x, y)
+
+
+def alike(x, y) -> bool:
+    """The same object, or equal values (tensors of one shape, dtype and device)."""
     if x is y:
         return True
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return _equal_tensors(x, y)
+    if type(x) is not type(y) or isinstance(x, torch.Tensor):
+        return False
+    try:
+        return bool(x == y)
+    except Exception:
+        return False
+
+
+def _equal_tensors(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
         return False
     try:
         return bool(torch.equal(x, y))
     except Exception:  # values a dry run's fake tensors do not have: not known to be equal
-        return False
-
-
-def _equal(x, y) -> bool:
-    try:
-        return bool(x == y)
-    except Exception:
         return False
 
 
