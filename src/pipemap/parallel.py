@@ -8,8 +8,10 @@ k+1 and the VAE of request k-1 run beside the denoiser of request k when they si
 pipeline by themselves, with no schedule written down.
 
 A mapped pipeline called from several threads outside ``run_many`` has its calls take turns
-(``dispatch.guard_calls``): correct, never corrupted, not overlapped. Denoiser replicas, the other speed from a
-second GPU, are a hook (``hooks/replica.py``).
+(``dispatch.guard_calls``): correct, never corrupted, not overlapped. The other speed from a second GPU, copies
+of the denoiser sharing each call, is in hooks: a batch split (``hooks/replica.py``), guidance branches at once
+(``hooks/guidance.py``, which keeps each request's calls apart by thread), one call's tokens split
+(``hooks/sequence.py``).
 """
 
 from __future__ import annotations

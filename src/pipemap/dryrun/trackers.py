@@ -111,7 +111,8 @@ def _with_replicas(pipe, only: str | None = None) -> list[torch.nn.Module]:
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module) and only in (None, name):
             hook = getattr(module, "_hf_hook", None)
-            found += [module, *(getattr(hook, "ranks", None) or getattr(hook, "replicas", ()))]
+            copies: list[torch.nn.Module] = getattr(hook, "ranks", None) or list(getattr(hook, "replicas", ()))
+            found += [module, *copies]
     return found
 
 

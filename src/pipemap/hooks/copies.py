@@ -10,14 +10,12 @@ every GPU at once), so ``init_hook`` puts ``run`` where accelerate's hook looks 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..transfer import move
-from .replica import replica
+from .replica import _run_replica, replica
 from .resident import PlacementHook
 
 
@@ -82,10 +80,8 @@ class CopiesHook(PlacementHook):
         return f"{type(self).__name__}({self.component!r}, device={self.device}, replicas=[{copies}])"
 
 
-def call_on(module: torch.nn.Module, device: torch.device, inputs: tuple[tuple, dict], grad: bool):
-    """``module(*args, **kwargs)`` with the inputs moved to ``device``, under the caller's grad mode (grad mode is per
-    thread), with ``device`` current for a CUDA device."""
-    args, kwargs = move(inputs, device)
-    on_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with torch.set_grad_enabled(grad), on_gpu:
-        return module(*args, **kwargs)
+def call_on(module: torch.nn.Module, device: torch.device, home: torch.device, inputs: tuple[tuple, dict], grad: bool):
+    """``module(*args, **kwargs)`` on a copy's thread, as a replica's part of a batch runs (``replica.py``): the
+    inputs moved to ``device``, the caller's grad mode (it is per thread), ``device`` current, the output moved to
+    ``home``."""
+    return _run_replica(module, device, home, inputs, grad)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..transfer import move
+from ..transfer import move_tensor
 from .copies import CopiesHook, call_on
 
 _MISSING = object()
@@ -108,7 +108,7 @@ class GuidanceHook(CopiesHook):
     def _start(self, upcoming: Inputs) -> Future:
         copy, device, grad = self.replicas[0], self.replica_devices[0], torch.is_grad_enabled()
         inputs = self._on_copy(upcoming, device)
-        return self.start(lambda: move(call_on(copy, device, inputs, grad), self.device), device)
+        return self.start(lambda: call_on(copy, device, self.device, inputs, grad), device)
 
     def _on_copy(self, upcoming: Inputs, device: torch.device) -> tuple[tuple, dict]:
         """The call's inputs, with the tensors the last call ahead already copied to ``device`` (the negative
@@ -120,7 +120,7 @@ class GuidanceHook(CopiesHook):
                 kept = self._moved.get(id(leaf))
                 there = kept[2] if kept and kept[0] is leaf and version is not None and kept[1] == version else None
                 if there is None:
-                    there = leaf.to(device)
+                    there = move_tensor(leaf, device)
                 moved[id(leaf)] = (leaf, version, there)
                 leaf = there
             leaves.append(leaf)

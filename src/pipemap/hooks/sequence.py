@@ -16,7 +16,9 @@ call's. A call whose tokens do not divide among the GPUs runs whole on the trans
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -33,7 +35,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from ..errors import PlanMismatchError
 from ..replication import SEQUENCE_BROKEN
 from .copies import CopiesHook, call_on
-from .exchange import ThreadGroup, release, thread_groups
+from .exchange import Exchange, ThreadGroup, release, thread_groups
 from .replica import replica
 
 _HOOK_NAME = "pipemap-sequence---{}"
@@ -57,8 +59,9 @@ class SequenceHook(CopiesHook):
 
     def init_hook(self, module):
         check_splittable(self.component, module, 1 + len(self.replica_devices))
+        home = replica(module, self.device)  # shares the module's weights; made before its forward is taken over
         module = super().init_hook(module)
-        self.ranks = [replica(module, self.device), *self.replicas]
+        self.ranks = [home, *self.replicas]
         self.groups = thread_groups(len(self.ranks), self.component)
         for rank, (copy, group) in enumerate(zip(self.ranks, self.groups)):
             enable_split(copy, rank, group)
@@ -73,12 +76,12 @@ class SequenceHook(CopiesHook):
     def run(self, *args, **kwargs):
         exchange = self.groups[0].exchange
         exchange.renew()
-        grad, devices = torch.is_grad_enabled(), (self.device, *self.replica_devices)
-        others = [self.start(_rank_run(exchange, copy, device, (args, kwargs), grad), device)
-                  for copy, device in zip(self.ranks[1:], devices[1:])]
+        grad, inputs = torch.is_grad_enabled(), (args, kwargs)
+        others = [self.start(_rank_run(exchange, functools.partial(call_on, copy, device, self.device, inputs, grad)),
+                             device) for copy, device in zip(self.ranks[1:], self.replica_devices)]
         output, failures = None, []
         try:
-            output = _rank_run(exchange, self.ranks[0], self.device, (args, kwargs), grad)()
+            output = _rank_run(exchange, functools.partial(self.ranks[0], *args, **kwargs))()
         except BaseException as err:
             failures.append(err)
         failures += [e for e in (job.exception() for job in others) if e is not None]  # every rank done first
@@ -93,13 +96,13 @@ class SequenceHook(CopiesHook):
         return {**super().__getstate__(), "ranks": [], "groups": []}
 
 
-def _rank_run(exchange, module, device, inputs, grad):
+def _rank_run(exchange: Exchange, call: Callable[[], Any]) -> Callable[[], Any]:
     """A rank's run; if it fails, the ranks waiting for it at the exchange are released (they fail too). Every rank
     finds a share that does not divide at the same layer, so ``Unsplittable`` releases nobody."""
 
     def run():
         try:
-            return call_on(module, device, inputs, grad)
+            return call()
         except Unsplittable:
             raise
         except BaseException:
