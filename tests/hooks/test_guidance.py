@@ -120,7 +120,7 @@ def test_requests_overlapped_by_run_many_keep_their_own_branches():
     assert pipe.transformer._hf_hook.hits > 0
 
 
-@pytest.mark.parametrize("name", ["wan_i2v", "flux_kontext"])
+@pytest.mark.parametrize("name", ["wan_i2v", "flux_kontext", "lumina2"])
 def test_more_families_with_true_guidance_equal_plain(name):
     pipe, call = true_cfg(name)
     if name == "flux_kontext":
