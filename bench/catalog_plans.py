@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import pipemap
 from pipemap import catalog
-from pipemap.cost import TRUE_CFG, images_per_second, seconds_per_image, workload_for
+from pipemap.cost import TRUE_CFG, bytes_moved, images_per_second, seconds_per_image, workload_for
+from pipemap.units import format_bytes
 
 MACHINES = ("1x24GiB,cpu=64GiB", "2x16GiB,cpu=64GiB", "1x80GiB,cpu=128GiB")
 SPEED_MACHINE = "2x80GiB,cpu=128GiB"  # room for a copy of every catalog denoiser on each GPU
+HOW = {"replicated": "replicas", "guidance": "guidance branches at once", "sequence": "tokens split"}
 SHORT = {"text_encoder": "te", "text_encoder_2": "te2", "text_encoder_3": "te3", "transformer": "dit",
          "unet": "unet", "vae": "vae", "safety_checker": "safety"}
 
@@ -28,6 +30,9 @@ def layout(plan: pipemap.Plan) -> str:
             parts.append(f"{name} {gpu}")
         elif p.mode == "replicated":
             parts.append(f"{name} x{1 + len(p.replicas)}")
+        elif p.mode in ("guidance", "sequence"):
+            gpus = "+".join(d.removeprefix("cuda:") for d in (p.device, *p.replicas))
+            parts.append(f"{name} {'cfg' if p.mode == 'guidance' else 'seq'} {gpus}")
         elif p.mode == "split":
             away = sorted({d.removeprefix("cuda:") for _, d, _ in p.shards})
             parts.append(f"{name} split {'+'.join([gpu, *away])}")
@@ -78,7 +83,13 @@ def speed(name: str, machine: str = SPEED_MACHINE) -> str:
         figures[label] = (seconds_per_image(plan, inventory, hardware.performance, counts=counts),
                           images_per_second(plan, inventory, hardware.performance, counts=counts), plan)
     (s1, r1, _), (s2, r2, plan) = figures["one"], figures["two"]
-    how = "replicas" if any(p.mode == "replicated" for p in plan.components) else "no replicas"
+    copied = [p for p in plan.components if p.mode in HOW]
+    if copied:
+        steps = workload_for(inventory).steps
+        moved = bytes_moved(plan, inventory)[copied[0].component]
+        how = f"{HOW[copied[0].mode]}, {format_bytes(round(moved / steps))} a step between GPUs"
+    else:
+        how = "one GPU's work"
     return f"{s2:.0f} s ({s1 / s2:.2f}x, {how}); {r2 * 60:.2g}/min overlapped ({r2 / r1:.2f}x)"
 
 

@@ -65,7 +65,7 @@ TOLERANCE = 2e-2  # max |difference| of images in [0, 1] computed in fp16 along 
 LATENT_TOLERANCE = 5e-2  # the same for the final latents (scaled, about unit variance)
 PROMPT = "an astronaut riding a horse on the moon, detailed photograph"
 # seconds each section after the methods may take; their sum (and 5 s for the report) is kept from the methods
-SECTIONS = {"speed": 45.0, "lifetime": 75.0, "bandwidth": 15.0, "transfers": 20.0, "doctor": 30.0}
+SECTIONS = {"speed": 45.0, "branches": 30.0, "lifetime": 75.0, "bandwidth": 15.0, "transfers": 20.0, "doctor": 30.0}
 RESERVE = sum(SECTIONS.values()) + 5.0
 
 
@@ -627,6 +627,82 @@ def speed_check(args, models, device: str) -> dict:
     return out
 
 
+def branches_check(args, device: str) -> dict:
+    """Guidance branches at once and a sequence split (strategy "parallel" for pipelines that call their denoiser
+    once per guidance branch, and for one call's tokens) against the same calls on one GPU, on transformers of the
+    published shapes cut to a few blocks, random weights: a Wan 2.1-shaped one in a loop of two calls a step (as
+    WanPipeline calls it), a Flux.1-shaped one on one 1024x1024 call. With two GPUs the copy lives on the second;
+    with one, on the same (the control: the threads and checks alone); --dry-cpu: tiny shapes on the CPU."""
+    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+
+    from pipemap.hooks import GuidanceHook, SequenceHook
+
+    dtype, dry = getattr(torch, args.dtype), device == "cpu"
+    other = "cuda:1" if torch.cuda.device_count() >= 2 else device
+    out: dict = {"branches_layout": f"{device} + {other}"}
+    with torch.device(device):
+        wan = WanTransformer3DModel(
+            **(dict(num_attention_heads=2, attention_head_dim=12, ffn_dim=32, num_layers=2, text_dim=32, freq_dim=256)
+               if dry else dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=4)),
+            in_channels=16, out_channels=16).to(dtype).eval()
+        flux = FluxTransformer2DModel(
+            **(dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                    joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8]) if dry
+               else dict(num_layers=2, num_single_layers=4, guidance_embeds=True))).to(dtype).eval()
+    # Wan latents at 81x480x832 are 21x60x104; 6 of the 21 latent frames here
+    (frames, height, width), steps = ((2, 8, 8), 3) if dry else ((6, 60, 104), args.steps)
+    latents = torch.randn(1, 16, frames, height, width, device=device, dtype=dtype)
+    text = [torch.randn(1, 512 if not dry else 8, 4096 if not dry else 32, device=device, dtype=dtype)
+            for _ in range(2)]
+
+    def denoise(module):
+        x = latents
+        for t in torch.linspace(999, 1, steps, device=device):
+            timestep = t.expand(1)
+            cond = module(hidden_states=x, timestep=timestep, encoder_hidden_states=text[0], return_dict=False)[0]
+            uncond = module(hidden_states=x, timestep=timestep, encoder_hidden_states=text[1], return_dict=False)[0]
+            x = x - 0.05 * (uncond + 5.0 * (cond - uncond))
+        return x
+
+    out.update(_against_one(wan, GuidanceHook, device, other, denoise, "guidance"))
+    tokens, width = (16, 32) if dry else (4096, 3072)
+    inputs = dict(hidden_states=torch.randn(1, tokens, 64, device=device, dtype=dtype),
+                  encoder_hidden_states=torch.randn(1, 512 if not dry else 8, 4096 if not dry else 32, device=device,
+                                                    dtype=dtype),
+                  pooled_projections=torch.randn(1, 768 if not dry else 32, device=device, dtype=dtype),
+                  timestep=torch.tensor([0.5], device=device, dtype=dtype),
+                  img_ids=torch.zeros(tokens, 3, device=device), txt_ids=torch.zeros(512 if not dry else 8, 3,
+                                                                                     device=device),
+                  guidance=None if dry else torch.tensor([3.5], device=device, dtype=dtype), return_dict=False)
+    out.update(_against_one(flux, SequenceHook, device, other, lambda m: m(**inputs)[0], "sequence"))
+    out["sequence_width"] = width
+    return out
+
+
+def _against_one(module, hook_class, device: str, other: str, run, name: str) -> dict:
+    """Seconds of ``run(module)`` plain and with ``hook_class`` (a copy on ``other``), the speed-up, the largest
+    difference of the outputs, and what the hook counted."""
+    from pipemap.hooks import hook_component, unhook_component
+    from pipemap.plan import Placement
+
+    with torch.no_grad():
+        run(module)  # warm-up
+        plain_s = _clock(lambda: run(module))
+        want = run(module)
+        hook = hook_class.for_placement(Placement(name, device, 0, name, replicas=(other,)), device, None)
+        hook_component(module, hook)
+        try:
+            run(module)
+            mapped_s = _clock(lambda: run(module))
+            got = run(module)
+        finally:
+            unhook_component(module)
+    counted = {k: getattr(hook, k) for k in ("hits", "misses", "whole") if hasattr(hook, k)}
+    return {f"{name}_plain_s": plain_s, f"{name}_s": mapped_s, f"{name}_speedup": plain_s / mapped_s,
+            f"{name}_max_diff": float((got.float() - want.float()).abs().max()),
+            **{f"{name}_{k}": v for k, v in counted.items()}}
+
+
 def _sync() -> None:
     for index in range(torch.cuda.device_count()):
         torch.cuda.synchronize(index)
@@ -1073,7 +1149,7 @@ class Report:
             parts.append(f"{key}_s={secs(r.s_per_image) if r.status == 'ok' else r.status.replace(' ', '_')}")
         if "gpus" in self.transfers:
             parts.append(f"transfer_check_s={self.transfers['gpus'].get('seconds', 0):.3f}")
-        for key in ("replicas_speedup", "run_many_speedup"):
+        for key in ("replicas_speedup", "run_many_speedup", "guidance_speedup", "sequence_speedup"):
             if isinstance(self.speed.get(key), float):
                 parts.append(f"{key}={self.speed[key]:.3g}")
         if isinstance(self.bandwidth.get("gb_per_s"), float):
@@ -1156,6 +1232,7 @@ def main(argv=None) -> int:
     report.results = run_all(args, runner, budgets, write)
     if args.speed:
         report.speed = capped("speed", args, lambda cap: within(cap, speed_check, args, models, device))
+        report.speed.update(capped("branches", args, lambda cap: within(cap, branches_check, args, device)))
         print(f"speed: {report.speed}", flush=True)
     if args.checks:
         report.checks = capped("lifetime", args, lambda cap: lifetime_checks(args, runner, budgets, cap))

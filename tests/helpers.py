@@ -104,3 +104,16 @@ def replica_inventory(pipeline_class: str) -> Inventory:
               Component("transformer", "diffusers", "Model", 10 * gib, True),
               Component("vae", "diffusers", "AutoencoderKL", gib, True))
     return Inventory("test", pipeline_class, models, "bfloat16")
+
+
+def with_copy(pipe, mode: str, component: str = "transformer", hardware: str = "2x64MiB,cpu=1GiB",
+              copies: int = 1) -> Plan:
+    """Every component of ``pipe`` on cuda:0, ``component`` with a copy on each of cuda:1.. in ``mode``
+    (``"guidance"``, ``"sequence"``, ``"replicated"``): the other GPUs hold nothing else, so what they compute is
+    the copies'."""
+    plan_ = pipemap.plan(pipe, hardware=hardware, strategy=dict.fromkeys(models_of(pipe), "cuda:0"), headroom=0.0)
+    size, gpus = plan_.placement(component).bytes, tuple(f"cuda:{i}" for i in range(1, 1 + copies))
+    parts = tuple(dataclasses.replace(p, mode=mode, replicas=gpus) if p.component == component else p
+                  for p in plan_.components)
+    devices = tuple(dataclasses.replace(d, used=d.used + size) if d.device in gpus else d for d in plan_.devices)
+    return dataclasses.replace(plan_, strategy="parallel", components=parts, devices=devices)

@@ -19,9 +19,12 @@ PLACEMENTS = {
     "stream": Placement("unet", "cpu", 60, "stream", "cpu", 30),
     "split": Placement("transformer", "cpu", 90, "split", shards=(("blocks.1", "cpu", 45),)),
     "replicated": Placement("controlnet", "cpu", 10, "replicated", replicas=("cpu",)),
+    "guidance": Placement("transformer_2", "cpu", 10, "guidance", replicas=("cpu",)),
+    "sequence": Placement("image_encoder", "cpu", 10, "sequence", replicas=("cpu",)),
 }
 CLASSES = {"resident": hooks.PlacementHook, "offload": hooks.OffloadHook, "stream": hooks.StreamHook,
-           "split": hooks.SplitHook, "replicated": hooks.ReplicaHook}
+           "split": hooks.SplitHook, "replicated": hooks.ReplicaHook, "guidance": hooks.GuidanceHook,
+           "sequence": hooks.SequenceHook}
 PLAN = Plan("balanced", tuple(PLACEMENTS.values()), (DeviceUse("cpu", 1000, 1000, 210),), "cpu")
 
 
@@ -46,7 +49,7 @@ def test_hook_maker_gives_the_moving_hooks_one_ledger_and_one_lock():
     offload, streamed = made["offload"], made["stream"]
     assert offload.ledger is streamed.ledger and offload.lock is streamed.lock
     locks = {id(h.lock) for mode, h in made.items() if mode not in MOVING}
-    assert len(locks) == 3 and id(offload.lock) not in locks  # the others each keep a lock of their own
+    assert len(locks) == len(MODES) - 2 and id(offload.lock) not in locks  # the others each keep a lock of their own
     again = hook_maker(PLAN)(PLACEMENTS["offload"])
     assert again.ledger is not offload.ledger and again.lock is not offload.lock  # one of each per dispatch
 

@@ -128,6 +128,19 @@ def test_replicas_are_drawn_on_each_gpu(tiny_folders):
         assert sum(s.bytes for s in next(b for b in drawn.bars if b.device == use.device).segments) == use.used
 
 
+@pytest.mark.parametrize(("mode", "label"), [("guidance", "transformer (copy: 2nd guidance branch)"),
+                                             ("sequence", "transformer (copy: share of tokens)")])
+def test_a_copy_is_drawn_on_its_gpu_with_what_it_runs_and_the_bytes_between_them(mode, label):
+    plan = pipemap.Plan("parallel", (pipemap.Placement("transformer", "cuda:0", 100, mode, replicas=("cuda:1",)),),
+                        (pipemap.DeviceUse("cuda:0", 200, 200, 100), pipemap.DeviceUse("cuda:1", 200, 200, 100)),
+                        "cuda:0")
+    drawn = plan.picture({"transformer": 5000})
+    copy = next(b for b in drawn.bars if b.device == "cuda:1").segments
+    assert [(s.label, s.bytes, s.kind) for s in copy] == [(label, 100, mode)]
+    assert [(lk.source, lk.target, lk.bytes_per_image) for lk in drawn.links] == [("cuda:0", "cuda:1", 5000)]
+    assert f'data-kind="{mode}"' in drawn.svg()
+
+
 def test_timeline_peak_and_budget():
     samples = [picture.Sample(i, "cuda:0", b, phase) for i, (b, phase) in
                enumerate([(10, "encode prompt"), (30, "denoise step 1"), (25, "denoise step 2"), (40, "vae decode")])]

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import inventory, plan
 from pipemap import DeviceUse, Placement, Plan
-from pipemap.plan import MODES, Candidate
+from pipemap.plan import MODES, Candidate, _mode_text
 
 NO_GPU_NOTE = "no GPU on this machine or in the profile: every component runs on the CPU"
 # text_encoder 30, text_encoder_2 40, unet 60, vae 20 bytes (150 in all)
@@ -138,7 +138,7 @@ def test_device_map_and_placement():
 def test_a_placement_runs_where_it_lives_unless_told_otherwise():
     assert Placement("vae", "cuda:1", 20).execution_device == "cuda:1"
     assert Placement("vae", "cpu", 20, "offload", "cuda:0").execution_device == "cuda:0"
-    assert set(MODES) == {"resident", "offload", "stream", "split", "replicated"}
+    assert set(MODES) == {"resident", "offload", "stream", "split", "replicated", "guidance", "sequence"}
 
 
 def test_remap_moves_shards_replicas_and_merges_the_devices():
@@ -160,6 +160,23 @@ def test_the_table_shows_each_mode_in_words():
     assert "stream: 2 blocks" in text and "level 2" in text  # the cell may wrap
     assert "[cuda:1]" in text and "4.00 MiB of 7.00 MiB" in text
     assert text.endswith("note: auto: parallel is the fastest")
+
+
+# a transformer of 3 MiB on cuda:0: its guidance branches at once with cuda:1, or its tokens split over 3 GPUs
+@pytest.mark.parametrize(("mode", "copies", "words"), [
+    ("guidance", ("cuda:1",), "guidance: 1st branch on cuda:0, 2nd on cuda:1"),
+    ("sequence", ("cuda:1", "cuda:2"), "sequence: tokens split over cuda:0, cuda:1, cuda:2"),
+])
+def test_guidance_and_sequence_round_trip_remap_and_say_which_gpu_runs_what(mode, copies, words):
+    gpus = ("cuda:0", *copies)
+    original = Plan("parallel", (Placement("transformer", "cuda:0", 3 * MiB, mode, replicas=copies),),
+                    tuple(DeviceUse(d, 8 * MiB, 8 * MiB, 3 * MiB) for d in gpus) + (DeviceUse("cpu", MiB, MiB, 0),),
+                    "cuda:0")
+    assert Plan.from_json(original.to_json()) == original
+    assert json.loads(original.to_json())["components"]["transformer"]["replicas"] == list(copies)
+    assert _mode_text(original.components[0]) == words and words.split(":")[0] in str(original)
+    on_cpu = original.remap(dict.fromkeys(gpus, "cpu")).placement("transformer")
+    assert (on_cpu.mode, on_cpu.device, on_cpu.replicas) == (mode, "cpu", ("cpu",) * len(copies))
 
 
 def test_explain_ranks_the_candidates_and_says_when_there_were_none():

@@ -9,20 +9,47 @@ import pipemap
 from helpers import replica_inventory
 from pipemap import Component, Inventory
 from pipemap.plan import Placement
-from pipemap.replication import batches_guidance, plan_notes, replicable
+from pipemap.replication import batches_guidance, parallel_modes, plan_notes, replicable, splits_sequence
 
 
-@pytest.mark.parametrize(("pipeline_class", "why"), [
-    ("FluxPipeline", "calls its transformer once per guidance branch"),
-    ("WanPipeline", "calls its transformer once per guidance branch"),
-    ("MyOwnPipeline", "not a diffusers pipeline class"),
-])
-def test_parallel_gives_no_replicas_where_calls_carry_no_batch_and_says_why(pipeline_class, why):
-    plan = pipemap.plan(replica_inventory(pipeline_class), hardware="2x16GiB,cpu=64GiB", strategy="parallel")
+def test_parallel_gives_no_replicas_to_a_pipeline_it_cannot_read_and_says_why():
+    plan = pipemap.plan(replica_inventory("MyOwnPipeline"), hardware="2x16GiB,cpu=64GiB", strategy="parallel")
     assert {p.mode for p in plan.components} == {"resident"} and plan.strategy == "parallel"
-    assert why in plan.notes[-1] and "placed as balanced" in plan.notes[-1]
-    balanced = pipemap.plan(replica_inventory(pipeline_class), hardware="2x16GiB,cpu=64GiB")
+    assert "not a diffusers pipeline class" in plan.notes[-1] and "placed as balanced" in plan.notes[-1]
+    balanced = pipemap.plan(replica_inventory("MyOwnPipeline"), hardware="2x16GiB,cpu=64GiB")
     assert plan.device_map == balanced.device_map
+
+
+# text encoder 2 GiB, transformer 10 GiB (a model class without a context-parallel plan), vae 1 GiB on 3 x 16 GiB
+@pytest.mark.parametrize("pipeline_class", ["FluxPipeline", "WanPipeline", "QwenImagePipeline"])
+def test_parallel_runs_guidance_branches_at_once_where_the_pipeline_calls_once_per_branch(pipeline_class):
+    plan = pipemap.plan(replica_inventory(pipeline_class), hardware="3x16GiB,cpu=64GiB", strategy="parallel",
+                        headroom=0.0)
+    transformer = plan.placement("transformer")
+    assert (transformer.mode, transformer.device, transformer.replicas) == ("guidance", "cuda:0", ("cuda:1",))
+    assert plan.execution_device == "cuda:0"
+    assert {d.device: d.used for d in plan.devices}["cuda:1"] == 10 * 2**30  # the copy: two branches, two GPUs
+    assert "cuda:0 runs each step's first call (conditional), cuda:1 its second" in plan.notes[-1]
+
+
+def _model(name: str, class_name: str, size: int = 100) -> Component:
+    return Component(name, "diffusers", class_name, size, True)
+
+
+@pytest.mark.parametrize(("pipeline_class", "denoiser", "modes"), [
+    ("StableDiffusionXLPipeline", "UNet2DConditionModel", ("replicated",)),
+    ("FluxPipeline", "FluxTransformer2DModel", ("sequence", "guidance")),  # guidance-distilled: 1 call a step
+    ("QwenImagePipeline", "QwenImageTransformer2DModel", ("guidance", "sequence")),  # true CFG: 2 calls a step
+    ("WanPipeline", "WanTransformer3DModel", ("guidance", "sequence")),
+    ("MyOwnPipeline", "FluxTransformer2DModel", ("sequence",)),  # the model class alone says it can split
+    ("MyOwnPipeline", "Model", ()),
+])
+def test_parallel_modes_are_those_the_calls_allow_fastest_first(pipeline_class, denoiser, modes):
+    name = "unet" if "UNet" in denoiser else "transformer"
+    inv = Inventory("test", pipeline_class, (_model("text_encoder", "CLIPTextModel"), _model(name, denoiser, 10**10)),
+                    "bfloat16")
+    assert parallel_modes(inv) == tuple((name, m) for m in modes)
+    assert splits_sequence(denoiser) is ("sequence" in modes)
 
 
 # text encoder 2 GiB, transformer 10 GiB, vae 1 GiB: 2 x 16 GiB hold a copy of the transformer each, 3 x 11 GiB
@@ -74,14 +101,20 @@ def test_plan_notes_say_what_was_done_with_the_denoiser_and_why():
                                       "(guidance, images per prompt) is split across the copies"]
     [note] = plan_notes(sd, {"unet": Placement("unet", "cuda:0", 100)})
     assert "no two GPUs hold a copy of the unet (100 B)" in note and note.endswith("placed as balanced")
-    [note] = plan_notes(replica_inventory("FluxPipeline"), {})
-    assert "FluxPipeline calls its transformer once per guidance branch" in note
+    [note] = plan_notes(replica_inventory("MyOwnPipeline"), {})
+    assert "MyOwnPipeline is not a diffusers pipeline class" in note and "Model has no context-parallel plan" in note
+    flux = replica_inventory("FluxPipeline")
+    [note] = plan_notes(flux, {"transformer": Placement("transformer", "cuda:1", 100, "sequence",
+                                                         replicas=("cuda:0",))})
+    assert note.startswith("parallel: transformer tokens split across cuda:1, cuda:0: each GPU computes its share")
+    assert "cuda:1 returns the output" in note
     assert plan_notes(_inventory("StableDiffusionPipeline", "vae"), {}) == [
         "parallel: no denoiser to replicate; placed as balanced"]
 
 
 def test_a_plan_without_copies_is_the_balanced_plan():
     inv = _inventory("FluxPipeline", "text_encoder", "transformer", "vae")
-    plan = pipemap.plan(inv, hardware="2x1000,cpu=10000", strategy="parallel", headroom=0.0)
-    assert plan.device_map == pipemap.plan(inv, hardware="2x1000,cpu=10000", headroom=0.0).device_map
+    plan = pipemap.plan(inv, hardware="cuda:0=200,cuda:1=150,cpu=10000", strategy="parallel", headroom=0.0)
+    assert plan.device_map == pipemap.plan(inv, hardware="cuda:0=200,cuda:1=150,cpu=10000", headroom=0.0).device_map
     assert plan.notes[-1] == plan_notes(inv, {p.component: p for p in plan.components})[0]
+    assert "no two GPUs hold a copy of the transformer (100 B)" in plan.notes[-1]

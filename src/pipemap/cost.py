@@ -47,6 +47,14 @@ GUIDANCE_BATCH = 2
 MEMORY_BYTES_PER_FLOP = 0.0019
 KERNELS_PER_MODULE = 4.7
 KERNELS_PER_MODULE_ONCE = 1.8
+# Guidance branches at once: each call that arrives is checked against the one started ahead (identity, version
+# counters, a small tensor compared at most): a few Python operations per input, and a thread hand-over
+VERIFY_SECONDS = 100e-6
+# A sequence split: every attention layer exchanges queries, keys, values and its output (Ulysses all-to-all) in 16
+# bits, each exchange a meeting of the GPUs' threads and a copy across them
+EXCHANGED_TENSORS = 4
+EXCHANGE_ITEM_BYTES = 2
+EXCHANGE_LATENCY = 50e-6
 
 
 @dataclass(frozen=True)
@@ -363,6 +371,10 @@ def component_cost(placement: Placement, component: Component, dtype_bytes: int,
         parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas)) if work.guidance else 1
         transfer = moved / perf.peer_bandwidth
         return Cost(component.name, compute / parts, transfer, compute / parts + transfer)
+    if placement.mode == "guidance":
+        return guidance_cost(component, compute, moved, perf, work)
+    if placement.mode == "sequence":
+        return sequence_cost(placement, component, compute, moved, perf, work)
     transfer = moved / perf.peer_bandwidth  # split: activations to each run of shards and back; resident: none
     return Cost(component.name, compute, transfer, compute + transfer)
 
@@ -455,7 +467,56 @@ def moved_per_image(placement: Placement, component: Component, work: Workload) 
     if placement.mode == "replicated":
         parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas))
         return calls / GUIDANCE_BATCH * (parts - 1) * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES)
+    if placement.mode == "guidance":
+        return guidance_moved(work)
+    if placement.mode == "sequence":
+        gpus = 1 + len(placement.replicas)
+        inputs = (gpus - 1) * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN // 2 + PROMPT_BYTES)
+        return calls * (gpus * exchanged_per_call(component, work, gpus) + inputs)
     return 0
+
+
+def guidance_moved(work: Workload) -> float:
+    """Bytes one image moves for guidance branches at once: each step after the first, the latents to the copy and
+    its output back; the negative prompt's embeddings once (the copy keeps them while they stay the same tensor)."""
+    return (work.steps - 1) * work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES if work.guidance else 0
+
+
+def guidance_cost(component: Component, compute: float, moved: float, perf: Performance, work: Workload) -> Cost:
+    """Guidance branches at once: every step after the first runs its second call on the copy while the first runs
+    (the first step has no step before it to start the call from), so one call of each of those steps is hidden;
+    the copy's inputs and output cross the peer link and each call is checked on arrival. A call without true
+    guidance (one call a step) gains nothing."""
+    if not work.guidance:
+        return Cost(component.name, compute, 0.0, compute)
+    hidden = compute * (work.steps - 1) / work.calls
+    transfer = moved / perf.peer_bandwidth
+    return Cost(component.name, compute - hidden, transfer, compute - hidden + transfer + work.calls * VERIFY_SECONDS)
+
+
+def exchanged_per_call(component: Component, work: Workload, gpus: int) -> float:
+    """Bytes one GPU sends the others at each call of a sequence split: at every attention layer its share of the
+    tokens' queries, keys, values and output (at the layer's width), all but the part it keeps for itself."""
+    tokens = tokens_per_call(component, work)
+    width = component.attention_width or _width_guess(component)
+    return EXCHANGED_TENSORS * tokens / gpus * width * EXCHANGE_ITEM_BYTES * (gpus - 1) / gpus
+
+
+def _width_guess(component: Component) -> int:
+    # a model sized without its tensor names: square attention projections, a quarter of its weights each layer
+    return int((component.bytes / EXCHANGE_ITEM_BYTES / 12) ** 0.5) * max(1, len(component.blocks))
+
+
+def sequence_cost(placement: Placement, component: Component, compute: float, moved: float, perf: Performance,
+                  work: Workload) -> Cost:
+    """A sequence split over ``1 + len(replicas)`` GPUs: each computes its share of the tokens (the attention too:
+    all tokens for its share of the heads), then waits for the exchanges, which Ulysses attention does not overlap;
+    the GPUs send at once, so the link carries one GPU's share at a time."""
+    gpus = 1 + len(placement.replicas)
+    calls = calls_per_image(component, work)
+    layers = max(1, len(component.blocks))
+    transfer = moved / gpus / perf.peer_bandwidth + calls * layers * EXCHANGED_TENSORS * EXCHANGE_LATENCY
+    return Cost(component.name, compute / gpus, transfer, compute / gpus + transfer)
 
 
 def _moved_per_call(placement: Placement, component: Component) -> tuple[int, int, int]:
@@ -530,17 +591,21 @@ def seconds_per_image(plan: Plan, inventory: Inventory, perf: Performance, work:
 def device_seconds(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None,
                    counts: Counts | None = None) -> dict[str, float]:
     """Each device's busy seconds per image: a component's time on the device it computes on, a split
-    component's compute shared by its GPUs in proportion to their bytes, a replicated one's on each copy's device,
-    the pipeline's own code on the execution device."""
+    component's compute shared by its GPUs in proportion to their bytes, a replicated or sequence-split one's on
+    each copy's device, a guidance-branch copy's second calls on its device, the pipeline's own code on the
+    execution device."""
     busy: dict[str, float] = collections.defaultdict(float)
     placements = {p.component: p for p in plan.components}
     for name, cost in predict(plan, inventory, perf, work, counts=counts).items():
         p = placements.get(name)
         if p is None:
             busy[plan.execution_device] += cost.total
-        elif p.mode == "replicated":
+        elif p.mode in ("replicated", "sequence"):
             for device in (p.execution_device, *p.replicas):
                 busy[device] += cost.total
+        elif p.mode == "guidance":  # the copy runs about one call a step (the second), as the home GPU does
+            busy[p.execution_device] += cost.total
+            busy[p.replicas[0]] += cost.compute + cost.transfer
         elif p.mode == "split" and p.bytes:
             away = sum(size for _, _, size in p.shards)
             busy[p.execution_device] += cost.compute * (p.bytes - away) / p.bytes + cost.transfer

@@ -110,8 +110,9 @@ def with_passed(inventory: Inventory, passed: dict) -> Inventory:
 
 def _load_device(placement) -> str:
     # offloaded and streamed models live in CPU RAM; a split one is loaded there too and dispatch then moves each
-    # part to its GPU, since loading it whole onto its first GPU is what it was split for not fitting
-    return placement.device if placement.mode in ("resident", "replicated") else "cpu"  # copies made at dispatch
+    # part to its GPU, since loading it whole onto its first GPU is what it was split for not fitting; the copies of
+    # the modes that keep one are made at dispatch
+    return placement.device if placement.mode in ("resident", "replicated", "guidance", "sequence") else "cpu"
 
 
 def _plan_dtype(plan: Plan) -> torch.dtype | None:

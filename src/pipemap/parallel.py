@@ -13,8 +13,10 @@ own shape, fit beside what is resident and what the running requests hold on eve
 its components' calls waits for its own share (``admission``); ``workers`` is then an upper bound.
 
 A mapped pipeline called from several threads outside ``run_many`` has its calls take turns
-(``dispatch.guard_calls``): correct, never corrupted, not overlapped. Denoiser replicas, the other speed from a
-second GPU, are a hook (``hooks/replica.py``).
+(``dispatch.guard_calls``): correct, never corrupted, not overlapped. The other speed from a second GPU, copies
+of the denoiser sharing each call, is in hooks: a batch split (``hooks/replica.py``), guidance branches at once
+(``hooks/guidance.py``, which keeps each request's calls apart by thread), one call's tokens split
+(``hooks/sequence.py``).
 """
 
 from __future__ import annotations

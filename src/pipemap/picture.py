@@ -89,7 +89,9 @@ class _Plan(Protocol):
 PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#145a32", "#f9e79f", "#4d5656",
            "#f1948a")
 HEADROOM_FILL = "#e5e7e9"
-KIND_PATTERN = {"offload": "hatch", "stream": "dots", "split": "hatch", "replicated": "hatch"}
+KIND_PATTERN = {"offload": "hatch", "stream": "dots", "split": "hatch", "replicated": "hatch", "guidance": "hatch",
+                "sequence": "hatch"}
+COPY_LABELS = {"replicated": "copy", "guidance": "copy: 2nd guidance branch", "sequence": "copy: share of tokens"}
 GIB = 1 << 30
 
 
@@ -117,7 +119,7 @@ class Bar:
 @dataclass(frozen=True)
 class Link:
     """Bytes one image moves from ``source`` to ``target`` (host to GPU for offload and streaming, GPU to GPU for
-    a split component's activations)."""
+    a split component's activations, a copy's inputs and outputs, a sequence split's exchanges)."""
 
     source: str
     target: str
@@ -172,8 +174,8 @@ def _bar(plan: _Plan, device: str, memory: int, budget: int, used: int) -> Bar:
     segments += [Segment(f"{p.component} (resident pieces)", p.resident_bytes, "stream")
                  for p in moved if p.mode == "stream" and p.resident_bytes]
     segments += [Segment(f"{p.component} (blocks in flight)", p.room, "stream") for p in moved if p.mode == "stream"]
-    segments += [Segment(f"{p.component} (copy)", p.bytes, "replicated") for p in plan.components
-                 if device in p.replicas]
+    segments += [Segment(f"{p.component} ({COPY_LABELS.get(p.mode, 'copy')})", p.bytes, p.mode)
+                 for p in plan.components if device in p.replicas]
     # the planner charges an execution GPU its largest offloaded component (the LRU keeps what fits): whatever of
     # ``used`` the segments above leave is that charge
     rest = used - sum(s.bytes for s in segments)
@@ -194,7 +196,8 @@ def _links(plan: _Plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
         amount = moved.get(p.component, 0)
         if not amount:
             continue
-        key = (p.device, p.execution_device) if p.mode != "split" else (p.device, _shard_device(p))
+        key = (p.device, _shard_device(p)) if p.mode == "split" else (p.device, p.replicas[0]) if p.replicas else (
+            p.device, p.execution_device)
         totals[key] = totals.get(key, 0) + amount
     return tuple(Link(s, t, b) for (s, t), b in totals.items())
 

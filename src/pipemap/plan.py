@@ -20,7 +20,7 @@ from .units import format_bytes
 if TYPE_CHECKING:
     from rich.table import Table
 
-MODES = ("resident", "offload", "stream", "split", "replicated")
+MODES = ("resident", "offload", "stream", "split", "replicated", "guidance", "sequence")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class Placement:
     ``shards`` lists the blocks (module paths) placed away from ``device`` with their device and bytes, and
     everything else stays on ``device``, where its inputs and outputs live. ``"replicated"``: resident on ``device``
     with a whole copy on each of ``replicas``; each call's batch is split across them (``pipemap.parallel``).
+    ``"guidance"``: resident on ``device`` with a copy on ``replicas[0]``, which runs each step's second guidance
+    branch while ``device`` runs the first (``hooks/guidance.py``). ``"sequence"``: resident on ``device`` with a
+    copy on each of ``replicas``; each call's tokens are split across all of them (``hooks/sequence.py``).
 
     A streamed component's pieces: ``blocks`` ((module path, bytes), ...), as fine as its room needs; of them
     ``resident_blocks`` (paths; ``""``: the tensors outside every piece) stay on its execution device,
@@ -75,6 +78,10 @@ def _mode_text(p: Placement) -> str:
                 f"({format_bytes(p.resident_bytes)}), prefetch {p.prefetch}, in flight {format_bytes(p.room)}")
     if p.mode == "replicated":
         return "replicated: copies on " + ", ".join(p.replicas)
+    if p.mode == "guidance":
+        return f"guidance: 1st branch on {p.device}, 2nd on " + ", ".join(p.replicas)
+    if p.mode == "sequence":
+        return "sequence: tokens split over " + ", ".join((p.device, *p.replicas))
     return p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})"
 
 

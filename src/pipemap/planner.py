@@ -48,7 +48,8 @@ class Request:
     in_flight: tuple[tuple[str, int], ...] = ()
     blocks: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
     trees: tuple[tuple[str, Block | None], ...] = ()  # module trees: a streamed component's pieces and residency
-    replicable: tuple[str, ...] = ()  # denoisers whose calls carry a batch to split (``replication.replicable``)
+    # (denoiser, mode) strategy "parallel" may copy it for, the fastest first (``replication.parallel_modes``)
+    parallel: tuple[tuple[str, str], ...] = ()
 
 
 class Place(NamedTuple):
@@ -259,18 +260,28 @@ def _split_across(name: str, size: int, blocks: tuple[tuple[str, int], ...], ord
 
 
 def _parallel(request: Request) -> dict[str, str | Place]:
-    """A copy of the denoiser on as many GPUs as can hold one beside the rest, placed around them as balanced
-    places them; each call's batch is then split across the copies. Balanced where no two GPUs can (``notes``
-    say why)."""
-    for name in request.replicable:
-        for count in range(len(request.rooms), 1, -1):
-            placed = _replicated(request, name, count)
+    """A copy of the denoiser on as many GPUs as can hold one beside the rest (as many as its mode uses: two for
+    guidance branches, a power of two for a sequence split), placed around them as balanced places them; each call
+    then runs across the copies as its mode says (``replication``). Balanced where no two GPUs can (``notes`` say
+    why)."""
+    for name, mode in request.parallel:
+        for count in _copy_counts(mode, len(request.rooms)) if name in dict(request.components) else ():
+            placed = _replicated(request, name, count, mode)
             if placed is not None:
                 return placed
     return _balanced(request)
 
 
-def _replicated(request: Request, name: str, count: int) -> dict[str, str | Place] | None:
+def _copy_counts(mode: str, gpus: int) -> list[int]:
+    """How many GPUs a mode may run the denoiser on, the most first."""
+    if mode == "guidance":
+        return [2] if gpus >= 2 else []
+    if mode == "sequence":
+        return [n for n in replication.SEQUENCE_GPUS if n <= gpus]
+    return list(range(gpus, 1, -1))
+
+
+def _replicated(request: Request, name: str, count: int, mode: str = "replicated") -> dict[str, str | Place] | None:
     """``name`` on the ``count`` roomiest GPUs, the rest balanced in what is left; None if that does not fit."""
     size = dict(request.components)[name]
     rooms = dict(request.rooms)
@@ -284,7 +295,7 @@ def _replicated(request: Request, name: str, count: int) -> dict[str, str | Plac
         placed: dict[str, str | Place] = dict(_balanced(replace(request, components=rest, rooms=tuple(rooms.items()))))
     except DoesNotFitError:
         return None
-    placed[name] = Place(chosen[0], "replicated", chosen[0], (), tuple(chosen[1:]))
+    placed[name] = Place(chosen[0], mode, chosen[0], (), tuple(chosen[1:]))
     return placed
 
 
@@ -365,8 +376,8 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         in_flight = tuple((c.name, c.in_flight) for c in inventory.models)
         blocks = tuple((c.name, c.blocks) for c in inventory.models)
         trees = tuple((c.name, c.tree) for c in inventory.models)
-        replicable = replication.replicable(inventory) if name == "parallel" else ()
-        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks, trees, replicable))
+        parallel = replication.parallel_modes(inventory, hw.performance) if name == "parallel" else ()
+        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks, trees, parallel))
         notes += replication.plan_notes(inventory, placed) if name == "parallel" else []
     device_map = {**fixed, **placed}
     label = name if not fixed else ("map" if not rest else f"map+{name}")

@@ -1,5 +1,17 @@
-"""Which denoisers strategy ``"parallel"`` can copy onto several GPUs, and what the plan says about it: the planning
-half of ``parallel`` (whose other half runs the copies), below the planner and free of hooks.
+"""Which denoisers strategy ``"parallel"`` can copy onto several GPUs, how the copies share the work, and what the
+plan says about it: the planning half of the hooks that run the copies (``replicated``, ``guidance``, ``sequence``),
+below the planner and free of hooks.
+
+Three ways a second GPU speeds up one image, by what the pipeline's calls of its denoiser allow:
+
+- ``replicated``: the pipeline runs both guidance branches as one batch (SD, SDXL, SD3): the batch is cut across the
+  copies.
+- ``guidance``: it calls the denoiser once per branch (Wan, Qwen-Image, Flux's true CFG): each step's second call runs
+  on the copy while the first runs.
+- ``sequence``: the denoiser's class carries diffusers' context-parallel plan (``_cp_plan``: Flux, Qwen-Image, Wan,
+  LTX): each call's tokens are split across the copies, attention exchanging keys and values.
+
+Where more than one applies, the cost model's seconds per image at the pipeline's default call order them.
 """
 
 from __future__ import annotations
@@ -10,8 +22,19 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .inventory import DENOISERS, Inventory
+from .cost import component_cost, workload_for
+from .hardware import Performance
+from .inventory import DENOISERS, Component, Inventory
+from .plan import Placement
 from .units import format_bytes
+
+MODES = ("replicated", "guidance", "sequence")
+SEQUENCE_GPUS = (8, 4, 2)  # Ulysses gives each GPU a share of the heads: 24 (Flux, Qwen-Image), 40 (Wan) divide
+# model classes whose context-parallel path in diffusers 0.42 does not give the plain outputs, and why
+SEQUENCE_BROKEN = {
+    "LTXVideoTransformer3DModel": "its attention mask keeps every head while Ulysses attention gives each GPU a "
+                                  "share of them",
+}
 
 # `torch.cat([latents] * 2)` or `torch.cat([x, x])`: the pipeline runs both guidance branches as one batch
 _GUIDANCE_BATCH = re.compile(r"torch\.cat\(\s*\[\s*\w+\s*\]\s*\*\s*2\s*\)|torch\.cat\(\s*\[\s*(\w+)\s*,\s*\1\s*\]")
@@ -33,6 +56,44 @@ def batches_guidance(pipeline_class: str) -> bool | None:
     return None if source is None else bool(_GUIDANCE_BATCH.search(source))
 
 
+@functools.cache
+def splits_sequence(class_name: str | None) -> bool:
+    """Whether a diffusers model class carries a context-parallel plan (``_cp_plan``) to split its tokens by, and
+    its context-parallel path gives the plain outputs (``SEQUENCE_BROKEN``)."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name or "", None)
+    return isinstance(cls, type) and bool(getattr(cls, "_cp_plan", None)) and class_name not in SEQUENCE_BROKEN
+
+
+def parallel_modes(inventory: Inventory, perf: Performance | None = None) -> tuple[tuple[str, str], ...]:
+    """``(denoiser, mode)`` for each way strategy ``"parallel"`` may use more GPUs for it, the fastest first by the
+    cost model at the pipeline's default call (with two GPUs); nothing when there is no denoiser.
+
+    >>> parallel_modes(pipemap.inspect("qwen-image"))                # doctest: +SKIP
+    (('transformer', 'guidance'), ('transformer', 'sequence'))
+    """
+    denoiser = _denoiser(inventory)
+    if denoiser is None:
+        return ()
+    component = next(c for c in inventory.models if c.name == denoiser)
+    figures = perf or Performance()
+    modes = sorted(_applicable(inventory, component), key=lambda m: _seconds(inventory, component, m, figures))
+    return tuple((denoiser, m) for m in modes)
+
+
+def _applicable(inventory: Inventory, component: Component) -> list[str]:
+    batched = batches_guidance(inventory.pipeline_class)
+    modes = ["replicated"] if batched else ["guidance"] if batched is False else []
+    return modes + (["sequence"] if splits_sequence(component.class_name) else [])
+
+
+def _seconds(inventory: Inventory, component: Component, mode: str, perf: Performance) -> float:
+    dtype_bytes = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(inventory.dtype or "", 4)
+    pair = Placement(component.name, "cuda:0", component.bytes, mode, replicas=("cuda:1",))
+    return component_cost(pair, component, dtype_bytes, perf, workload_for(inventory)).total
+
+
 def _denoiser(inventory: Inventory) -> str | None:
     names = {c.name for c in inventory.models}
     return next((n for n in DENOISERS if n in names), None)
@@ -45,17 +106,32 @@ def replicable(inventory: Inventory) -> tuple[str, ...]:
 
 
 def plan_notes(inventory: Inventory, placed: Mapping[str, Any]) -> list[str]:
-    """What strategy ``"parallel"`` did with the denoiser, and why when it made no replicas."""
+    """What strategy ``"parallel"`` did with the denoiser, which GPU runs what, and why when it made no copies."""
     denoiser = _denoiser(inventory)
     if denoiser is None:
         return ["parallel: no denoiser to replicate; placed as balanced"]
     place: Any = placed.get(denoiser)  # a device name or a planner.Place
-    if getattr(place, "replicas", ()):
-        return [f"parallel: {denoiser} replicated on {', '.join((place.device, *place.replicas))}; each call's batch "
-                "(guidance, images per prompt) is split across the copies"]
-    kind, cls = batches_guidance(inventory.pipeline_class), inventory.pipeline_class
-    size = next(c.bytes for c in inventory.models if c.name == denoiser)
-    why = {None: f"{cls} is not a diffusers pipeline class, so whether its {denoiser} calls carry a batch is unknown",
-           False: f"{cls} calls its {denoiser} once per guidance branch (no concatenated batch to split)",
-           True: f"no two GPUs hold a copy of the {denoiser} ({format_bytes(size)}) beside the other components"}
-    return [f"parallel: no replicas: {why[kind]}; placed as balanced"]
+    copies = getattr(place, "replicas", ())
+    if copies:
+        return [_what_runs_where(denoiser, place.mode, place.device, copies)]
+    component = next(c for c in inventory.models if c.name == denoiser)
+    if _applicable(inventory, component):
+        why = f"no two GPUs hold a copy of the {denoiser} ({format_bytes(component.bytes)}) beside the other components"
+    else:
+        why = (f"{inventory.pipeline_class} is not a diffusers pipeline class, so how it calls its {denoiser} is "
+               f"unknown, and {component.class_name} has no context-parallel plan")
+    return [f"parallel: no replicas: {why}; placed as balanced"]
+
+
+def _what_runs_where(denoiser: str, mode: str, home: str, copies: tuple[str, ...]) -> str:
+    gpus = ", ".join((home, *copies))
+    if mode == "guidance":
+        return (f"parallel: {denoiser} guidance branches at once: {home} runs each step's first call (conditional), "
+                f"{copies[0]} its second (unconditional), started from the inputs the first call brings with the "
+                "step before's negative prompt, and used only when the second call's inputs are exactly those")
+    if mode == "sequence":
+        return (f"parallel: {denoiser} tokens split across {gpus}: each GPU computes its share of every call's "
+                "tokens, attention exchanging queries, keys and values between them (diffusers' context-parallel "
+                f"plan, Ulysses attention); {home} returns the output")
+    return (f"parallel: {denoiser} replicated on {gpus}; each call's batch (guidance, images per prompt) is split "
+            "across the copies")

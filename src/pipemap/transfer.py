@@ -358,8 +358,8 @@ def gpu_identity(device: str) -> str:
 
 def plan_devices(plan) -> list[str]:
     """Every device ``plan`` copies between: the pipeline's execution device, each component's home and execution
-    device, the GPUs its split shards live on and those holding its denoiser's replicas (weights, inputs and outputs
-    are copied straight between the home GPU and each replica's).
+    device, the GPUs its split shards live on and those its copies live on (replicas, guidance and sequence copies:
+    weights, inputs and outputs are copied straight between the home GPU and each copy's).
 
     >>> plan = pipemap.plan("path/to/wan", hardware="2x16GiB", strategy="auto")        # doctest: +SKIP
     >>> plan_devices(plan)                                                            # doctest: +SKIP

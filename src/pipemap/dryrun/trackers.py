@@ -107,11 +107,14 @@ class StorageTracker(TorchDispatchMode):
 
 
 def _with_replicas(pipe, only: str | None = None) -> list[torch.nn.Module]:
-    """The pipeline's models, each followed by the copies its hook holds (a replicated denoiser's)."""
+    """The pipeline's models, each followed by the copies its hook holds (a replicated denoiser's; a sequence
+    split's ranks, the first of them a copy on the denoiser's own GPU)."""
     found = []
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module) and only in (None, name):
-            found += [module, *getattr(getattr(module, "_hf_hook", None), "replicas", ())]
+            hook = getattr(module, "_hf_hook", None)
+            copies: list[torch.nn.Module] = getattr(hook, "ranks", None) or list(getattr(hook, "replicas", ()))
+            found += [module, *copies]
     return found
 
 

@@ -8,11 +8,17 @@ offload        OffloadHook      offload.py    the whole component copied from CP
 stream         StreamHook       stream.py     blocks copied through a few GPU buffers, the next ones prefetched
 split          SplitHook        split.py      blocks on other GPUs, activations passed on between them
 replicated     ReplicaHook      replica.py    the batch cut across copies of the component on several GPUs
+guidance       GuidanceHook     guidance.py   each step's second guidance branch run ahead on a copy on another GPU,
+                                              used only when the call that arrives has exactly its inputs
+sequence       SequenceHook     sequence.py   the call's tokens split across copies on several GPUs, attention
+                                              exchanging keys and values (diffusers' context parallelism)
 =============  ===============  ============  ====================================================================
 
 Every hook derives from ``PlacementHook`` (``resident.py``, which also attaches and removes hooks). ``moving.py`` is
 what offload and stream share (onloading through ``streams.Queues``, the ledger of what one dispatch holds where);
-``packing.py`` packs a group of tensors into one exact-size (pinned) host buffer. ``dispatch`` checks, places and
+``packing.py`` packs a group of tensors into one exact-size (pinned) host buffer; ``copies.py`` is what guidance and
+sequence share (copies, threads, the forward they replace); ``exchange.py`` is the in-process process group a
+sequence split exchanges through. ``dispatch`` checks, places and
 undoes; it knows no mode but through ``HOOKS``.
 """
 
@@ -24,10 +30,12 @@ import torch
 
 from ..plan import Placement, Plan
 from ..streams import Queues, queues_for
+from .guidance import GuidanceHook
 from .moving import Ledger
 from .offload import OffloadHook
 from .replica import ReplicaHook
 from .resident import CallLock, Moved, PlacementHook, hook_component, unhook_component
+from .sequence import SequenceHook
 from .split import SplitHook
 from .stream import StreamHook
 
@@ -38,6 +46,8 @@ HOOKS: dict[str, Callable[[Placement, str, Ledger], PlacementHook]] = {
     "stream": StreamHook.for_placement,
     "split": SplitHook.for_placement,
     "replicated": ReplicaHook.for_placement,
+    "guidance": GuidanceHook.for_placement,
+    "sequence": SequenceHook.for_placement,
 }
 MOVING = ("offload", "stream")  # modes whose hooks move weights: one ledger, and one call at a time among them
 
@@ -71,5 +81,6 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
     return make
 
 
-__all__ = ["HOOKS", "MOVING", "CallLock", "Ledger", "Moved", "OffloadHook", "PlacementHook", "ReplicaHook",
-           "SplitHook", "StreamHook", "hook_component", "hook_maker", "unhook_component"]
+__all__ = ["HOOKS", "MOVING", "CallLock", "GuidanceHook", "Ledger", "Moved", "OffloadHook", "PlacementHook",
+           "ReplicaHook", "SequenceHook", "SplitHook", "StreamHook", "hook_component", "hook_maker",
+           "unhook_component"]

@@ -116,9 +116,10 @@ def _aborting(hook: ModelHook):
 def unhook_component(module: torch.nn.Module) -> None:
     """Remove what ``hook_component`` added, leaving no trace in the module's ``__dict__``."""
     hook = getattr(module, "_hf_hook", None)
-    if isinstance(hook, ModelHook):
-        if getattr(hook, "abort_handle", None) is not None:
-            hook.abort_handle.remove()
+    if isinstance(hook, ModelHook) or "_old_forward" in module.__dict__:  # also a hook whose init_hook raised
+        handle = getattr(hook, "abort_handle", None)
+        if handle is not None:
+            handle.remove()
         remove_hook_from_module(module)
         forward = module.__dict__.get("forward")
         if getattr(forward, "__func__", None) is type(module).forward:

@@ -1,0 +1,197 @@
+"""Guidance branches at once (mode ``"guidance"``, strategy ``"parallel"``): a denoiser the pipeline calls once per
+guidance branch (Wan, Qwen-Image's true CFG, Flux's true CFG: the conditional call, then the unconditional one, with
+the same latents and timestep) runs the second call of each step on a copy on another GPU while the first runs on
+its own GPU, without a change to the pipeline's code.
+
+When a call arrives, the two calls before it tell what the next one will be: where the previous step's second call
+differed from its first (the negative prompt's embeddings), the next call takes the previous second call's inputs;
+everywhere else (latents, timestep) it takes this call's. That predicted call starts on the copy at once, and its
+result is used only when the call that then arrives has exactly those inputs: the same tensor unmodified since
+(identity and torch's version counter), else equal values; anything else is a miss, and the call runs as usual on the
+denoiser's own GPU. So the outputs are the plain run's by construction (the same kernels on the same inputs); a miss
+costs one wasted call on the copy. Each thread keeps its own calls (``pipemap.run_many`` interleaves requests).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from ..transfer import move_tensor
+from .copies import CopiesHook, call_on
+from .replica import CallerState
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One call's inputs, flattened: ``leaves`` (tensors and plain values) under ``spec``, and each tensor's version
+    counter when they were read (None where torch keeps none: inference-mode tensors)."""
+
+    spec: TreeSpec
+    leaves: tuple
+    versions: tuple
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> Inputs:
+        leaves, spec = tree_flatten((args, kwargs))
+        return cls(spec, tuple(leaves), tuple(_version(x) for x in leaves))
+
+    @classmethod
+    def started(cls, spec: TreeSpec, leaves: tuple) -> Inputs:
+        """The inputs of a call started ahead: each tensor with its version counter now; a tensor without one
+        (``torch.inference_mode``) copied, so that the call and the check of the call that arrives read the values
+        it had now, whatever happens to it meanwhile."""
+        versions = tuple(_version(x) for x in leaves)
+        kept = tuple(x.clone() if isinstance(x, torch.Tensor) and v is None else x for x, v in zip(leaves, versions))
+        return cls(spec, kept, versions)
+
+
+@dataclass
+class Branches:
+    """One thread's recent calls of the denoiser, and the call started ahead on the copy."""
+
+    history: deque = field(default_factory=lambda: deque(maxlen=2))
+    ahead: tuple[Inputs, Future] | None = None
+
+
+class GuidanceHook(CopiesHook):
+    """A denoiser on ``device`` with a copy on ``replicas[0]``, which runs each step's second call ahead of time.
+
+    ``hits`` and ``misses`` count the calls started ahead that were used and those that were not.
+    """
+
+    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
+        super().__init__(component, device, execution_device, replicas[:1])
+        self.hits = self.misses = 0
+        self._threads: dict[int, Branches] = {}
+        self._moved: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
+
+    def detach_hook(self, module):
+        module = super().detach_hook(module)
+        self._threads, self._moved = {}, {}
+        return module
+
+    def run(self, *args, **kwargs):
+        inputs = Inputs.of(args, kwargs)
+        branches = self._threads.setdefault(threading.get_ident(), Branches())
+        result = self._taken(branches, inputs)
+        if result is _MISSING:
+            upcoming = predict(tuple(branches.history), inputs)
+            if upcoming is not None:
+                branches.ahead = (upcoming, self._start(upcoming))
+            result = self.forward_own(*args, **kwargs)
+        branches.history.append(inputs)
+        return result
+
+    def _taken(self, branches: Branches, inputs: Inputs):
+        """The result of the call started ahead if this call's inputs are exactly its inputs, else ``_MISSING``."""
+        if branches.ahead is None:
+            return _MISSING
+        (started, future), branches.ahead = branches.ahead, None
+        if started.spec == inputs.spec and all(same(started, inputs, i) for i in range(len(inputs.leaves))):
+            try:
+                result = future.result()
+            except Exception:  # the copy failed (its GPU out of memory): the call runs as usual
+                self.misses += 1
+                return _MISSING
+            self.hits += 1
+            return result
+        self.misses += 1
+        return _MISSING
+
+    def _start(self, upcoming: Inputs) -> Future:
+        copy, device = self.replicas[0], self.replica_devices[0]
+        state = CallerState.capture((self.device, device))
+        inputs = self._on_copy(upcoming, device)
+        return self.start(lambda: call_on(copy, device, self.device, inputs, state), device)
+
+    def _on_copy(self, upcoming: Inputs, device: torch.device) -> tuple[tuple, dict]:
+        """The call's inputs, with the tensors the last call ahead already copied to ``device`` (the negative
+        prompt's embeddings, every step) taken from there instead of copied again."""
+        moved: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
+        leaves = []
+        for leaf, version in zip(upcoming.leaves, upcoming.versions):
+            if isinstance(leaf, torch.Tensor) and leaf.device != device:
+                kept = self._moved.get(id(leaf))
+                there = kept[2] if kept and kept[0] is leaf and version is not None and kept[1] == version else None
+                if there is None:
+                    there = move_tensor(leaf, device)
+                moved[id(leaf)] = (leaf, version, there)
+                leaf = there
+            leaves.append(leaf)
+        self._moved = moved
+        return tree_unflatten(leaves, upcoming.spec)
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_threads": {}, "_moved": {}}
+
+
+def predict(history: tuple[Inputs, ...], arriving: Inputs) -> Inputs | None:
+    """The call expected after ``arriving``, from the two calls before it: where the second of them differed from the
+    first, the second's inputs; elsewhere ``arriving``'s. None unless ``arriving`` is a first branch: shaped as
+    both, and equal to the first of them wherever the two differed (so the latents moved on, the prompt did not).
+    Two calls alike (a negative prompt that encodes as the prompt does) predict a call alike too."""
+    if len(history) < 2:
+        return None
+    first, second = history
+    if not first.spec == second.spec == arriving.spec:
+        return None
+    # a guess: the call started from it is checked when the next call arrives (``same``)
+    differ = [i for i in range(len(first.leaves)) if not alike(first.leaves[i], second.leaves[i])]
+    if not all(alike(first.leaves[i], arriving.leaves[i]) for i in differ):
+        return None
+    return Inputs.started(arriving.spec, tuple(second.leaves[i] if i in differ else x
+                                               for i, x in enumerate(arriving.leaves)))
+
+
+def same(started: Inputs, arriving: Inputs, i: int) -> bool:
+    """Whether leaf ``i`` of the call that arrives holds exactly what the call started ahead read: the same tensor
+    unmodified since (its version counter), or equal values; equal plain values."""
+    x, y = started.leaves[i], arriving.leaves[i]
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return alike(x, y)
+    if started.versions[i] is not None:  # else ``x`` is a copy of what was read (``Inputs.started``)
+        if _version(x) != started.versions[i]:
+            return False  # changed since it was read
+        if x is y:
+            return True
+    return _equal_tensors(x, y)
+
+
+def alike(x, y) -> bool:
+    """The same object, or equal values (tensors of one shape, dtype and device)."""
+    if x is y:
+        return True
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return _equal_tensors(x, y)
+    if type(x) is not type(y) or isinstance(x, torch.Tensor):
+        return False
+    try:
+        return bool(x == y)
+    except Exception:
+        return False
+
+
+def _equal_tensors(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+        return False
+    try:
+        return bool(torch.equal(x, y))
+    except Exception:  # values a dry run's fake tensors do not have: not known to be equal
+        return False
+
+
+def _version(x) -> int | None:
+    if not isinstance(x, torch.Tensor):
+        return None
+    try:
+        return x._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return None

@@ -1,0 +1,203 @@
+"""Guidance branches at once (``hooks/guidance.py``, mode ``"guidance"``): each step's second denoiser call started
+ahead on a copy on another GPU, used only when the call that arrives has exactly its inputs. On two stand-in GPUs
+(the dry run), remapped onto the CPU (outputs equal the plain pipeline's), with a miss, and by hand."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import pipemap
+from families import build, fresh, output
+from helpers import pipeline_state, with_copy
+from pipemap.hooks import GuidanceHook, hook_component, unhook_component
+from pipemap.hooks.guidance import Inputs, alike, predict, same
+from pipemap.plan import DeviceUse, Placement, Plan
+
+ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
+STEPS = 3
+
+
+def true_cfg(name: str):
+    """A family's pipeline and call with true classifier-free guidance on: two denoiser calls a step."""
+    pipe, call = build(name)
+    if name == "qwen_image":  # a longer prompt budget: the tiny tokenizer's template alone fills 16 tokens
+        call = dict(call, true_cfg_scale=4.0, max_sequence_length=200)
+    return pipe, dict(call, num_inference_steps=STEPS)
+
+
+# ---- on two stand-in GPUs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["wan_t2v", "qwen_image"])
+def test_the_dry_run_computes_the_second_branch_on_the_second_stand_in_within_budget(name):
+    pipe, call = true_cfg(name)
+    plan = with_copy(pipe, "guidance")
+    extra = {k: v for k, v in call.items() if k not in ("prompt", "generator", "output_type", "num_inference_steps")}
+    report = pipemap.simulate(pipe, plan, steps=STEPS, **extra)
+    assert report.ok, report.error
+    copy = plan.placement("transformer").bytes
+    assert report.weight_bytes["cuda:1"] >= copy  # the copy landed there (with its buffers)
+    assert report.activation_bytes["cuda:1"] > 0 and report.peak_phase["cuda:1"].startswith("denoising")
+    for device in plan.devices:
+        assert report.peak_bytes[device.device] <= device.budget
+
+
+# ---- remapped onto the CPU: the plain pipeline's outputs --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["wan_t2v", "qwen_image"])
+def test_on_the_cpu_each_step_after_the_first_takes_the_copy_s_result_and_equals_plain(name):
+    pipe, call = true_cfg(name)
+    plain = output(pipe(**fresh(call)))
+    before = pipeline_state(pipe)
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    assert isinstance(hook, GuidanceHook) and len(hook.replicas) == 1
+    threads: list[str] = []
+    handle = hook.replicas[0].register_forward_pre_hook(lambda m, a: threads.append(threading.current_thread().name))
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert (hook.hits, hook.misses) == (STEPS - 1, 0)  # the first step has no step before it to predict from
+    assert len(threads) == STEPS - 1 and all(t.startswith("pipemap-transformer") for t in threads)
+    handle.remove()
+    pipemap.reset(pipe)
+    assert pipeline_state(pipe) == before
+
+
+def _replacing_negative_embeddings(pipe, step, timestep, tensors):
+    return {"negative_prompt_embeds": tensors["negative_prompt_embeds"] * 0.5}  # a new tensor each step
+
+
+def _halving_negative_embeddings_in_place(pipe, step, timestep, tensors):
+    return {"negative_prompt_embeds": tensors["negative_prompt_embeds"].mul_(0.5)}  # the same tensor, changed
+
+
+def test_strategy_parallel_plans_guidance_branches_for_wan_and_its_plan_runs_as_plain():
+    pipe, call = true_cfg("wan_t2v")
+    plain = output(pipe(**fresh(call)))
+    plan = pipemap.plan(pipe, hardware="2x64MiB,cpu=1GiB", strategy="parallel", headroom=0.0)
+    transformer = plan.placement("transformer")
+    assert (transformer.mode, transformer.replicas) == ("guidance", ("cuda:1",))
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert pipe.transformer._hf_hook.hits == STEPS - 1
+
+
+def test_under_inference_mode_the_copy_s_result_is_still_used_and_equals_plain():
+    pipe, call = true_cfg("wan_t2v")
+    with torch.inference_mode():
+        plain = output(pipe(**fresh(call)))
+        pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+        torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert (pipe.transformer._hf_hook.hits, pipe.transformer._hf_hook.misses) == (STEPS - 1, 0)
+
+
+@pytest.mark.parametrize(("callback", "hits"), [
+    (_replacing_negative_embeddings, 0),  # each second call brings other embeddings than the step before: a miss
+    (_halving_negative_embeddings_in_place, STEPS - 1),  # the copy reads them after the change: a hit, still exact
+])
+def test_inputs_changed_between_steps_miss_or_hit_and_always_equal_plain(callback, hits):
+    pipe, call = true_cfg("wan_t2v")
+    call = dict(call, callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["negative_prompt_embeds"])
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert (hook.hits, hook.misses) == (hits, STEPS - 1 - hits)
+
+
+def test_requests_overlapped_by_run_many_keep_their_own_branches():
+    pipe, call = true_cfg("wan_t2v")
+    calls = [dict(fresh(call), prompt=p) for p in ("a tiny cat", "a tiny dog", "a tiny bird")]
+    plain = [output(pipe(**dict(c, generator=torch.Generator().manual_seed(0)))) for c in calls]
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    results = pipemap.run_many(pipe, [dict(c, generator=torch.Generator().manual_seed(0)) for c in calls], workers=2)
+    for got, want in zip(results, plain, strict=True):
+        torch.testing.assert_close(output(got), want, atol=0, rtol=0)
+    assert pipe.transformer._hf_hook.hits > 0
+
+
+@pytest.mark.parametrize("name", ["wan_i2v", "flux_kontext", "lumina2"])
+def test_more_families_with_true_guidance_equal_plain(name):
+    pipe, call = true_cfg(name)
+    if name == "flux_kontext":
+        call = dict(call, negative_prompt="blurry", true_cfg_scale=3.0)
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert pipe.transformer._hf_hook.hits == STEPS - 1
+
+
+# ---- by hand: predicting the next call, checking the one that arrives --------------------------------------------
+
+
+def _inputs(*args, **kwargs) -> Inputs:
+    return Inputs.of(args, kwargs)
+
+
+def test_the_next_call_takes_the_second_branch_s_inputs_where_the_branches_differed():
+    latents, later, t, t2 = torch.ones(2), torch.zeros(2), torch.tensor(1.0), torch.tensor(2.0)
+    cond, uncond = torch.full((3,), 5.0), torch.full((3,), -5.0)
+    first, second = _inputs(latents, t, context=cond), _inputs(latents, t, context=uncond)
+    upcoming = predict((first, second), _inputs(later, t2, context=cond))
+    assert upcoming is not None and upcoming.leaves[0] is later and upcoming.leaves[1] is t2
+    assert upcoming.leaves[2] is uncond
+    assert predict((second, first), _inputs(later, t2, context=cond)) is None  # a second branch: nothing to start
+    assert predict((first,), _inputs(later, t2, context=cond)) is None  # one call seen: no pattern yet
+    assert predict((first, second), _inputs(later, t2, context=cond, scale=2.0)) is None  # another call shape
+
+
+def test_an_arriving_input_is_the_same_when_one_unchanged_tensor_or_equal_values():
+    x = torch.arange(4.0)
+    read = _inputs(x, 3, "a")
+    seen = Inputs.started(read.spec, read.leaves)
+    assert all(same(seen, _inputs(x, 3, "a"), i) for i in range(3))
+    assert same(seen, _inputs(x.clone(), 3, "a"), 0)  # equal values in another tensor
+    assert not same(seen, _inputs(x + 1, 3, "a"), 0) and not same(seen, _inputs(x, 4, "a"), 1)
+    assert not same(seen, _inputs(x.double(), 3, "a"), 0)
+    x.add_(1)  # changed in place since it was read: its version counter moved on
+    assert not same(seen, _inputs(x, 3, "a"), 0)
+    assert alike(x, x) and alike(3, 3) and not alike(3, 3.5) and not alike(x, 3)
+
+
+def test_without_a_version_counter_the_call_started_ahead_reads_a_copy():
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+        started = Inputs.started(_inputs(frozen).spec, (frozen,))
+        assert started.leaves[0] is not frozen and started.versions == (None,)
+        assert same(started, _inputs(frozen), 0)
+        frozen.add_(1)  # no counter moves: the copy's values tell
+        assert not same(started, _inputs(frozen), 0)
+
+
+class Doubler(torch.nn.Module):
+    def forward(self, x, context):
+        return x * 2 + context
+
+
+def test_the_hook_by_hand_hits_misses_and_always_returns_the_plain_result():
+    module = Doubler()
+    hook = GuidanceHook.for_placement(Placement("m", "cpu", 0, "guidance", replicas=("cpu",)), "cpu", None)
+    hook_component(module, hook)
+    cond, uncond, other = torch.ones(2), -torch.ones(2), torch.full((2,), 7.0)
+    x = [torch.full((2,), float(i)) for i in range(4)]
+    calls = [(x[0], cond), (x[0], uncond), (x[1], cond), (x[1], uncond), (x[2], cond), (x[2], other), (x[3], cond),
+             (x[3], uncond)]
+    with torch.no_grad():
+        for latents, context in calls:
+            torch.testing.assert_close(module(latents, context=context), latents * 2 + context, atol=0, rtol=0)
+    assert (hook.hits, hook.misses) == (1, 2)  # step 2 hits; step 3 brings another context: a miss; step 4
+    # started the context of step 3's second call, which step 4's second call does not bring: a miss
+    unhook_component(module)
+    assert hook.replicas == [] and not hasattr(module, "_hf_hook") and "forward" not in module.__dict__
+
+
+def test_a_plan_of_guidance_mode_round_trips_and_places_the_copy():
+    plan = Plan("parallel", (Placement("transformer", "cuda:0", 10, "guidance", replicas=("cuda:1",)),),
+                (DeviceUse("cuda:0", 100, 100, 10), DeviceUse("cuda:1", 100, 100, 10)), "cuda:0")
+    assert Plan.from_json(plan.to_json()) == plan
+    assert repr(GuidanceHook.for_placement(plan.components[0], "cuda:0", None)) == (
+        "GuidanceHook('transformer', device=cuda:0, replicas=[cuda:1])")

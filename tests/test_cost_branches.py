@@ -1,0 +1,87 @@
+"""How the cost model prices guidance branches at once and a sequence split (``pipemap.cost``: ``guidance_cost``,
+``sequence_cost``), and what ``"auto"`` makes of them for the published pipelines on two GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipemap
+from pipemap import Component, Hardware, Inventory, Placement
+from pipemap.cost import (
+    EXCHANGE_ITEM_BYTES,
+    PROMPT_BYTES,
+    REPLICA_BYTES_PER_TOKEN,
+    Workload,
+    bytes_moved,
+    component_cost,
+    device_seconds,
+    exchanged_per_call,
+    moved_per_image,
+    seconds_per_image,
+)
+from pipemap.hardware import Performance
+
+GIB = 2**30
+PERF = Performance(flops=100e12, peer_bandwidth=20e9)
+# a 10 GiB transformer in bf16 whose self-attention layers are 3072 wide, 20 of them
+TRANSFORMER = Component("transformer", "diffusers", "FluxTransformer2DModel", 10 * GIB, True,
+                        blocks=tuple((f"blocks.{i}", GIB // 2) for i in range(20)), attention_width=20 * 3072)
+CFG = Workload(1024, 1024, 10, True, text_tokens=512)  # 10 steps, two calls each: 4096 + 512 tokens a call
+
+
+def _cost(mode: str, work: Workload, copies: int = 1):
+    placement = Placement("transformer", "cuda:0", TRANSFORMER.bytes, mode,
+                          replicas=tuple(f"cuda:{i}" for i in range(1, 1 + copies)))
+    return component_cost(placement, TRANSFORMER, 2, PERF, work), placement
+
+
+def test_guidance_hides_one_call_of_every_step_but_the_first():
+    plain, _ = _cost("resident", CFG)
+    cost, placement = _cost("guidance", CFG)
+    per_call = plain.compute / CFG.calls
+    assert cost.compute == pytest.approx(plain.compute - (CFG.steps - 1) * per_call)  # 11 calls' time, not 20
+    moved = (CFG.steps - 1) * CFG.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES
+    assert moved_per_image(placement, TRANSFORMER, CFG) == moved  # latents there and back; the prompt once
+    assert cost.transfer == pytest.approx(moved / PERF.peer_bandwidth)
+    assert cost.compute + cost.transfer < cost.total < cost.compute + cost.transfer + 0.01  # the checks: small
+    distilled = Workload(1024, 1024, 10, False, text_tokens=512)  # one call a step: nothing to run at once
+    assert _cost("guidance", distilled)[0].total == _cost("resident", distilled)[0].total
+    busy = device_seconds(pipemap.Plan("parallel", (placement,), (), "cuda:0", "bfloat16"),
+                          Inventory("t", "WanPipeline", (TRANSFORMER,), "bfloat16"), PERF, CFG)
+    assert busy["cuda:1"] == pytest.approx(cost.compute + cost.transfer) and busy["cuda:0"] == cost.total
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_a_sequence_split_shares_the_compute_and_pays_the_exchanges(gpus):
+    plain, _ = _cost("resident", CFG)
+    cost, placement = _cost("sequence", CFG, copies=gpus - 1)
+    assert cost.compute == pytest.approx(plain.compute / gpus)
+    tokens = CFG.latent_tokens + CFG.text_tokens
+    # each GPU sends its share of queries, keys, values and outputs at each of the 20 layers, keeping 1/gpus of it
+    sent = 4 * tokens / gpus * 20 * 3072 * EXCHANGE_ITEM_BYTES * (gpus - 1) / gpus
+    assert exchanged_per_call(TRANSFORMER, CFG, gpus) == pytest.approx(sent)
+    assert moved_per_image(placement, TRANSFORMER, CFG) > CFG.calls * gpus * sent  # and the inputs to the copies
+    assert plain.total / gpus < cost.total < plain.total  # a win, short of the full share: the exchanges show
+
+
+# catalog pipelines in bf16: one 80 GiB GPU against two, "auto", at each pipeline's own default call
+@pytest.mark.parametrize(("name", "mode", "least"), [
+    ("flux.1-dev", "sequence", 1.6),  # guidance-distilled: one call a step, its tokens split
+    ("qwen-image", "guidance", 1.8),  # true CFG: two calls a step, run at once
+    ("wan2.1-t2v-14b", "guidance", 1.8),
+])
+def test_auto_on_two_gpus_splits_the_published_transformers(name, mode, least):
+    inventory = pipemap.inspect(name, dtype=torch.bfloat16)
+    one, two = Hardware.parse("1x80GiB,cpu=128GiB"), Hardware.parse("2x80GiB,cpu=128GiB")
+    plans = {hw: pipemap.plan(inventory, hardware=hw, strategy="auto") for hw in (one, two)}
+    transformer = plans[two].placement("transformer")
+    assert (transformer.mode, transformer.device, transformer.replicas) == (mode, "cuda:0", ("cuda:1",))
+    speedup = (seconds_per_image(plans[one], inventory, one.performance)
+               / seconds_per_image(plans[two], inventory, two.performance))
+    assert speedup >= least
+    assert "auto: parallel is the fastest plan" in plans[two].notes[-1]
+    assert any(n.startswith("parallel: transformer") for n in plans[two].explain().splitlines())
+    assert bytes_moved(plans[two], inventory)["transformer"] > 0  # what the GPUs exchange, priced and shown
+    link = plans[two].picture(bytes_moved(plans[two], inventory)).links
+    assert [(lk.source, lk.target) for lk in link] == [("cuda:0", "cuda:1")]
