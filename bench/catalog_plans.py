@@ -8,9 +8,12 @@ priced from the work the catalog's record counted for it) and the layout, and a 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pipemap
 from pipemap import catalog
 from pipemap.cost import TRUE_CFG, bytes_moved, images_per_second, seconds_per_image, workload_for
+from pipemap.replication import parallel_modes
 from pipemap.units import format_bytes
 
 MACHINES = ("1x24GiB,cpu=64GiB", "2x16GiB,cpu=64GiB", "1x80GiB,cpu=128GiB")
@@ -71,26 +74,44 @@ def default_call(name: str) -> str:
     return f"{work.width}x{work.height}{frames}, {counts.steps} steps, {how}"
 
 
-def speed(name: str, machine: str = SPEED_MACHINE) -> str:
+def speed(name: str, machine: str = SPEED_MACHINE, call: dict | None = None) -> str:
     """Two GPUs as the cost model sees them: seconds per image of one request against the 1-GPU plan of the same
-    GPU, and images per second with requests overlapped (``pipemap.run_many``), for the "auto" plan."""
-    inventory, counts = pipemap.inspect(name), catalog.recorded_counts(name)
+    GPU, and images per second with requests overlapped (``pipemap.run_many``), for the "auto" plan. With ``call``
+    (a negative prompt for true CFG) both plans are priced at that call, by the formula (the record counts the
+    default call), and the two-GPU plan shares the denoiser the way that call makes fastest."""
+    inventory = pipemap.inspect(name)
+    counts = None if call else catalog.recorded_counts(name)
+    work = workload_for(inventory, call)
     two = pipemap.Hardware.parse(machine)
     one = pipemap.Hardware.parse(machine.replace("2x", "1x", 1))
     figures = {}
     for label, hardware in (("one", one), ("two", two)):
         plan = pipemap.plan(name, hardware=hardware, strategy="auto")
-        figures[label] = (seconds_per_image(plan, inventory, hardware.performance, counts=counts),
-                          images_per_second(plan, inventory, hardware.performance, counts=counts), plan)
+        plan = fastest_for(plan, inventory, hardware, work) if call else plan
+        figures[label] = (seconds_per_image(plan, inventory, hardware.performance, work, counts=counts),
+                          images_per_second(plan, inventory, hardware.performance, work, counts=counts), plan)
     (s1, r1, _), (s2, r2, plan) = figures["one"], figures["two"]
     copied = [p for p in plan.components if p.mode in HOW]
     if copied:
-        steps = workload_for(inventory).steps
-        moved = bytes_moved(plan, inventory)[copied[0].component]
+        steps = work.steps
+        moved = bytes_moved(plan, inventory, work)[copied[0].component]
         how = f"{HOW[copied[0].mode]}, {format_bytes(round(moved / steps))} a step between GPUs"
     else:
         how = "one GPU's work"
     return f"{s2:.0f} s ({s1 / s2:.2f}x, {how}); {r2 * 60:.2g}/min overlapped ({r2 / r1:.2f}x)"
+
+
+def fastest_for(plan: pipemap.Plan, inventory, hardware, work) -> pipemap.Plan:
+    """``plan`` with its shared denoiser in whichever of the modes the pipeline allows is fastest at ``work`` (the
+    same devices and copies: guidance branches and split tokens both keep one copy per GPU)."""
+    shared = [p for p in plan.components if p.mode in ("guidance", "sequence")]
+    if not shared:
+        return plan
+    p = shared[0]
+    modes = [m for _, m in parallel_modes(inventory)]
+    options = [replace(plan, components=tuple(replace(q, mode=m) if q is p else q for q in plan.components))
+               for m in modes]
+    return min(options, key=lambda o: seconds_per_image(o, inventory, hardware.performance, work))
 
 
 def main() -> None:
@@ -99,6 +120,9 @@ def main() -> None:
     print("|" + "---|" * len(header))
     for name in catalog.names():
         print("| " + " | ".join([name, default_call(name), *(row(name, m) for m in MACHINES), speed(name)]) + " |")
+        if TRUE_CFG.get(pipemap.inspect(name).pipeline_class, 1.0) > 1.0:
+            cfg = {"negative_prompt": " ", "true_cfg_scale": TRUE_CFG[pipemap.inspect(name).pipeline_class]}
+            print(f"| {name}, with a negative prompt | true CFG, 2 calls a step | | | | {speed(name, call=cfg)} |")
 
 
 if __name__ == "__main__":
