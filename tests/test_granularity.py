@@ -77,7 +77,8 @@ def test_flux_partial_residency_seconds_fall_with_the_budget():
                                               strategy="balanced_ultra_low_memory"), inv, perf)
                for gib in (2, 4, 8, 12, 16, 20, 24)]
     assert all(a >= b for a, b in zip(seconds, seconds[1:])), seconds
-    assert seconds[4] <= 1.15 * full and seconds[0] > 1.3 * full
+    # 1.2: the text encoders, streamed once a prompt, are read through their files' maps (the page cache), not pinned
+    assert seconds[4] <= 1.2 * full and seconds[0] > 1.3 * full
 
 
 def _share(folder: str, component: str, share: float, extra: str | None) -> tuple[str, int]:

@@ -23,6 +23,7 @@ from .errors import (
     ForeignHookError,
     HardwareSpecError,
     HeadroomError,
+    HostMemoryError,
     MemorySpecError,
     NotAPipelineError,
     PipelineMappedError,
@@ -49,7 +50,7 @@ _LAZY = {
     "normalize_device": "devices", "Device": "hardware", "Hardware": "hardware",
     "Component": "inventory", "Inventory": "inventory",
     "current_request": "parallel", "iter_many": "parallel", "run_many": "parallel",
-    "DeviceUse": "plan", "Placement": "plan", "Plan": "plan",
+    "DeviceUse": "plan", "HostUse": "plan", "Placement": "plan", "Plan": "plan",
     "STRATEGIES": "planner",
     "Failure": "dryrun.report", "SimulationReport": "dryrun.report",
     "PipemapWarning": "transfer", "TransferReport": "transfer", "UnsafeTransferWarning": "transfer",
@@ -90,7 +91,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .hardware import Device, Hardware
     from .inventory import Component, Inventory
     from .parallel import current_request, iter_many, run_many
-    from .plan import DeviceUse, Placement, Plan
+    from .plan import DeviceUse, HostUse, Placement, Plan
     from .planner import STRATEGIES
     from .transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
 
@@ -103,5 +104,5 @@ __all__ = [
     "UnknownStrategyError", "VariantNotFoundError", "__version__", "dispatch", "format_bytes", "inspect", "load",
     "normalize_device", "parse_bytes", "plan", "reset", "Failure", "SimulationReport", "simulate", "PipemapWarning",
     "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
-    "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request",
+    "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request", "HostMemoryError", "HostUse",
 ]

@@ -22,7 +22,7 @@ from .units import format_bytes
 PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#145a32", "#f9e79f", "#4d5656",
            "#f1948a")
 HEADROOM_FILL = "#e5e7e9"
-KIND_PATTERN = {"offload": "hatch", "stream": "dots", "split": "hatch", "replicated": "hatch"}
+KIND_PATTERN = {"offload": "hatch", "stream": "dots", "split": "hatch", "replicated": "hatch", "disk": "dots"}
 GIB = 1 << 30
 
 
@@ -92,12 +92,14 @@ def plan_picture(plan, moved: Mapping[str, int] | None = None) -> Picture:
     """
     bars = tuple(_bar(plan, d.device, d.memory, d.budget, d.used) for d in plan.devices)
     title = f"pipemap plan: {plan.strategy}" + (f", {plan.dtype}" if plan.dtype else "")
-    return Picture(title, bars, _links(plan, moved or {}))
+    return Picture(title, bars + _disk_bar(plan), _links(plan, moved or {}))
 
 
 def _bar(plan, device: str, memory: int, budget: int, used: int) -> Bar:
-    segments = [Segment(p.component, _held_at_home(p), p.mode) for p in plan.components
-                if p.device == device and _held_at_home(p)]
+    segments = [Segment(p.component, _held(p, device), p.mode) for p in plan.components
+                if p.device == device and _held(p, device)]
+    if device == "cpu" and getattr(plan, "staging", 0):
+        segments.append(Segment("staging (pinned, for reads from the disk)", plan.staging, "stream"))
     segments += [Segment(f"{p.component} (shards)", sum(s for _, d, s in p.shards if d == device), "split")
                  for p in plan.components if any(d == device for _, d, _s in p.shards)]
     moved = [p for p in plan.components if p.mode in ("offload", "stream") and p.execution_device == device
@@ -114,6 +116,24 @@ def _bar(plan, device: str, memory: int, budget: int, used: int) -> Bar:
     if rest > 0:
         segments.append(Segment("onloaded: " + " | ".join(offloaded) if offloaded else "other", rest, "offload"))
     return Bar(device, memory, budget, used, tuple(segments))
+
+
+def _disk_bar(plan) -> tuple[Bar, ...]:
+    """The disk tier as a bar: each component's bytes left in its files (read at each call, or kept on a GPU)."""
+    segments = tuple(Segment(p.component, p.disk_bytes + _kept_in_files(p), "disk") for p in plan.components
+                     if getattr(p, "disk_bytes", 0) or _kept_in_files(p))
+    total = sum(s.bytes for s in segments)
+    return (Bar("disk", total, total, total, segments),) if total else ()
+
+
+def _kept_in_files(p) -> int:
+    """A streamed component's pieces resident on its GPU whose only host copy is its files."""
+    return p.resident_bytes if p.mode == "stream" and getattr(p, "files", ()) and p.device == "cpu" else 0
+
+
+def _held(p, device: str) -> int:
+    """What a placement holds on ``device``: on the CPU, its host copy in RAM (``Placement.ram_bytes``)."""
+    return getattr(p, "ram_bytes", p.bytes) if device == "cpu" else _held_at_home(p)
 
 
 def _held_at_home(p) -> int:

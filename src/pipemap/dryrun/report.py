@@ -67,6 +67,8 @@ class SimulationReport:
             lines.append(f"error: {self.error}")
         lines.append(f"{'device':<10}{'weights':>12}{'activations':>13}{'peak':>12}{'memory':>12}  peak set by")
         memory = {d.device: d.memory for d in self.plan.devices}
+        host = self.plan.host
+        memory.setdefault("disk", host.disk + host.kept)  # the disk tier: what the plan leaves in the files
         for device in self.peak_bytes:
             lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>12}"
                          f"{format_bytes(self.activation_bytes[device]):>13}"

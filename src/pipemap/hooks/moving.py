@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..streams import Queues, queues_for
+from .mapped import Pages, Staging
 from .packing import Group
 from .resident import PlacementHook
 
@@ -40,6 +41,7 @@ class Ledger:
         self.live: collections.Counter = collections.Counter()
         self.peak: collections.Counter = collections.Counter()
         self._queues: dict[str, Queues] = {}
+        self._staging: dict[str, Staging] = {}
 
     def cache(self, device: str, room: int) -> LruCache:
         return self.caches.setdefault((device, room), LruCache(room))
@@ -48,6 +50,12 @@ class Ledger:
         if str(device) not in self._queues:
             self._queues[str(device)] = self.make_queues(device)
         return self._queues[str(device)]
+
+    def staging(self, device: torch.device) -> Staging:
+        """The device's staging ring, which the groups read from their files pass through (``mapped``)."""
+        if str(device) not in self._staging:
+            self._staging[str(device)] = Staging(self.queues(device))
+        return self._staging[str(device)]
 
     def add(self, device: str, size: int) -> None:
         self.live[device] += size
@@ -91,6 +99,7 @@ class MovingHook(PlacementHook):
         self.ledger, self.room = ledger, room
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.queues = ledger.queues(self.device)
+        self.from_files: dict[int, Pages] = {}  # id(group) -> its pages in a file's map, for groups on the disk
 
     def _onload(self, group: Group, buffer: torch.Tensor | None = None, after=None, side: bool = False):
         """Copy ``group`` into ``buffer`` (a new one of its own when None) once ``after`` passed; returns the
@@ -101,7 +110,11 @@ class MovingHook(PlacementHook):
         if own:
             buffer = self._alloc(group.layout.nbytes)
         try:
-            event = self.queues.copy(group.install(buffer), after=after, side=side, name=group.name)
+            copies = group.install(buffer)
+            if id(group) in self.from_files:  # the disk tier: through the staging ring, then its pages let go
+                event = self._staged(group, buffer, copies, after, side)
+            else:
+                event = self.queues.copy(copies, after=after, side=side, name=group.name)
         except BaseException:  # nothing half onloaded: the masters back, the buffer freed
             if group.loaded:
                 group.evict()
@@ -110,6 +123,23 @@ class MovingHook(PlacementHook):
             raise
         self.moved.h2d_bytes += group.nbytes
         return buffer, event
+
+    def _staged(self, group: Group, buffer: torch.Tensor, copies, after, side: bool):
+        staging = self.ledger.staging(self.device)
+        event = staging.copy(buffer, group.layout, [master for _, master in copies], after, group.name)
+        self.from_files[id(group)].release()
+        if not side:  # asked for on the compute queue, so ordered before every use: make it so
+            self.queues.wait(event)
+        return event
+
+    def read_from_files(self, groups) -> None:
+        """These groups stay in their files (the disk tier): never pinned, read through the device's staging ring
+        at each onload, their pages given back after; the dry run counts them on the disk."""
+        staging = self.ledger.staging(self.device)
+        for group in groups:
+            self.from_files[id(group)] = Pages(s.get() for s in group.slots)
+            staging.need(group.layout.nbytes)
+        self.queues.on_disk(s.get() for group in groups for s in group.slots)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         self.ledger.add(str(self.device), nbytes)

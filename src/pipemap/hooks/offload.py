@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..plan import Placement
+from .mapped import pin_from_map
 from .moving import Ledger, MovingHook
 from .packing import Group, slots
 
@@ -17,18 +18,24 @@ class OffloadHook(MovingHook):
     The buffer is allocated and filled on the compute queue, so once evicted it serves the next onload at once.
     """
 
+    from_disk = False  # its plan leaves it in its files (``Placement.disk_bytes``)
+
     @classmethod
     def for_placement(cls, p: Placement, execution_device: str, ledger: Ledger) -> OffloadHook:
         """The hook of an offloaded placement (``hooks.HOOKS``), onloaded within its GPU's ``room``."""
-        return cls(p.component, p.execution_device, execution_device, ledger, p.room)
+        hook = cls(p.component, p.execution_device, execution_device, ledger, p.room)
+        hook.from_disk = bool(p.disk_bytes)
+        return hook
 
     def init_hook(self, module):
         self.group = Group(slots(module.modules()).values(), self.component)
         self.cache = self.ledger.cache(str(self.device), self.room)
         self.buffer: torch.Tensor | None = None
         self.running = 0
-        if self.cuda:
-            self.group.pin()
+        if self.from_disk:  # the disk tier: read from its files' maps at each onload, never pinned
+            self.read_from_files([self.group])
+        elif self.cuda:
+            pin_from_map(self.group)
         return module
 
     def pre_forward(self, module, *args, **kwargs):

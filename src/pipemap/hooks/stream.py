@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..granularity import cut, stream_charge
+from ..granularity import LOOSE, cut, stream_charge
 from ..inventory import live_component, stream_blocks
 from ..plan import Placement
+from .mapped import Pages, pin_from_map
 from .moving import Ledger, MovingHook
 from .packing import Group, Slot, slots
 
@@ -40,6 +41,8 @@ class StreamSpec:
     depth: int = 1
     room: int = 0  # the GPU bytes the plan gave it, resident pieces included: for a layout redone on the live module
     resident_room: int = 0
+    disk: tuple[str, ...] = ()  # the pieces read from their files at each call (the disk tier; "": the root's tensors)
+    mapped: bool = False  # its host copy is its files' maps: the resident pieces keep no copy in RAM
 
     def on(self, module: torch.nn.Module, name: str) -> StreamSpec:
         """This spec for the live ``module``: as planned when every piece names one of its modules; else laid out
@@ -69,7 +72,7 @@ def stream_spec(placement: Placement) -> StreamSpec:
         return StreamSpec()
     return StreamSpec(tuple(path for path, _ in placement.blocks), tuple(placement.resident_blocks),
                       max(1, placement.prefetch), placement.room + placement.resident_bytes,
-                      placement.resident_bytes)
+                      placement.resident_bytes, placement.disk_blocks, bool(placement.files))
 
 
 @dataclass(eq=False)
@@ -131,10 +134,24 @@ class StreamHook(MovingHook):
         self.buffers: list[_Buffer] = []
         self.root_buffer: torch.Tensor | None = None
         self.kept_buffers: list[torch.Tensor] = []
+        self._tiers(paths)
+        return module
+
+    def _tiers(self, paths: list[str]) -> None:
+        """Which host copies stay in their files (read through the staging ring at each call), which are pinned;
+        the kept pieces are neither: copied once, then their pages in the files' maps are let go."""
+        disk = set(self.spec.disk)
+        on_disk = [g for g, p in zip(self.blocks, paths) if p in disk and g.slots and g not in self.kept]
+        if LOOSE in disk and self.root.slots and not self.root_kept:
+            on_disk.append(self.root)
+        self.read_from_files(on_disk)
+        self.kept_pages = Pages(s.get() for g in self.kept for s in g.slots)
+        if self.spec.mapped:  # a reset reads them back from the files
+            self.queues.on_disk(s.get() for g in self.kept for s in g.slots)
         if self.cuda:
             for group in [self.root, *self.blocks]:
-                group.pin()
-        return module
+                if id(group) not in self.from_files and group not in self.kept:
+                    pin_from_map(group)
 
     @property
     def charge(self) -> int:
@@ -167,9 +184,11 @@ class StreamHook(MovingHook):
     # ---- one call: buffers in, blocks through them, buffers out
 
     def _begin(self) -> None:
-        for group in self.kept:
-            if not group.loaded:
-                self.kept_buffers.append(self._onload(group)[0])
+        waiting = [group for group in self.kept if not group.loaded]
+        for group in waiting:
+            self.kept_buffers.append(self._onload(group)[0])
+        if waiting:
+            self.kept_pages.release()  # no second copy: a reset reads them back from the files
         if not self.root_kept:
             self.root_buffer, _ = self._onload(self.root)  # on the compute queue: ordered before every use
         for size, home in self._buffer_sizes():
