@@ -202,7 +202,8 @@ def _patterns() -> str:
 def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str]) -> str:
     scale = BAR_W / max(bar.memory, bar.used, 1)
     x0 = LABEL_W
-    parts = [f'<g class="device" data-device="{escape(bar.device)}" data-memory="{bar.memory}" '
+    kind = "disk" if bar.device == "disk" else "device"  # the disk tier is drawn as a bar, but is no device
+    parts = [f'<g class="{kind}" data-device="{escape(bar.device)}" data-memory="{bar.memory}" '
              f'data-budget="{bar.budget}" data-used="{bar.used}">',
              f'<text x="{PAD}" y="{y + 15}" font-size="13" font-weight="bold">{escape(bar.device)}</text>',
              f'<text x="{PAD}" y="{y + 31}" font-size="11">{_gib(bar.used)} of {_gib(bar.budget)}</text>',

@@ -85,8 +85,11 @@ def place_tiers(placements: tuple[Placement, ...], components: Mapping[str, Comp
         staging = _staging(spilled)
         room = budget - sum(c.bytes for c in must) - staging
         if room < 0:
-            largest = max(must, key=lambda c: c.bytes, default=None)
-            raise HostMemoryError(largest.component if largest else "staging", budget - room, budget, strategy)
+            held: dict[str, int] = {}
+            for c in must:
+                held[c.component] = held.get(c.component, 0) + c.bytes
+            largest = max(held, key=lambda name: (held[name], name), default="staging")
+            raise HostMemoryError(largest, budget - room, budget, strategy)
         spilled = [*(c for c in copies if c.by_map), *_spilled(copies, room)]
         if _staging(spilled) <= staging:
             break

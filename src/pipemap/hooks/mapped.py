@@ -13,6 +13,7 @@ weights out a second time, into files of their own; the weights already lie in t
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import mmap
@@ -53,6 +54,7 @@ class Pages:
             if start and maps is not None and maps.file_of(start, nbytes_of(tensor)):
                 spans.append((start, start + nbytes_of(tensor)))
         self.ranges = _pages(spans)
+        self.starts = [start for start, _ in self.ranges]
 
     @property
     def nbytes(self) -> int:
@@ -61,6 +63,16 @@ class Pages:
     def release(self) -> None:
         for start, length in self.ranges:
             _madvise(start, length)
+
+    def release_within(self, low: int, high: int) -> None:
+        """Hand back the pages of these tensors that lie in ``[low, high)`` (what one staging chunk read)."""
+        at = max(0, bisect.bisect_right(self.starts, low) - 1)
+        for start, length in self.ranges[at:]:
+            if start >= high:
+                break
+            first, last = max(start, low - low % mmap.PAGESIZE), min(start + length, high - high % mmap.PAGESIZE)
+            if last > first:
+                _madvise(first, last - first)
 
 
 def _pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -106,9 +118,12 @@ class Staging:
         if not self.slots:
             self.size = max(self.size, min(nbytes, STAGING_CHUNK))
 
-    def copy(self, buffer: torch.Tensor, layout: Packing, masters: list[torch.Tensor], after=None, name: str = ""):
+    def copy(self, buffer: torch.Tensor, layout: Packing, masters: list[torch.Tensor], after=None, name: str = "",
+             pages: Pages | None = None):
         """Copy ``masters`` into ``buffer`` at ``layout``'s offsets on the copy queue, through the slots; returns the
-        event of the last chunk (the copy queue runs in order, so every chunk is done then)."""
+        event of the last chunk (the copy queue runs in order, so every chunk is done then). ``pages``: the masters'
+        pages in their files' maps, handed back chunk by chunk as read, so reading a piece adds one slot to RSS,
+        not the piece."""
         if not self.slots:
             self.size = self.size or min(max(layout.nbytes, 1), STAGING_CHUNK)
             self.slots = [self.queues.alloc_host(self.size) for _ in range(STAGING_SLOTS)]
@@ -120,7 +135,9 @@ class Staging:
             slot = self.turn
             self.turn = (self.turn + 1) % len(self.slots)
             self.queues.host_wait(self.copied[slot])
-            _fill(self.slots[slot], start, end, sources)
+            for low, high in _fill(self.slots[slot], start, end, sources):
+                if pages is not None:
+                    pages.release_within(low, high)
             event = self.queues.copy([(buffer[start:end], self.slots[slot][:end - start])], after=after, side=True,
                                      name=name)
             self.copied[slot] = event
@@ -131,9 +148,16 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
-def _fill(slot: torch.Tensor, start: int, end: int, sources: list[tuple[int, torch.Tensor]]) -> None:
-    """The bytes ``[start, end)`` of a packed group, from each source tensor that overlaps them."""
+def _fill(slot: torch.Tensor, start: int, end: int, sources: list[tuple[int, torch.Tensor]]
+          ) -> list[tuple[int, int]]:
+    """The bytes ``[start, end)`` of a packed group, from each source tensor that overlaps them; returns the address
+    spans read (none for a fake tensor)."""
+    read = []
     for offset, data in sources:
         low, high = max(start, offset), min(end, offset + data.numel())
         if low < high:
             slot[low - start:high - start].copy_(data[low - offset:high - offset])
+            base = address(data)
+            if base:
+                read.append((base + low - offset, base + high - offset))
+    return read

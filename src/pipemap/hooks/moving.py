@@ -126,8 +126,8 @@ class MovingHook(PlacementHook):
 
     def _staged(self, group: Group, buffer: torch.Tensor, copies, after, side: bool):
         staging = self.ledger.staging(self.device)
-        event = staging.copy(buffer, group.layout, [master for _, master in copies], after, group.name)
-        self.from_files[id(group)].release()
+        event = staging.copy(buffer, group.layout, [master for _, master in copies], after, group.name,
+                             self.from_files[id(group)])
         if not side:  # asked for on the compute queue, so ordered before every use: make it so
             self.queues.wait(event)
         return event

@@ -111,9 +111,11 @@ class StreamHook(MovingHook):
         paths = self.spec.blocks if self.spec.blocks is not None else [p for p, _ in stream_blocks(module)]
         blocks = [module.get_submodule(p) for p in paths]
         owner: dict[int, int] = {}
+        first: dict[int, int] = {}  # the first block holding each tensor: a shared one's piece in the plan
         for index, block in enumerate(blocks):
             for key in slots(block.modules()):
                 owner[key] = index if key not in owner else _START  # shared by two blocks: it stays for the call
+                first.setdefault(key, index)
         inside = {id(m) for block in blocks for m in block.modules()}
         groups: dict[int, list[Slot]] = collections.defaultdict(list)
         for key, slot in slots(module.modules()).items():
@@ -134,15 +136,17 @@ class StreamHook(MovingHook):
         self.buffers: list[_Buffer] = []
         self.root_buffer: torch.Tensor | None = None
         self.kept_buffers: list[torch.Tensor] = []
-        self._tiers(paths)
+        self._tiers(paths, {paths[first[k]] for k, o in owner.items() if o == _START and k in first})
         return module
 
-    def _tiers(self, paths: list[str]) -> None:
+    def _tiers(self, paths: list[str], root_pieces: set[str]) -> None:
         """Which host copies stay in their files (read through the staging ring at each call), which are pinned;
-        the kept pieces are neither: copied once, then their pages in the files' maps are let go."""
+        the kept pieces are neither: copied once, then their pages in the files' maps are let go. The root's tensors
+        go with the files when the plan leaves their piece there (``root_pieces``: the pieces of the tied tensors
+        the root holds, T5's shared embedding)."""
         disk = set(self.spec.disk)
         on_disk = [g for g, p in zip(self.blocks, paths) if p in disk and g.slots and g not in self.kept]
-        if LOOSE in disk and self.root.slots and not self.root_kept:
+        if (LOOSE in disk or root_pieces & disk) and self.root.slots and not self.root_kept:
             on_disk.append(self.root)
         self.read_from_files(on_disk)
         self.kept_pages = Pages(s.get() for g in self.kept for s in g.slots)
