@@ -17,6 +17,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -444,7 +445,7 @@ def _collect_blocks(module: torch.nn.Module, prefix: str, blocks: dict) -> None:
             blocks.setdefault(id(child), (path, child))
 
 
-def _stored_bytes(meta: Mapping) -> int:
+def _stored_bytes(meta: Mapping[str, Any]) -> int:
     """Bytes a tensor takes in its file."""
     return math.prod(int(d) for d in meta["shape"]) * _ELEMENT_BYTES[meta["dtype"]]
 

@@ -12,6 +12,7 @@ import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import Any
 
 from .units import format_bytes
 
@@ -98,7 +99,7 @@ def plan_picture(plan, moved: Mapping[str, int] | None = None) -> Picture:
 def _bar(plan, device: str, memory: int, budget: int, used: int) -> Bar:
     segments = [Segment(p.component, _held(p, device), p.mode) for p in plan.components
                 if p.device == device and _held(p, device)]
-    if device == "cpu" and getattr(plan, "staging", 0):
+    if device == "cpu" and int(getattr(plan, "staging", 0)):
         segments.append(Segment("staging (pinned, for reads from the disk)", plan.staging, "stream"))
     segments += [Segment(f"{p.component} (shards)", sum(s for _, d, s in p.shards if d == device), "split")
                  for p in plan.components if any(d == device for _, d, _s in p.shards)]
@@ -118,7 +119,7 @@ def _bar(plan, device: str, memory: int, budget: int, used: int) -> Bar:
     return Bar(device, memory, budget, used, tuple(segments))
 
 
-def _disk_bar(plan) -> tuple[Bar, ...]:
+def _disk_bar(plan: Any) -> tuple[Bar, ...]:
     """The disk tier as a bar: each component's bytes left in its files (read at each call, or kept on a GPU)."""
     segments = tuple(Segment(p.component, p.disk_bytes + _kept_in_files(p), "disk") for p in plan.components
                      if getattr(p, "disk_bytes", 0) or _kept_in_files(p))
@@ -126,14 +127,14 @@ def _disk_bar(plan) -> tuple[Bar, ...]:
     return (Bar("disk", total, total, total, segments),) if total else ()
 
 
-def _kept_in_files(p) -> int:
+def _kept_in_files(p: Any) -> int:
     """A streamed component's pieces resident on its GPU whose only host copy is its files."""
-    return p.resident_bytes if p.mode == "stream" and getattr(p, "files", ()) and p.device == "cpu" else 0
+    return int(p.resident_bytes) if p.mode == "stream" and getattr(p, "files", ()) and p.device == "cpu" else 0
 
 
-def _held(p, device: str) -> int:
+def _held(p: Any, device: str) -> int:
     """What a placement holds on ``device``: on the CPU, its host copy in RAM (``Placement.ram_bytes``)."""
-    return getattr(p, "ram_bytes", p.bytes) if device == "cpu" else _held_at_home(p)
+    return int(getattr(p, "ram_bytes", p.bytes)) if device == "cpu" else _held_at_home(p)
 
 
 def _held_at_home(p) -> int:

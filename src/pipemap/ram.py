@@ -46,7 +46,7 @@ class Ram:
         return max(0, min(self.available, self.limit - self.used - PAGE_CACHE_RESERVE))
 
 
-def ram(root: str | os.PathLike | None = None) -> Ram:
+def ram(root: str | os.PathLike[str] | None = None) -> Ram:
     """This process's RAM: ``psutil``'s available figure and its tightest memory cgroup (``root``: where the cgroup
     files are; default ``$PIPEMAP_CGROUP_ROOT`` or ``/sys/fs/cgroup``).
 

@@ -107,7 +107,7 @@ class MovingHook(PlacementHook):
         if self.cuda:
             group.repin()
         own = buffer is None
-        if own:
+        if buffer is None:
             buffer = self._alloc(group.layout.nbytes)
         try:
             copies = group.install(buffer)

@@ -136,7 +136,7 @@ class StreamHook(MovingHook):
         self.buffers: list[_Buffer] = []
         self.root_buffer: torch.Tensor | None = None
         self.kept_buffers: list[torch.Tensor] = []
-        self._tiers(paths, {paths[first[k]] for k, o in owner.items() if o == _START and k in first})
+        self._tiers(list(paths), {paths[first[k]] for k, o in owner.items() if o == _START and k in first})
         return module
 
     def _tiers(self, paths: list[str], root_pieces: set[str]) -> None:
