@@ -24,6 +24,10 @@ Sections (each one function ``bench_<name>(ctx) -> list[Row]``, registered in ``
   each): ``pipemap.run_many`` (2 workers) against the same calls one by one on a 2-stage layout (text encoder and
   VAE on one GPU, unet on the other, remapped onto the CPU), images per second; denoiser replicas (strategy
   ``"parallel"``, each copy on its own thread) against one device (1 intra-op thread, then 2), seconds per image.
+- ``ram``: peak RSS over a load and one call of a 1.1 GiB pipeline built in code (sd x14; x8 with --quick):
+  ``pipemap.load`` onto a plan whose RAM budget is a quarter of the weights (the rest on the disk tier; one GPU of
+  another quarter, remapped onto the CPU) vs ``DiffusionPipeline.from_pretrained``, fresh processes, ratio pipemap /
+  diffusers; and pipemap's peak against the plan's figure.
 
 The table is printed and appended to ``bench/RESULTS.md``; the last line printed is ``summary: name=value ...``.
 See bench/README.md for how to read each figure.
@@ -407,6 +411,83 @@ def load_with(loader: str, folder: str):
         return DiffusionPipeline.from_pretrained(folder)
 
 
+# ---- section: RAM as a budget, the disk tier ----------------------------------------------------------------------
+
+RAM_SCALE = 14  # tiny sd at this scale: about 1.1 GiB of fp32 weights (the issue asks for a pipeline of 1 GB or more)
+RAM_SHARE = 4  # the plan's RAM budget (and its one GPU's) is the weights divided by this
+
+
+def bench_ram(ctx: Context) -> list[Row]:
+    """Peak RSS over a load and one call: ``pipemap.load`` onto a plan whose RAM budget is a quarter of the weights
+    (one GPU of another quarter, remapped onto the CPU: its bytes are RAM here too) vs
+    ``DiffusionPipeline.from_pretrained`` and the same call; each in a fresh process, outputs compared."""
+    import pipemap
+
+    scale = 8 if ctx.quick else RAM_SCALE
+    folder = ctx.folder("sd", scale)
+    total = sum(c.bytes for c in pipemap.inspect(folder).models)
+    plan = pipemap.plan(folder, hardware=f"cuda:0={total // RAM_SHARE},cpu={total // RAM_SHARE}",
+                        strategy="balanced_ultra_low_memory")
+    plan_path = ctx.work / f"ram-plan-x{scale}.json"
+    plan_path.write_text(plan.remap({"cuda:0": "cpu"}).to_json())
+    runs = {name: child_ram(name, folder, plan_path, ctx.work / f"ram-{name}.npy") for name in LOADERS}
+    import numpy as np
+
+    diff = float(np.abs(np.load(ctx.work / "ram-pipemap.npy") - np.load(ctx.work / "ram-diffusers.npy")).max())
+    planned = sum(d.used for d in plan.devices)  # RAM tier + staging, and the GPU's bytes (RAM here)
+    label, mib = f"sd x{scale} ({total / 2**30:.2f} GiB)", 2**-20
+    note = f"plan: RAM {plan.devices[-1].used * mib:.0f} MiB + GPU {plan.devices[0].used * mib:.0f} MiB; " \
+           f"disk {(plan.host.disk + plan.host.kept) * mib:.0f} MiB; output max diff {diff:g}"
+    rows = [Row("ram", label, "peak RSS above imports, load", runs["pipemap"]["loaded"] * mib,
+                runs["diffusers"]["loaded"] * mib, "MiB", "<= 1.0"),
+            Row("ram", label, "peak RSS above imports, load + 1 call", runs["pipemap"]["peak"] * mib,
+                runs["diffusers"]["peak"] * mib, "MiB", "<= 1.0", note),
+            Row("ram", label, "peak RSS, load + call, vs the plan's figure", runs["pipemap"]["peak"] * mib,
+                planned * mib, "MiB", "<= 1 + margin", "peer: the plan's RAM and GPU bytes (both RAM here)"),
+            Row("ram", label, "anon RSS growth, load + call (activations)", runs["pipemap"]["anon"] * mib,
+                runs["diffusers"]["anon"] * mib, "MiB", "", "pipemap's holds the GPU's buffers and the staging")]
+    ctx.summary["ram_peak_ratio"] = f"{rows[1].ratio:.2f}"
+    ctx.summary["ram_peak_vs_plan"] = f"{rows[2].ratio:.2f}"
+    ctx.summary["ram_output_diff"] = f"{diff:g}"
+    return rows
+
+
+def child_ram(loader: str, folder: Path, plan: Path, output: Path) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-ram", loader, str(folder), str(plan), str(output)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise RuntimeError(f"child {loader} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child_ram_main(loader: str, folder: str, plan: str, output: str) -> None:
+    """In a fresh process: import everything, reset the peak, load (onto ``plan`` for pipemap), call once; the
+    peaks are ``VmHWM`` above the post-import RSS (mapped weights count once read, as RAM does)."""
+    import numpy as np
+
+    import pipemap
+    from pipemap import tiny
+
+    import_everything(Path(folder))
+    freeze_gc()
+    reset_peak_rss()
+    before = rss_status()
+    with quiet():
+        if loader == "pipemap":
+            pipe = pipemap.load(folder, plan=pipemap.Plan.from_json(Path(plan).read_text()), progress=False)
+        else:
+            from diffusers import DiffusionPipeline
+
+            pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    loaded = rss_status()
+    images = pipe(**tiny.default_call(pipe, "sd")).images
+    after = rss_status()
+    np.save(output, np.asarray(images))
+    print(json.dumps({"loaded": loaded["VmHWM"] - before["VmRSS"], "peak": after["VmHWM"] - before["VmRSS"],
+                      "anon": after["RssAnon"] - before["RssAnon"], "file": after["RssFile"] - before["RssFile"]}))
+
+
 # ---- section: offload, bytes moved per image -----------------------------------------------------------------------
 
 
@@ -665,7 +746,7 @@ def replica_rows(pipe, ctx: Context) -> list[Row]:
 
 SECTIONS: dict[str, Callable[[Context], list[Row]]] = {
     "plan": bench_plan, "hooks": bench_hooks, "load": bench_load, "offload": bench_offload, "catalog": bench_catalog,
-    "dry_run": bench_dry_run, "imports": bench_imports, "parallel": bench_parallel,
+    "dry_run": bench_dry_run, "imports": bench_imports, "parallel": bench_parallel, "ram": bench_ram,
 }
 
 
@@ -774,6 +855,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
     parser.add_argument("--warm-loads", type=int, help="loads per child after the first, timed (default 4, quick 2)")
     parser.add_argument("--child-load", nargs=2, metavar=("LOADER", "FOLDER"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-ram", nargs=4, metavar=("LOADER", "FOLDER", "PLAN", "OUTPUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.scale = args.scale or (6 if args.quick else 12)
     args.repeats = args.repeats or (6 if args.quick else 15)
@@ -786,6 +868,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child_load:
         child_main(*args.child_load, args.warm_loads)
+        return
+    if args.child_ram:
+        child_ram_main(*args.child_ram)
         return
     from rich.console import Console
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from pipemap import (
     DeviceUse,
     DoesNotFitError,
     Hardware,
+    Inventory,
     PipemapError,
     Placement,
     Plan,
@@ -22,7 +25,7 @@ from pipemap import (
     UnknownDtypeError,
     UnknownStrategyError,
 )
-from pipemap.inventory import Component, Inventory, resolve_dtype
+from pipemap.inventory import Component, resolve_dtype
 from pipemap.planner import budgets
 
 NO_GPU_NOTE = "no GPU on this machine or in the profile: every component runs on the CPU"
@@ -129,12 +132,16 @@ def test_dict_map_partial_places_the_rest_by_balanced():
 
 
 # sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
-def test_dict_map_may_put_anything_on_the_cpu_even_past_its_budget():
-    result = plan(SDXL_LIKE, "cuda:0=100,cuda:1=100,cpu=50", strategy={"unet": "cpu", "text_encoder_2": "cpu"})
+def test_dict_map_onto_the_cpu_is_held_to_its_budget():
+    # unet 60 + te2 40 on the CPU: 100 bytes of RAM (built by hand: no files to leave them in) against 50
+    with pytest.raises(pipemap.HostMemoryError) as info:
+        plan(SDXL_LIKE, "cuda:0=100,cuda:1=100,cpu=50", strategy={"unet": "cpu", "text_encoder_2": "cpu"})
+    assert (info.value.component, info.value.bytes, info.value.largest_room, info.value.device) == (
+        "unet", 100, 50, "cpu")
+    result = plan(SDXL_LIKE, "cuda:0=100,cuda:1=100,cpu=100", strategy={"unet": "cpu", "text_encoder_2": "cpu"})
     assert result.device_map == {"text_encoder": "cuda:0", "text_encoder_2": "cpu", "unet": "cpu", "vae": "cuda:1"}
-    assert result.devices[-1] == DeviceUse("cpu", 50, 50, 100)
+    assert result.devices[-1] == DeviceUse("cpu", 100, 100, 100)
     assert result.execution_device == "cpu"
-    assert any("CPU holds 100 bytes" in note for note in result.notes)
 
 
 # sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 50
@@ -233,10 +240,21 @@ def test_cpu_only_places_everything_on_the_cpu_and_says_so(strategy):
 
 # sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; CPU 100
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_cpu_only_never_fails_even_past_the_ram(strategy):
-    result = plan(SDXL_LIKE, "cpu=100", strategy=strategy)
+def test_cpu_only_past_the_ram_runs_from_the_files_or_is_refused(strategy):
+    # with files to stay in, what RAM does not hold is computed from their maps: the most called first (unet 60),
+    # then the largest that fit (te2 40); te and vae stay in their files
+    mapped = Inventory("test", "TestPipeline", tuple(replace(c, files=(f"{c.name}/m.safetensors",))
+                                                     for c in SDXL_LIKE.components))
+    result = plan(mapped, "cpu=100", strategy=strategy)
     assert set(result.device_map.values()) == {"cpu"}
-    assert result.notes == (NO_GPU_NOTE, "the CPU holds 150 bytes, more than its 100 bytes of available RAM")
+    assert result.notes == (NO_GPU_NOTE,)
+    assert {p.component: p.disk_bytes for p in result.components} == {
+        "text_encoder": 30, "text_encoder_2": 0, "unet": 0, "vae": 20}
+    assert result.devices == (DeviceUse("cpu", 100, 100, 100),)
+    assert (result.host.resident, result.host.disk, result.staging) == (100, 50, 0)
+    # built by hand, with no files: 150 bytes of RAM against 100 is refused, never noted
+    with pytest.raises(pipemap.HostMemoryError):
+        plan(SDXL_LIKE, "cpu=100", strategy=strategy)
 
 
 # sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100, max_memory keeps only the CPU

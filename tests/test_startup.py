@@ -20,9 +20,9 @@ from pipemap.planner import AUTO, STRATEGIES
 PACKAGE = Path(pipemap.__file__).parent
 # The wings, lowest first: a module imports only modules of its own layer or a lower one (ARCHITECTURE.md).
 LAYERS = {
-    "values": ("errors", "units", "devices", "quiet", "hardware", "granularity", "quantized", "inventory", "picture",
-               "plan", "counts"),
-    "planning": ("replication", "cost", "planner", "catalog"),
+    "values": ("errors", "units", "devices", "quiet", "ram", "hardware", "granularity", "quantized", "inventory",
+               "picture", "plan", "counts"),
+    "planning": ("replication", "tiers", "cost", "planner", "catalog"),
     "runtime": ("transfer", "streams", "admission", "hooks", "dispatch", "relief", "loading", "parallel", "traffic"),
     "dry run": ("dryrun",),
     "api": ("api",),

@@ -25,6 +25,7 @@ from .errors import (
     ForeignHookError,
     HardwareSpecError,
     HeadroomError,
+    HostMemoryError,
     MemorySpecError,
     NotAPipelineError,
     PipelineMappedError,
@@ -51,7 +52,7 @@ _LAZY = {
     "normalize_device": "devices", "Device": "hardware", "Hardware": "hardware",
     "Component": "inventory", "Inventory": "inventory",
     "current_request": "parallel",
-    "DeviceUse": "plan", "Placement": "plan", "Plan": "plan",
+    "DeviceUse": "plan", "HostUse": "plan", "Placement": "plan", "Plan": "plan",
     "STRATEGIES": "planner",
     "Failure": "dryrun.report", "SimulationReport": "dryrun.report", "ManyReport": "dryrun.many",
     "PipemapWarning": "transfer", "TransferReport": "transfer", "UnsafeTransferWarning": "transfer",
@@ -93,7 +94,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .hardware import Device, Hardware
     from .inventory import Component, Inventory
     from .parallel import current_request
-    from .plan import DeviceUse, Placement, Plan
+    from .plan import DeviceUse, HostUse, Placement, Plan
     from .planner import STRATEGIES
     from .transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
 
@@ -108,5 +109,5 @@ __all__ = [
     "normalize_device", "parse_bytes", "plan", "reset", "Failure", "SimulationReport", "simulate", "PipemapWarning",
     "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
     "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request",
-    "simulate_many", "ManyReport", "CallTooLargeError",
+    "simulate_many", "ManyReport", "CallTooLargeError", "HostMemoryError", "HostUse",
 ]

@@ -545,13 +545,14 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
     work = work or workload_for(inventory)
     dtype_bytes = _dtype_bytes(plan.dtype)
     by_name = {c.name: c for c in inventory.models}
+    cached = page_cached(plan)
     found = {}
     for p in plan.components:
         if p.component not in by_name:
             continue
-        counted = _counted(counts, p.component)
-        found[p.component] = component_cost(p, by_name[p.component], dtype_bytes, perf, work, mechanism, counted,
-                                            steps)
+        component = by_name[p.component]
+        cost = component_cost(p, component, dtype_bytes, perf, work, mechanism, _counted(counts, p.component), steps)
+        found[p.component] = _with_disk(cost, disk_seconds(p, component, perf, work, cached))
     code = counts.get(PIPELINE) if counts is not None else None
     if code is not None and steps is not None:
         seconds = compute_seconds(code.total(steps), perf, is_accelerator(plan.execution_device))
@@ -563,6 +564,34 @@ def _counted(counts: Counts | None, component: str) -> ComponentCounts | None:
     if counts is None:
         return None
     return counts.get(component) or ComponentCounts(component)  # never called in the counted call: no work
+
+
+# A read from the disk tier whose pages the page cache still holds runs at the speed of a memory copy through the
+# map (minor faults and a copy into the staging buffer, one core): ~10 GB/s on a desktop core; on the 2-core VM of
+# bench/RESULTS.md, 2.4 GB/s against 2.2 GB/s for a plain copy, the same.
+PAGE_CACHE_BANDWIDTH = 10e9
+
+
+def page_cached(plan: Plan) -> bool:
+    """Whether the plan leaves the CPU free RAM enough for the page cache to keep every file it reads from."""
+    cpu = next((d for d in plan.devices if d.device == "cpu"), None)
+    disk = sum(p.disk_bytes for p in plan.components)
+    return cpu is not None and disk > 0 and cpu.budget - cpu.used >= disk
+
+
+def disk_seconds(placement: Placement, component: Component, perf: Performance, work: Workload,
+                 cached: bool = False) -> float:
+    """Seconds one image spends reading a component's disk tier (``Placement.disk_bytes``): an offloaded one once, a
+    streamed one its pieces on disk at each call, at ``disk_bw``, or at ``PAGE_CACHE_BANDWIDTH`` when the page cache
+    keeps them (``cached``). The host reads them before their copy to the GPU, so no compute hides them."""
+    if not placement.disk_bytes or not is_accelerator(placement.execution_device):
+        return 0.0  # computed on the CPU from the map: the kernel pages it in once
+    reads = calls_per_image(component, work) if placement.mode == "stream" else 1
+    return reads * placement.disk_bytes / (PAGE_CACHE_BANDWIDTH if cached else perf.disk_bandwidth)
+
+
+def _with_disk(cost: Cost, disk: float) -> Cost:
+    return replace(cost, transfer=cost.transfer + disk, total=cost.total + disk) if disk else cost
 
 
 def split_hops(placement: Placement) -> int:

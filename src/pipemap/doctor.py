@@ -7,14 +7,21 @@ so and the exit code is 0.
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import time
 
 import psutil
 import torch
 
 from . import __version__
+from .hardware import disk_cache_path, measured_disk_bandwidth
+from .ram import ram
 from .transfer import FIXED_DRIVER, Copy, TransferReport, cache_path, check_transfers, driver_version
 from .units import format_bytes
+
+DISK_PROBE = 128 * 2**20  # bytes written, dropped from the page cache, and read back to time the disk
 
 
 def doctor_text(devices: list[str] | None = None, copy: Copy | None = None) -> str:
@@ -30,6 +37,7 @@ def doctor_text(devices: list[str] | None = None, copy: Copy | None = None) -> s
         _versions(),
         "Devices\n" + "\n".join(_device_lines()),
         "Copies between GPUs\n" + _transfer_section(report),
+        "Disk (weights left in their files are read from it)\n" + _disk_section(),
         "What it means for planning\n" + "\n".join(f"  - {line}" for line in _meaning(report)),
     ]
     return "\n\n".join(sections)
@@ -64,8 +72,11 @@ def _device_lines() -> list[str]:
     lines = [_gpu_line(index) for index in range(_gpu_count())]
     if not lines:
         lines.append("  no CUDA GPU found")
-    memory = psutil.virtual_memory()
-    lines.append(f"  cpu     RAM, {format_bytes(memory.available)} free of {format_bytes(memory.total)}")
+    memory, here = psutil.virtual_memory(), ram()
+    limit = (f"; cgroup limit {format_bytes(here.limit)}, {format_bytes(here.used)} in use" if here.limit is not None
+             else "")
+    lines.append(f"  cpu     RAM, {format_bytes(memory.available)} free of {format_bytes(memory.total)}{limit}; "
+                 f"a plan may use {format_bytes(here.figure)}")
     return lines
 
 
@@ -120,3 +131,41 @@ def _pair_meaning(report: TransferReport) -> list[str]:
     if not lines:
         lines.append("every pair copies directly and intact: plans may spread components over all GPUs")
     return lines
+
+
+def _disk_section() -> str:
+    cached = measured_disk_bandwidth()
+    origin = "from the cache"
+    if cached is None:
+        cached, origin = measure_disk_bandwidth(), "just now"
+    return (f"  reads {cached / 1e9:.2f} GB/s (measured {origin}; cache: {disk_cache_path()}); plans for this "
+            "machine price the disk tier with it (disk_bw= in a hardware spec sets another figure)")
+
+
+def measure_disk_bandwidth(nbytes: int = DISK_PROBE) -> float:
+    """Time reading ``nbytes`` of a new file beside pipemap's cache, dropped from the page cache first (as weights
+    not read for a while are); the figure is stored for ``Hardware.detect`` and ``Hardware.parse`` to use."""
+    path = disk_cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe = path.with_name(f"disk-probe.{os.getpid()}")
+    chunk = bytearray(os.urandom(1 << 20)) * 8
+    try:
+        with open(probe, "wb") as f:
+            for _ in range(max(1, nbytes // len(chunk))):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+            if hasattr(os, "posix_fadvise"):  # written pages stay cached: drop them, so the read hits the disk
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        start, read = time.perf_counter(), 0
+        with open(probe, "rb", buffering=0) as f:
+            while block := f.read(len(chunk)):
+                read += len(block)
+        bandwidth = read / max(time.perf_counter() - start, 1e-9)
+    finally:
+        probe.unlink(missing_ok=True)
+    try:
+        path.write_text(json.dumps({"disk_bw": bandwidth, "folder": str(path.parent)}))
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return bandwidth

@@ -94,6 +94,22 @@ class DoesNotFitError(PipemapError, ValueError):
         )
 
 
+class HostMemoryError(DoesNotFitError):
+    """Host copies that must be in RAM (weights that cannot stay in their files) and do not fit the CPU's budget."""
+
+    def __init__(self, component: str, bytes: int, budget: int, strategy: str):
+        self.component, self.bytes, self.largest_room = component, bytes, budget
+        self.strategy, self.strategies, self.device = strategy, (), "cpu"
+        ValueError.__init__(
+            self,
+            f"under strategy {strategy!r} the CPU must hold {_fmt(bytes)} in RAM (the largest part {component!r}) "
+            f"but its budget is {_fmt(budget)}: weights that cannot stay in their files (stored at another dtype "
+            "than the one asked for, or built in memory) must be in RAM. Load at the dtype the files are stored in "
+            "(they then stay memory-mapped on the disk), give the CPU more memory (cpu= in the hardware spec, "
+            "max_memory={'cpu': ...}), or give the GPUs more"
+        )
+
+
 class NotAPipelineError(PipemapError, ValueError):
     """A path that is not a diffusers pipeline folder."""
 

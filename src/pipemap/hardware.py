@@ -6,15 +6,18 @@ machine (CUDA's free memory, the available RAM); everything else here is plain v
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-import psutil
 import torch
 
 from .devices import is_accelerator, real_device
 from .errors import ArgumentTypeError, HardwareSpecError, UnknownDeviceError
+from .ram import ram_figure
 from .units import format_bytes, parse_bytes
 
 _SHORTHAND = re.compile(r"^(\d+)\s*x\s*(.+)$", re.ASCII)
@@ -47,7 +50,8 @@ KERNEL_SECONDS = 4.02e-5
 class Performance:
     """What the cost model needs to know of a machine: one GPU's sustained FLOP/s (bf16 tensor cores; float32
     operands run at half of it, as TF32 does) and memory bandwidth, the seconds a kernel launch adds, the
-    host-to-GPU link and the GPU-to-GPU link in bytes per second, and the CPU's FLOP/s."""
+    host-to-GPU link and the GPU-to-GPU link in bytes per second, the CPU's FLOP/s, and how fast weights left in
+    their files are read from the disk (``disk_bw=``; ``pipemap doctor`` measures this machine's)."""
 
     flops: float = 100e12
     host_bandwidth: float = 25e9
@@ -55,9 +59,11 @@ class Performance:
     cpu_flops: float = 0.5e12
     memory_bandwidth: float = 600e9
     kernel_seconds: float = KERNEL_SECONDS
+    disk_bandwidth: float = 2e9  # an NVMe SSD's sustained reads through the page cache
 
     def __post_init__(self) -> None:
-        for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops", "memory_bandwidth", "kernel_seconds"):
+        for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops", "memory_bandwidth", "kernel_seconds",
+                     "disk_bandwidth"):
             value = getattr(self, name)
             # `not value > 0` also catches NaN; a zero figure would divide by zero in the cost model
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
@@ -73,7 +79,7 @@ GPU_PERFORMANCE = {
     "a6000": (154.8e12, 768e9, 25e9, 25e9), "4090": (165.2e12, 1008e9, 25e9, 20e9), "3090": (71e12, 936e9, 25e9, 20e9),
     "4080": (97.5e12, 717e9, 25e9, 20e9), "l4": (121e12, 300e9, 25e9, 20e9), "t4": (65e12, 320e9, 12e9, 10e9),
 }
-_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "reserve"}
+_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "disk_bw", "reserve"}
 # Kept off each detected GPU's free memory, beside the activation headroom: cuBLAS/cuDNN workspaces and the
 # allocator's fragmentation (0.3 to 1 GiB); the CUDA context itself is already out of the free figure, since
 # reading it starts the context.
@@ -83,13 +89,36 @@ GPU_RESERVE = 512 * 2**20
 def performance_for(gpu_name: str | None) -> Performance:
     """Figures for a GPU model name (``"NVIDIA H100 80GB HBM3"``, ``"4090"``): the sustained share of its datasheet
     FLOP/s and memory bandwidth (``SUSTAINED``, else ``SUSTAINED_SHARE``), and its links; generic figures if
-    unknown."""
+    unknown. The disk is this machine's as ``pipemap doctor`` measured it, if it did."""
     name = (gpu_name or "").lower()
+    disk = measured_disk_bandwidth() or Performance.disk_bandwidth
     for fragment, (flops, memory, host, peer) in GPU_PERFORMANCE.items():
         if fragment in name:
             share = SUSTAINED.get(fragment, SUSTAINED_SHARE)
-            return Performance(flops * share, host, peer, memory_bandwidth=memory * share)
-    return Performance()
+            return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk)
+    return Performance(disk_bandwidth=disk)
+
+
+DISK_FILE = "disk.json"  # beside the transfer checks' cache: ``pipemap doctor``'s measured disk read speed
+
+
+def disk_cache_path() -> Path:
+    """``$PIPEMAP_CACHE_DIR/disk.json``, else under huggingface_hub's home (where the weights are read from)."""
+    root = os.environ.get("PIPEMAP_CACHE_DIR")
+    if not root:
+        from huggingface_hub import constants
+
+        root = os.path.join(constants.HF_HOME, "pipemap")
+    return Path(root) / DISK_FILE
+
+
+def measured_disk_bandwidth() -> float | None:
+    """The disk read speed ``pipemap doctor`` measured on this machine (bytes per second), or None."""
+    try:
+        value = json.loads(disk_cache_path().read_text()).get("disk_bw")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 @dataclass(frozen=True)
@@ -108,8 +137,9 @@ class Hardware:
 
     @classmethod
     def detect(cls, reserve: int = GPU_RESERVE) -> Hardware:
-        """The real machine: each CUDA GPU with its free memory less ``reserve``, and the CPU with its available
-        RAM. The CUDA cache is emptied first: blocks this process cached are free for a plan, not used."""
+        """The real machine: each CUDA GPU with its free memory less ``reserve``, and the CPU with the RAM this
+        process may use (``ram.ram``: the available RAM, or less where a container's cgroup limit leaves less). The
+        CUDA cache is emptied first: blocks this process cached are free for a plan, not used."""
         gpus = []
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -117,17 +147,18 @@ class Hardware:
                 free, _total = torch.cuda.mem_get_info(index)
                 gpus.append(Device(f"cuda:{index}", max(0, int(free) - reserve)))
         name = torch.cuda.get_device_name(0) if gpus else None
-        return cls(tuple(gpus) + (Device("cpu", int(psutil.virtual_memory().available)),), detected=True,
+        return cls(tuple(gpus) + (Device("cpu", ram_figure()),), detected=True,
                    performance=performance_for(name), reserve=reserve if gpus else 0)
 
     @classmethod
     def parse(cls, spec: str) -> Hardware:
         """A profile from text: ``"cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB"`` or ``"2x24GiB,cpu=64GiB"``.
 
-        A profile without ``cpu`` gets this machine's available RAM as its CPU memory. The cost model's figures
-        may follow: ``gpu=4090`` (defaults for that model), ``flops=120T`` (sustained), ``host_bw=25GB``,
-        ``peer_bw=50GB``, ``mem_bw=700GB`` (sustained; bytes per second); ``reserve=512MiB`` is kept off each GPU
-        for the CUDA context and workspaces (none unless given: a profile's figures are what the plan may use).
+        A profile without ``cpu`` gets the RAM this process may use (``ram.ram``) as its CPU memory. The cost
+        model's figures may follow: ``gpu=4090`` (defaults for that model), ``flops=120T`` (sustained),
+        ``host_bw=25GB``, ``peer_bw=50GB``, ``mem_bw=700GB`` (sustained), ``disk_bw=3GB`` (bytes per second);
+        ``reserve=512MiB`` is kept off each GPU for the CUDA context and workspaces (none unless given: a profile's
+        figures are what the plan may use).
         """
         if not isinstance(spec, str):
             raise ArgumentTypeError("hardware", spec, "a spec string such as '2x24GiB,cpu=64GiB' or a Hardware")
@@ -147,7 +178,7 @@ class Hardware:
         if not devices:
             raise HardwareSpecError(spec, spec, "no device is given")
         if "cpu" not in devices:
-            devices["cpu"] = int(psutil.virtual_memory().available)
+            devices["cpu"] = ram_figure()
         reserve = _size(spec, f"reserve={settings['reserve']}", settings["reserve"]) if "reserve" in settings else 0
         devices = {n: max(0, m - reserve) if is_accelerator(n) else m for n, m in devices.items()}
         return cls(_ordered(devices), performance=_performance(spec, settings), reserve=reserve)
@@ -212,7 +243,8 @@ def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
     if "peer_bw" in settings:
         peer = _bandwidth(spec, "peer_bw", settings["peer_bw"])
     memory = _bandwidth(spec, "mem_bw", settings["mem_bw"]) if "mem_bw" in settings else base.memory_bandwidth
-    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds)
+    disk = _bandwidth(spec, "disk_bw", settings["disk_bw"]) if "disk_bw" in settings else base.disk_bandwidth
+    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds, disk)
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:

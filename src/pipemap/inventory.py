@@ -31,6 +31,7 @@ from .errors import (
 )
 from .granularity import Block, finest_in_flight
 from .quantized import is_packed, quantization_method, quantization_state, stored_bytes
+from .ram import address, file_maps
 from .units import aligned
 
 # safetensors dtype codes -> bytes per element
@@ -69,6 +70,10 @@ class Component:
     tree: Block | None = field(default=None, repr=False)
     # weight width summed over its self-attention layers (a transformer's): the cost model's attention FLOPs
     attention_width: int = 0
+    # the safetensors files its weights can stay in, memory-mapped (paths below the pipeline folder; absolute for a
+    # loaded pipeline's maps): only when every tensor is stored at the dtype it will have, so loading maps it and
+    # converts nothing. Empty: its host copy must be RAM (``tiers``)
+    files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.calls_per_image:
@@ -172,13 +177,15 @@ def _of_folder(folder: Path, dtype: torch.dtype | None, variant: str | None) -> 
         at = dtype if dtype is not None else default_dtype(folder / name, library)
         keep = keep_in_fp32(library, class_name, at)
         quantized = quantization_method(_config(folder / name)) is not None
-        sizes = {key: _tensor_bytes(meta, key, at, keep, quantized) for f in files
-                 for key, meta in read_header(f).items()}
+        headers = {key: meta for f in files for key, meta in read_header(f).items()}
+        sizes = {key: _tensor_bytes(meta, key, at, keep, quantized) for key, meta in headers.items()}
         tree = block_tree(sizes)
+        mappable = library in _WEIGHTED_LIBRARIES and all(sizes[k] == _stored_bytes(m) for k, m in headers.items())
         components.append(Component(name, library, class_name, sum(sizes.values()), True,
                                     in_flight=finest_in_flight(tree),
                                     blocks=split_blocks(sizes), tree=tree,
-                                    attention_width=attention_width(sizes, at.itemsize)))
+                                    attention_width=attention_width(sizes, at.itemsize),
+                                    files=tuple(f"{name}/{f.name}" for f in files) if mappable else ()))
     return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
 
 
@@ -462,6 +469,11 @@ def _collect_blocks(module: torch.nn.Module, prefix: str, blocks: dict[int, tupl
             blocks.setdefault(id(child), (path, child))
 
 
+def _stored_bytes(meta: Mapping[str, Any]) -> int:
+    """Bytes a tensor takes in its file."""
+    return math.prod(int(d) for d in meta["shape"]) * _ELEMENT_BYTES[meta["dtype"]]
+
+
 def _tensor_bytes(meta: Mapping[str, Any], key: str, dtype: torch.dtype | None, keep_fp32: tuple[str, ...],
                   quantized: bool = False) -> int:
     numel = 1
@@ -541,7 +553,30 @@ def live_component(name: str, module: torch.nn.Module, dtype: torch.dtype | None
     tree = block_tree(sizes, (n for n, m in module.named_modules() if isinstance(m, _LISTS)))
     itemsize = dtype.itemsize if dtype is not None else next((p.element_size() for p in module.parameters()), 4)
     return Component(name, library, class_name, sum(sizes.values()), True, in_flight=finest_in_flight(tree),
-                     blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, itemsize))
+                     blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, itemsize),
+                     files=mapped_files(module, dtype))
+
+
+def mapped_files(module: torch.nn.Module, dtype: torch.dtype | None = None) -> tuple[str, ...]:
+    """The safetensors files whose memory maps hold the weights of ``module`` (as diffusers and transformers load
+    weights stored at the dtype asked for), or ``()`` when a weight is on a GPU or would be converted, or more than
+    ``UNMAPPED_SHARE`` of its bytes are not mapped (buffers built in ``__init__`` never are)."""
+    maps, files, unmapped, total = file_maps(), set(), 0, 0
+    for tensor in {id(t): t for t in module.state_dict(keep_vars=True).values() if t is not None}.values():
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.device.type != "cpu" or (dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype):
+            return ()
+        found = maps.file_of(address(tensor), nbytes) if nbytes and maps.starts else None
+        total += nbytes
+        if found is None:
+            unmapped += nbytes
+        else:
+            files.add(found)
+    return tuple(sorted(files)) if files and unmapped <= UNMAPPED_SHARE * total else ()
+
+
+UNMAPPED_SHARE = 0.01
+
 
 
 def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep_fp32: Iterable[str] = ()) -> int:

@@ -12,7 +12,7 @@ import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .units import format_bytes
 
@@ -90,7 +90,7 @@ PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#1
            "#f1948a")
 HEADROOM_FILL = "#e5e7e9"
 KIND_PATTERN = {"offload": "hatch", "stream": "dots", "split": "hatch", "replicated": "hatch", "guidance": "hatch",
-                "sequence": "hatch"}
+                "sequence": "hatch", "disk": "dots"}
 COPY_LABELS = {"replicated": "copy", "guidance": "copy: 2nd guidance branch", "sequence": "copy: share of tokens"}
 GIB = 1 << 30
 
@@ -161,12 +161,15 @@ def plan_picture(plan: _Plan, moved: Mapping[str, int] | None = None) -> Picture
     """
     bars = tuple(_bar(plan, d.device, d.memory, d.budget, d.used) for d in plan.devices)
     title = f"pipemap plan: {plan.strategy}" + (f", {plan.dtype}" if plan.dtype else "")
-    return Picture(title, bars, _links(plan, moved or {}))
+    return Picture(title, bars + _disk_bar(plan), _links(plan, moved or {}))
 
 
 def _bar(plan: _Plan, device: str, memory: int, budget: int, used: int) -> Bar:
-    segments = [Segment(p.component, _held_at_home(p), p.mode) for p in plan.components
-                if p.device == device and _held_at_home(p)]
+    segments = [Segment(p.component, _held(p, device), p.mode) for p in plan.components
+                if p.device == device and _held(p, device)]
+    staging = int(getattr(plan, "staging", 0))
+    if device == "cpu" and staging:
+        segments.append(Segment("staging (pinned, for reads from the disk)", staging, "stream"))
     segments += [Segment(f"{p.component} (shards)", sum(s for _, d, s in p.shards if d == device), "split")
                  for p in plan.components if any(d == device for _, d, _s in p.shards)]
     moved = [p for p in plan.components if p.mode in ("offload", "stream") and p.execution_device == device
@@ -183,6 +186,24 @@ def _bar(plan: _Plan, device: str, memory: int, budget: int, used: int) -> Bar:
     if rest > 0:
         segments.append(Segment("onloaded: " + " | ".join(offloaded) if offloaded else "other", rest, "offload"))
     return Bar(device, memory, budget, used, tuple(segments))
+
+
+def _disk_bar(plan: Any) -> tuple[Bar, ...]:
+    """The disk tier as a bar: each component's bytes left in its files (read at each call, or kept on a GPU)."""
+    segments = tuple(Segment(p.component, p.disk_bytes + _kept_in_files(p), "disk") for p in plan.components
+                     if getattr(p, "disk_bytes", 0) or _kept_in_files(p))
+    total = sum(s.bytes for s in segments)
+    return (Bar("disk", total, total, total, segments),) if total else ()
+
+
+def _kept_in_files(p: Any) -> int:
+    """A streamed component's pieces resident on its GPU whose only host copy is its files."""
+    return int(p.resident_bytes) if p.mode == "stream" and getattr(p, "files", ()) and p.device == "cpu" else 0
+
+
+def _held(p: Any, device: str) -> int:
+    """What a placement holds on ``device``: on the CPU, its host copy in RAM (``Placement.ram_bytes``)."""
+    return int(getattr(p, "ram_bytes", p.bytes)) if device == "cpu" else _held_at_home(p)
 
 
 def _held_at_home(p: _Placement) -> int:
@@ -252,7 +273,8 @@ def _patterns() -> str:
 def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str]) -> str:
     scale = BAR_W / max(bar.memory, bar.used, 1)
     x0 = LABEL_W
-    parts = [f'<g class="device" data-device="{escape(bar.device)}" data-memory="{bar.memory}" '
+    kind = "disk" if bar.device == "disk" else "device"  # the disk tier is drawn as a bar, but is no device
+    parts = [f'<g class="{kind}" data-device="{escape(bar.device)}" data-memory="{bar.memory}" '
              f'data-budget="{bar.budget}" data-used="{bar.used}">',
              f'<text x="{PAD}" y="{y + 15}" font-size="13" font-weight="bold">{escape(bar.device)}</text>',
              f'<text x="{PAD}" y="{y + 31}" font-size="11">{_gib(bar.used)} of {_gib(bar.budget)}</text>',

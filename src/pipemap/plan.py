@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from html import escape
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from .devices import normalize_device, real_device
+from .devices import is_accelerator, normalize_device, real_device
 from .errors import PlanFormatError, UnknownDeviceError
 from .picture import Picture, plan_picture
 from .units import format_bytes
@@ -45,6 +45,12 @@ class Placement:
     ``resident_bytes`` in all, and the rest cross the host link at each call, ``prefetch`` pieces fetched ahead of
     the running one. ``granularity``: how many times the deepest piece was cut below the top-level modules. Empty
     ``blocks``: the pieces are the component's top-level modules, none resident (plans made without a module tree).
+
+    The host copy of an offloaded or streamed component (and of one computed on the CPU) lives in RAM, or stays in
+    its safetensors ``files`` (memory-mapped: the disk tier), read from there at each call through a small pinned
+    staging buffer: ``disk_blocks`` names a streamed component's pieces read so (``""``: its loose tensors),
+    ``disk_bytes`` their bytes (for an offloaded component or one computed on the CPU: all of it, or 0). With
+    ``files``, the pieces kept resident on a GPU keep no copy in RAM: a reset reads them back from the files.
     """
 
     component: str
@@ -60,10 +66,29 @@ class Placement:
     prefetch: int = 0
     granularity: int = 0
     replicas: tuple[str, ...] = ()
+    disk_blocks: tuple[str, ...] = ()
+    disk_bytes: int = 0
+    files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.execution_device:
             object.__setattr__(self, "execution_device", self.device)
+
+    @property
+    def ram_bytes(self) -> int:
+        """Bytes of this component in CPU RAM: its host copy less what stays in its files (and, when it maps its
+        files, less the pieces kept resident on its GPU)."""
+        if self.device != "cpu":
+            return 0
+        kept = self.resident_bytes if self.mode == "stream" and self.files else 0
+        return max(0, self.bytes - self.disk_bytes - kept)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Of ``ram_bytes``, those page-locked for copies to a GPU: what crosses the host link at its calls."""
+        if self.mode not in ("offload", "stream") or not is_accelerator(self.execution_device):
+            return 0
+        return self.ram_bytes - (self.resident_bytes if self.mode == "stream" and not self.files else 0)
 
 
 def _mode_text(p: Placement) -> str:
@@ -72,17 +97,20 @@ def _mode_text(p: Placement) -> str:
         for _, device, size in p.shards:
             away[device] = away.get(device, 0) + size
         return "split: " + ", ".join(f"{format_bytes(b)} on {d}" for d, b in away.items())
+    disk = f", from disk ({format_bytes(p.disk_bytes)})" if p.disk_bytes else ""
     if p.mode == "stream" and p.blocks:
         kept = len([b for b in p.resident_blocks if b])
+        on_disk = (f", {len(p.disk_blocks)} on disk ({format_bytes(p.disk_bytes)})" if p.disk_blocks else "")
         return (f"stream: {len(p.blocks)} blocks, level {p.granularity}, {kept} resident "
-                f"({format_bytes(p.resident_bytes)}), prefetch {p.prefetch}, in flight {format_bytes(p.room)}")
+                f"({format_bytes(p.resident_bytes)}), prefetch {p.prefetch}, in flight {format_bytes(p.room)}"
+                f"{on_disk}")
     if p.mode == "replicated":
         return "replicated: copies on " + ", ".join(p.replicas)
     if p.mode == "guidance":
-        return f"guidance: 1st branch on {p.device}, 2nd on " + ", ".join(p.replicas)
+        return f"guidance: 1st branch on {p.device}, 2nd on " + ", ".join(p.replicas) + disk
     if p.mode == "sequence":
-        return "sequence: tokens split over " + ", ".join((p.device, *p.replicas))
-    return p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})"
+        return "sequence: tokens split over " + ", ".join((p.device, *p.replicas)) + disk
+    return (p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})") + disk
 
 
 @dataclass(frozen=True)
@@ -109,6 +137,31 @@ class DeviceUse:
 
 
 @dataclass(frozen=True)
+class HostUse:
+    """The CPU's RAM as a plan uses it, as a GPU's is shown: components computed on the CPU (``resident``), the
+    host copies of offloaded and streamed ones in RAM, how much of that is page-locked (``pinned``, the
+    ``staging`` buffers pieces read from the disk pass through included), the ``headroom`` kept free; and the bytes
+    left in their files: ``disk``, read through their memory maps at each call, and ``kept``, pieces resident on a
+    GPU whose only host copy is their files (a reset reads them back)."""
+
+    resident: int
+    offloaded: int
+    streamed: int
+    pinned: int
+    staging: int
+    disk: int
+    headroom: int
+    kept: int = 0
+    files: int = 0
+
+    def __str__(self) -> str:
+        return (f"RAM: {format_bytes(self.resident)} resident, {format_bytes(self.offloaded)} offloaded, "
+                f"{format_bytes(self.streamed)} streamed, {format_bytes(self.pinned)} pinned"
+                + (f" ({format_bytes(self.staging)} staging)" if self.staging else "")
+                + f"; headroom {format_bytes(self.headroom)}")
+
+
+@dataclass(frozen=True)
 class Plan:
     """Where every component of a pipeline goes.
 
@@ -125,11 +178,23 @@ class Plan:
     variant: str | None = None
     notes: tuple[str, ...] = field(default=())
     candidates: tuple[Candidate, ...] = field(default=())
+    staging: int = 0  # pinned host bytes that pieces read from the disk pass through on their way to a GPU
 
     @property
     def device_map(self) -> dict[str, str]:
         """``{component: device}`` as diffusers' ``hf_device_map`` has it."""
         return {p.component: p.device for p in self.components}
+
+    @property
+    def host(self) -> HostUse:
+        """The CPU's RAM as this plan uses it (resident, offloaded, streamed, pinned, headroom) and the disk tier."""
+        ram = {mode: sum(p.ram_bytes for p in self.components if p.mode == mode) for mode in MODES}
+        cpu = next((d for d in self.devices if d.device == "cpu"), DeviceUse("cpu", 0, 0, 0))
+        kept = sum(p.resident_bytes for p in self.components if p.mode == "stream" and p.files and p.device == "cpu")
+        return HostUse(ram["resident"], ram["offload"], ram["stream"],
+                       sum(p.pinned_bytes for p in self.components) + self.staging, self.staging,
+                       sum(p.disk_bytes for p in self.components), cpu.memory - cpu.budget, kept,
+                       len({f for p in self.components if p.device == "cpu" for f in p.files}))
 
     def placement(self, component: str) -> Placement:
         for p in self.components:
@@ -175,6 +240,13 @@ class Plan:
         for d in self.devices:
             table.add_row(*map(Text, (f"[{d.device}]", d.device, "total", "",
                                       f"{format_bytes(d.used)} of {format_bytes(d.budget)}")))
+        host = self.host
+        if any(p.ram_bytes for p in self.components) or host.staging or host.disk:
+            table.add_row(*map(Text, ("[ram]", "cpu", str(host), "", "")))
+        if host.disk or host.kept:
+            table.add_row(*map(Text, ("[disk]", "disk", f"left in {host.files} file(s), memory-mapped: "
+                                      f"{format_bytes(host.disk)} read at each call, {format_bytes(host.kept)} kept "
+                                      "on GPUs", "", format_bytes(host.disk + host.kept))))
         return table
 
     def __str__(self) -> str:
@@ -226,9 +298,13 @@ class Plan:
                                          **({"blocks": dict(p.blocks), "resident_blocks": list(p.resident_blocks),
                                              "resident_bytes": p.resident_bytes, "prefetch": p.prefetch,
                                              "granularity": p.granularity} if p.blocks else {}),
-                                         **({"replicas": list(p.replicas)} if p.replicas else {})}
+                                         **({"replicas": list(p.replicas)} if p.replicas else {}),
+                                         **({"disk_blocks": list(p.disk_blocks), "disk_bytes": p.disk_bytes}
+                                            if p.disk_bytes else {}),
+                                         **({"files": list(p.files)} if p.files else {})}
                            for p in self.components},
             "notes": list(self.notes),
+            **({"staging": self.staging} if self.staging else {}),
             **({"candidates": [{"strategy": c.strategy, "seconds": c.seconds, "peaks": dict(c.peaks),
                                 "reason": c.reason, "images_per_second": c.images_per_second}
                                for c in self.candidates]} if self.candidates else {}),
@@ -257,7 +333,7 @@ class Plan:
             raise PlanFormatError(f"the candidates are malformed ({type(err).__name__}: {err})") from None
         return cls(_text(data, "strategy"), components, devices, _device(_text(data, "execution_device")),
                    _text(data, "dtype", optional=True), _text(data, "variant", optional=True),
-                   tuple(_strings(data.get("notes", []), "notes")), candidates)
+                   tuple(_strings(data.get("notes", []), "notes")), candidates, _size(data, "staging", 0))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -352,4 +428,6 @@ def _placement(name: str, c: dict[str, Any]) -> Placement:
     return Placement(name, _device(c.get("device")), _size(c, "bytes"), mode, _device(execution), _size(c, "room", 0),
                      shards, blocks, tuple(_strings(c.get("resident_blocks", []), f"{name} resident_blocks")),
                      _size(c, "resident_bytes", 0), _size(c, "prefetch", 0), _size(c, "granularity", 0),
-                     tuple(_device(d) for d in _strings(c.get("replicas", []), f"{name} replicas")))
+                     tuple(_device(d) for d in _strings(c.get("replicas", []), f"{name} replicas")),
+                     tuple(_strings(c.get("disk_blocks", []), f"{name} disk_blocks")), _size(c, "disk_bytes", 0),
+                     tuple(_strings(c.get("files", []), f"{name} files")))

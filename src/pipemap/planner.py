@@ -26,6 +26,7 @@ from .granularity import Block, Pieces, cut
 from .hardware import Hardware
 from .inventory import DENOISERS, Component, Inventory
 from .plan import Candidate, DeviceUse, Placement, Plan
+from .tiers import place_tiers
 from .units import parse_bytes
 
 AUTO = "auto"
@@ -437,14 +438,17 @@ def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], dev
             resident[device] += size
         for device in p.replicas:  # a whole copy on each
             resident[device] += p.bytes
-    placements = _with_rooms(placements, {c.name: c for c in inventory.models}, budget, resident)
-    # a GPU's peak: its residents, the largest component onloaded there, the largest blocks in flight there
+    components = {c.name: c for c in inventory.models}
+    placements = _with_rooms(placements, components, budget, resident)
+    # RAM is a budget too: what cannot stay in its files must fit it (``tiers``), the rest is read from the disk
+    placements, staging = place_tiers(placements, components, budget.get("cpu", 0), label)
+    # a GPU's peak: its residents, the largest component onloaded there, the largest blocks in flight there; the
+    # CPU's: the host copies in RAM and the staging buffers
     used = {d: _peak(placements, d, resident) for d in resident}
-    if used.get("cpu", 0) > budget.get("cpu", 0):
-        notes.append(f"the CPU holds {used['cpu']} bytes, more than its {budget['cpu']} bytes of available RAM")
+    used["cpu"] += sum(p.ram_bytes for p in placements) + staging - resident["cpu"]
     devices = tuple(DeviceUse(d.name, d.memory, budget[d.name], used[d.name]) for d in hw.devices)
     return Plan(label, placements, devices, execution_device(placements), inventory.dtype, inventory.variant,
-                tuple(notes))
+                tuple(notes), staging=staging)
 
 
 def _with_rooms(placements: tuple[Placement, ...], components: Mapping[str, Component], budget: Mapping[str, int],

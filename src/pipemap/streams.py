@@ -91,6 +91,16 @@ class Queues:
     def synchronize(self) -> None:
         """The host waits for both queues."""
 
+    def host_wait(self, event) -> None:
+        """The host waits for ``event`` (before it writes again into host memory a copy reads from)."""
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        """A host buffer copies to the device read from (page-locked for a GPU): a staging buffer."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def on_disk(self, tensors: Iterable[torch.Tensor]) -> None:
+        """``tensors`` are host copies left in their files (the disk tier), not in RAM; the dry run counts them so."""
+
 
 def queues_for(device: str | torch.device) -> Queues:
     device = torch.device(device)
@@ -154,6 +164,13 @@ class CudaQueues(Queues):
     def synchronize(self) -> None:
         self.side.synchronize()
         self._compute().synchronize()
+
+    def host_wait(self, event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 # ---- the model ---------------------------------------------------------------------------------------------------
@@ -299,3 +316,8 @@ class ModelQueues(Queues):
             if q.ops:
                 self._complete_through(name, len(q.ops) - 1)
         self._release()
+
+    def host_wait(self, event) -> None:
+        if event is not None:
+            self._complete_through(event.queue, event.seq)
+            self._release()

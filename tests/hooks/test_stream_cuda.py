@@ -37,7 +37,9 @@ def _streamed(net: Net, depth: int | None = None, resident: tuple[str, ...] = ()
 def _hooked(net: Net, placement: Placement):
     hook = HOOKS["stream"](placement, "cuda:0", Ledger())
     hook_component(net, hook)
-    assert isinstance(hook.queues, streams.CudaQueues) and all(g.pinned() for g in hook.blocks)
+    assert isinstance(hook.queues, streams.CudaQueues)
+    # the streamed pieces are pinned; the kept ones are copied once and never pinned (issue 26: no second copy)
+    assert all(g.pinned() != (g in hook.kept) for g in hook.blocks if g.slots), [g.name for g in hook.blocks]
     return hook
 
 

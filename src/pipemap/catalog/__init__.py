@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -187,7 +187,10 @@ def _inventory(name: str, dtype: torch.dtype | None) -> Inventory:
             components.append(Component(component, library, class_name))
             continue
         at = component_dtype(found, component, dtype)
-        components.append(live_component(component, _skeleton(name, component), at, library, class_name))
+        sized = live_component(component, _skeleton(name, component), at, library, class_name)
+        published = component_dtype(found, component, None)
+        # weights published at the dtype asked for load as views of their files' maps (``Component.files``)
+        components.append(replace(sized, files=(f"{component}/*.safetensors",) if at == published else ()))
     label = str(dtype if dtype is not None else as_dtype(found.dtype)).removeprefix("torch.")
     return Inventory(found.repo, found.pipeline_class, tuple(components), label, None)
 

@@ -1,5 +1,6 @@
 """The copy queues of a dry run: ``streams.ModelQueues`` on stand-in devices, whose buffers for onloaded weights the
-dry run's tracker counts as weights (not activations)."""
+dry run's tracker counts as weights (not activations), and which tell it the host copies left in their files (the
+disk tier: counted on ``disk``, not the CPU)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,10 @@ class StandinQueues(ModelQueues):
     def alloc(self, nbytes: int) -> torch.Tensor:
         with self.tracker.allocating_weights():
             return super().alloc(nbytes)
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        with self.tracker.allocating_weights():  # a staging buffer: pinned RAM a plan counts
+            return super().alloc_host(nbytes)
+
+    def on_disk(self, tensors) -> None:
+        self.tracker.on_disk(tensors)

@@ -51,6 +51,8 @@ class SimulationReport:
     # the component running when each peak was set
     timeline: tuple = ()
     peak_component: dict[str, str] = field(default_factory=dict)
+    # host copies left in their files (the disk tier): weights the run read through the files' maps, not RAM
+    disk_bytes: int = 0
 
     def picture(self) -> Timeline:
         """Each device's memory over the call: the budget line, the peak marked with its phase and component
@@ -74,6 +76,10 @@ class SimulationReport:
                          f"{format_bytes(self.activation_bytes[device]):>13}"
                          f"{format_bytes(self.peak_bytes[device]):>12}{format_bytes(memory.get(device, 0)):>12}"
                          f"  {self.peak_phase.get(device, '')}{'  (bound)' if device in self.bound_peaks else ''}")
+        if self.disk_bytes:
+            host = self.plan.host
+            lines.append(f"{'disk':<10}{format_bytes(self.disk_bytes):>12}{'':>13}{'':>12}"
+                         f"{format_bytes(host.disk + host.kept):>12}  left in the files, read through their maps")
         for note in dict.fromkeys(self.bound_peaks.values()):
             lines.append(f"(bound): a peak at most this high; the dry run assumed {note}")
         return "\n".join(lines + list(self.advice))
@@ -84,6 +90,8 @@ def report_of(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, s
     def keyed(figures: Mapping[str, int]) -> dict[str, int]:
         out = {d.device: 0 for d in plan.devices if d.used or d.device in plan.device_map.values()}
         for device, value in figures.items():
+            if device == DISK:
+                continue
             name = back.get(device, device)
             out[name] = out.get(name, 0) + value
         return out
@@ -102,15 +110,18 @@ def report_of(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, s
     return SimulationReport(failure is None, failure, peak, weights, {d: activations.get(d, 0) for d in peak}, plan,
                             seconds, shown, {d: weight_peak.get(d, 0) for d in peak},
                             {d: phases[d] for d in peak if d in phases}, bound_peaks=bound, timeline=timeline,
-                            peak_component=who)
+                            peak_component=who, disk_bytes=tracker.weights.get(DISK, 0))
 
 
+DISK = "disk"  # what the tracker counts the disk tier's host copies on (``StorageTracker.on_disk``)
 TIMELINE_POINTS = 600  # a device's samples kept for the picture: the largest of each stretch, the peak among them
 
 
 def _timeline(samples, back: Mapping[str, str]) -> tuple:
     by_device: dict[str, list[tuple[int, int, str]]] = {}
     for index, (device, size, phase) in enumerate(samples):
+        if device == DISK:  # the files: no memory over the call
+            continue
         by_device.setdefault(back.get(device, device), []).append((index, size, str(phase)))
     out = []
     for device, points in by_device.items():

@@ -45,6 +45,7 @@ class StorageTracker(TorchDispatchMode):
         self.bound: str | None = None  # the first value assumed (an upper bound) in this run
         self._allocating_weights = False
         self.peak_bound: dict[str, str] = {}  # devices whose peak was last raised after it: a bound, not exact
+        self._disk_keys: set[int] = set()  # host copies left in their files: counted on "disk", not the CPU
 
     @contextlib.contextmanager
     def allocating_weights(self):
@@ -59,18 +60,22 @@ class StorageTracker(TorchDispatchMode):
         """From here on, sizes may be upper bounds: a peak raised after this is marked as one."""
         self.bound = self.bound or note
 
+    def on_disk(self, tensors) -> None:
+        """These host copies stay in their files (the disk tier): count them on ``"disk"`` when first tracked."""
+        self._disk_keys.update(id(t.untyped_storage()) for t in tensors)
+
     def track_module_tensors(self, pipe) -> None:
         for module in _with_replicas(pipe):
             for tensor in (t for w in [*module.parameters(), *module.buffers()] for t in storage(w)):
                 if self._track(tensor, weight=True):  # a quantized weight by its storage: the bytes it holds
-                    self.weights[str(tensor.device)] += tensor.untyped_storage().nbytes()
+                    self.weights[self._seen[id(tensor.untyped_storage())][0]] += tensor.untyped_storage().nbytes()
 
     def _track(self, tensor: torch.Tensor, weight: bool = False) -> bool:
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self._seen:
             return False
-        device, size = str(tensor.device), storage.nbytes()
+        device, size = "disk" if key in self._disk_keys else str(tensor.device), storage.nbytes()
         self._seen[key] = (device, size)
         self.live[device] += size
         if weight:
@@ -273,7 +278,7 @@ class PhasedTracker(ConvertingTracker):
         self.samples: list[tuple[str, int, Phase]] = []
 
     def _track(self, tensor: torch.Tensor, weight: bool = False) -> bool:
-        device = str(tensor.device)
+        device = "disk" if id(tensor.untyped_storage()) in self._disk_keys else str(tensor.device)
         before = self.peak[device]
         tracked = super()._track(tensor, weight)
         if self.peak[device] > before:

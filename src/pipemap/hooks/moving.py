@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from ..streams import Queues, queues_for
+from .mapped import Pages, Staging
 from .packing import Group
 from .resident import PlacementHook
 
@@ -50,6 +51,7 @@ class Ledger:
         self.live: collections.Counter = collections.Counter()
         self.peak: collections.Counter = collections.Counter()
         self._queues: dict[str, Queues] = {}
+        self._staging: dict[str, Staging] = {}
 
     def cache(self, device: str, room: int) -> LruCache:
         return self.caches.setdefault((device, room), LruCache(room))
@@ -58,6 +60,12 @@ class Ledger:
         if str(device) not in self._queues:
             self._queues[str(device)] = self.make_queues(device)
         return self._queues[str(device)]
+
+    def staging(self, device: torch.device) -> Staging:
+        """The device's staging ring, which the groups read from their files pass through (``mapped``)."""
+        if str(device) not in self._staging:
+            self._staging[str(device)] = Staging(self.queues(device))
+        return self._staging[str(device)]
 
     def add(self, device: str, size: int) -> None:
         self.live[device] += size
@@ -105,6 +113,7 @@ class MovingHook(PlacementHook):
         self.ledger, self.room = ledger, room
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.queues = ledger.queues(self.device)
+        self.from_files: dict[int, Pages] = {}  # id(group) -> its pages in a file's map, for groups on the disk
 
     def _onload(self, group: Group, buffer: torch.Tensor | None = None, after=None, side: bool = False):
         """Copy ``group`` into ``buffer`` (a new one of its own when None) once ``after`` passed; returns the
@@ -115,7 +124,11 @@ class MovingHook(PlacementHook):
         if buffer is None:
             buffer = self._alloc(group.layout.nbytes)
         try:
-            event = self.queues.copy(group.install(buffer), after=after, side=side, name=group.name)
+            copies = group.install(buffer)
+            if id(group) in self.from_files:  # the disk tier: through the staging ring, then its pages let go
+                event = self._staged(group, buffer, copies, after, side)
+            else:
+                event = self.queues.copy(copies, after=after, side=side, name=group.name)
         except BaseException:  # nothing half onloaded: the masters back, the buffer freed
             if group.loaded:
                 group.evict()
@@ -125,6 +138,23 @@ class MovingHook(PlacementHook):
         group.copied(event)  # its pinned buffer is not unregistered before this copy ran
         self.moved.h2d_bytes += group.nbytes
         return buffer, event
+
+    def _staged(self, group: Group, buffer: torch.Tensor, copies, after, side: bool):
+        staging = self.ledger.staging(self.device)
+        event = staging.copy(buffer, group.layout, [master for _, master in copies], after, group.name,
+                             self.from_files[id(group)])
+        if not side:  # asked for on the compute queue, so ordered before every use: make it so
+            self.queues.wait(event)
+        return event
+
+    def read_from_files(self, groups) -> None:
+        """These groups stay in their files (the disk tier): never pinned, read through the device's staging ring
+        at each onload, their pages given back after; the dry run counts them on the disk."""
+        staging = self.ledger.staging(self.device)
+        for group in groups:
+            self.from_files[id(group)] = Pages(s.get() for s in group.slots)
+            staging.need(group.layout.nbytes)
+        self.queues.on_disk(s.get() for group in groups for s in group.slots)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         buffer = self.queues.alloc(nbytes)  # first: an allocation that fails (out of memory) is not counted

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..plan import Placement
+from .mapped import pin_from_map
 from .moving import Ledger, MovingHook
 from .packing import Group, slots
 
@@ -19,10 +20,14 @@ class OffloadHook(MovingHook):
     on another CUDA stream (a caller's ``torch.cuda.stream``) never reads weights before they arrive.
     """
 
+    from_disk = False  # its plan leaves it in its files (``Placement.disk_bytes``)
+
     @classmethod
     def for_placement(cls, p: Placement, execution_device: str, ledger: Ledger) -> OffloadHook:
         """The hook of an offloaded placement (``hooks.HOOKS``), onloaded within its GPU's ``room``."""
-        return cls(p.component, p.execution_device, execution_device, ledger, p.room)
+        hook = cls(p.component, p.execution_device, execution_device, ledger, p.room)
+        hook.from_disk = bool(p.disk_bytes)
+        return hook
 
     def init_hook(self, module):
         self.group = Group(slots(module.modules()).values(), self.component)
@@ -30,8 +35,10 @@ class OffloadHook(MovingHook):
         self.buffer: torch.Tensor | None = None
         self.copied = None  # the event of the copy into ``buffer``
         self.running = 0
-        if self.cuda:
-            self.group.pin()
+        if self.from_disk:  # the disk tier: read from its files' maps at each onload, never pinned
+            self.read_from_files([self.group])
+        elif self.cuda:
+            pin_from_map(self.group)
         self.watch_conversions(module)
         return module
 

@@ -14,9 +14,10 @@ from typing import cast
 
 import torch
 
-from ..granularity import cut, stream_charge
+from ..granularity import LOOSE, cut, stream_charge
 from ..inventory import live_component, stream_blocks
 from ..plan import Placement
+from .mapped import Pages, pin_from_map
 from .moving import Ledger, MovingHook
 from .packing import Group, Slot, slots
 
@@ -41,6 +42,8 @@ class StreamSpec:
     depth: int = 1
     room: int = 0  # the GPU bytes the plan gave it, resident pieces included: for a layout redone on the live module
     resident_room: int = 0
+    disk: tuple[str, ...] = ()  # the pieces read from their files at each call (the disk tier; "": the root's tensors)
+    mapped: bool = False  # its host copy is its files' maps: the resident pieces keep no copy in RAM
 
     def on(self, module: torch.nn.Module, name: str) -> StreamSpec:
         """This spec for the live ``module``: as planned when every piece names one of its modules; else laid out
@@ -72,7 +75,7 @@ def stream_spec(placement: Placement) -> StreamSpec:
         return StreamSpec()
     return StreamSpec(tuple(path for path, _ in placement.blocks), tuple(placement.resident_blocks),
                       max(1, placement.prefetch), placement.room + placement.resident_bytes,
-                      placement.resident_bytes)
+                      placement.resident_bytes, placement.disk_blocks, bool(placement.files))
 
 
 @dataclass(eq=False)
@@ -111,9 +114,11 @@ class StreamHook(MovingHook):
         paths = self.spec.blocks if self.spec.blocks is not None else [p for p, _ in stream_blocks(module)]
         blocks = [module.get_submodule(p) for p in paths]
         owner: dict[int, int] = {}
+        first: dict[int, int] = {}  # the first block holding each tensor: a shared one's piece in the plan
         for index, block in enumerate(blocks):
             for key in slots(block.modules()):
                 owner[key] = index if key not in owner else _START  # shared by two blocks: it stays for the call
+                first.setdefault(key, index)
         inside = {id(m) for block in blocks for m in block.modules()}
         groups: dict[int, list[Slot]] = collections.defaultdict(list)
         for key, slot in slots(module.modules()).items():
@@ -133,17 +138,34 @@ class StreamHook(MovingHook):
         self.buffers: list[_Buffer] = []
         self.root_buffer: torch.Tensor | None = None
         self.kept_buffers: list[tuple[torch.Tensor, object]] = []  # (buffer, the event of the copy into it)
-        if self.cuda:
-            try:
-                for group in [self.root, *self.blocks]:
-                    group.pin()
-            except BaseException:  # a registration refused part-way: none left behind
-                for group in [self.root, *self.blocks]:
-                    group.unpin()
-                raise
+        self._tiers(list(paths), {paths[first[k]] for k, o in owner.items() if o == _START and k in first})
         self.handles = [h for i in self.streamed for h in self._attach(i, blocks[i])]
         self.watch_conversions(module)
         return module
+
+    def _tiers(self, paths: list[str], root_pieces: set[str]) -> None:
+        """Which host copies stay in their files (read through the staging ring at each call), which are pinned;
+        the kept pieces are neither: copied once, then their pages in the files' maps are let go. The root's tensors
+        go with the files when the plan leaves their piece there (``root_pieces``: the pieces of the tied tensors
+        the root holds, T5's shared embedding)."""
+        disk = set(self.spec.disk)
+        on_disk = [g for g, p in zip(self.blocks, paths) if p in disk and g.slots and g not in self.kept]
+        if (LOOSE in disk or root_pieces & disk) and self.root.slots and not self.root_kept:
+            on_disk.append(self.root)
+        self.read_from_files(on_disk)
+        self.kept_pages = Pages(s.get() for g in self.kept for s in g.slots)
+        if self.spec.mapped:  # a reset reads them back from the files
+            self.queues.on_disk(s.get() for g in self.kept for s in g.slots)
+        if not self.cuda:
+            return
+        pinned = [g for g in [self.root, *self.blocks] if id(g) not in self.from_files and g not in self.kept]
+        try:
+            for group in pinned:
+                pin_from_map(group)
+        except BaseException:  # a registration refused part-way: none left behind
+            for group in pinned:
+                group.unpin()
+            raise
 
     @property
     def charge(self) -> int:
@@ -176,8 +198,11 @@ class StreamHook(MovingHook):
     # ---- one call: buffers in, blocks through them, buffers out
 
     def _begin(self) -> None:
-        for group in self.kept[len(self.kept_buffers):]:
+        waiting = self.kept[len(self.kept_buffers):]
+        for group in waiting:
             self.kept_buffers.append(self._onload(group))
+        if waiting:
+            self.kept_pages.release()  # no second copy: a reset reads them back from the files
         for buffer, copied in self.kept_buffers:  # kept from an earlier call, maybe on another stream
             self.queues.wait(copied)
             self.queues.reading(buffer)

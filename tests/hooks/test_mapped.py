@@ -1,0 +1,111 @@
+"""``hooks/mapped.py``: weights left in their safetensors files' maps, read through the staging ring at each call and
+their pages handed back; a pipeline whose plan has a disk tier runs as plain diffusers does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import pipemap
+from helpers import plain_pipeline
+from pipemap import tiny
+from pipemap.hooks.mapped import Pages, Staging, _pages
+from pipemap.hooks.packing import Group, slots
+from pipemap.ram import file_maps
+from pipemap.streams import ModelQueues
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssFile:"))
+
+
+@pytest.fixture
+def mapped(tmp_path) -> dict[str, torch.Tensor]:
+    path = tmp_path / "weights.safetensors"
+    save_file({"big": torch.randn(4096, 2048), "small": torch.arange(1000, dtype=torch.float16).reshape(10, 100),
+               "flag": torch.tensor([True, False, True])}, path)
+    return load_file(path)  # views of the file's map, as diffusers' loading leaves weights stored at the dtype asked
+
+
+def test_pages_read_are_handed_back(mapped):
+    pages = Pages(mapped.values())
+    assert pages.nbytes >= 4096 * 2048 * 4 - 2 * 4096  # whole pages inside the tensors, edges left
+    float(mapped["big"].sum())  # read: 32 MiB of the file counted in this process
+    touched = _rss_file()
+    pages.release()
+    assert touched - _rss_file() >= 24 * 2**20
+    assert float(mapped["big"].sum()) == float(mapped["big"].clone().sum())  # read again from the file, unchanged
+
+
+def test_private_memory_is_never_handed_back():
+    tensor = torch.randn(1024, 1024)
+    pages = Pages([tensor, tensor.to("meta")])
+    assert pages.ranges == [] and pages.nbytes == 0
+    pages.release()
+    assert torch.isfinite(tensor).all()
+
+
+def test_merged_spans_cut_to_whole_pages():
+    page = 4096
+    assert _pages([(10, page * 2 + 10), (page * 2 + 20, page * 5)]) == [(page, page * 4)]
+    assert _pages([(1, 100)]) == []
+
+
+def test_staging_copies_every_byte_in_chunks(mapped):
+    module = torch.nn.Module()
+    for name, tensor in mapped.items():
+        module.register_buffer(name, tensor)
+    group = Group(slots([module]).values(), "test")
+    queues = ModelQueues(torch.device("cpu"))
+    staging = Staging(queues)
+    staging.need(1000)  # slots of 1000 bytes: the 32 MiB tensor crosses many chunk boundaries
+    buffer = torch.empty(group.layout.nbytes, dtype=torch.uint8)
+    copies = group.install(buffer)
+    event = staging.copy(buffer, group.layout, [master for _, master in copies], name="test")
+    queues.wait(event)
+    for name, value in module.named_buffers():
+        assert torch.equal(value, mapped[name]) and value.data_ptr() != mapped[name].data_ptr()
+    assert [s.numel() for s in staging.slots] == [1000, 1000]
+    group.evict()
+    assert module.big is mapped["big"]
+
+
+# ---- a pipeline with a disk tier --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_disk_tier_runs_as_plain_diffusers(tiny_folders, reference_outputs):
+    # one small GPU and RAM for a quarter of the weights: the text encoders from their files, the unet partly resident
+    folder = tiny_folders["sd"]
+    total = sum(c.bytes for c in pipemap.inspect(folder).models)
+    plan = pipemap.plan(folder, hardware=f"cuda:0={total // 3},cpu={total // 4}", strategy="balanced_ultra_low_memory")
+    assert plan.host.disk and plan.host.kept
+    pipe = pipemap.load(folder, plan=plan.remap({"cuda:0": "cpu"}), progress=False)
+    output = torch.as_tensor(pipe(**tiny.default_call(pipe, "sd")).images)
+    torch.testing.assert_close(output, reference_outputs["sd"], rtol=0, atol=0)
+    stats = pipemap.stats(pipe)
+    assert stats["text_encoder"]["h2d_bytes"] > 0
+    # a reset gives back the pipeline as diffusers loaded it: every weight a view of its file again
+    pipemap.reset(pipe)
+    maps = file_maps()
+    for name in ("text_encoder", "unet"):
+        weights = list(getattr(pipe, name).parameters())
+        assert all(maps.file_of(w.data_ptr(), w.numel() * w.element_size()) for w in weights), name
+    output = torch.as_tensor(pipe(**tiny.default_call(pipe, "sd")).images)
+    torch.testing.assert_close(output, reference_outputs["sd"], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_diffusers_loaded_pipeline_keeps_its_maps(tiny_folders, reference_outputs):
+    # dispatch of a pipeline diffusers loaded: its weights are the files' maps, so its plan may leave them there
+    pipe = plain_pipeline(tiny_folders["sd"])
+    inventory = pipemap.inspect(pipe)
+    assert all(c.files for c in inventory.models)
+    total = sum(c.bytes for c in inventory.models)
+    plan = pipemap.plan(pipe, hardware=f"cuda:0={total * 3 // 5},cpu={2 * total}", strategy="balanced_low_memory")
+    assert plan.host.disk
+    pipemap.dispatch(pipe, plan.remap({"cuda:0": "cpu"}))
+    output = torch.as_tensor(pipe(**tiny.default_call(pipe, "sd")).images)
+    torch.testing.assert_close(output, reference_outputs["sd"], rtol=0, atol=0)
