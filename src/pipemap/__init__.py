@@ -25,6 +25,7 @@ from .errors import (
     HeadroomError,
     MemorySpecError,
     NotAPipelineError,
+    OutputPathError,
     PipelineMappedError,
     PipemapError,
     PlanFormatError,
@@ -96,7 +97,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
 
 __all__ = [
     "ArgumentConflictError", "ArgumentTypeError", "CallArgumentError", "CheckpointError", "Component", "Device",
-    "FolderNotEmptyError", "ForeignHookError", "RunManyCallError",
+    "FolderNotEmptyError", "ForeignHookError", "RunManyCallError", "OutputPathError",
     "DeviceUse", "DispatchError", "DoesNotFitError", "Hardware", "HardwareSpecError", "Inventory", "MemorySpecError",
     "NotAPipelineError", "PipelineMappedError", "PipemapError", "Placement", "Plan", "PlanFormatError",
     "PlanMismatchError", "STRATEGIES", "UnknownComponentError", "UnknownDeviceError", "UnknownDtypeError",

@@ -26,8 +26,8 @@ from PIL import Image
 import pipemap
 from pipemap.planner import forcing_hardware
 
-httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
-pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 from pipemap.serve import Background, Options, Service, resolve_folder  # noqa: E402
 
 GENERATIONS = "/v1/images/generations"

@@ -63,6 +63,12 @@ class ReplicaHook(PlacementHook):
         parts = [output] + [job.result() for job in self._pending.pop()]
         return super().post_forward(module, join_batch(parts) if len(parts) > 1 else output)
 
+    def enter_part(self, module, *args, **kwargs):  # a submodule called directly runs on the home copy alone
+        return PlacementHook.pre_forward(self, module, *args, **kwargs)
+
+    def leave_part(self, module, output):
+        return PlacementHook.post_forward(self, module, output)
+
     def _start(self, module: torch.nn.Module, device: torch.device, chunk, grad: bool) -> Future:
         run = functools.partial(_run_replica, module, device, self.device, chunk, grad)
         if device.type == "meta":
