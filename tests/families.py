@@ -652,6 +652,409 @@ def mochi():
     return pipe, _video_call(guidance_scale=4.5, height=16, width=16, num_frames=7)
 
 
+# ---- families of the dry run's failure classes (issue 28) --------------------------------------------------------
+# Each from diffusers' fast tests' get_dummy_components, tokenizers built in code.
+
+
+def kandinsky22_inpaint():
+    """Deep-copies its mask on the device (``prepare_mask``)."""
+    from diffusers import KandinskyV22InpaintPipeline
+
+    base, call = kandinsky22()
+    unet = _seeded(lambda: _kandinsky_unet(9, "image", "image_proj"))
+    mask = np.zeros((16, 16), dtype=np.float32)
+    mask[:8, :8] = 1
+    pipe = KandinskyV22InpaintPipeline(unet=unet, scheduler=base.scheduler, movq=base.movq)
+    return pipe, {**call, "image": _pil(16), "mask_image": mask, "height": 16, "width": 16}
+
+
+def _kandinsky_unet(in_channels: int, addition_embed_type: str, encoder_hid_dim_type: str):
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        in_channels=in_channels, out_channels=8, addition_embed_type=addition_embed_type,
+        down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+        up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+        mid_block_type="UNetMidBlock2DSimpleCrossAttn", block_out_channels=(16, 32), layers_per_block=1,
+        encoder_hid_dim=32, encoder_hid_dim_type=encoder_hid_dim_type, cross_attention_dim=32, attention_head_dim=4,
+        resnet_time_scale_shift="scale_shift", class_embed_type=None, norm_num_groups=8)
+
+
+def skyreels_df():
+    """SkyReels-V2 diffusion forcing: deep-copies its scheduler (timesteps on the device) for every latent frame."""
+    from diffusers import SkyReelsV2DiffusionForcingPipeline, SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
+
+    transformer = _seeded(lambda: SkyReelsV2Transformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32))
+    pipe = SkyReelsV2DiffusionForcingPipeline(
+        transformer=transformer, vae=_wan_vae(), text_encoder=_seeded(t5), tokenizer=t5_tokenizer(),
+        scheduler=UniPCMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True))
+    return pipe, _video_call(guidance_scale=6.0, height=16, width=16, num_frames=9)
+
+
+def stable_audio():
+    """Its VAE (Oobleck) uses ``weight_norm``; its scheduler seeds a Brownian tree with ``randint(...).item()``."""
+    from diffusers import (
+        CosineDPMSolverMultistepScheduler,
+        StableAudioDiTModel,
+        StableAudioPipeline,
+        StableAudioProjectionModel,
+    )
+
+    transformer = _seeded(lambda: StableAudioDiTModel(
+        sample_size=4, in_channels=3, num_layers=2, attention_head_dim=4, num_key_value_attention_heads=2,
+        out_channels=3, cross_attention_dim=4, time_proj_dim=8, global_states_input_dim=8,
+        cross_attention_input_dim=4))
+    scheduler = CosineDPMSolverMultistepScheduler(solver_order=2, prediction_type="v_prediction", sigma_data=1.0,
+                                                  sigma_schedule="exponential")
+    projection = _seeded(lambda: StableAudioProjectionModel(text_encoder_dim=32, conditioning_dim=4, min_value=0,
+                                                            max_value=32))
+    pipe = StableAudioPipeline(transformer=transformer, scheduler=scheduler, vae=_oobleck(decoder_input_channels=3),
+                               text_encoder=_seeded(t5), tokenizer=t5_tokenizer(25), projection_model=projection)
+    return pipe, dict(prompt="a hammer", generator=_generator(), num_inference_steps=2, guidance_scale=6.0,
+                      output_type="pt")
+
+
+def _oobleck(decoder_input_channels: int):
+    from diffusers import AutoencoderOobleck
+
+    return _seeded(lambda: AutoencoderOobleck(
+        encoder_hidden_size=6, downsampling_ratios=[1, 2], decoder_channels=3,
+        decoder_input_channels=decoder_input_channels, audio_channels=2, channel_multiples=[2, 4], sampling_rate=4))
+
+
+def longcat_audio():
+    """LongCat AudioDiT: its VAE uses ``weight_norm``; it makes its own scheduler (``scheduler=None``), so its folder
+    has no scheduler subfolder."""
+    from diffusers import LongCatAudioDiTPipeline, LongCatAudioDiTTransformer, LongCatAudioDiTVae
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    text_encoder = _seeded(lambda: UMT5EncoderModel(UMT5Config(d_model=32, num_layers=1, num_heads=4, d_ff=64,
+                                                               vocab_size=T5_VOCAB)))
+    transformer = _seeded(lambda: LongCatAudioDiTTransformer(dit_dim=64, dit_depth=2, dit_heads=4, dit_text_dim=32,
+                                                             latent_dim=8, text_conv=False))
+    vae = _seeded(lambda: LongCatAudioDiTVae(in_channels=1, channels=16, c_mults=[1, 2], strides=[2], latent_dim=8,
+                                             encoder_latent_dim=16, downsampling_ratio=2, sample_rate=24000))
+    pipe = LongCatAudioDiTPipeline(vae=vae, text_encoder=text_encoder, tokenizer=t5_tokenizer(),
+                                   transformer=transformer)
+    return pipe, dict(prompt="soft ocean", audio_duration_s=0.1, num_inference_steps=2, guidance_scale=1.0,
+                      generator=_generator(), output_type="pt")
+
+
+def anyflow_far():
+    """AnyFlow FAR: attention through FlexAttention block masks, a kernel that refuses stand-in devices."""
+    from diffusers import AnyFlowFARPipeline, AnyFlowFARTransformer3DModel, FlowMapEulerDiscreteScheduler
+
+    transformer = _seeded(lambda: AnyFlowFARTransformer3DModel(
+        patch_size=(1, 2, 2), compressed_patch_size=(1, 4, 4), full_chunk_limit=3, num_attention_heads=2,
+        attention_head_dim=12, in_channels=16, out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
+        cross_attn_norm=True, rope_max_seq_len=32, gate_value=0.25, deltatime_type="r", chunk_partition=(1, 1, 1)))
+    pipe = AnyFlowFARPipeline(transformer=transformer, vae=_wan_vae(), text_encoder=_seeded(t5),
+                              scheduler=FlowMapEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
+                              tokenizer=t5_tokenizer())
+    return pipe, _video_call(guidance_scale=6.0, height=16, width=16, num_frames=9)
+
+
+def motif_i2v():
+    """Motif-Video image-to-video: encodes the first frame with ``text_encoder.vision_tower``, a submodule of its
+    text encoder called directly."""
+    from diffusers import (
+        AdaptiveProjectedGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        MotifVideoImage2VideoPipeline,
+        MotifVideoTransformer3DModel,
+    )
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, T5Gemma2EncoderConfig, T5Gemma2TextConfig
+    from transformers.models.t5gemma2.modeling_t5gemma2 import T5Gemma2Encoder
+
+    text = T5Gemma2TextConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                              vocab_size=T5_VOCAB, max_position_embeddings=128, head_dim=16, num_key_value_heads=2,
+                              dropout_rate=0.0)
+    vision = SiglipVisionConfig(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                image_size=16, patch_size=4, num_channels=3)
+    encoder = _seeded(lambda: T5Gemma2Encoder(T5Gemma2EncoderConfig(text_config=text, vision_config=vision)))
+    transformer = _seeded(lambda: MotifVideoTransformer3DModel(
+        in_channels=33, out_channels=16, num_attention_heads=2, attention_head_dim=12, num_layers=1,
+        num_single_layers=1, mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm", text_embed_dim=32,
+        image_embed_dim=4, rope_axes_dim=(4, 4, 4)))
+    processor = SiglipImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3, size={"height": 16, "width": 16})
+    pipe = MotifVideoImage2VideoPipeline(
+        transformer=transformer, vae=_wan_vae(), scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder=encoder, tokenizer=t5_tokenizer(), feature_extractor=processor, guider=AdaptiveProjectedGuidance())
+    return pipe, _text_call(image=_pil(16), negative_prompt="bad", height=16, width=16, num_frames=9,
+                            max_sequence_length=SEQ, output_type="pt")
+
+
+def audioldm2():
+    """AudioLDM 2: encodes the prompt with its CLAP text encoder's ``get_text_features``, a method that calls the
+    encoder's submodules (``text_model``, ``text_projection``) past the hook at its root."""
+    from diffusers import AudioLDM2Pipeline, AudioLDM2ProjectionModel, AudioLDM2UNet2DConditionModel, DDIMScheduler
+    from transformers import (
+        ClapConfig,
+        ClapFeatureExtractor,
+        ClapModel,
+        GPT2Config,
+        GPT2LMHeadModel,
+        RobertaTokenizer,
+        SpeechT5HifiGan,
+        SpeechT5HifiGanConfig,
+    )
+
+    unet = _seeded(lambda: AudioLDM2UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=8, sample_size=32, in_channels=4,
+        out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=(8, 16)))
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              set_alpha_to_one=False)
+    vae = _seeded(lambda: _aekl_audio())
+    # a byte-level RoBERTa tokenizer with no merges (the pipeline asks for a RobertaTokenizer by class)
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<s>", "</s>", "<mask>", *tiny._byte_symbols()])}
+    tokenizer = RobertaTokenizer(vocab=vocab, merges=[], model_max_length=77)
+    text = dict(bos_token_id=2, eos_token_id=3, pad_token_id=0, hidden_size=8, intermediate_size=37,
+                layer_norm_eps=1e-05, num_attention_heads=1, num_hidden_layers=1, vocab_size=len(vocab),
+                projection_dim=8)
+    audio = dict(spec_size=8, window_size=4, num_mel_bins=8, intermediate_size=37, layer_norm_eps=1e-05,
+                 depths=[1, 1], num_attention_heads=[1, 1], num_hidden_layers=1, hidden_size=192, projection_dim=8,
+                 patch_size=2, patch_stride=2, patch_embed_input_channels=4)
+    clap = _seeded(lambda: ClapModel(ClapConfig(text_config=text, audio_config=audio, projection_dim=16)))
+    t5_2 = _seeded(lambda: t5(layers=1))
+
+    def language_model():
+        model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_head=1, n_layer=1, vocab_size=1000, n_ctx=99, n_positions=99))
+        model.config.max_new_tokens = 8
+        return model
+
+    projection = _seeded(lambda: AudioLDM2ProjectionModel(text_encoder_dim=16, text_encoder_1_dim=32,
+                                                          langauge_model_dim=16))
+    vocoder = _seeded(lambda: SpeechT5HifiGan(SpeechT5HifiGanConfig(
+        model_in_dim=8, sampling_rate=16000, upsample_initial_channel=16, upsample_rates=[2, 2],
+        upsample_kernel_sizes=[4, 4], resblock_kernel_sizes=[3, 7], resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5]],
+        normalize_before=False)))
+    pipe = AudioLDM2Pipeline(unet=unet, scheduler=scheduler, vae=vae, text_encoder=clap, text_encoder_2=t5_2,
+                             tokenizer=tokenizer, tokenizer_2=t5_tokenizer(77), language_model=_seeded(language_model),
+                             feature_extractor=ClapFeatureExtractor(hop_length=7900), projection_model=projection,
+                             vocoder=vocoder)
+    return pipe, dict(prompt="a hammer", generator=_generator(), num_inference_steps=2, guidance_scale=6.0,
+                      output_type="pt")
+
+
+def _aekl_audio():
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(block_out_channels=[8, 16], in_channels=1, out_channels=1, norm_num_groups=8,
+                         down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                         latent_channels=4)
+
+
+def sd_sde():
+    """Stable Diffusion with the DPM++ SDE scheduler, which seeds its noise with ``torch.randint(...).item()``."""
+    from diffusers import DPMSolverSDEScheduler, StableDiffusionPipeline
+
+    parts = _sd_parts()
+    parts["scheduler"] = DPMSolverSDEScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                               use_karras_sigmas=True)
+    return StableDiffusionPipeline(**parts), _text_call(guidance_scale=6.0, height=32, width=32, output_type="pt")
+
+
+def _visualcloze_parts() -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    transformer = _seeded(lambda: FluxTransformer2DModel(
+        patch_size=1, in_channels=12, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=6,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[2, 2, 2]))
+    return dict(scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder=_seeded(clip_text),
+                text_encoder_2=_seeded(t5), tokenizer=tiny.build_tokenizer(), tokenizer_2=t5_tokenizer(),
+                transformer=transformer, vae=_flow_vae(1), resolution=32)
+
+
+def _visualcloze_call(**extra) -> dict:
+    grid = [[_pil(32, 0), _pil(32, 1)], [_pil(32, 2), None]]  # an in-context example row, then the query row
+    return dict(task_prompt="Each row turns [IMAGE1] a depth map into [IMAGE2] a photo.", content_prompt="a lake",
+                image=grid, generator=_generator(), num_inference_steps=2, guidance_scale=5.0,
+                max_sequence_length=SEQ, **extra)
+
+
+def visualcloze():
+    """VisualCloze: cuts its decoded PIL grid apart with ``.crop``."""
+    from diffusers import VisualClozeGenerationPipeline
+
+    return VisualClozeGenerationPipeline(**_visualcloze_parts()), _visualcloze_call(output_type="pil")
+
+
+def visualcloze_combined():
+    """VisualCloze with upsampling: a generation sub-pipeline's PIL outputs feed an upsampling sub-pipeline, both
+    on the pipeline's scheduler."""
+    from diffusers import VisualClozePipeline
+
+    return VisualClozePipeline(**_visualcloze_parts()), _visualcloze_call(
+        output_type="pt", upsampling_height=32, upsampling_width=32, upsampling_strength=0.4)
+
+
+def _sentencepiece_model() -> bytes:
+    """A unigram sentencepiece model over printable ASCII (ChatGLM's tokenizer reads one from a file)."""
+    import io
+
+    import sentencepiece
+
+    text = ["".join(chr(c) for c in range(33, 127))] + ["a tiny cat", "hello world"] * 10
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=model, vocab_size=120, model_type="unigram",
+        character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, hard_vocab_limit=False, minloglevel=3)
+    return model.getvalue()
+
+
+def kolors(folder):
+    """Kolors: its ChatGLM text encoder is a class of a diffusers pipeline module, with a config transformers'
+    AutoConfig does not know. ``folder`` holds the tokenizer's sentencepiece model until the pipeline is saved."""
+    from diffusers import EulerDiscreteScheduler, KolorsPipeline, UNet2DConditionModel
+    from diffusers.pipelines.kolors import ChatGLMModel, ChatGLMTokenizer
+    from diffusers.pipelines.kolors.text_encoder import ChatGLMConfig
+
+    unet = _seeded(lambda: UNet2DConditionModel(
+        block_out_channels=(2, 4), layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
+        addition_time_embed_dim=8, transformer_layers_per_block=(1, 2), projection_class_embeddings_input_dim=64,
+        cross_attention_dim=16, norm_num_groups=1))
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, steps_offset=1,
+                                       beta_schedule="scaled_linear", timestep_spacing="leading")
+    model_file = folder / "tokenizer.model"
+    model_file.write_bytes(_sentencepiece_model())
+    tokenizer = ChatGLMTokenizer(str(model_file))
+    config = ChatGLMConfig(num_layers=2, padded_vocab_size=len(tokenizer.get_vocab()) + 16, hidden_size=16,
+                           ffn_hidden_size=16, kv_channels=8, num_attention_heads=2, seq_length=256,
+                           multi_query_attention=True, multi_query_group_num=1, original_rope=True)
+    pipe = KolorsPipeline(unet=unet, scheduler=scheduler, vae=_aekl(4, (32, 64), groups=32),
+                          text_encoder=_seeded(lambda: _initialised(ChatGLMModel(config))), tokenizer=tokenizer,
+                          image_encoder=None, feature_extractor=None)
+    return pipe, _text_call(guidance_scale=5.0, height=32, width=32, output_type="pt")
+
+
+def _initialised(model: torch.nn.Module) -> torch.nn.Module:
+    """ChatGLM builds its weights with torch.empty (a checkpoint fills them): give them values."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.02)
+    return model
+
+
+def kandinsky21():
+    """Kandinsky 2.1: its M-CLIP text encoder is a class of a diffusers pipeline module, with a config transformers'
+    AutoConfig does not know."""
+    from diffusers import KandinskyPipeline
+    from diffusers.pipelines.kandinsky.text_encoder import MCLIPConfig, MultilingualCLIP
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>", cls_token="<s>",
+                    sep_token="</s>", mask_token="<mask>")
+    tokenizer = unigram_tokenizer(PreTrainedTokenizerFast, specials, 77)
+    # XLM-R wraps every text in <s> ... </s>: an empty negative prompt still has tokens to average
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[(t, tokenizer.convert_tokens_to_ids(t)) for t in ("<s>", "</s>")])
+    text_encoder = _seeded(lambda: MultilingualCLIP(MCLIPConfig(
+        numDims=32, transformerDimensions=32, hidden_size=32, intermediate_size=37, num_attention_heads=4,
+        num_hidden_layers=2, vocab_size=len(tokenizer), pad_token_id=2)))
+    base, call = kandinsky22()
+    unet = _seeded(lambda: _kandinsky_unet(4, "text_image", "text_image_proj"))
+    pipe = KandinskyPipeline(text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=base.scheduler,
+                             movq=base.movq)
+    return pipe, {**call, "prompt": "a tiny cat", "height": 16, "width": 16}
+
+
+def wan_animate():
+    """Wan Animate: loops over segments of the pose video, encoding each through the Wan VAE's causal cache."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanAnimatePipeline, WanAnimateTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    transformer = _seeded(lambda: WanAnimateTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=36, latent_channels=16,
+        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", image_dim=4, rope_max_seq_len=32,
+        motion_encoder_channel_sizes={"4": 16, "8": 16, "16": 16}, motion_encoder_size=16, motion_style_dim=8,
+        motion_dim=4, motion_encoder_dim=16, face_encoder_hidden_dim=16, face_encoder_num_heads=2,
+        inject_face_latents_blocks=2))
+    encoder = _seeded(lambda: CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2, image_size=4,
+        intermediate_size=16, patch_size=1)))
+    pipe = WanAnimatePipeline(transformer=transformer, vae=_wan_vae(), text_encoder=_seeded(t5),
+                              scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), tokenizer=t5_tokenizer(),
+                              image_encoder=encoder, image_processor=CLIPImageProcessor(crop_size=4, size=4))
+    frames = 9  # two segments of 5 frames, overlapping by one
+    return pipe, _video_call(image=_pil(16), pose_video=[_pil(16, 1)] * frames, face_video=[_pil(16, 2)] * frames,
+                             height=16, width=16, segment_frame_length=5, mode="animate",
+                             prev_segment_conditioning_frames=1, guidance_scale=1.0)
+
+
+def wan_v2v():
+    """Wan video-to-video: encodes the input video through the Wan VAE's causal cache, chunk by chunk."""
+    from diffusers import UniPCMultistepScheduler, WanVideoToVideoPipeline
+
+    pipe = WanVideoToVideoPipeline(transformer=_wan_transformer(in_channels=16), vae=_wan_vae(),
+                                   scheduler=UniPCMultistepScheduler(flow_shift=3.0), text_encoder=_seeded(t5),
+                                   tokenizer=t5_tokenizer())
+    return pipe, _video_call(video=[_pil(16, i) for i in range(9)], guidance_scale=6.0, height=16, width=16)
+
+
+def hunyuan_image21():
+    """HunyuanImage 2.1: its VAE's attention calls scaled dot product attention on 3-D tensors."""
+    from diffusers import (
+        AdaptiveProjectedMixGuidance,
+        AutoencoderKLHunyuanImage,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanImagePipeline,
+        HunyuanImageTransformer2DModel,
+    )
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    transformer = _seeded(lambda: HunyuanImageTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, patch_size=(1, 1), guidance_embeds=False, text_embed_dim=32, text_embed_2_dim=32,
+        rope_axes_dim=(4, 4)))
+    vae = _seeded(lambda: AutoencoderKLHunyuanImage(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64, 64, 64), layers_per_block=1,
+        scaling_factor=0.476986, spatial_compression_ratio=8, sample_size=128))
+    text_encoder, tokenizer = _qwen_vl(32, (2, 2, 4))
+    byt5 = T5Config(d_model=32, d_kv=4, d_ff=16, num_layers=2, num_heads=2, relative_attention_num_buckets=8,
+                    relative_attention_max_distance=32, vocab_size=256, feed_forward_proj="gated-gelu",
+                    dense_act_fn="gelu_new", is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
+    pipe = HunyuanImagePipeline(
+        transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder=text_encoder, text_encoder_2=_seeded(lambda: T5EncoderModel(byt5)), tokenizer=tokenizer,
+        tokenizer_2=ByT5Tokenizer(), guider=AdaptiveProjectedMixGuidance(adaptive_projected_guidance_start_step=2),
+        ocr_guider=AdaptiveProjectedMixGuidance(adaptive_projected_guidance_start_step=3))
+    return pipe, _text_call(height=16, width=16, output_type="pt")
+
+
+def _qwen_vl(hidden: int, mrope: tuple[int, int, int]):
+    """A tiny Qwen2.5-VL and its tokenizer (the three vision tokens follow the text vocabulary)."""
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    specials = dict(pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>")
+    tokenizer = unigram_tokenizer(PreTrainedTokenizerFast, specials, 1024, extra=("<|im_start|>",))
+    vocab = len(tokenizer) + 3
+    config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=vocab, rope_theta=1000000.0,
+                         rope_scaling={"mrope_section": list(mrope), "rope_type": "default", "type": "default"}),
+        vision_config=dict(depth=2, hidden_size=hidden, intermediate_size=hidden, num_heads=2, out_hidden_size=hidden),
+        hidden_size=hidden, vocab_size=vocab, vision_start_token_id=vocab - 3, vision_end_token_id=vocab - 2,
+        vision_token_id=vocab - 1)
+    return _seeded(lambda: Qwen2_5_VLForConditionalGeneration(config)), tokenizer
+
+
+# the families above, by name; kolors takes a scratch folder for its tokenizer file
+CLASS_BUILDERS = {
+    "kandinsky22_inpaint": kandinsky22_inpaint, "skyreels_df": skyreels_df, "stable_audio": stable_audio,
+    "longcat_audio": longcat_audio, "anyflow_far": anyflow_far, "motif_i2v": motif_i2v, "audioldm2": audioldm2,
+    "sd_sde": sd_sde, "visualcloze": visualcloze, "visualcloze_combined": visualcloze_combined, "kolors": kolors,
+    "kandinsky21": kandinsky21, "wan_animate": wan_animate, "wan_v2v": wan_v2v, "hunyuan_image21": hunyuan_image21,
+}
+
+
 BUILDERS = {
     "sd_img2img": sd_img2img, "sd_inpaint": sd_inpaint, "sdxl_img2img": sdxl_img2img, "sdxl_inpaint": sdxl_inpaint,
     "lcm": lcm, "kandinsky22": kandinsky22, "kandinsky3": kandinsky3, "deepfloyd_if": deepfloyd_if,
@@ -664,9 +1067,16 @@ BUILDERS = {
 FAMILIES = tuple(BUILDERS)
 
 
-def build(name: str):
-    """``(pipeline, call_kwargs)`` for the family ``name``."""
-    pipe, kwargs = BUILDERS[name]()
+def build(name: str, scratch=None):
+    """``(pipeline, call_kwargs)`` for the family ``name`` (of ``BUILDERS`` or ``CLASS_BUILDERS``); ``scratch``: a
+    folder for Kolors' tokenizer file."""
+    if name == "kolors":
+        import tempfile
+        from pathlib import Path
+
+        pipe, kwargs = kolors(Path(scratch or tempfile.mkdtemp()))
+    else:
+        pipe, kwargs = {**BUILDERS, **CLASS_BUILDERS}[name]()
     pipe.set_progress_bar_config(disable=True)
     return pipe, kwargs
 

@@ -163,6 +163,46 @@ class CliExit(Exception):
         self.code = code
 
 
+def truncated(ctx: Ctx) -> Path:
+    """A copy whose UNet weights file lost its last bytes (an interrupted download)."""
+    folder = ctx.copy()
+    path = unet_file(folder)
+    path.write_bytes(path.read_bytes()[:-100])
+    return folder
+
+
+def unknown_class(ctx: Ctx) -> Path:
+    folder = ctx.copy()
+    path = folder / "model_index.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "unet": ["diffusers", "NoSuchUNet"]}))
+    return folder
+
+
+def loading(corrupt):
+    return lambda ctx: (lambda folder: lambda: pipemap.load(str(folder), hardware="2x1GiB,cpu=4GiB"))(corrupt(ctx))
+
+
+def planning(corrupt):
+    return lambda ctx: (lambda folder: lambda: pipemap.plan(str(folder), hardware="2x1GiB"))(corrupt(ctx))
+
+
+def cli_run(corrupt):
+    """``pipemap run`` on a corrupted copy of the folder."""
+    def make(ctx: Ctx):
+        folder = corrupt(ctx)
+        return cli("run", str(folder), "--prompt", "a cat", "--output", "TMP/out.png")(ctx)
+    return make
+
+
+def simulating(**kwargs):
+    return lambda ctx: lambda: pipemap.simulate(ctx.pipe, ctx.plan, **kwargs)
+
+
+def output_under_file(ctx: Ctx):
+    (ctx.tmp / "file.txt").write_text("mine")
+    return cli("run", "FOLDER", "--prompt", "a cat", "--output", "TMP/file.txt/out.png")(ctx)
+
+
 def nonempty(ctx: Ctx):
     (ctx.tmp / "full").mkdir()
     (ctx.tmp / "full" / "keep.txt").write_text("mine")
@@ -323,9 +363,14 @@ CASES = [
      "nope"),
     ("load-variant-missing", lambda ctx: lambda: pipemap.load(ctx.folder, variant="fp8"), E.VariantNotFoundError,
      "fp8"),
+    ("load-truncated", loading(truncated), E.CheckpointError, "truncated"),
+    ("plan-truncated", planning(truncated), E.CheckpointError, "truncated"),
+    ("load-unknown-class", loading(unknown_class), E.NotAPipelineError, "NoSuchUNet"),
+    ("plan-unknown-class", planning(unknown_class), E.NotAPipelineError, "NoSuchUNet"),
     # the dry run's call
     ("simulate-keyword", lambda ctx: lambda: pipemap.simulate(ctx.pipe, ctx.plan, heigth=32), E.CallArgumentError,
      "heigth"),
+    *[(f"simulate-steps-{v!r}", simulating(steps=v), E.ArgumentTypeError, "steps") for v in (-1, 0, 1.5, True, "2")],
     # the command line
     ("cli-strategy-json", cli("plan", "FOLDER", "--strategy", "{bad"), CliExit, "not valid JSON"),
     ("cli-headroom-json", cli("plan", "FOLDER", "--headroom", "{bad"), CliExit, "not valid JSON"),
@@ -344,6 +389,11 @@ CASES = [
     ("cli-tiny-nonempty", nonempty, CliExit, "not an empty folder"),
     ("cli-run-dtype", cli("run", "FOLDER", "--prompt", "a cat", "--dtype", "complex64"), CliExit, "floating dtype"),
     ("cli-simulate-headroom", cli("simulate", "FOLDER", "--headroom", "-1"), CliExit, "memory size"),
+    ("cli-simulate-steps", cli("simulate", "FOLDER", "--hardware", "2x1GiB", "--steps", "-1"), CliExit, "steps"),
+    ("cli-run-truncated", cli_run(truncated), CliExit, "truncated"),
+    ("cli-run-unknown-class", cli_run(unknown_class), CliExit, "NoSuchUNet"),
+    ("cli-run-output-under-file", output_under_file, CliExit, "is a file"),
+    ("cli-demo-output-folder", cli("demo", "--output", "TMP"), CliExit, "it is a folder"),
     ("cli-no-command", cli(), CliExit, "required"),
 ]
 

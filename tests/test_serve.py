@@ -10,8 +10,8 @@ import pytest
 
 import pipemap
 
-pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
-pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 import pipemap.serve  # noqa: E402
 
 HOMES = {"ROUTES": "app", "create_app": "app", "GenerationRequest": "requests", "Limits": "requests",

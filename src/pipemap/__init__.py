@@ -28,6 +28,7 @@ from .errors import (
     HostMemoryError,
     MemorySpecError,
     NotAPipelineError,
+    OutputPathError,
     PipelineMappedError,
     PipemapError,
     PlanFormatError,
@@ -101,7 +102,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
 __all__ = [
     "ArgumentConflictError", "ArgumentTypeError", "CallArgumentError", "CheckpointError", "Component", "Device",
     "ComponentChangedError", "follow", "replace",
-    "FolderNotEmptyError", "ForeignHookError", "RunManyCallError",
+    "FolderNotEmptyError", "ForeignHookError", "RunManyCallError", "OutputPathError",
     "DeviceUse", "DispatchError", "DoesNotFitError", "Hardware", "HardwareSpecError", "Inventory", "MemorySpecError",
     "NotAPipelineError", "PipelineMappedError", "PipemapError", "Placement", "Plan", "PlanFormatError",
     "PlanMismatchError", "STRATEGIES", "UnknownComponentError", "UnknownDeviceError", "UnknownDtypeError",

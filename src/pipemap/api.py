@@ -208,6 +208,8 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ArgumentTypeError("steps", steps, "a whole number of denoising steps, 1 or more (2 shows the peak)")
     return dry_run(source, plan, steps=steps, vae_tiling=vae_tiling, **call_kwargs)
 
 

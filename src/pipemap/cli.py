@@ -14,7 +14,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from .errors import FolderNotEmptyError, HeadroomError, PipemapError, UnknownStrategyError
+from .errors import FolderNotEmptyError, HeadroomError, OutputPathError, PipemapError, UnknownStrategyError
 from .quiet import quiet_progress
 
 # the same names as planner.STRATEGIES and "auto" (a test checks they agree); written out so --help imports no torch
@@ -221,6 +221,7 @@ def _simulate_many(args, plan, call: dict) -> int:
 def _run(args) -> int:
     from .demo import generate
 
+    _check_output(Path(args.output))
     options = {k: v for k, v in (("num_inference_steps", args.steps), ("height", args.height),
                                  ("width", args.width)) if v}
     return generate(_request(args), args.prompt, args.seed, options, Path(args.output))
@@ -248,8 +249,18 @@ def _serve(args) -> int:
 def _demo(args) -> int:
     from .demo import run_demo
 
+    _check_output(Path(args.output))
     with tempfile.TemporaryDirectory(prefix="pipemap-demo-") as folder:
         return run_demo(Path(folder), args.hardware, _strategy(args.strategy), Path(args.output))
+
+
+def _check_output(path: Path) -> None:
+    """Before any work: ``path`` can be written as a file (its folders, made if missing, are folders)."""
+    if path.is_dir():
+        raise OutputPathError(str(path), "it is a folder")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise OutputPathError(str(path), f"{str(parent)!r} is a file, not a folder")
 
 
 def _tiny_save(args) -> int:

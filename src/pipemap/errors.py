@@ -257,6 +257,14 @@ class FolderNotEmptyError(PipemapError, ValueError):
                          "give another path")
 
 
+class OutputPathError(PipemapError, ValueError):
+    """A path to write a file at that cannot be one: a folder, or below a regular file."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"cannot write {path!r}: {reason}; give a file path in a folder")
+
+
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -169,6 +169,9 @@ def _of_folder(folder: Path, dtype: torch.dtype | None, variant: str | None) -> 
         if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
             continue
         library, class_name = entry
+        if not (folder / name).is_dir() and not loaded_from_folder(index["_class_name"], name):
+            components.append(Component(name, library, class_name))  # the pipeline makes it (LongCat's scheduler)
+            continue
         check_entry(folder, name, library, class_name)
         files = weight_files(folder / name, variant) if library is not None else []
         if not files:
@@ -202,6 +205,32 @@ def check_entry(folder: Path, name: str, library: object, class_name: object) ->
     if not (folder / name).is_dir() and library in _WEIGHTED_LIBRARIES:
         raise NotAPipelineError(str(folder), f"component {name!r} has no subfolder {name}/; restore it from the "
                                 "pipeline's repository, or set its entry to [null, null] if the pipeline allows")
+    if library in _WEIGHTED_LIBRARIES and not _resolves(library, class_name):
+        raise NotAPipelineError(str(folder), f"component {name!r} names the class {class_name!r}, which the "
+                                f"installed {library} does not have; fix model_index.json, or install the {library} "
+                                "version the pipeline was saved with")
+
+
+def _resolves(library: str, class_name: str) -> bool:
+    """Whether diffusers' own resolution finds the class (renamed transformers classes included)."""
+    try:
+        return component_class(library, class_name) is not None
+    except (ImportError, AttributeError, ValueError):
+        return False
+
+
+def loaded_from_folder(pipeline_class: str, name: str) -> bool:
+    """Whether ``DiffusionPipeline.from_pretrained`` loads the entry ``name`` from its subfolder: the pipeline's
+    ``__init__`` takes it without a default, or lists it in ``_optional_components``. Another entry (LongCat
+    AudioDiT's ``scheduler=None``, which the pipeline makes itself) is neither saved nor loaded. An unknown class:
+    assume it is loaded."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class, None) if isinstance(pipeline_class, str) else None
+    if not isinstance(cls, type) or not hasattr(cls, "_get_signature_keys"):
+        return True
+    expected, _ = cls._get_signature_keys(cls)
+    return name in expected
 
 
 def _pipeline_module(folder: Path, library: str) -> bool:
@@ -316,7 +345,8 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
             if len(head) != 8:
                 raise CheckpointError(str(path), "the file is shorter than the 8-byte header length")
             (length,) = struct.unpack("<Q", head)
-            if length > min(_MAX_HEADER, os.path.getsize(path) - 8):
+            size = os.path.getsize(path)
+            if length > min(_MAX_HEADER, size - 8):
                 raise CheckpointError(str(path), f"the header length {length} is larger than the file allows")
             header = json.loads(f.read(length))
     except OSError as err:
@@ -329,6 +359,11 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
     for key, meta in header.items():
         if not isinstance(meta, dict) or meta.get("dtype") not in _ELEMENT_BYTES or not _is_shape(meta.get("shape")):
             raise CheckpointError(str(path), f"the entry for tensor {key!r} is malformed: {str(meta)[:200]}")
+    end = 8 + length + max((m["data_offsets"][1] for m in header.values() if _is_shape(m.get("data_offsets"))),
+                           default=0)
+    if end > size:  # an interrupted download: the loader would fail on it after reading the rest
+        raise CheckpointError(str(path), f"the file is truncated: its header places tensors up to byte {end}, the "
+                              f"file has {size} bytes")
     return header
 
 

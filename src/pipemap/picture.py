@@ -9,6 +9,7 @@ keeps its numbers as plain attributes a test can parse back (``data-bytes``).
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
@@ -252,7 +253,8 @@ def _plan_svg(picture: Picture) -> str:
         y += 18
         parts.append(f'<g class="link" data-source="{escape(link.source)}" data-target="{escape(link.target)}" '
                      f'data-bytes="{link.bytes_per_image}"><text x="{PAD + 10}" y="{y}" font-size="12">'
-                     f'{escape(link.source)} \u2192 {escape(link.target)}: {_gib(link.bytes_per_image)}</text></g>')
+                     f'{escape(link.source)} \u2192 {escape(link.target)}: '
+                     f'{format_bytes(link.bytes_per_image)}</text></g>')
     return "\n".join([*parts, "</svg>"])
 
 
@@ -277,7 +279,8 @@ def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str]) -> str:
     parts = [f'<g class="{kind}" data-device="{escape(bar.device)}" data-memory="{bar.memory}" '
              f'data-budget="{bar.budget}" data-used="{bar.used}">',
              f'<text x="{PAD}" y="{y + 15}" font-size="13" font-weight="bold">{escape(bar.device)}</text>',
-             f'<text x="{PAD}" y="{y + 31}" font-size="11">{_gib(bar.used)} of {_gib(bar.budget)}</text>',
+             f'<text x="{PAD}" y="{y + 31}" font-size="11">{format_bytes(bar.used)} of '
+             f'{format_bytes(bar.budget)}</text>',
              f'<rect x="{x0}" y="{y}" width="{BAR_W}" height="26" fill="none" stroke="#555"/>']
     x = float(x0)
     for seg in bar.segments:
@@ -288,28 +291,28 @@ def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str]) -> str:
     if headroom:
         parts.append(f'<rect class="headroom" x="{x0 + bar.budget * scale:.2f}" y="{y}" width="{headroom * scale:.2f}" '
                      f'height="26" fill="{HEADROOM_FILL}" data-bytes="{headroom}"><title>headroom for activations: '
-                     f'{_gib(headroom)}</title></rect>')
+                     f'{format_bytes(headroom)}</title></rect>')
     bx = x0 + bar.budget * scale
     parts.append(f'<line class="budget" x1="{bx:.2f}" x2="{bx:.2f}" y1="{y - 4}" y2="{y + 30}" stroke="#c0392b" '
                  f'stroke-width="2" data-bytes="{bar.budget}"/>')
-    parts.append(f'<text x="{x0 + BAR_W + 8}" y="{y + 17}" font-size="11">{_gib(bar.memory)}</text></g>')
+    parts.append(f'<text x="{x0 + BAR_W + 8}" y="{y + 17}" font-size="11">{format_bytes(bar.memory)}</text></g>')
     return "\n".join(parts)
 
 
 def _svg_segment(seg: Segment, x: float, y: int, w: float, colour: str) -> str:
     pattern = KIND_PATTERN.get(seg.kind)
     overlay = (f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="26" fill="url(#{pattern})"/>' if pattern else "")
-    text = _short(f"{seg.label} {_gib(seg.bytes)}", w)
+    text = _short(f"{seg.label} {format_bytes(seg.bytes)}", w)
     label = f'<text x="{x + 3:.2f}" y="{y + 17}" font-size="10" fill="{_ink(colour)}">{escape(text)}</text>'
     return (f'<g class="segment" data-label="{escape(seg.label)}" data-kind="{seg.kind}" data-bytes="{seg.bytes}">'
             f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="26" fill="{colour}" stroke="#fff" stroke-width="0.5">'
-            f'<title>{escape(seg.label)} ({seg.kind}): {_gib(seg.bytes)}</title></rect>{overlay}'
+            f'<title>{escape(seg.label)} ({seg.kind}): {format_bytes(seg.bytes)}</title></rect>{overlay}'
             f'{label if w > 40 else ""}</g>')
 
 
 def _where(picture: Picture, name: str) -> str:
     held = {b.device: sum(s.bytes for s in b.segments if s.label.split(" ")[0] == name) for b in picture.bars}
-    return ", ".join(f"{_gib(v)} on {d}" for d, v in held.items() if v)
+    return ", ".join(f"{format_bytes(v)} on {d}" for d, v in held.items() if v)
 
 
 def _ink(colour: str) -> str:
@@ -328,10 +331,6 @@ def _colours(picture: Picture) -> dict[str, str]:
 def _short(label: str, width: float) -> str:
     room = max(1, int(width // 6))
     return label if len(label) <= room else label[: max(1, room - 1)] + "\u2026"
-
-
-def _gib(size: int) -> str:
-    return f"{size / GIB:.2f} GiB"
 
 
 # ---- terminal -------------------------------------------------------------------------------------------------
@@ -430,16 +429,49 @@ def _timeline_panel(device: str, samples: Sequence[Sample], budget: int, y: int,
         f'<g class="timeline" data-device="{escape(device)}" data-peak="{peak.bytes}" data-budget="{budget}" '
         f'data-peak-phase="{escape(peak.phase)}" data-peak-component="{escape(who)}">',
         f'<text x="{PAD}" y="{y + 15}" font-size="13" font-weight="bold">{escape(device)}</text>',
-        f'<text x="{PAD}" y="{y + 31}" font-size="11">peak {_gib(peak.bytes)}</text>',
+        f'<text x="{PAD}" y="{y + 31}" font-size="11">peak {format_bytes(peak.bytes)}</text>',
         f'<rect x="{LABEL_W}" y="{y}" width="{BAR_W}" height="{h}" fill="none" stroke="#aaa"/>',
+        _memory_axis(top, y, h),
         *phases,
         f'<polyline points="{points}" fill="none" stroke="#1b4f72" stroke-width="1.5"/>',
-        f'<line class="budget" x1="{LABEL_W}" x2="{LABEL_W + BAR_W}" y1="{budget_y:.1f}" y2="{budget_y:.1f}" '
-        f'stroke="#c0392b" stroke-dasharray="4 3" data-bytes="{budget}"/>' if budget else "",
-        f'<circle cx="{bx:.1f}" cy="{by:.1f}" r="4" fill="#c0392b"><title>peak {_gib(peak.bytes)} in '
+        f'<g class="budget" data-bytes="{budget}"><line x1="{LABEL_W}" x2="{LABEL_W + BAR_W}" y1="{budget_y:.1f}" '
+        f'y2="{budget_y:.1f}" stroke="#c0392b" stroke-dasharray="4 3"/><text x="{LABEL_W + BAR_W - 4}" '
+        f'y="{budget_y - 3:.1f}" font-size="10" fill="#c0392b" text-anchor="end">budget '
+        f'{format_bytes(budget)}</text></g>' if budget else "",
+        f'<circle cx="{bx:.1f}" cy="{by:.1f}" r="4" fill="#c0392b"><title>peak {format_bytes(peak.bytes)} in '
         f'{escape(peak.phase)}</title></circle>',
         f'<text x="{min(bx + 6, LABEL_W + BAR_W - 140):.1f}" y="{max(by - 6, y + 10):.1f}" font-size="11">'
         f'peak: {escape(peak.phase)}{" (" + escape(who) + ")" if who else ""}</text></g>'])
+
+
+def _memory_axis(top: int, y: int, h: int) -> str:
+    """The panel's memory axis: its title, and round sizes in the unit ``top`` reads in (KiB, MiB, GiB), each a
+    tick, a faint grid line and a label inside the plot."""
+    name, unit = _unit(top)
+    parts = [f'<g class="axis" data-unit="{name}" data-top="{top}"><text class="axis-title" x="{LABEL_W + 3}" '
+             f'y="{y - 3}" font-size="9" fill="#555">memory in use ({name})</text>']
+    for size in memory_ticks(top):
+        ty = y + h - h * size / top
+        parts.append(f'<g class="tick" data-bytes="{size}"><line x1="{LABEL_W - 4}" x2="{LABEL_W + BAR_W}" '
+                     f'y1="{ty:.1f}" y2="{ty:.1f}" stroke="#eee"/><text x="{LABEL_W + 3}" y="{ty - 2:.1f}" '
+                     f'font-size="9" fill="#777">{size / unit:g} {name}</text></g>')
+    return "\n".join([*parts, "</g>"])
+
+
+def _unit(size: int) -> tuple[str, int]:
+    """The unit ``format_bytes`` writes ``size`` in, and its bytes."""
+    return next(((name, unit) for name, unit in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+                 if size >= unit), ("B", 1))
+
+
+def memory_ticks(top: int, most: int = 5) -> list[int]:
+    """Round sizes from 0 up to ``top`` for an axis: steps of 1, 2, 2.5 or 5 times a power of ten of the unit
+    ``top`` reads in, at most ``most`` of them."""
+    unit = _unit(top)[1]
+    raw = max(top / unit / (most - 1), 1e-9)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw) * unit
+    return [round(i * step) for i in range(int(top // step) + 1)]
 
 
 @dataclass(frozen=True)

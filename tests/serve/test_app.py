@@ -11,8 +11,8 @@ import pytest
 
 import pipemap
 
-httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
-pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 from starlette.testclient import TestClient  # noqa: E402
 
 from pipemap.serve import ROUTES, Service, create_app  # noqa: E402

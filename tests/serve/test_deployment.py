@@ -19,8 +19,8 @@ from PIL import Image
 
 import pipemap
 
-ray = pytest.importorskip("ray", reason="the Ray Serve tests need ray: pip install 'pipemap[ray]'")
-httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
+ray = pytest.importorskip("ray", reason="the Ray Serve tests need ray: pip install -e '.[ray]'")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
 from ray import serve  # noqa: E402
 
 from pipemap.serve import Options  # noqa: E402

@@ -12,8 +12,8 @@ import pytest
 import pipemap
 from pipemap.planner import forcing_hardware
 
-httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
-pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 from pipemap.serve import Background, Options, Service  # noqa: E402
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -56,7 +56,7 @@ def _browser():
     driver = shutil.which("chromedriver")
     if binary is None or driver is None:
         pytest.skip("no Chromium and chromedriver on PATH: bash scripts/test.sh installs them (apt)")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install 'pipemap[test]' (selenium)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[test]' (selenium)")
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):

@@ -8,7 +8,7 @@ import pytest
 
 import pipemap
 
-pytest.importorskip("prometheus_client", reason="pipemap serve needs prometheus_client: pip install 'pipemap[serve]'")
+pytest.importorskip("prometheus_client", reason="pipemap serve needs prometheus_client: pip install -e '.[serve]'")
 from pipemap.serve.metrics import Metrics  # noqa: E402
 from pipemap.serve.worker import Finished, Job, Worker  # noqa: E402
 from serving import STEPS, Echo, samples  # noqa: E402

@@ -12,8 +12,8 @@ import pytest
 
 import pipemap
 
-httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
-pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 from pipemap.serve import GenerationRequest, Limits, RequestError  # noqa: E402
 from pipemap.serve.requests import parse  # noqa: E402
 from serving import GENERATIONS, ask, code, direct, pngs  # noqa: E402

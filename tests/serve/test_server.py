@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
-uvicorn = pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
+uvicorn = pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 import pipemap.serve.server as server_module  # noqa: E402
 from pipemap.serve import Background, DrainingError, GenerationRequest, Service, create_app, run  # noqa: E402
 from serving import ask, in_background, pngs, wait_until  # noqa: E402

@@ -14,7 +14,7 @@ import pipemap
 from helpers import inventory
 from helpers import plan as make_plan
 
-pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 from pipemap.serve import GenerationRequest, Options, RequestError, Service, resolve_folder  # noqa: E402
 from pipemap.serve.service import default_workers  # noqa: E402
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
-pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 from pipemap.serve import Background, Options, Service  # noqa: E402
 
 GENERATIONS = "/v1/images/generations"

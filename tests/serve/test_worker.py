@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install 'pipemap[test]'")
-pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install 'pipemap[serve]'")
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
+pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 from pipemap.serve import DrainingError, QueueFullError, WorkDropped, run_sequential  # noqa: E402
 from pipemap.serve.worker import Job, Worker  # noqa: E402
 from serving import Echo, ask, code, counted, direct, in_background, pngs, stalled, wait_until  # noqa: E402

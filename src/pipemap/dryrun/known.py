@@ -18,6 +18,7 @@ through ``on_bound``, so the report can mark the peaks that are bounds rather th
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,7 @@ from ..errors import PipemapError
 
 aten = torch.ops.aten
 LIMIT = 1 << 24  # elements: a known value larger than this (an attention mask over a whole video) becomes unknown
+DRAWN = 16  # elements: a random draw from no tensor up to this size (seeds, a random index) is drawn for real
 _ATTR = "_pipemap_known"
 _DATA_DEPENDENT = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 _MASKED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._unsafe_index.Tensor}
@@ -85,6 +87,8 @@ class KnownValues(TorchDispatchMode):
         values = [self.value(t) for t in tensors]
         if all(v is not None for v in values) and torch.Tag.nondeterministic_seeded not in func.tags:
             return self._known(func, args, kwargs)
+        if not tensors and kwargs.get("generator") is None and torch.Tag.nondeterministic_seeded in func.tags:
+            return self._drawn(func, args, kwargs)
         if func in _MASKED:
             args = self._masks_to_indices(func, args)
         args, kwargs = self._autocast(func, args, kwargs)
@@ -108,6 +112,16 @@ class KnownValues(TorchDispatchMode):
             return out
         real = _run_real(func, args, kwargs)
         _attach(out, real)
+        return out
+
+    def _drawn(self, func, args, kwargs):
+        """A small random draw from the global generator (a scheduler's seed: ``torch.randint(0, 2**63 - 1, [])
+        .item()``) depends on no weight: it is drawn for real, from a copy of the generator's state, so the dry run
+        leaves the caller's random state as it found it. Noise the size of latents stays unknown."""
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.numel() <= DRAWN:
+            with torch.random.fork_rng(devices=[]):
+                _attach(out, _run_real(func, args, kwargs))
         return out
 
     def _fakes_like(self, real, device: torch.device):
@@ -235,7 +249,8 @@ _READS = (torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item, torch.Tens
 
 class KnownReads(TorchFunctionMode):
     """Reads that bypass dispatch: ``.numpy()``, ``.tolist()`` and ``torch.tensor([t / 1000])`` refuse any tensor
-    subclass, so a known fake answers them with its real value."""
+    subclass, so a known fake answers them with its real value. And ``copy.deepcopy``, which copies storages on the
+    host (``_deepcopy``)."""
 
     def __init__(self, known: KnownValues):
         super().__init__()
@@ -243,6 +258,8 @@ class KnownReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.__deepcopy__:
+            return _deepcopy(*args)
         if func in _READS and isinstance(args[0], FakeTensor):
             real = self.known.value(args[0])
             if real is not None:
@@ -258,6 +275,24 @@ class KnownReads(TorchFunctionMode):
             if real is not None:
                 return real
         return value
+
+
+def _deepcopy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
+    """``copy.deepcopy`` in the dry run. Pipeline code deep-copies what it holds: a mask (Kandinsky's inpainting), a
+    scheduler whose timesteps live on the device (SkyReels' per-frame schedulers). A stand-in's copy is a new
+    stand-in of the same size, dtype and device (counted there, its known value kept), as a copy on the GPU would
+    be; a host tensor's copy is made on the host, outside every mode (under fake mode its storage copy fails)."""
+    if id(tensor) in memo:
+        return memo[id(tensor)]
+    if not isinstance(tensor, FakeTensor):
+        with _disable_current_modes():
+            return copy.deepcopy(tensor, memo)
+    with torch.no_grad():
+        new = tensor.clone()
+    if isinstance(tensor, torch.nn.Parameter):
+        new = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+    memo[id(tensor)] = new
+    return new
 
 
 @contextlib.contextmanager

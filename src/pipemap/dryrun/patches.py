@@ -99,37 +99,56 @@ def _apply_fake(module: torch.nn.Module, fn, recurse: bool, state: dict, tracker
 
 @contextlib.contextmanager
 def tensor_outputs():
-    """Decoded stand-in images and videos stay tensors whatever ``output_type`` asks for.
+    """Decoded stand-in images and videos reach pipeline code as the host types it asked for, blank.
 
-    ``postprocess(..., output_type="pil" or "np")`` ends in ``.numpy()``, which a fake cannot give; the decoded tensor
-    and its denormalisation are what take device memory, so they run as ``"pt"`` and the host conversion is skipped.
+    ``postprocess(..., output_type="pil" or "np")`` ends in ``.numpy()``, which a fake cannot give. The decoded
+    tensor and its denormalisation are what take device memory, so they run as ``"pt"``; what comes back is what
+    the host conversion would give, of the same sizes and blank: PIL images (pipeline code reads ``.size``,
+    ``.crop``: VisualCloze cuts its grid of outputs apart) or zero arrays.
     """
     from diffusers.image_processor import VaeImageProcessor
     from diffusers.video_processor import VideoProcessor
 
-    patched = [(VaeImageProcessor, "postprocess"), (VideoProcessor, "postprocess_video")]
-    originals = [getattr(cls, name) for cls, name in patched]
-    for (cls, name), original in zip(patched, originals):
-        setattr(cls, name, _as_tensors(original))
+    patched = [(VaeImageProcessor, "postprocess", False), (VideoProcessor, "postprocess_video", True)]
+    originals = [getattr(cls, name) for cls, name, _ in patched]
+    for (cls, name, video), original in zip(patched, originals):
+        setattr(cls, name, _as_tensors(original, video))
     try:
         yield
     finally:
-        for (cls, name), original in zip(patched, originals):
+        for (cls, name, _), original in zip(patched, originals):
             setattr(cls, name, original)
 
 
-def _as_tensors(original):
+def _as_tensors(original, video: bool):
     signature = inspect.signature(original)
     data = list(signature.parameters)[1]  # image or video, passed by position or by name
 
     def postprocess(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        if isinstance(bound.arguments[data], FakeTensor) and bound.arguments["output_type"] in ("pil", "np"):
-            bound.arguments["output_type"] = "pt"
-        return original(*bound.args, **bound.kwargs)
+        wanted = bound.arguments["output_type"]
+        if not isinstance(bound.arguments[data], FakeTensor) or wanted not in ("pil", "np"):
+            return original(*bound.args, **bound.kwargs)
+        bound.arguments["output_type"] = "pt"
+        return _host_like(original(*bound.args, **bound.kwargs), wanted, video)
 
     return functools.wraps(original)(postprocess)
+
+
+def _host_like(decoded: torch.Tensor, output_type: str, video: bool):
+    """Blank host outputs of ``decoded``'s sizes: (batch, [frames,] channels, height, width) as postprocess gives
+    them for ``"pt"``, turned into what it gives for ``"np"`` (channels last) or ``"pil"``."""
+    import numpy as np
+    from PIL import Image
+
+    *lead, channels, height, width = decoded.shape
+    if output_type == "np":
+        return np.zeros((*lead, height, width, channels), dtype=np.float32)
+    mode = "L" if channels == 1 else "RGB"
+    if not video:
+        return [Image.new(mode, (width, height)) for _ in range(lead[0])]
+    return [[Image.new(mode, (width, height)) for _ in range(lead[1])] for _ in range(lead[0])]
 
 
 @contextlib.contextmanager

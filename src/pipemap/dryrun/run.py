@@ -44,19 +44,23 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **
     """The dry run behind ``pipemap.simulate`` (``api.simulate``, which checks its arguments and documents them):
     ``source``'s own call on stand-in devices as ``plan`` places it; the caller's pipeline is never touched."""
     report, _, pipe = traced(source, plan, steps=steps, vae_tiling=vae_tiling, call=call_kwargs)
-    if not vae_tiling and hasattr(pipe.vae if hasattr(pipe, "vae") else None, "enable_tiling"):
+    if not vae_tiling and _tiles(getattr(pipe, "vae", None)):
         report = replace(report, advice=_tiling_advice(source, plan, steps, call_kwargs, report))
     return report
 
 
 def traced(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, call: Mapping | None = None,
-           tracker: type[PhasedTracker] = PhasedTracker) -> tuple[SimulationReport, PhasedTracker, object]:
+           tracker: type[PhasedTracker] = PhasedTracker) -> tuple[SimulationReport, PhasedTracker | None, object]:
     """``simulate``'s run without its tiling advice, with the tracker that counted it (of class ``tracker``; its
     figures keyed by stand-in devices, ``standin.devices_for(plan)``) and the fake pipeline it ran: ``dryrun.many``
     reads a call's course in the tracker."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     standins = standin.devices_for(plan)
-    pipe = _fake_pipeline(source, plan, mode, standins)
+    start = time.perf_counter()
+    try:
+        pipe = _fake_pipeline(source, plan, mode, standins)
+    except standin.StandInError as err:  # a class the dry run cannot build: the report names it
+        return _unbuilt(err, plan, time.perf_counter() - start), None, None
     if vae_tiling:
         pipe.vae.enable_tiling()
     made = dry_call(pipe, steps, call or {})
@@ -94,6 +98,18 @@ def call_steps(pipe, call_kwargs: Mapping) -> int:
         return int(call_kwargs["num_inference_steps"])
     default = pyinspect.signature(type(pipe).__call__).parameters.get("num_inference_steps")
     return int(default.default) if default is not None and isinstance(default.default, int) else 50
+
+
+def _tiles(vae) -> bool:
+    """Whether ``vae.enable_tiling()`` works: diffusers' ``ModelMixin`` has the method on every model, and it raises
+    on a VAE without tiling (Stable Video Diffusion's temporal decoder)."""
+    return callable(getattr(vae, "enable_tiling", None)) and hasattr(vae, "use_tiling")
+
+
+def _unbuilt(err: standin.StandInError, plan: Plan, seconds: float) -> SimulationReport:
+    failure = Failure("stand-in build", err.component, (), str(err))
+    zero = {d.device: 0 for d in plan.devices if d.used or d.device in plan.device_map.values()}
+    return SimulationReport(False, failure, dict(zero), dict(zero), dict(zero), plan, seconds)
 
 
 def _tiling_advice(source, plan: Plan, steps: int, call_kwargs: Mapping, report: SimulationReport) -> tuple:
@@ -136,7 +152,10 @@ def _fake_copy(pipe, mode: FakeTensorMode, device_of: Mapping[str, str]):
     parts = {}
     for name, value in pipe.components.items():
         if isinstance(value, torch.nn.Module):
-            module = standin.fake_module(value, mode, device_of.get(name, "cpu"))
+            try:
+                module = standin.fake_module(value, mode, device_of.get(name, "cpu"))
+            except Exception as err:  # a module deepcopy cannot copy: the report names it
+                raise standin.StandInError(name, type(value).__name__, err) from err
             unhook_component(module)
             parts[name] = module
         else:
@@ -144,7 +163,10 @@ def _fake_copy(pipe, mode: FakeTensorMode, device_of: Mapping[str, str]):
     names = _init_names(pipe)
     # registered options beside the components (SDXL img2img's requires_aesthetics_score, force_zeros_for_empty_prompt)
     options = {k: v for k, v in pipe.config.items() if k in names and k not in pipe.components}
-    fake = type(pipe)(**options, **{k: v for k, v in parts.items() if k in names})
+    try:
+        fake = type(pipe)(**options, **{k: v for k, v in parts.items() if k in names})
+    except Exception as err:
+        raise standin.StandInError(None, type(pipe).__name__, err) from err
     fake.set_progress_bar_config(disable=True)
     return fake
 
@@ -187,9 +209,10 @@ def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict, tracker_class: type
     try:
         place(pipe, plan, queues=functools.partial(StandinQueues, tracker=tracker))
         tracker.track_module_tensors(pipe)
-        with phases.watching(pipe.scheduler), standin.fused_attention(), patches.module_conversions(tracker), \
-                patches.tensor_outputs(), patches.host_copies(), patches.safety_checks(pipe), components, mode, \
-                standin.StrictDevices(), tracker, counter or contextlib.nullcontext(), \
+        with phases.watching(pipe.scheduler), standin.fused_attention(), standin.attention_kernels(), \
+                standin.standin_generators(), patches.module_conversions(tracker), patches.tensor_outputs(), \
+                patches.host_copies(), patches.safety_checks(pipe), components, mode, standin.StrictDevices(), \
+                tracker, counter or contextlib.nullcontext(), \
                 known.known_values(tracker.assume):  # innermost: the trackers see what it rewrites
             pipe(**call)
     except Exception as err:  # a dry run reports what broke instead of raising it
@@ -208,7 +231,7 @@ def _failure(err: Exception, component: str | None) -> Failure:
         return Failure(err.operation, component, err.devices, str(err), where)
     devices = tuple(dict.fromkeys(_DEVICES.findall(str(err))))
     operation = getattr(err, "func", None) or type(err).__name__
-    message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    message = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
     return Failure(str(operation), component, devices, message, where)
 
 

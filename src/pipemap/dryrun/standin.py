@@ -66,13 +66,20 @@ def fake_module(module: torch.nn.Module, mode: FakeTensorMode, device: str) -> t
     """A copy of ``module`` whose parameters and buffers are fakes on ``device`` (tied weights stay tied).
 
     ``module.to`` and ``.data =`` refuse fake tensors, so the copy is made by ``deepcopy`` with a memo that maps
-    each real tensor to its fake: no weight byte is copied and the original is untouched.
+    each real tensor to its fake: no weight byte is copied and the original is untouched. Tensors a module keeps
+    as plain attributes get fakes too: ``torch.nn.utils.weight_norm`` keeps its computed ``weight`` so, a tensor
+    that ``deepcopy`` refuses (not a graph leaf) and that its hook computes again at every call.
     """
     memo: dict[int, object] = {}
-    for tensor in list(module.parameters()) + list(module.buffers()):
+    for tensor in list(module.parameters()) + list(module.buffers()) + _attribute_tensors(module):
         if id(tensor) not in memo:
-            memo[id(tensor)] = _fake(tensor, mode, device)
+            memo[id(tensor)] = _fake(tensor.detach(), mode, device) if not isinstance(
+                tensor, torch.nn.Parameter) else _fake(tensor, mode, device)
     return copy.deepcopy(module, memo)
+
+
+def _attribute_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [value for sub in module.modules() for value in vars(sub).values() if isinstance(value, torch.Tensor)]
 
 
 def pipeline_from_folder(folder, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str, str]):
@@ -92,18 +99,42 @@ def pipeline_from_folder(folder, plan: Plan, mode: FakeTensorMode, device_of: Ma
             continue
         if not (folder / name / "config.json").is_file():
             continue
-        cls, library = _model_class(folder, name, *entry)
-        if cls is None:
-            continue  # a tokenizer, scheduler or processor: from_pretrained loads it, no weights
-        class_name = entry[1]
-        module = _empty_module(folder, name, cls, library)
-        at = dtype if dtype is not None else default_dtype(folder / name, library)
-        models[name] = fill_fakes(module, mode, device_of.get(name, "cpu"), at,
-                                   keep_in_fp32(library, class_name, at), cast_built=dtype is not None)
+        try:
+            model = _standin_model(folder, name, entry, dtype, mode, device_of.get(name, "cpu"))
+        except Exception as err:  # a model class the dry run cannot build: the report names it
+            raise StandInError(name, entry[1], err) from err
+        if model is not None:
+            models[name] = model
     with _passed_models_kept(index.get("_class_name"), models) as pipeline_class:
-        pipe = (pipeline_class or DiffusionPipeline).from_pretrained(folder, **models)
+        try:
+            pipe = (pipeline_class or DiffusionPipeline).from_pretrained(folder, **models)
+        except Exception as err:
+            raise StandInError(None, str(index.get("_class_name")), err) from err
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+class StandInError(PipemapError, RuntimeError):
+    """The dry run could not build a component (or the pipeline) of this class on stand-in weights; the report
+    names it instead of raising."""
+
+    def __init__(self, component: str | None, class_name: str, err: Exception):
+        self.component, self.class_name = component, class_name
+        what = f"component {component!r} ({class_name})" if component else f"the pipeline {class_name}"
+        super().__init__(f"the dry run cannot build {what} on stand-in weights ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:300] if str(err) else ''}); load it for real (pipemap.load) "
+                         "to check this plan")
+
+
+def _standin_model(folder: Path, name: str, entry: list, dtype: torch.dtype | None, mode: FakeTensorMode,
+                   device: str) -> torch.nn.Module | None:
+    """The entry's model built from its config with fake weights at the plan's dtype; None for what has none."""
+    cls, library = _model_class(folder, name, *entry)
+    if cls is None:
+        return None  # a tokenizer, scheduler or processor: from_pretrained loads it, no weights
+    module = _empty_module(folder, name, cls, library)
+    at = dtype if dtype is not None else default_dtype(folder / name, library)
+    return fill_fakes(module, mode, device, at, keep_in_fp32(library, entry[1], at), cast_built=dtype is not None)
 
 
 @contextlib.contextmanager
@@ -151,15 +182,23 @@ def _empty_module(folder: Path, name: str, cls: type[Any], library: str) -> torc
     with init_empty_weights(include_buffers=False):
         if library == "diffusers":
             return cls.from_config(cls.load_config(folder, subfolder=name))
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(folder / name)
+        config = _config_class(cls).from_pretrained(folder / name)
         module = cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
     # init_empty_weights makes a new parameter on each assignment, which unties tied weights (T5's shared
     # embedding): tie them again, as a real load leaves them
     if hasattr(module, "tie_weights"):
         module.tie_weights()
     return module
+
+
+def _config_class(cls: type):
+    """The config class ``cls.from_pretrained`` reads: the model's own (Kolors' ChatGLM, Kandinsky 2.1's M-CLIP live
+    in diffusers' pipeline modules, with a ``model_type`` transformers' ``AutoConfig`` does not know), else
+    ``AutoConfig``."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    own = getattr(cls, "config_class", None)
+    return own if isinstance(own, type) and own is not PretrainedConfig else AutoConfig
 
 
 def fill_fakes(module: torch.nn.Module, mode: FakeTensorMode, device: str, dtype: torch.dtype,
@@ -222,10 +261,15 @@ def fused_attention():
 
     # torch's own argument names: diffusers' attention dispatcher passes query=, key=, value= by keyword
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if isinstance(query, FakeTensor) and query.device.type == "meta" and not enable_gqa and (
-                attn_mask is None or attn_mask.dtype != torch.bool):
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, attn_mask, False, dropout_p, is_causal, scale=scale)[0]
+        if _standin(query) and not enable_gqa and (attn_mask is None or attn_mask.dtype != torch.bool):
+            # the kernel takes (batch, heads, tokens, width); a 3-D call (HunyuanImage 2.1's VAE) has one head
+            lead = query.shape[:-2]
+            q, k, v = (t.reshape(-1, 1, *t.shape[-2:]) if t.dim() != 4 else t for t in (query, key, value))
+            mask = attn_mask.reshape(-1, 1, *attn_mask.shape[-2:]) if attn_mask is not None and query.dim() != 4 and \
+                attn_mask.dim() >= 2 else attn_mask
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, mask, False, dropout_p, is_causal, scale=scale)[0]
+            return out if query.dim() == 4 else out.reshape(*lead, *out.shape[-2:])
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
 
@@ -234,3 +278,120 @@ def fused_attention():
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+def _standin(tensor) -> bool:
+    return isinstance(tensor, FakeTensor) and tensor.device.type == "meta"
+
+
+@contextlib.contextmanager
+def attention_kernels():
+    """Attention kernels that refuse a stand-in device answer as on the GPU it stands for.
+
+    FlexAttention (AnyFlow's block masks, ``set_attention_backend("flex")``) accepts CUDA and CPU tensors only,
+    diffusers' flash, sage and xformers backends check ``device.type == "cuda"``: on a stand-in each such kernel
+    returns what the fused GPU kernel would, its output alone (after the same device check), and the backends'
+    device-type checks read the stand-in as CUDA. PyTorch's own scaled dot product is ``fused_attention``'s.
+    """
+    from diffusers.models import attention_dispatch as dispatch
+    from torch.nn.attention import flex_attention as flex
+
+    registry = dispatch._AttentionBackendRegistry
+    kept = (dict(registry._backends), {k: list(v) for k, v in registry._constraints.items()}, flex.flex_attention)
+    native = {dispatch.AttentionBackendName.NATIVE, dispatch.AttentionBackendName._NATIVE_MATH}
+    for name, function in kept[0].items():
+        if name not in native:
+            registry._backends[name] = _fused_backend(function)
+        registry._constraints[name] = [_cuda_check(check) for check in kept[1][name]]
+    flex.flex_attention = _fused_flex(kept[2])
+    try:
+        yield
+    finally:
+        registry._backends.clear()
+        registry._backends.update(kept[0])
+        registry._constraints.update(kept[1])
+        flex.flex_attention = kept[2]
+
+
+def _fused_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A fused attention kernel's output: the query's shape with the value's width, on their one device."""
+    devices = tuple(sorted({str(t.device) for t in (query, key, value)}))
+    if len(devices) > 1:
+        raise DeviceMixError("attention", devices)
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+def _fused_backend(function):
+    """A diffusers attention backend ((batch, tokens, heads, width) in and out) that, on stand-ins, returns the
+    fused kernel's output, and its log-sum-exp (batch, tokens, heads) when asked."""
+    import functools
+
+    @functools.wraps(function)
+    def backend(query, key, value, *args, **kwargs):
+        if not _standin(query):
+            return function(query, key, value, *args, **kwargs)
+        out = _fused_output(query, key, value)
+        if kwargs.get("return_lse"):
+            return out, query.new_empty(query.shape[:-1], dtype=torch.float32)
+        return out
+
+    return backend
+
+
+def _fused_flex(function):
+    """``flex_attention`` ((batch, heads, tokens, width)) that, on stand-ins, returns the fused kernel's output (and
+    its log-sum-exp when asked: ``return_lse`` or ``return_aux``)."""
+    def flex_attention(query, key, value, *args, **kwargs):
+        if not _standin(query):
+            return function(query, key, value, *args, **kwargs)
+        out = _fused_output(query, key, value)
+        if kwargs.get("return_lse") or kwargs.get("return_aux") is not None:
+            return out, query.new_empty(query.shape[:-1], dtype=torch.float32)
+        return out
+
+    return flex_attention
+
+
+def _cuda_check(check):
+    """A backend's constraint that, on stand-ins, reads the device type as CUDA (the device a stand-in stands for):
+    ``_check_device_cuda`` keeps its same-device and dtype checks, the compute capability is not known."""
+    if "device_cuda" not in getattr(check, "__qualname__", ""):
+        return check
+
+    def standin_check(query, key, value, **kwargs):
+        if not _standin(query):
+            return check(query=query, key=key, value=value, **kwargs)
+        from diffusers.models.attention_dispatch import _check_device
+
+        return _check_device(query, key, value)
+
+    return standin_check
+
+
+@contextlib.contextmanager
+def standin_generators():
+    """``torch.Generator(device)`` for a stand-in device gives a CPU generator.
+
+    Code that seeds a generator on its tensors' device (torchsde's Brownian interval under Stable Audio's
+    scheduler: ``torch.Generator(x.device)``) would get one on the GPU; PyTorch has none for ``meta``. Fake random
+    tensors take their shape from the call, so a CPU generator serves. ``isinstance(g, torch.Generator)`` keeps
+    holding for every generator, the caller's included.
+    """
+    base: Any = torch.Generator
+
+    class _Kind(type(base)):  # type: ignore[misc]
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, base)
+
+    class Generator(base, metaclass=_Kind):
+        def __new__(cls, device="cpu"):
+            return base.__new__(cls, "cpu" if torch.device(device).type == "meta" else device)
+
+        def __init__(self, device="cpu"):
+            pass
+
+    torch.Generator = Generator  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.Generator = base  # type: ignore[misc]

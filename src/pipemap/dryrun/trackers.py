@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,14 +228,7 @@ class PhaseTracker:
     @contextlib.contextmanager
     def watching(self, scheduler):
         previous = scheduler.__dict__.get("step")  # the host scheduler's own wrapper, if any
-        step = scheduler.step
-
-        def counted(*args, **kwargs):
-            result = step(*args, **kwargs)
-            self.steps_done += 1
-            return result
-
-        scheduler.__dict__["step"] = counted
+        scheduler.__dict__["step"] = _CountedStep(self, scheduler, scheduler.step)
         handles = [nn_module.register_module_forward_pre_hook(self._enter),
                    nn_module.register_module_forward_hook(self._leave)]
         try:
@@ -246,6 +240,23 @@ class PhaseTracker:
                 scheduler.__dict__.pop("step", None)
             else:
                 scheduler.__dict__["step"] = previous
+
+
+class _CountedStep:
+    """The watched scheduler's ``step``, counting the steps done. A deep copy of the scheduler (SkyReels' one per
+    frame) runs its own class's ``step`` on itself, uncounted, instead of this one on the original."""
+
+    def __init__(self, phases: PhaseTracker, scheduler, step):
+        self.phases, self.scheduler, self.step = phases, scheduler, step
+
+    def __call__(self, *args, **kwargs):
+        result = self.step(*args, **kwargs)
+        self.phases.steps_done += 1
+        return result
+
+    def __deepcopy__(self, memo):
+        copied = memo.get(id(self.scheduler))
+        return self if copied is None else types.MethodType(type(self.scheduler).step, copied)
 
 
 def _phase_kind(component: str, path: str) -> str:

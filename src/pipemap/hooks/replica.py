@@ -80,6 +80,12 @@ class ReplicaHook(PlacementHook):
         if self._pending and not self._joining:
             wait(self._pending.pop())
 
+    def enter_part(self, module, *args, **kwargs):  # a submodule called directly runs on the home copy alone
+        return PlacementHook.pre_forward(self, module, *args, **kwargs)
+
+    def leave_part(self, module, output):
+        return PlacementHook.post_forward(self, module, output)
+
     def _start(self, module: torch.nn.Module, device: torch.device, chunk, state: CallerState) -> Future:
         run = functools.partial(_run_replica, module, device, self.device, chunk, state)
         if device.type == "meta":

@@ -62,13 +62,26 @@ class PlacementHook(ModelHook):
         self.execution_device = torch.device(execution_device)
         self.moved = Moved()
         self.lock = CallLock()
+        self.inside = 0  # calls of this component running now (its root, a VAE method, a submodule called directly)
+        self.written: list[list] = []  # per running call: the argument lists and dicts a move copied
 
     def pre_forward(self, module, *args, **kwargs):
         self.moved.calls += 1
-        return move(args, self.device), move(kwargs, self.device)
+        moved = move(args, self.device), move(kwargs, self.device)
+        self.written.append(_copied_containers((args, kwargs), moved))
+        return moved
 
     def post_forward(self, module, output):
+        if self.written:
+            _write_back(self.written.pop())
         return move(output, self.execution_device)
+
+    def enter_part(self, module, *args, **kwargs):
+        """A submodule of the component called directly by pipeline code: as a call of the component."""
+        return self.pre_forward(module, *args, **kwargs)
+
+    def leave_part(self, module, output):
+        return self.post_forward(module, output)
 
     def __repr__(self) -> str:
         return f"PlacementHook({self.component!r}, device={self.device}, execution_device={self.execution_device})"
@@ -79,13 +92,38 @@ class PlacementHook(ModelHook):
         return cls(p.component, p.device, execution_device)
 
 
+def _copied_containers(given, moved) -> list[tuple]:
+    """The argument lists and dicts that moving the inputs copied (they held tensors elsewhere), with what the copy
+    held: a callee may write into them. Wan's VAE passes its causal-convolution cache (``feat_cache``) and its
+    position in it as lists that each block fills in; a block on another GPU must fill the caller's list."""
+    pairs = list(zip(given[0], moved[0])) + [(v, moved[1][k]) for k, v in given[1].items()]
+    return [(old, new, list(new) if isinstance(new, list) else dict(new)) for old, new in pairs
+            if isinstance(old, (list, dict)) and type(new) is type(old) and new is not old]
+
+
+def _write_back(copied: list[tuple]) -> None:
+    """What the callee wrote into the copies of its argument lists and dicts, written into the caller's own."""
+    for old, new, before in copied:
+        if isinstance(new, list):
+            for i, item in enumerate(new):
+                if i < len(before) and item is before[i]:
+                    continue
+                if i < len(old):
+                    old[i] = item
+                else:
+                    old.append(item)
+        else:
+            old.update({k: v for k, v in new.items() if k not in before or v is not before[k]})
+
+
 # diffusers' VAEs run `encode`/`decode` through `apply_forward_hook`, which calls `pre_forward(module)` with no
 # arguments, so inputs would stay where they are; those methods get a wrapper of their own (found by this code).
 _FORWARD_HOOK_CODE = apply_forward_hook(lambda self: None).__code__
 
 
 def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
-    """Attach ``hook`` at the component's root, and to the methods diffusers routes through ``apply_forward_hook``.
+    """Attach ``hook`` at the component's root, to the methods diffusers routes through ``apply_forward_hook``, and
+    to the submodules pipeline code may call directly (``_Entry``).
 
     A call that raises skips accelerate's ``post_forward``: a forward hook that always runs then tells the hook
     (``abort``, where it has one), so an offloaded or streamed component leaves nothing onloaded. Each call goes
@@ -103,6 +141,51 @@ def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
     module.forward = functools.update_wrapper(functools.partial(_locked, module, module.forward), module.forward)
     for name in _hooked_methods(module):
         module.__dict__[name] = _wrap_method(module, getattr(type(module), name), hook)
+    entry = _Entry(hook, module)
+    for name, sub in module.named_modules():
+        if 0 < name.count(".") + 1 <= ENTRY_DEPTH:
+            sub.register_forward_pre_hook(entry.before, prepend=True, with_kwargs=True)
+            sub.register_forward_hook(entry.after, with_kwargs=True, always_call=True)
+
+
+# how deep below a component's root a submodule gets an entry: pipeline code reaches two levels in at most
+# (``text_encoder.vision_tower``, ``text_encoder.text_model.final_layer_norm``); deeper modules would pay a hook check
+# at every call of every layer for nothing
+ENTRY_DEPTH = 2
+
+
+class _Entry:
+    """A submodule that pipeline code calls directly (Motif's ``text_encoder.vision_tower(...)``, CLIP skip's
+    ``text_encoder.text_model.final_layer_norm(...)``) bypasses the hook at the component's root, and would meet
+    inputs from another GPU. Called from outside a call of its component, it runs as a call of the component does:
+    the component's lock held, its inputs moved to the component's device (an offloaded or streamed component
+    onloaded), its outputs to the execution device. Inside a call of the component it does nothing."""
+
+    def __init__(self, hook: ModelHook, root: torch.nn.Module):
+        self.hook, self.root = hook, root
+        self.handled: list[bool] = []  # per running submodule call, innermost last: whether this entry handled it
+
+    def before(self, module, args, kwargs):
+        if self.hook.inside:
+            self.handled.append(False)
+            return None
+        self.hook.lock.__enter__()
+        self.hook.inside += 1
+        self.handled.append(True)  # before the move: `after` runs even when the move raises, and undoes this
+        return self.hook.enter_part(self.root, *args, **kwargs)
+
+    def after(self, module, args, kwargs, output):
+        if not self.handled.pop():
+            return None
+        try:
+            if output is None:  # torch passes None when the call raised
+                if hasattr(self.hook, "abort"):
+                    self.hook.abort(self.root)
+                return None
+            return self.hook.leave_part(self.root, output)
+        finally:
+            self.hook.inside -= 1
+            self.hook.lock.__exit__()
 
 
 def _aborting(hook: ModelHook):
@@ -126,6 +209,18 @@ def unhook_component(module: torch.nn.Module) -> None:
             del module.__dict__["forward"]
     for name in _hooked_methods(module):
         module.__dict__.pop(name, None)
+    _remove_entries(module)
+
+
+def _remove_entries(module: torch.nn.Module) -> None:
+    """The submodule entries, found by their owner (a deep copy of a hooked module holds copies of them)."""
+    for sub in module.modules():
+        for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
+            for key in [k for k, f in hooks.items() if isinstance(getattr(f, "__self__", None), _Entry)]:
+                del hooks[key]
+                for extra in (sub._forward_pre_hooks_with_kwargs, sub._forward_hooks_with_kwargs,
+                              sub._forward_hooks_always_called):
+                    extra.pop(key, None)
 
 
 def _hooked_methods(module: torch.nn.Module) -> list[str]:
@@ -141,14 +236,13 @@ def _wrap_method(module, function, hook: ModelHook):
     # the function under `apply_forward_hook`, whose own `pre_forward(module)` would count the call twice and enter
     # a streaming hook twice; a nested call (decode -> tiled_decode) runs plain inside the outer one
     raw = getattr(function, "__wrapped__", function).__get__(module)
-    inside: list[bool] = []
 
     @functools.wraps(raw)
     def wrapper(*args, **kwargs):
         def call(hook):  # under the component's lock: another thread's call of this component waits (run_many)
-            if inside:
+            if hook.inside:
                 return raw(*args, **kwargs)
-            inside.append(True)
+            hook.inside += 1
             try:
                 moved_args, moved_kwargs = hook.pre_forward(module, *args, **kwargs)
                 output = raw(*moved_args, **moved_kwargs)
@@ -157,7 +251,7 @@ def _wrap_method(module, function, hook: ModelHook):
                     hook.abort(module)
                 raise
             finally:
-                inside.clear()
+                hook.inside -= 1
             return hook.post_forward(module, output)
 
         return component_call(module, call)
@@ -166,4 +260,13 @@ def _wrap_method(module, function, hook: ModelHook):
 
 
 def _locked(module: torch.nn.Module, forward, *args, **kwargs):
-    return component_call(module, lambda hook: forward(*args, **kwargs))
+    def call(hook):
+        hook.inside += 1
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            hook.inside -= 1
+            if not hook.inside:
+                hook.written.clear()  # what a call that raised left behind
+
+    return component_call(module, call)

@@ -1,8 +1,8 @@
-"""``pipemap serve``: an HTTP image service on a mapped pipeline (``pip install pipemap[serve]``).
+"""``pipemap serve``: an HTTP image service on a mapped pipeline (``pip install -e '.[serve]'`` in the checkout).
 
 ``POST /v1/images/generations`` (OpenAI's images format), ``GET /health``, ``GET /v1/plan``, ``GET /metrics``.
 The app only validates, queues and encodes; a worker thread runs the queued calls on the pipeline. The same app
-runs as a Ray Serve deployment (``pipemap.serve.deployment``, ``pip install pipemap[ray]``).
+runs as a Ray Serve deployment (``pipemap.serve.deployment``, ``pip install -e '.[ray]'``).
 
 >>> from pipemap.serve import Options, Service, create_app                                  # doctest: +SKIP
 >>> service = Service.load(Options("path/to/sdxl", hardware="2x24GiB,cpu=64GiB"))            # doctest: +SKIP
@@ -15,7 +15,8 @@ try:
     import starlette  # noqa: F401
     import uvicorn  # noqa: F401
 except ImportError as missing:  # pragma: no cover - depends on the install
-    raise ImportError(f"pipemap serve needs {missing.name}: pip install 'pipemap[serve]'") from missing
+    raise ImportError(f"pipemap serve needs {missing.name}: pip install -e '.[serve]' in pipemap's "
+                      "checkout") from missing
 
 from .app import ROUTES, create_app
 from .requests import GenerationRequest, Limits, RequestError

@@ -43,15 +43,21 @@ function metric(text, name) {{
   }}
   return total;
 }}
+function bytes(v) {{  // as pipemap.format_bytes: the unit picked by size
+  for (const [unit, size] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {{
+    if (Math.abs(v) >= size) return (v / size).toFixed(2) + " " + unit;
+  }}
+  return v.toFixed(0) + " B";
+}}
 async function refresh() {{
   try {{
     const text = await (await fetch("{metrics}")).text();
-    const show = (id, name, digits) => {{
+    const show = (id, name, digits, format) => {{
       const v = metric(text, name);
-      document.getElementById(id).textContent = v === null ? "-" : v.toFixed(digits);
+      document.getElementById(id).textContent = v === null ? "-" : (format ? format(v) : v.toFixed(digits));
     }};
     show("queue", "{queue_metric}", 0); show("requests", "{requests_metric}", 0);
-    show("moved", "{moved_metric}", 0);
+    show("moved", "{moved_metric}", 0, bytes);
     const sum = metric(text, "{seconds_metric}_sum"), count = metric(text, "{seconds_metric}_count");
     document.getElementById("seconds").textContent = count ? (sum / count).toFixed(2) : "-";
   }} catch (e) {{ /* the figures wait for the next tick */ }}
