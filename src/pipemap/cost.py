@@ -498,6 +498,8 @@ def exchanged_per_call(component: Component, work: Workload, gpus: int) -> float
     """Bytes one GPU sends the others at each call of a sequence split: at every attention layer its share of the
     tokens' queries, keys, values and output (at the layer's width), all but the part it keeps for itself."""
     tokens = tokens_per_call(component, work)
+    if component.name in PER_STEP:  # the text stream's tokens are cut too (diffusers' ``_cp_plan``: Flux's
+        tokens += work.text_tokens  # ``encoder_hidden_states``), and exchanged at the joint attention
     width = component.attention_width or _width_guess(component)
     return EXCHANGED_TENSORS * tokens / gpus * width * EXCHANGE_ITEM_BYTES * (gpus - 1) / gpus
 
