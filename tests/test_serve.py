@@ -37,7 +37,8 @@ def test_a_missing_extra_says_what_to_install(monkeypatch, missing):
         monkeypatch.delitem(sys.modules, name)  # put back as they were when the test ends
     monkeypatch.delattr(pipemap, "serve", raising=False)
     monkeypatch.setitem(sys.modules, missing, None)  # import of it fails
-    with pytest.raises(ImportError, match=rf"pipemap serve needs {missing}: pip install 'pipemap\[serve\]'"):
+    wanted = rf"pipemap serve needs {missing}: pip install -e '\.\[serve\]' in pipemap's checkout"
+    with pytest.raises(ImportError, match=wanted):
         importlib.import_module("pipemap.serve")
 
 

@@ -143,7 +143,7 @@ def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
         module.__dict__[name] = _wrap_method(module, getattr(type(module), name), hook)
     entry = _Entry(hook, module)
     for name, sub in module.named_modules():
-        if 0 < name.count(".") + 1 <= ENTRY_DEPTH:
+        if name and name.count(".") + 1 <= ENTRY_DEPTH:  # the root is hooked itself
             sub.register_forward_pre_hook(entry.before, prepend=True, with_kwargs=True)
             sub.register_forward_hook(entry.after, with_kwargs=True, always_call=True)
 
