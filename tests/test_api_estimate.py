@@ -87,6 +87,7 @@ def test_estimate_follows_frames():
     assert nine.work.frames == 9
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_a_catalog_default_call_is_priced_by_its_record_without_a_dry_run(monkeypatch):
     runs = _dry_runs(monkeypatch)
     plan = pipemap.plan("qwen-image", hardware="1x141GiB,cpu=256GiB")

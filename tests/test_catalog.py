@@ -190,6 +190,7 @@ def test_inventories_are_cached_and_building_allocates_no_weights():
     assert catalog.inventory("Qwen/Qwen-Image", dtype="float16") is first
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_plan_takes_a_catalog_inventory():
     # Flux.1-dev at bf16: its 22.2 GiB transformer fits neither 16 GiB GPU, and balanced says so by name; on two
     # 40 GiB GPUs it goes whole to one and the 8.9 GiB T5 encoder to the other

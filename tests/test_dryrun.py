@@ -7,11 +7,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import pipemap
 import pipemap.dryrun
 from pipemap.dryrun import report
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_simulate_on_a_tiny_folder_reports_ok_with_a_peak_per_planned_device(tiny_folders):
     plan = pipemap.plan(tiny_folders["sd"], hardware="2x5MiB,cpu=1GiB", headroom=0.0)
     result = pipemap.simulate(tiny_folders["sd"], plan, steps=1, height=32, width=32)

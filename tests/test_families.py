@@ -212,6 +212,7 @@ def test_family_diffusers_cannot_reload_runs_mapped_in_memory(name):
     pipemap.reset(pipe)
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 @pytest.mark.parametrize("name", _pending(NOT_LOADABLE))
 def test_family_diffusers_cannot_reload_dry_runs_in_memory(name):
     pipe, call = families.build(name)

@@ -43,6 +43,7 @@ def test_fp16_variant_at_fp16_equals_loaded(tiny_folders):
     assert inventory.dtype == "float16" and inventory.variant == "fp16"
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_fp32_weights_loaded_as_fp16_equal_loaded(tiny_folders):
     folder = tiny_folders["controlnet"]
     fp32 = _header_bytes(pipemap.inspect(folder))

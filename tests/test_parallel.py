@@ -36,6 +36,7 @@ def _images(outputs) -> list[torch.Tensor]:
     return [torch.as_tensor(o.images) for o in outputs]
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_run_many_equals_one_by_one(staged):
     one_by_one = _images(staged(**call) for call in _calls(4))
     for got, want in zip(_images(pipemap.run_many(staged, _calls(4), workers=2)), one_by_one, strict=True):
@@ -153,6 +154,7 @@ def test_run_many_refuses_hooks_it_cannot_lock():
 PARALLEL_GPUS = {2: "2x8MiB,cpu=1GiB"}
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_loaded_onto_a_parallel_plan_and_run_many_over_replicas(tiny_folders, reference_outputs):
     from helpers import run
 

@@ -108,6 +108,7 @@ def test_dry_run_timeline_peak_equals_the_reports(tiny_folders, strategy):
     assert all(len([s for s in report.timeline if s.device == d]) <= 600 for d in panels)
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_report_notebook_html_holds_the_timeline(tiny_folders):
     report = pipemap.simulate(tiny_folders["sd"], _plan(tiny_folders["sd"], "balanced"))
     html = report._repr_html_()

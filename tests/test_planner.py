@@ -523,6 +523,7 @@ def test_two_gpus_each_offloaded_component_runs_on_the_gpu_with_most_room():
     assert [(d.device, d.used) for d in result.devices] == [("cuda:0", 60), ("cuda:1", 70), ("cpu", 50)]
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 @settings(max_examples=150, deadline=None)
 @given(problems())
 def test_offloading_plans_stay_within_every_gpu_budget(problem):

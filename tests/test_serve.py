@@ -42,6 +42,7 @@ def test_a_missing_extra_says_what_to_install(monkeypatch, missing):
         importlib.import_module("pipemap.serve")
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_the_package_names_alone_load_and_serve_a_pipeline(tiny_folders):
     from starlette.testclient import TestClient
 

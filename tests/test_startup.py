@@ -107,6 +107,7 @@ def test_values_import_neither_cuda_queues_nor_hooks_nor_the_dry_run():
     assert [(m, i) for m in values for i in imports_of(m) if RANK[_wing(i)] > 0] == []
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_no_import_circles():
     modules = package_modules()
     graph = {m: imports_of(m) & set(modules) for m in modules}
@@ -192,6 +193,7 @@ def test_catalog_lists_the_short_names(capsys):
     assert "sdxl" in out and "flux-dev" in out and "sd3.5-large" in out
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_catalog_sizes_are_recorded_as_computed():
     from pipemap import catalog
 

@@ -63,6 +63,7 @@ def test_text_encoder_called_twice_moves_once(tiny_folders, kind):
     assert result.ratio <= 1.0
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 @pytest.mark.parametrize("strategy", OFFLOADING)
 @pytest.mark.parametrize("kind", tiny.KINDS)
 def test_bytes_moved_at_most_diffusers_model_offload(tiny_folders, kind, strategy):

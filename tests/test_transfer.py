@@ -207,6 +207,7 @@ def test_staged_copy_keeps_values_dtype_and_device():
         assert torch.equal(out, x[::3])
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 @pytest.mark.filterwarnings("ignore::pipemap.transfer.UnsafeTransferWarning")
 def test_pipeline_output_is_exact_with_a_staged_pair(tiny_folders, reference_outputs, staging_calls):
     """The unet is placed on stand-in ``cpu:1``: its weights and every input it gets go through staging."""

@@ -30,6 +30,7 @@ def test_plan_devices_names_the_replica_gpus(parallel_plan):
     assert set(transfer.plan_devices(parallel_plan)) == {"cuda:0", "cuda:1", "cuda:2", "cuda:3"}
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_dispatch_checks_the_pairs_of_every_replica_gpu(fake_cuda, parallel_plan, monkeypatch):
     fake_cuda.gpus = 4
     dispatch = importlib.import_module("pipemap.dispatch")  # the module: pipemap.dispatch is the function

@@ -45,6 +45,7 @@ def test_the_record_is_what_a_dry_run_counts_now():
             assert mine.to_list() == pytest.approx(theirs.to_list(), rel=1e-3), component.component
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_keys_follow_the_configs_dtype_and_shape_not_the_steps(tiny_folders):
     folder = tiny_folders["sd"]
     key = counts_key(folder, "float32", {"height": 64})

@@ -169,6 +169,7 @@ def test_known_value_pipelines_dry_run_on_two_stand_in_gpus(family):
     assert all(report.peak_bytes[d] > report.weight_bytes[d] > 0 for d in ("cuda:0", "cuda:1"))
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_mixture_of_experts_peak_is_reported_as_a_bound():
     pipe, call = build("hidream")
     plan = pipemap.plan(pipe, hardware="2x1GiB,cpu=4GiB", strategy="balanced", headroom=0.0)

@@ -27,6 +27,7 @@ def pipes(tiny_folders):
     return {"sd": plain_pipeline(tiny_folders["sd"])}
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_report_prints_a_table(pipes):
     report = pipemap.simulate(pipes["sd"], pipemap.plan(pipes["sd"], hardware=GPUS[2], headroom=0.0))
     text = str(report)

@@ -146,6 +146,7 @@ def test_missing_hook_on_the_controlnet_is_caught(pipes, skip_hook):
     assert set(report.error.devices) == {"cuda:0", "cuda:1"}
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_missing_hook_on_the_first_component_is_caught_in_pipeline_code(pipes, skip_hook):
     # diffusers takes the execution device from the first component's hook; without it, the pipeline's own code
     # makes latents on another GPU and mixes them

@@ -53,6 +53,7 @@ def test_merged_spans_cut_to_whole_pages():
     assert _pages([(1, 100)]) == []
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_staging_copies_every_byte_in_chunks(mapped):
     module = torch.nn.Module()
     for name, tensor in mapped.items():

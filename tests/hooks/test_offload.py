@@ -35,6 +35,7 @@ def _fail_once(module: torch.nn.Module, after: int):
 # ---- running on the CPU: GPU plans remapped ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 @pytest.mark.parametrize("strategy", ["balanced_low_memory"])
 @pytest.mark.parametrize("kind", tiny.KINDS)
 def test_output_equals_plain_and_reset_restores(tiny_folders, reference_outputs, kind, strategy):

@@ -25,6 +25,7 @@ def _models(pipe) -> list[str]:
     return [n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)]
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 @pytest.mark.parametrize("mode", ["offload", "stream"])
 def test_a_pipeline_dropped_without_reset_leaves_nothing_pinned(fake_cuda, tiny_folders, mode):
     pipe = plain_pipeline(tiny_folders["sd"])

@@ -42,6 +42,7 @@ def _thread_names(module: torch.nn.Module, names: list[str]):
     return module.register_forward_pre_hook(lambda m, a: names.append(threading.current_thread().name))
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 @pytest.mark.parametrize("kind", ["sd", "sdxl"])
 def test_parallel_on_the_cpu_equals_plain_diffusers(kind):
     pipe = tiny.build(kind)

@@ -22,6 +22,7 @@ from serving import GENERATIONS, ask, counted, direct, pngs, samples  # noqa: E4
 # ---- generation ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_generation_is_the_direct_call_with_the_same_seed(service, client, tiny_folders):
     before = counted(client)
     fields = dict(prompt="a tiny cat", negative_prompt="a dog", guidance_scale=6.0, seed=7, n=2)

@@ -34,6 +34,7 @@ def _svg(html: str) -> ET.Element:
     return ET.fromstring(html[html.index("<svg"):html.index("</svg>") + 6])
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_home_page_draws_the_plan_and_reads_metrics_that_exist(served):
     service, url = served
     with httpx.Client(base_url=url, timeout=60) as client:

@@ -19,6 +19,7 @@ from pipemap.serve.requests import parse  # noqa: E402
 from serving import GENERATIONS, ask, code, direct, pngs  # noqa: E402
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_a_prompt_too_long_is_truncated_with_a_warning(service, client):
     prompt = "a very long prompt about a tiny cat " * 10  # 360 characters: 360 byte tokens, the encoder reads 77
     response = ask(client, prompt=prompt, seed=1)

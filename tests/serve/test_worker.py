@@ -156,6 +156,7 @@ def test_a_runner_that_fails_whole_fails_each_job_it_holds(worker):
 # ---- over HTTP: a full queue, a timeout, a failure: each answered, and the server goes on ----------------------
 
 
+@pytest.mark.slow  # over 2 s: out of the quick subset
 def test_a_full_queue_answers_429_with_retry_after(service, client):
     before = code(client, 429)
     with stalled(service.pipe.unet) as entered:
