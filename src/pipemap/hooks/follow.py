@@ -20,19 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..plan import Placement
 from ..quantized import restored, storage
 from ..transfer import move_tensor
-from .moving import MovingHook
-from .offload import OffloadHook
-from .packing import Group
-from .replica import ReplicaHook
 from .resident import PlacementHook, hook_component, unhook_component
-from .stream import StreamHook
+
+if TYPE_CHECKING:
+    from .packing import Group
 
 Place = Callable[[torch.nn.Module, Placement], Any]  # a component's tensors onto the devices of its placement
 
@@ -89,11 +87,9 @@ def _frozen(value: Any, depth: int = 3) -> Any:
 
 def groups(hook: Any) -> list[Group]:
     """The groups of tensors a moving hook moves (none for the others)."""
-    if isinstance(hook, OffloadHook):
-        return [hook.group] if hasattr(hook, "group") else []
-    if isinstance(hook, StreamHook):
-        return [hook.root, *hook.blocks] if hasattr(hook, "root") else []
-    return []
+    # asked of the hook, not by its class: this module (imported by dispatch) then needs no hook module beyond the
+    # resident one, and a plan that moves nothing imports no moving code (issue 28)
+    return hook.moved_groups() if isinstance(hook, PlacementHook) else []
 
 
 def remember(module: torch.nn.Module) -> None:
@@ -111,7 +107,7 @@ def follow(module: torch.nn.Module, placement: Placement, place: Place) -> bool:
     if seen is not None and signature(module) == seen:
         return False
     hook = getattr(module, "_hf_hook", None)
-    if isinstance(hook, (MovingHook, ReplicaHook)):
+    if isinstance(hook, PlacementHook) and hook.rehooked_on_change:
         rehook(module, hook, placement, place)
     else:
         place(module, placement)
