@@ -71,11 +71,17 @@ def _masters(hook: Any) -> dict[int, torch.Tensor]:
 
 
 def _state(module: torch.nn.Module) -> tuple[Any, ...]:
-    return tuple((k, _frozen(v)) for k, v in sorted(module.__dict__.items()) if k not in _NOT_STATE)
+    # the keys left by a set difference, then sorted: each dispatch takes this of every module (``remember``), and
+    # sorting all of a module's __dict__ (torch's bookkeeping first) was most of what a load added (issue 28)
+    found = module.__dict__
+    return tuple((k, _frozen(found[k])) for k in sorted(found.keys() - _NOT_STATE))
+
+
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device)
 
 
 def _frozen(value: Any, depth: int = 3) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+    if value is None or type(value) in _PLAIN or isinstance(value, _PLAIN):  # the exact type first: the usual case
         return value
     if depth and isinstance(value, dict):
         return ("dict", tuple((str(k), _frozen(v, depth - 1)) for k, v in value.items()))
