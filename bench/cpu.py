@@ -11,7 +11,8 @@ Sections (each one function ``bench_<name>(ctx) -> list[Row]``, registered in ``
 - ``hooks``: one loaded pipeline called plain, dispatched on a CPU plan, and dispatched on a 2-GPU plan remapped to
   the CPU; interleaved repeats, medians, ratio dispatched / plain.
 - ``load``:  ``pipemap.load`` vs ``DiffusionPipeline.from_pretrained``, each in a fresh child process (wall time and
-  peak RSS above the post-import baseline), alternating, medians, ratio pipemap / diffusers.
+  peak RSS above the post-import baseline), alternating, medians, ratio pipemap / diffusers; on sd x14 (1.07 GiB;
+  x8 with --quick) and the tiny sd.
 - ``offload``: weights moved for one image under a one-GPU offloading plan (a budget that forces offload, remapped
   onto the CPU) vs diffusers' ``enable_model_cpu_offload`` (``pipemap.traffic.bytes_moved_per_image``).
 - ``catalog``: ``pipemap.plan(name, strategy="auto")`` for each catalog entry, first and cached call; the strategy
@@ -279,7 +280,8 @@ LOADERS = ("pipemap", "diffusers")
 def bench_load(ctx: Context) -> list[Row]:
     """``pipemap.load`` vs ``DiffusionPipeline.from_pretrained``, each in fresh processes started alternately."""
     rows = []
-    for label, kind, scale, repeats in ((f"sd x{ctx.scale}", "sd", ctx.scale, ctx.load_repeats),
+    big = load_scale(ctx)
+    for label, kind, scale, repeats in ((f"sd x{big}", "sd", big, ctx.load_repeats),
                                         ("sd", "sd", 1, max(1, ctx.load_repeats - 2))):
         folder = ctx.folder(kind, scale)
         runs: dict[str, list[dict]] = {name: [] for name in LOADERS}
@@ -292,12 +294,18 @@ def bench_load(ctx: Context) -> list[Row]:
             ours, peer = (statistics.median(x for r in runs[n] for x in listed(r[key])) * factor for n in LOADERS)
             rows.append(Row("load", label, metric, ours, peer, unit, target, note))
     ratios = {(r.pipeline, r.metric): r.ratio if r.ratio is not None else float("nan") for r in rows}
-    for suffix, label in (("", f"sd x{ctx.scale}"), ("_tiny", "sd")):
+    for suffix, label in (("", f"sd x{big}"), ("_tiny", "sd")):
         ctx.summary[f"load_time_ratio{suffix}"] = f"{ratios[label, 'load time, first in process']:.2f}"
         ctx.summary[f"load_time_warm_ratio{suffix}"] = f"{ratios[label, 'load time, warm']:.2f}"
         ctx.summary[f"load_rss_ratio{suffix}"] = f"{ratios[label, 'peak RSS above imports']:.2f}"
         ctx.summary[f"load_touched_rss_ratio{suffix}"] = f"{ratios[label, 'peak RSS, weights touched']:.2f}"
     return rows
+
+
+def load_scale(ctx: Context) -> int:
+    """The larger pipeline the load section compares on: the ``ram`` section's 1.07 GiB (the issue asks for 1 GB or
+    more; the folder is then built once for both), x8 (0.6 GiB) with --quick."""
+    return 8 if ctx.quick else RAM_SCALE
 
 
 # (metric, key in the child's report, unit, target); RSS keys are bytes above the post-import baseline
@@ -391,10 +399,11 @@ def import_everything(folder: Path) -> None:
 
     import diffusers
 
-    import pipemap  # noqa: F401
+    import pipemap
 
     index = json.loads((folder / "model_index.json").read_text())
-    getattr(diffusers, index["_class_name"])
+    getattr(diffusers, index["_class_name"])  # the pipeline class's module, imported on first use
+    pipemap.load  # noqa: B018 -- the same for pipemap: its lazy name imports the loading verbs' module (api)
     for name, entry in index.items():
         if not name.startswith("_") and isinstance(entry, list) and entry[0]:
             getattr(importlib.import_module(entry[0]), entry[1])

@@ -42,6 +42,38 @@ def test_import_pipemap_pulls_in_no_heavy_library():
     assert not {"torch", "diffusers", "transformers", "accelerate", "rich"} & loaded
 
 
+# what a resident plan's load and call must not import: the service, the dry run, the catalog, run_many and the
+# memory ledger's relief, the hooks of other modes (and the moving code they share), rich. Not torchao nor peft:
+# transformers and diffusers import those themselves in a plain from_pretrained (pipemap names neither)
+NOT_FOR_A_RESIDENT_LOAD = (
+    "pipemap.serve", "pipemap.dryrun", "pipemap.catalog", "pipemap.parallel", "pipemap.relief", "pipemap.traffic",
+    "pipemap.doctor", "pipemap.cli", "pipemap.hooks.stream", "pipemap.hooks.offload", "pipemap.hooks.moving",
+    "pipemap.hooks.mapped", "pipemap.hooks.packing", "pipemap.hooks.split", "pipemap.hooks.replica",
+    "pipemap.hooks.copies", "pipemap.hooks.guidance", "pipemap.hooks.sequence", "pipemap.hooks.exchange",
+    "ray", "starlette", "uvicorn", "fastapi", "optimum", "rich", "torch.utils.flop_counter",
+)
+
+_LOAD_AND_CALL = """
+import sys, torch, pipemap
+pipe = pipemap.load(sys.argv[1], plan=pipemap.Plan.from_json(sys.argv[2]), progress=False)
+pipe.set_progress_bar_config(disable=True)
+pipe(prompt="a tiny cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np")
+"""
+
+
+@pytest.mark.slow
+def test_first_load_imports_nothing_the_plan_does_not_need(tmp_path):
+    folder = tiny.save("sd", tmp_path / "sd")
+    plan = pipemap.plan(str(folder), hardware="cuda:0=64MiB,cpu=1GiB").remap({"cuda:0": "cpu"})
+    assert {p.mode for p in plan.components} == {"resident"}
+    code = f"{_LOAD_AND_CALL}\nimport json; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code, str(folder), plan.to_json(indent=None)], capture_output=True,
+                         text=True, check=True)
+    loaded = set(json.loads(out.stdout.splitlines()[-1]))
+    assert "pipemap.hooks.resident" in loaded  # it did load and hook
+    assert sorted(m for m in loaded if m.startswith(NOT_FOR_A_RESIDENT_LOAD)) == []
+
+
 def test_help_and_catalog_import_no_torch():
     assert "torch" not in fresh_modules("from pipemap.cli import _parser; _parser().format_help()")
     assert "torch" not in fresh_modules("import contextlib, io\nfrom pipemap import catalog\n"

@@ -16,20 +16,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import catalog, parallel
-from .admission import Admission, cuda_peaks
-from .cost import Cost, Workload, predict, workload_for
-from .counts import Counts
 from .devices import is_accelerator, real_device
 from .dispatch import planned
-from .dryrun.counted import counts_for, known_counts
-from .dryrun.many import ManyReport, needs_of, snapshot
-from .dryrun.many import simulate_many as dry_run_many
-from .dryrun.report import SimulationReport
-from .dryrun.run import simulate as dry_run
 from .errors import (
     ArgumentConflictError,
     ArgumentTypeError,
@@ -43,8 +35,16 @@ from .inventory import Inventory, inventory_of, read_model_index, resolve_dtype
 from .loading import check_plan_fits, load_onto, with_passed
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
-from .relief import relieve
 from .units import format_bytes, parse_bytes
+
+# The dry run, the catalog, the cost model, the memory ledger and run_many are imported by the verbs that use them,
+# not here: ``pipemap.load``'s first call in a process then imports only what loading and placing need (issue 28).
+if TYPE_CHECKING:
+    from .admission import Admission
+    from .cost import Cost, Workload
+    from .counts import Counts
+    from .dryrun.many import ManyReport
+    from .dryrun.report import SimulationReport
 
 MEASURE = "measure"  # the headroom a dry run measures
 
@@ -107,8 +107,11 @@ class Request:
         """The source's components, sized at the dtype asked for: headers only for a folder, configs only for a
         catalog name."""
         source = self.source
-        if isinstance(source, str) and not os.path.exists(source) and catalog.resolve(source) is not None:
-            return catalog.inventory(source, self.dtype)
+        if isinstance(source, str) and not os.path.exists(source):
+            from . import catalog  # here: only a name that is no path is looked up there
+
+            if catalog.resolve(source) is not None:
+                return catalog.inventory(source, self.dtype)
         return inventory_of(source, self.dtype, self.variant)
 
     def plan(self, inventory: Inventory | None = None) -> Plan:
@@ -124,6 +127,8 @@ class Request:
     def known_counts(self, inventory: Inventory) -> Counts | None:
         """The default call's counted work, if known without a dry run (the catalog's record, this process, the
         disk cache): what ``"auto"`` prices its candidates by."""
+        from .dryrun.counted import known_counts  # here: only "auto" prices by counts
+
         return known_counts(self.source, inventory.dtype)
 
 
@@ -210,6 +215,8 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **
         raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ArgumentTypeError("steps", steps, "a whole number of denoising steps, 1 or more (2 shows the peak)")
+    from .dryrun.run import simulate as dry_run  # here, as each dry-run verb imports it: load needs none
+
     return dry_run(source, plan, steps=steps, vae_tiling=vae_tiling, **call_kwargs)
 
 
@@ -230,6 +237,8 @@ def simulate_many(source, plan: Plan, calls, workers: int = 2, *, steps: int = 2
     calls = list(calls)
     if not all(isinstance(c, Mapping) for c in calls):
         raise ArgumentTypeError("calls", calls, "a list of dicts of the pipeline's keyword arguments")
+    from .dryrun.many import simulate_many as dry_run_many
+
     return dry_run_many(source, plan, calls, workers, steps=steps)
 
 
@@ -256,6 +265,9 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
     found = pipe.__dict__.get(_ADMISSION)
     if found is not None and found.running is running and found.asked == plan:
         return found
+    from .admission import Admission, cuda_peaks  # here: only a pipeline run by run_many or serve is admitted
+    from .relief import relieve
+
     admission = Admission(counted, _measure(source if source is not None else _dry_run_source(pipe, running)),
                           running=running, relieve=functools.partial(relieve, pipe),
                           allocator=cuda_peaks(counted, running))
@@ -265,6 +277,8 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
 
 
 def _measure(source):
+    from .dryrun.many import needs_of
+
     def measure(plan: Plan, call: dict):
         return needs_of(source, plan, call)
 
@@ -275,6 +289,8 @@ def _dry_run_source(pipe, running: Plan):
     """What a placed pipeline's dry runs start from: a weightless copy of it, or its folder when it has offloaded
     or streamed components (their hooks hold the weights' masters, which no copy can share)."""
     if all(p.mode in ("resident", "split", "replicated") for p in running.components):
+        from .dryrun.many import snapshot
+
         return snapshot(pipe)
     folder = getattr(getattr(pipe, "config", None), "_name_or_path", None)
     if folder and (Path(folder) / "model_index.json").is_file():
@@ -303,6 +319,8 @@ def iter_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False,
     >>> for out in pipemap.iter_many(pipe, ({"prompt": p} for p in prompts)):               # doctest: +SKIP
     ...     out.images[0].save(...)
     """
+    from . import parallel  # here: a pipeline only loaded never runs requests together
+
     return parallel.iter_many(pipe, calls, workers, return_exceptions=return_exceptions,
                               memory=memory_for(pipe, plan))
 
@@ -361,6 +379,9 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, coun
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
+    from .cost import predict, workload_for  # here: only estimates and "auto" price plans
+    from .dryrun.counted import counts_for
+
     request = Request.of(source, hardware, dtype=plan.dtype, variant=plan.variant)
     inventory = request.inventory()
     work = workload_for(inventory, call)
@@ -389,6 +410,8 @@ def measured_plan(source, inventory: Inventory, hw: Hardware, strategy: str | di
     """
     if isinstance(source, Inventory):
         raise HeadroomError("measure", "a dry run needs a pipeline folder or a loaded pipeline, not an Inventory")
+    from .dryrun.run import simulate as dry_run
+
     current = plan_inventory(inventory, hw, strategy, budgets(hw))
     reserve: dict[str, int] = {}
     for _ in range(rounds):

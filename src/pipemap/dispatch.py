@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
-from .hooks import HOOKS, MOVING, CallLock, Ledger, Moved, PlacementHook, hook_component, hook_maker, unhook_component
+from .hooks import HOOKS, MOVING, CallLock, Moved, PlacementHook, hook_component, hook_maker, unhook_component
 from .hooks.follow import follow as follow_component
 from .hooks.follow import forget, remember, settle
 from .inventory import module_bytes
@@ -285,8 +285,8 @@ def stats(pipe, reset: bool = False) -> dict[str, dict[str, int]]:
 def onload_peaks(pipe) -> dict[str, int]:
     """The most bytes of offloaded or streamed weights each execution device held at once since dispatch."""
     for module in pipe.components.values():
-        ledger = getattr(getattr(module, "_hf_hook", None), "ledger", None)
-        if isinstance(ledger, Ledger):
+        ledger = _ledger(getattr(module, "_hf_hook", None))
+        if ledger is not None:
             return dict(ledger.peak)
     return {}
 
@@ -437,11 +437,23 @@ def _check_room(plan: Plan, placement: Placement, module: torch.nn.Module) -> No
                                     "pipemap.dispatch(pipe, pipemap.plan(pipe, ...))")
 
 
+def _ledger(hook: Any) -> Any:
+    """The ledger of a hook that moves weights, else None. Asked of the hook, not by ``isinstance(..., Ledger)``: a
+    pipeline whose plan moves nothing then never imports the moving code (issue 28)."""
+    return hook.ledger if isinstance(hook, PlacementHook) and hook.moves_weights else None
+
+
+def _new_ledger() -> Any:
+    from .hooks.moving import Ledger  # here: only a component that moves weights needs the moving code
+
+    return Ledger()
+
+
 def _hook_new(pipe, plan: Plan, placement: Placement, module: torch.nn.Module) -> None:
     """Place and hook ``module`` as ``placement`` says, sharing the dispatch's ledger and moving lock."""
     moving: list[Any] = [h for h in (getattr(m, "_hf_hook", None) for m in _modules(pipe).values())
-                         if isinstance(getattr(h, "ledger", None), Ledger)]
-    ledger = moving[0].ledger if moving else Ledger()
+                         if _ledger(h) is not None]
+    ledger = moving[0].ledger if moving else _new_ledger() if placement.mode in MOVING else None
     hook = HOOKS[placement.mode](placement, plan.execution_device, ledger)
     if placement.mode in MOVING:
         hook.lock = moving[0].lock if moving else CallLock()

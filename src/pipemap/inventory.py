@@ -177,19 +177,43 @@ def _of_folder(folder: Path, dtype: torch.dtype | None, variant: str | None) -> 
         if not files:
             components.append(Component(name, library, class_name))
             continue
-        at = dtype if dtype is not None else default_dtype(folder / name, library)
-        keep = keep_in_fp32(library, class_name, at)
-        quantized = quantization_method(_config(folder / name)) is not None
-        headers = {key: meta for f in files for key, meta in read_header(f).items()}
-        sizes = {key: _tensor_bytes(meta, key, at, keep, quantized) for key, meta in headers.items()}
-        tree = block_tree(sizes)
-        mappable = library in _WEIGHTED_LIBRARIES and all(sizes[k] == _stored_bytes(m) for k, m in headers.items())
-        components.append(Component(name, library, class_name, sum(sizes.values()), True,
-                                    in_flight=finest_in_flight(tree),
-                                    blocks=split_blocks(sizes), tree=tree,
-                                    attention_width=attention_width(sizes, at.itemsize),
-                                    files=tuple(f"{name}/{f.name}" for f in files) if mappable else ()))
+        stamp = _stamp([*files, folder / name / "config.json"])
+        components.append(_weighted_component(folder, name, library, class_name, dtype, tuple(files), stamp))
     return Inventory(str(folder), index["_class_name"], tuple(components), _dtype_name(dtype), variant)
+
+
+Stamp = tuple[tuple[int, int, int] | None, ...]  # per file: inode, size, modification time (None: no such file)
+
+
+def _stamp(paths: list[Path]) -> Stamp:
+    """What says a file is unchanged without reading it: its inode, size and modification time."""
+    found: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            found.append(None)
+            continue
+        found.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=64)
+def _weighted_component(folder: Path, name: str, library: str, class_name: str, dtype: torch.dtype | None,
+                        files: tuple[Path, ...], stamp: Stamp) -> Component:
+    """A weighted component sized from its files' headers. Cached by the files' ``stamp`` (issue 28): loading the
+    same folder again (``pipemap.load`` sizes it before loading, every time) reads and sizes no header twice, while
+    a file rewritten in place has a new stamp and is read afresh."""
+    at = dtype if dtype is not None else default_dtype(folder / name, library)
+    keep = keep_in_fp32(library, class_name, at)
+    quantized = quantization_method(_config(folder / name)) is not None
+    headers = {key: meta for f in files for key, meta in read_header(f).items()}
+    sizes = {key: _tensor_bytes(meta, key, at, keep, quantized) for key, meta in headers.items()}
+    tree = block_tree(sizes)
+    mappable = library in _WEIGHTED_LIBRARIES and all(sizes[k] == _stored_bytes(m) for k, m in headers.items())
+    return Component(name, library, class_name, sum(sizes.values()), True, in_flight=finest_in_flight(tree),
+                     blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, at.itemsize),
+                     files=tuple(f"{name}/{f.name}" for f in files) if mappable else ())
 
 
 def check_entry(folder: Path, name: str, library: object, class_name: object) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import replication
+from .cost import images_per_second, seconds_per_image
 from .counts import Counts
 from .devices import is_accelerator, real_device
 from .errors import (
@@ -523,8 +524,6 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
     The plan carries every candidate (``plan.explain()``): its predicted seconds per image, its per-device peaks,
     or why it does not fit, and says what priced them: the default call's counted work (``counts``) or the formula.
     """
-    from .cost import images_per_second, seconds_per_image
-
     candidates, plans = [], {}
     for name in (*STRATEGIES, *MIXED):
         try:

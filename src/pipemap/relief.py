@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from .admission import OutOfMemory
 from .dispatch import Move, place_module, stats
 from .errors import DispatchError
-from .hooks import HOOKS, CallLock, Ledger, hook_component, unhook_component
-from .hooks.moving import MovingHook
+from .hooks import HOOKS, CallLock, hook_component, unhook_component
+from .hooks.moving import Ledger, MovingHook
 from .plan import DeviceUse, Plan
 from .units import format_bytes
 

@@ -23,14 +23,15 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from .devices import normalize_device
 from .errors import UnknownDeviceError
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 STATUSES = ("ok", "corrupted", "no_peer", "error")  # error: the copy raised
 # The first driver that stops GeForce RTX 40 cards from silently corrupting peer-to-peer copies (accelerate's
@@ -232,6 +233,8 @@ class TransferReport:
 
     def table(self) -> Table:
         """The matrix as a rich table: one row per source, one column per destination."""
+        from rich.table import Table  # here: rich is for printing; dispatch moves tensors with this module
+
         table = Table(title="copies between devices")
         table.add_column("from \\ to")
         for name in self.devices:
@@ -241,6 +244,8 @@ class TransferReport:
         return table
 
     def __str__(self) -> str:
+        from rich.console import Console
+
         buffer = io.StringIO()
         Console(file=buffer, width=120, color_system=None, force_terminal=False).print(self.table())
         lines = [f"{s} -> {d}: {why}" for (s, d), why in self.details.items()]

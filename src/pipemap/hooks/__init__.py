@@ -24,58 +24,88 @@ undoes; it knows no mode but through ``HOOKS``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..plan import Placement, Plan
 from ..streams import Queues, queues_for
-from .guidance import GuidanceHook
-from .moving import Ledger
-from .offload import OffloadHook
-from .replica import ReplicaHook
 from .resident import CallLock, Moved, PlacementHook, hook_component, unhook_component
-from .sequence import SequenceHook
-from .split import SplitHook
-from .stream import StreamHook
 
-# mode -> ``(placement, execution_device, ledger) -> hook``
-HOOKS: dict[str, Callable[[Placement, str, Ledger], PlacementHook]] = {
-    "resident": PlacementHook.for_placement,
-    "offload": OffloadHook.for_placement,
-    "stream": StreamHook.for_placement,
-    "split": SplitHook.for_placement,
-    "replicated": ReplicaHook.for_placement,
-    "guidance": GuidanceHook.for_placement,
-    "sequence": SequenceHook.for_placement,
+if TYPE_CHECKING:
+    from .guidance import GuidanceHook
+    from .moving import Ledger
+    from .offload import OffloadHook
+    from .replica import ReplicaHook
+    from .sequence import SequenceHook
+    from .split import SplitHook
+    from .stream import StreamHook
+
+# mode -> (module of this wing, hook class); a mode's module is imported when a plan first uses the mode: a resident
+# plan's first load then imports no streaming, offloading, copying or context-parallel code (issue 28)
+_HOOK_CLASSES = {
+    "resident": ("resident", "PlacementHook"),
+    "offload": ("offload", "OffloadHook"),
+    "stream": ("stream", "StreamHook"),
+    "split": ("split", "SplitHook"),
+    "replicated": ("replica", "ReplicaHook"),
+    "guidance": ("guidance", "GuidanceHook"),
+    "sequence": ("sequence", "SequenceHook"),
 }
+# other names of the wing re-exported here, imported on first read like the hooks
+_LAZY = {"Ledger": "moving"} | {cls: module for module, cls in _HOOK_CLASSES.values()}
+
+
+def _hook_class(name: str) -> type:
+    """The class ``name`` of the module ``_LAZY`` names, imported now."""
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+
+
+class _Hooks(Mapping):
+    """``mode -> (placement, execution_device, ledger) -> hook``, each mode's module imported on first use."""
+
+    def __getitem__(self, mode: str) -> Callable[[Placement, str, Any], PlacementHook]:
+        if mode not in _HOOK_CLASSES:
+            raise KeyError(mode)
+        return _hook_class(_HOOK_CLASSES[mode][1]).for_placement  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_HOOK_CLASSES)
+
+    def __len__(self) -> int:
+        return len(_HOOK_CLASSES)
+
+
+HOOKS: Mapping[str, Callable[[Placement, str, Any], PlacementHook]] = _Hooks()
 MOVING = ("offload", "stream")  # modes whose hooks move weights: one ledger, and one call at a time among them
 
 
-def _outside_graphs(cls: type) -> None:
-    # ``module.compile()`` and ``compile_repeated_blocks`` compile the module's whole call, hooks included: dynamo
-    # would trace the hooks' bookkeeping (queues, events, the LRU cache) into the graph and guard on it (a new
-    # onloaded tensor each call, a recompile each call). Each hook method runs eagerly, between graphs, instead.
-    for name in ("pre_forward", "post_forward", "_enter", "_leave"):
-        if name in cls.__dict__:
-            setattr(cls, name, torch.compiler.disable(cls.__dict__[name], recursive=True))
-
-
-for _hook in (PlacementHook, OffloadHook, StreamHook, SplitHook, ReplicaHook):
-    _outside_graphs(_hook)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = _hook_class(name)
+        globals()[name] = value  # later reads skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
                ) -> Callable[[Placement], PlacementHook]:
     """``placement -> hook`` for one dispatch of ``plan``: the moving hooks share one ledger of what is onloaded
     where (and evict each other), so they take turns (one lock); ``queues`` makes each device's copy queues."""
-    ledger = Ledger(queues)
+    shared: list[Any] = []  # the ledger and the lock, made with the first moving hook: none for a plan without one
     moving = CallLock()
 
     def make(p: Placement) -> PlacementHook:
-        hook = HOOKS[p.mode](p, plan.execution_device, ledger)
-        if p.mode in MOVING:
-            hook.lock = moving
+        if p.mode not in MOVING:
+            return HOOKS[p.mode](p, plan.execution_device, None)
+        if not shared:
+            from .moving import Ledger  # here: only a plan that moves weights needs the moving code
+
+            shared.append(Ledger(queues))
+        hook = HOOKS[p.mode](p, plan.execution_device, shared[0])
+        hook.lock = moving
         return hook
 
     return make

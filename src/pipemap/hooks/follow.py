@@ -20,19 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..plan import Placement
 from ..quantized import restored, storage
 from ..transfer import move_tensor
-from .moving import MovingHook
-from .offload import OffloadHook
-from .packing import Group
-from .replica import ReplicaHook
 from .resident import PlacementHook, hook_component, unhook_component
-from .stream import StreamHook
+
+if TYPE_CHECKING:
+    from .packing import Group
 
 Place = Callable[[torch.nn.Module, Placement], Any]  # a component's tensors onto the devices of its placement
 
@@ -73,11 +71,17 @@ def _masters(hook: Any) -> dict[int, torch.Tensor]:
 
 
 def _state(module: torch.nn.Module) -> tuple[Any, ...]:
-    return tuple((k, _frozen(v)) for k, v in sorted(module.__dict__.items()) if k not in _NOT_STATE)
+    # the keys left by a set difference, then sorted: each dispatch takes this of every module (``remember``), and
+    # sorting all of a module's __dict__ (torch's bookkeeping first) was most of what a load added (issue 28)
+    found = module.__dict__
+    return tuple((k, _frozen(found[k])) for k in sorted(found.keys() - _NOT_STATE))
+
+
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device)
 
 
 def _frozen(value: Any, depth: int = 3) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+    if value is None or type(value) in _PLAIN or isinstance(value, _PLAIN):  # the exact type first: the usual case
         return value
     if depth and isinstance(value, dict):
         return ("dict", tuple((str(k), _frozen(v, depth - 1)) for k, v in value.items()))
@@ -89,11 +93,9 @@ def _frozen(value: Any, depth: int = 3) -> Any:
 
 def groups(hook: Any) -> list[Group]:
     """The groups of tensors a moving hook moves (none for the others)."""
-    if isinstance(hook, OffloadHook):
-        return [hook.group] if hasattr(hook, "group") else []
-    if isinstance(hook, StreamHook):
-        return [hook.root, *hook.blocks] if hasattr(hook, "root") else []
-    return []
+    # asked of the hook, not by its class: this module (imported by dispatch) then needs no hook module beyond the
+    # resident one, and a plan that moves nothing imports no moving code (issue 28)
+    return hook.moved_groups() if isinstance(hook, PlacementHook) else []
 
 
 def remember(module: torch.nn.Module) -> None:
@@ -111,7 +113,7 @@ def follow(module: torch.nn.Module, placement: Placement, place: Place) -> bool:
     if seen is not None and signature(module) == seen:
         return False
     hook = getattr(module, "_hf_hook", None)
-    if isinstance(hook, (MovingHook, ReplicaHook)):
+    if isinstance(hook, PlacementHook) and hook.rehooked_on_change:
         rehook(module, hook, placement, place)
     else:
         place(module, placement)

@@ -108,6 +108,9 @@ class MovingHook(PlacementHook):
     next call starts with the memory the first one had.
     """
 
+    rehooked_on_change = True
+    moves_weights = True
+
     def __init__(self, component: str, device: str, execution_device: str, ledger: Ledger, room: int):
         super().__init__(component, device, execution_device)
         self.ledger, self.room = ledger, room

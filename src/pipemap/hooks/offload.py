@@ -10,6 +10,7 @@ from ..plan import Placement
 from .mapped import pin_from_map
 from .moving import Ledger, MovingHook
 from .packing import Group, slots
+from .resident import outside_graphs
 
 
 class OffloadHook(MovingHook):
@@ -21,6 +22,9 @@ class OffloadHook(MovingHook):
     """
 
     from_disk = False  # its plan leaves it in its files (``Placement.disk_bytes``)
+
+    def moved_groups(self) -> list[Group]:
+        return [self.group] if hasattr(self, "group") else []
 
     @classmethod
     def for_placement(cls, p: Placement, execution_device: str, ledger: Ledger) -> OffloadHook:
@@ -87,3 +91,6 @@ class OffloadHook(MovingHook):
 
     def __repr__(self) -> str:
         return f"OffloadHook({self.component!r}, device={self.device}, room={self.room})"
+
+
+outside_graphs(OffloadHook)

@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..transfer import move, move_tensor
-from .resident import PlacementHook
+from .resident import PlacementHook, outside_graphs
 
 
 class ReplicaHook(PlacementHook):
@@ -34,6 +34,8 @@ class ReplicaHook(PlacementHook):
     the other parts start in ``pre_forward`` on threads of this hook's pool (inline on the dry run's stand-in
     devices, whose checking modes are thread-local) and are joined in ``post_forward``.
     """
+
+    rehooked_on_change = True
 
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
         super().__init__(component, device, execution_device)
@@ -195,3 +197,6 @@ def join_batch(outputs: list):
     joined = [torch.cat([f[i] for f in flat]) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
               for i, leaf in enumerate(first)]
     return tree_unflatten(joined, spec)
+
+
+outside_graphs(ReplicaHook)

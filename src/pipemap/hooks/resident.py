@@ -56,6 +56,9 @@ class PlacementHook(ModelHook):
     every pipemap hook carries that one, and the component's own device is ``device``.
     """
 
+    rehooked_on_change = False  # a changed model gets a new hook (``follow.rehook``), not just its tensors placed
+    moves_weights = False  # it onloads weights through a ``moving.Ledger`` (its ``ledger``)
+
     def __init__(self, component: str, device: str, execution_device: str):
         self.component = component
         self.device = torch.device(device)
@@ -90,6 +93,10 @@ class PlacementHook(ModelHook):
     def for_placement(cls, p, execution_device: str, ledger) -> PlacementHook:
         """The hook of a resident placement (``hooks.HOOKS``)."""
         return cls(p.component, p.device, execution_device)
+
+    def moved_groups(self) -> list:
+        """The groups of tensors this hook moves to its device at each call (``packing.Group``): none here."""
+        return []
 
 
 def _copied_containers(given, moved) -> list[tuple]:
@@ -270,3 +277,18 @@ def _locked(module: torch.nn.Module, forward, *args, **kwargs):
                 hook.written.clear()  # what a call that raised left behind
 
     return component_call(module, call)
+
+
+def outside_graphs(cls: type) -> None:
+    """Each hook method of ``cls`` run eagerly, between compiled graphs; called below each hook class.
+
+    ``module.compile()`` and ``compile_repeated_blocks`` compile the module's whole call, hooks included: dynamo
+    would trace the hooks' bookkeeping (queues, events, the LRU cache) into the graph and guard on it (a new onloaded
+    tensor each call, a recompile each call). Done where each class is defined, so importing one hook's module alone
+    (``hooks.HOOKS`` imports a mode's module on first use) still wraps it."""
+    for name in ("pre_forward", "post_forward", "_enter", "_leave"):
+        if name in cls.__dict__:
+            setattr(cls, name, torch.compiler.disable(cls.__dict__[name], recursive=True))
+
+
+outside_graphs(PlacementHook)

@@ -11,7 +11,7 @@ from accelerate.hooks import add_hook_to_module
 from torch.utils._pytree import tree_map
 
 from ..transfer import move, move_tensor
-from .resident import PlacementHook, unhook_component
+from .resident import PlacementHook, outside_graphs, unhook_component
 
 
 class SplitHook(PlacementHook):
@@ -105,3 +105,6 @@ def _run_ends(shards: tuple[tuple[str, str, int], ...]) -> list[bool]:
         ends.append(following is None or following[1] != device or not index.isdigit()
                     or following[0] != f"{prefix}.{int(index) + 1}")
     return ends
+
+
+outside_graphs(SplitHook)

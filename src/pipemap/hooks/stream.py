@@ -20,6 +20,7 @@ from ..plan import Placement
 from .mapped import Pages, pin_from_map
 from .moving import Ledger, MovingHook
 from .packing import Group, Slot, slots
+from .resident import outside_graphs
 
 _START = -1  # the block "before" the first one, in the recorded block order
 
@@ -108,6 +109,9 @@ class StreamHook(MovingHook):
     def for_placement(cls, p: Placement, execution_device: str, ledger: Ledger) -> StreamHook:
         """The hook of a streamed placement (``hooks.HOOKS``): its pieces, resident pieces and prefetch depth."""
         return cls(p.component, p.execution_device, execution_device, ledger, p.room, stream_spec(p))
+
+    def moved_groups(self) -> list[Group]:
+        return [self.root, *self.blocks] if hasattr(self, "root") else []
 
     def init_hook(self, module):
         self.spec = self.spec.on(module, self.component)
@@ -304,3 +308,6 @@ class StreamHook(MovingHook):
 
     def __repr__(self) -> str:
         return f"StreamHook({self.component!r}, device={self.device}, blocks={len(self.blocks)})"
+
+
+outside_graphs(StreamHook)
