@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pipemap
 from families import build, fresh
-from pipemap.dryrun import known
+from pipemap.dryrun import known, standin
 from pipemap.dryrun.run import dry_call
 from pipemap.dryrun.trackers import StorageTracker
 
@@ -117,7 +117,8 @@ def test_every_scheduler_diffusers_ships_runs_on_stand_ins():
         with mode:
             weight = torch.empty(1, device="meta:0")
         scheduler = cls(**config)
-        with mode, known.known_values():
+        # as the dry run runs them: a generator asked for on a stand-in device is a CPU one (DPM++ SDE's torchsde)
+        with mode, known.known_values(), standin.standin_generators():
             sample = torch.ones(1, 4, 8, 8, device="meta:0") * weight  # a latent: depends on weights
             stand_in, out = _denoise(scheduler, "meta:0", sample, sample.mul)
             assert out.shape == (1, 4, 8, 8) and out.device == torch.device("meta:0")

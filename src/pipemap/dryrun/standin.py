@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -324,7 +325,6 @@ def _fused_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
 def _fused_backend(function):
     """A diffusers attention backend ((batch, tokens, heads, width) in and out) that, on stand-ins, returns the
     fused kernel's output, and its log-sum-exp (batch, tokens, heads) when asked."""
-    import functools
 
     @functools.wraps(function)
     def backend(query, key, value, *args, **kwargs):

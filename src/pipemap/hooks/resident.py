@@ -71,7 +71,7 @@ class PlacementHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         self.moved.calls += 1
         moved = move(args, self.device), move(kwargs, self.device)
-        self.written.append(_copied_containers((args, kwargs), moved))
+        self.written.append(copied_containers((args, kwargs), moved))
         return moved
 
     def post_forward(self, module, output):
@@ -99,7 +99,7 @@ class PlacementHook(ModelHook):
         return []
 
 
-def _copied_containers(given, moved) -> list[tuple]:
+def copied_containers(given, moved) -> list[tuple]:
     """The argument lists and dicts that moving the inputs copied (they held tensors elsewhere), with what the copy
     held: a callee may write into them. Wan's VAE passes its causal-convolution cache (``feat_cache``) and its
     position in it as lists that each block fills in; a block on another GPU must fill the caller's list."""

@@ -11,7 +11,7 @@ from accelerate.hooks import add_hook_to_module
 from torch.utils._pytree import tree_map
 
 from ..transfer import move, move_tensor
-from .resident import PlacementHook, outside_graphs, unhook_component
+from .resident import PlacementHook, copied_containers, outside_graphs, unhook_component
 
 
 class SplitHook(PlacementHook):
@@ -64,8 +64,12 @@ class ShardHook(PlacementHook):
 
     def pre_forward(self, module, *args, **kwargs):
         self.moved.calls += 1
-        args, kwargs = self.inputs.move((args, kwargs), self.device)
-        return move(args, self.device), move(kwargs, self.device)  # what the tree walk does not reach
+        given = (args, kwargs)
+        args, kwargs = self.inputs.move(given, self.device)
+        moved = move(args, self.device), move(kwargs, self.device)  # what the tree walk does not reach
+        # lists the block fills in (Wan's VAE causal cache, ``feat_cache``) are written back at its end (post_forward)
+        self.written.append(copied_containers(given, moved))
+        return moved
 
 
 class CallInputs:
