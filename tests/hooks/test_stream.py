@@ -7,80 +7,13 @@ import pytest
 import torch
 
 import pipemap
-from helpers import moving, pipeline_state, plain_pipeline, run
-from pipemap import tiny
-from pipemap.dispatch import onload_peaks
+from helpers import plain_pipeline, run
 from pipemap.hooks import Ledger, hook_component, packing, stream, unhook_component
 from pipemap.inventory import stream_blocks
 from pipemap.plan import Placement
 from pipemap.planner import forcing_hardware
 
-
-class Boom(RuntimeError):
-    pass
-
-
-def _fail_once(module: torch.nn.Module, after: int):
-    """A pre-hook on ``module`` that raises at its ``after``-th call, once (an out-of-memory error, say)."""
-    calls = []
-
-    def hook(mod, args):
-        calls.append(1)
-        if len(calls) == after:
-            raise Boom("simulated out of memory")
-
-    return module.register_forward_pre_hook(hook)
-
-
-# ---- running on the CPU: GPU plans remapped ----------------------------------------------------------------------
-
-
-@pytest.mark.slow  # over 2 s: out of the quick subset
-@pytest.mark.parametrize("strategy", ["balanced_ultra_low_memory"])
-@pytest.mark.parametrize("kind", tiny.KINDS)
-def test_output_equals_plain_and_reset_restores(tiny_folders, reference_outputs, kind, strategy):
-    pipe = plain_pipeline(tiny_folders[kind])
-    gpu_plan = pipemap.plan(pipe, hardware=forcing_hardware(pipemap.inspect(pipe), strategy, 1), strategy=strategy,
-                            headroom=0.0)
-    assert {p.mode for p in gpu_plan.components} == {"resident", "stream"}
-    assert all(d.used <= d.budget for d in gpu_plan.devices)
-    run(pipe, kind)  # transformers installs hooks of its own at the first call
-    before = pipeline_state(pipe)
-    pipemap.dispatch(pipe, gpu_plan.remap({"cuda:0": "cpu"}))
-    torch.testing.assert_close(run(pipe, kind), reference_outputs[kind], atol=1e-5, rtol=0)
-    moved = pipemap.stats(pipe)
-    for p in gpu_plan.components:
-        assert (moved[p.component]["h2d_bytes"] > 0) == (p.mode != "resident"), p.component
-        assert moved[p.component]["d2h_bytes"] == 0 and moved[p.component]["calls"] > 0
-    # in the accounting: residents plus what was onloaded at once stay within the GPU's budget (give or take the
-    # non-persistent buffers, position_ids, which no header lists: 616 bytes a text encoder)
-    resident = sum(p.bytes for p in gpu_plan.components if p.mode == "resident")
-    assert resident + onload_peaks(pipe)["cpu"] <= gpu_plan.devices[0].budget + 4096
-    pipemap.reset(pipe)
-    assert pipeline_state(pipe) == before
-    torch.testing.assert_close(run(pipe, kind), reference_outputs[kind], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("mode", ["stream"])
-def test_a_failed_call_leaves_nothing_onloaded(tiny_folders, reference_outputs, sd_plan, sd_inventory, mode):
-    pipe = plain_pipeline(tiny_folders["sd"])
-    plan = moving(sd_plan, sd_inventory, {"unet": (mode, "cuda:0")}).remap({"cuda:0": "cpu", "cuda:1": "cpu"})
-    pipemap.dispatch(pipe, plan)
-    hook = pipe.unet._hf_hook
-    run(pipe, "sd")
-    first = pipemap.stats(pipe, reset=True)["unet"]
-    live = dict(hook.ledger.live)
-    handle = _fail_once(pipe.unet.up_blocks[1], after=2)  # in the second step, half way through the unet
-    with pytest.raises(Boom):
-        run(pipe, "sd")
-    handle.remove()
-    assert not any(g.loaded for g in [hook.root, *hook.blocks]) and hook.ledger.live["cpu"] <= live["cpu"]
-    pipemap.stats(pipe, reset=True)
-    torch.testing.assert_close(run(pipe, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
-    again = pipemap.stats(pipe)["unet"]
-    # the next call onloads what the first did: every block, as at every call
-    assert again == first
-    pipemap.reset(pipe)
+# the call on the CPU equal to plain diffusers, and a failed call leaving nothing onloaded: tests/hooks/test_moving.py
 
 
 @pytest.mark.slow
