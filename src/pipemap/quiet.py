@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -11,6 +12,21 @@ def quiet_diffusers() -> Iterator[None]:
     """Raise diffusers' log level to ERROR inside the block, and put it back after."""
     from diffusers.utils import logging
 
+    with _quiet(logging):
+        yield
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Raise transformers' log level to ERROR inside the block, and put it back after."""
+    from transformers.utils import logging
+
+    with _quiet(logging):
+        yield
+
+
+@contextlib.contextmanager
+def _quiet(logging: Any) -> Iterator[None]:  # diffusers' and transformers' logging modules share these calls
     level = logging.get_verbosity()
     logging.set_verbosity_error()
     try:

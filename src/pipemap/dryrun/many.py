@@ -24,7 +24,7 @@ from typing import Any, cast
 from ..admission import Lease, MemoryLedger, Needs, Ticket, call_shape, measured_call, too_large
 from ..errors import CallTooLargeError, SimulationFailedError
 from ..plan import Plan
-from ..quiet import quiet_diffusers
+from ..quiet import quiet_diffusers, quiet_transformers
 from ..units import format_bytes
 from . import standin
 from .report import SimulationReport
@@ -117,25 +117,13 @@ class Measured:
 def measure(source, plan: Plan, call: Mapping, steps: int = 2) -> Measured:
     """Run ``call`` on stand-in devices as ``plan`` places it and read its needs and course; a dry run that fails
     raises ``SimulationFailedError``."""
-    with _DRY_RUNS, quiet_diffusers(), _quiet_transformers():  # a prompt made long for its bucket is truncated
+    with _DRY_RUNS, quiet_diffusers(), quiet_transformers():  # a prompt made long for its bucket is truncated
         report, tracker, _ = traced(source, plan, steps=steps, call=call, tracker=SegmentTracker)
     if not report.ok:
         raise SimulationFailedError(report)
     back = {v: k for k, v in standin.devices_for(plan).items()}
     course = cast(SegmentTracker, tracker).course(back)
     return Measured(needs_from(course, report.peak_phase), course, report)
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    from transformers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
 
 
 def needs_of(source, plan: Plan, call: Mapping, steps: int = 2) -> Needs:
