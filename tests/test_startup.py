@@ -197,17 +197,16 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_every_function_level_import_saves_start_up_time():
+@pytest.mark.parametrize("module", sorted(function_level_imports()))  # a process each: the workers share them
+def test_every_function_level_import_saves_start_up_time(module):
     # an import inside a function is allowed only where importing its module without it loads less: each statement,
     # run after a fresh ``import pipemap.<module>``, must bring in modules that import had not (torch, diffusers'
     # pipelines, rich, ray...); one that brings nothing new belongs at the top of its file
-    wasted = []
-    for module, statements in function_level_imports().items():
-        out = subprocess.run([sys.executable, "-c", _SAVING, f"pipemap.{module}", json.dumps(statements)],
-                             capture_output=True, text=True, check=True)
-        saved = json.loads(out.stdout.splitlines()[-1])
-        wasted += [f"{module}: {s}" for s, ok in zip(statements, saved) if not ok]
-    assert wasted == []
+    statements = function_level_imports()[module]
+    out = subprocess.run([sys.executable, "-c", _SAVING, f"pipemap.{module}", json.dumps(statements)],
+                         capture_output=True, text=True, check=True)
+    saved = json.loads(out.stdout.splitlines()[-1])
+    assert [s for s, ok in zip(statements, saved) if not ok] == []
 
 
 def test_cli_lists_match_the_library():

@@ -4,14 +4,10 @@ skip themselves where httpx or the serve extra is missing; these import them onl
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 import pipemap
-from pipemap.planner import forcing_hardware
-
-ROOM = 8 * 2**20  # for activations: two 32x32 images with guidance take 3.2 MiB on the tiny SD
+from serving import ROOM, roomy_hardware
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +18,7 @@ def service(tiny_folders):
     from pipemap.serve import Options, Service
 
     folder = tiny_folders["sd"]
-    budget = re.fullmatch(r"cuda:0=(\d+),(.*)", forcing_hardware(pipemap.inspect(folder), "balanced_low_memory"))
-    hardware = f"cuda:0={int(budget[1]) + ROOM},{budget[2]}"
+    hardware = roomy_hardware(pipemap.inspect(folder))
     return Service.load(Options(folder, hardware=hardware, strategy="balanced_low_memory", headroom=ROOM,
                                 max_queue=1, timeout=120.0, max_n=2, workers=2))
 

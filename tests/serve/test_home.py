@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import pipemap
-from pipemap.planner import forcing_hardware
+from serving import ROOM, roomy_hardware
 
 httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
 pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
@@ -23,9 +23,9 @@ SVG = "{http://www.w3.org/2000/svg}"
 def served(tiny_folders):
     """The tiny SD pipeline on a plan that offloads (so links carry bytes), remapped onto the CPU."""
     folder = tiny_folders["sd"]
-    hardware = forcing_hardware(pipemap.inspect(folder), "balanced_low_memory")
-    service = Service.load(Options(folder, hardware=hardware, strategy="balanced_low_memory", headroom=0.0,
-                                   timeout=120.0))
+    # room for the activations of a call at the page's default size, which the memory ledger admits
+    service = Service.load(Options(folder, hardware=roomy_hardware(pipemap.inspect(folder)),
+                                   strategy="balanced_low_memory", headroom=ROOM, timeout=120.0))
     with Background(service) as address:
         yield service, address
 
