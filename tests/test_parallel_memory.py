@@ -9,6 +9,7 @@ import torch
 import pipemap
 from pipemap import tiny
 from pipemap.api import memory_for
+from pipemap.planner import forcing_hardware
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 # tiny SD, balanced with no headroom: unet and text encoder on cuda:0 (3.2 MiB), the vae on cuda:1 (2.5). Beside
@@ -65,4 +66,25 @@ def test_a_plan_without_a_gpu_has_no_ledger():
     pipe = tiny.build("sd")
     pipemap.dispatch(pipe, pipemap.plan(pipe, hardware="cpu=1GiB"))
     assert memory_for(pipe) is None and memory_for(tiny.build("sd")) is None  # no GPU; not placed
+    pipemap.reset(pipe)
+
+
+def test_a_streamed_pipeline_built_in_code_runs_many_alone_with_a_warning():
+    # nothing to dry-run from (its weights in the hooks' buffers, no folder): each request runs alone, and says so,
+    # where run_many once refused with PipelineMappedError
+    pipe = tiny.build("sd")
+    pipe.set_progress_bar_config(disable=True)
+    one_by_one = [torch.as_tensor(pipe(**call).images) for call in _calls(3)]
+    budget = int(forcing_hardware(pipemap.inspect(pipe), "balanced_ultra_low_memory").split(",")[0].split("=")[1])
+    plan = pipemap.plan(pipe, hardware=f"cuda:0={budget + 2**20},cpu=1GiB", strategy="balanced_ultra_low_memory",
+                        headroom={"cuda:0": "1MiB"})  # the forcing budget for weights, 1 MiB for a call
+    assert any(p.mode == "stream" for p in plan.components)
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
+    with pytest.warns(RuntimeWarning, match="run alone"):
+        outputs = pipemap.run_many(pipe, _calls(3), workers=2, plan=plan)
+    for got, want in zip(outputs, one_by_one, strict=True):
+        torch.testing.assert_close(torch.as_tensor(got.images), want, atol=0, rtol=0)
+    admission = memory_for(pipe, plan)
+    assert admission.unmeasured and max(r.running for r in admission.ledger.history) == 1
+    assert "PipelineMappedError" in next(iter(admission.unmeasured.values()))
     pipemap.reset(pipe)

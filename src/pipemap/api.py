@@ -268,18 +268,31 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
     from .admission import Admission, cuda_peaks  # here: only a pipeline run by run_many or serve is admitted
     from .relief import relieve
 
-    admission = Admission(counted, _measure(source if source is not None else _dry_run_source(pipe, running)),
-                          running=running, relieve=functools.partial(relieve, pipe),
+    admission = Admission(counted, _measure(source, pipe, running), running=running,
+                          relieve=functools.partial(relieve, pipe),
                           allocator=cuda_peaks(counted, running))
     admission.asked = plan
     pipe.__dict__[_ADMISSION] = admission
     return admission
 
 
-def _measure(source):
+def _measure(source, pipe, running: Plan):
+    """The ledger's measure: a dry run of ``source``, else of what ``_dry_run_source`` finds now (a copy taken at
+    once, before later changes to the pipeline). A pipeline with nothing to dry-run from (streamed, built in code)
+    raises at each measure instead, and the ledger runs its requests alone, with a warning, rather than
+    ``run_many`` refusing them."""
     from .dryrun.many import needs_of
 
+    failure: PipelineMappedError | None = None
+    if source is None:
+        try:
+            source = _dry_run_source(pipe, running)
+        except PipelineMappedError as err:
+            failure = err
+
     def measure(plan: Plan, call: dict):
+        if failure is not None:
+            raise failure
         return needs_of(source, plan, call)
 
     return measure
