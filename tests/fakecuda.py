@@ -830,9 +830,9 @@ class FakeCudart:
                 1: "cudaErrorInvalidValue"}.get(int(code), f"error {code}")
 
 
-def _check_error(code) -> None:
-    if int(code) != 0:
-        raise RuntimeError(f"CUDA error: {FakeCuda.active.cudart.cudaGetErrorString(int(code))} ({int(code)}) "
+def _check_error(res) -> None:
+    if int(res) != 0:
+        raise RuntimeError(f"CUDA error: {FakeCuda.active.cudart.cudaGetErrorString(int(res))} ({int(res)}) "
                            "(fake CUDA)")
 
 
@@ -870,24 +870,25 @@ def install(monkeypatch=None, gpus: int = 2) -> FakeCuda:
     replacements = {
         "is_available": lambda: True, "is_initialized": lambda: True, "init": lambda: None,
         "device_count": lambda: fake.gpus, "current_device": fake.current_device,
-        "set_device": lambda d: setattr(fake.local, "device", fake.index(d)), "device": _DeviceContext,
+        "set_device": lambda device: setattr(fake.local, "device", fake.index(device)), "device": _DeviceContext,
         "Stream": FakeStream, "Event": FakeEvent, "current_stream": fake.current_stream,
         "default_stream": fake.default_stream, "set_stream": fake.set_stream, "stream": _stream_context,
         "synchronize": fake.synchronize, "cudart": lambda: fake.cudart, "check_error": _check_error,
-        "get_device_properties": lambda d=None: _properties(fake, d),
-        "get_device_name": lambda d=None: _properties(fake, d).name,
-        "get_device_capability": lambda d=None: (9, 0), "can_device_access_peer": lambda a, b: True,
-        "mem_get_info": lambda d=None: (fake.limit.get(fake.index(d), fake.memory) - fake.allocated.get(
-            fake.index(d), 0), fake.memory),
-        "set_per_process_memory_fraction": lambda fraction, d=None: fake.limit.__setitem__(
-            fake.index(d), int(fraction * fake.memory)),
-        "max_memory_reserved": lambda d=None: fake.peak_reserved.get(fake.index(d), 0),
-        "memory_allocated": lambda d=None: fake.allocated.get(fake.index(d), 0),
-        "max_memory_allocated": lambda d=None: fake.peak.get(fake.index(d), 0),
-        "memory_reserved": lambda d=None: fake.reserved.get(fake.index(d), 0),
-        "reset_peak_memory_stats": lambda d=None: (fake.peak.__setitem__(
-            fake.index(d), fake.allocated.get(fake.index(d), 0)), fake.peak_reserved.__setitem__(
-            fake.index(d), fake.reserved.get(fake.index(d), 0))),
+        "get_device_properties": lambda device=None: _properties(fake, device),
+        "get_device_name": lambda device=None: _properties(fake, device).name,
+        "get_device_capability": lambda device=None: (9, 0),
+        "can_device_access_peer": lambda device, peer_device: True,
+        "mem_get_info": lambda device=None: (fake.limit.get(fake.index(device), fake.memory) - fake.allocated.get(
+            fake.index(device), 0), fake.memory),
+        "set_per_process_memory_fraction": lambda fraction, device=None: fake.limit.__setitem__(
+            fake.index(device), int(fraction * fake.memory)),
+        "max_memory_reserved": lambda device=None: fake.peak_reserved.get(fake.index(device), 0),
+        "memory_allocated": lambda device=None: fake.allocated.get(fake.index(device), 0),
+        "max_memory_allocated": lambda device=None: fake.peak.get(fake.index(device), 0),
+        "memory_reserved": lambda device=None: fake.reserved.get(fake.index(device), 0),
+        "reset_peak_memory_stats": lambda device=None: (fake.peak.__setitem__(
+            fake.index(device), fake.allocated.get(fake.index(device), 0)), fake.peak_reserved.__setitem__(
+            fake.index(device), fake.reserved.get(fake.index(device), 0))),
         "empty_cache": fake.empty_cache,
     }
     for name, value in replacements.items():

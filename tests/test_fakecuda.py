@@ -129,3 +129,24 @@ def test_the_allocator_counts_and_refuses_past_its_limit(fake_cuda):
         torch.empty(4000, dtype=torch.uint8, device="cuda:0")
     del kept
     assert torch.cuda.memory_allocated(0) == 0 and torch.cuda.max_memory_allocated(0) == 1024
+
+
+def test_every_replaced_function_takes_the_arguments_of_torch_cuda_by_their_names():
+    """Callers pass ``device=`` by name (the ``kernels`` package that transformers 5.25 runs at load does): a fake
+    that names its parameters otherwise breaks them on the fake only."""
+    import inspect
+
+    before = {name: getattr(torch.cuda, name) for name in dir(torch.cuda) if not name.startswith("_")}
+    fake = fakecuda.install(gpus=2)
+    try:
+        replaced = {name: getattr(torch.cuda, name) for name in before if getattr(torch.cuda, name) is not before[name]}
+    finally:
+        fake.exit()
+    functions = {name: fn for name, fn in replaced.items() if not inspect.isclass(before[name])}
+    assert {"get_device_capability", "mem_get_info", "memory_allocated", "set_device"} <= set(functions)
+
+    def names(fn):
+        return [p.name for p in inspect.signature(fn).parameters.values()]
+
+    assert {name: names(fn) for name, fn in functions.items()} == {
+        name: names(before[name]) for name in functions}

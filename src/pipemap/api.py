@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .admission import Admission, cuda_peaks
+from .cost import predict, workload_for
 from .devices import is_accelerator, real_device
 from .dispatch import planned
 from .errors import (
@@ -198,13 +200,16 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
                      check_transfers=check_transfers, kwargs=kwargs)
 
 
-def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **call_kwargs) -> SimulationReport:
+def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, advice: bool = True,
+             **call_kwargs) -> SimulationReport:
     """Run ``source``'s own call on stand-in devices as ``plan`` places it; never touches the caller's pipeline.
 
     ``source`` is a loaded pipeline, a pipeline folder (no weight byte is read) or a catalog name such as
     ``"flux.1-dev"`` (models built from its published configs; nothing is downloaded). Steps repeat, so ``steps``
-    (default 2) need not be the real count. ``vae_tiling=True`` calls ``vae.enable_tiling()`` first. Extra keyword
-    arguments go to the pipeline call (``height=``, ``width=``, ``image=`` for a ControlNet, ``output_type=``...).
+    (default 2) need not be the real count. ``vae_tiling=True`` calls ``vae.enable_tiling()`` first. Where VAE
+    decode peaks above its device's memory, the report's ``advice`` says whether tiling would fit, from a second dry
+    run with tiling; ``advice=False`` skips it (half the time). Extra keyword arguments go to the pipeline call
+    (``height=``, ``width=``, ``image=`` for a ControlNet, ``output_type=``...).
 
     >>> plan = pipemap.plan("flux.1-dev", hardware="2x16GiB", strategy="auto")          # doctest: +SKIP
     >>> report = pipemap.simulate("flux.1-dev", plan, height=1024, width=1024)         # doctest: +SKIP
@@ -217,7 +222,10 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **
         raise ArgumentTypeError("steps", steps, "a whole number of denoising steps, 1 or more (2 shows the peak)")
     from .dryrun.run import simulate as dry_run  # here, as each dry-run verb imports it: load needs none
 
-    return dry_run(source, plan, steps=steps, vae_tiling=vae_tiling, **call_kwargs)
+    if not isinstance(advice, bool):
+        raise ArgumentTypeError("advice", advice, "True (the default: tiling advice where VAE decode does not fit) "
+                                "or False (no second dry run)")
+    return dry_run(source, plan, steps=steps, vae_tiling=vae_tiling, advice=advice, **call_kwargs)
 
 
 def simulate_many(source, plan: Plan, calls, workers: int = 2, *, steps: int = 2) -> ManyReport:
@@ -265,7 +273,6 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
     found = pipe.__dict__.get(_ADMISSION)
     if found is not None and found.running is running and found.asked == plan:
         return found
-    from .admission import Admission, cuda_peaks  # here: only a pipeline run by run_many or serve is admitted
     from .relief import relieve
 
     admission = Admission(counted, _measure(source, pipe, running), running=running,
@@ -392,7 +399,6 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, coun
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
-    from .cost import predict, workload_for  # here: only estimates and "auto" price plans
     from .dryrun.counted import counts_for
 
     request = Request.of(source, hardware, dtype=plan.dtype, variant=plan.variant)
@@ -428,7 +434,7 @@ def measured_plan(source, inventory: Inventory, hw: Hardware, strategy: str | di
     current = plan_inventory(inventory, hw, strategy, budgets(hw))
     reserve: dict[str, int] = {}
     for _ in range(rounds):
-        report = dry_run(source, current, **call)
+        report = dry_run(source, current, advice=False, **call)  # the peaks only: no tiling advice
         if not report.ok:
             raise SimulationFailedError(report)
         if reserve and all(v <= reserve.get(d, 0) for d, v in report.activation_bytes.items()):

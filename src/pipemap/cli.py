@@ -14,7 +14,14 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from .errors import FolderNotEmptyError, HeadroomError, OutputPathError, PipemapError, UnknownStrategyError
+from .errors import (
+    ArgumentTypeError,
+    FolderNotEmptyError,
+    HeadroomError,
+    OutputPathError,
+    PipemapError,
+    UnknownStrategyError,
+)
 from .quiet import quiet_progress
 
 # the same names as planner.STRATEGIES and "auto" (a test checks they agree); written out so --help imports no torch
@@ -206,7 +213,6 @@ def _simulate(args) -> int:
 def _simulate_many(args, plan, call: dict) -> int:
     """``simulate --concurrent N``: the call's own dry run, then N of them at once under the memory ledger."""
     from .api import simulate_many
-    from .errors import ArgumentTypeError
 
     if args.concurrent < 1 or args.vae_tiling or args.svg:
         raise ArgumentTypeError("--concurrent", args.concurrent, "a whole number of calls at once, at least 1 (and "

@@ -55,13 +55,15 @@ def check_plan_fits(plan: Plan, inventory: Inventory) -> None:
 
 def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, variant, progress: bool, kwargs: dict):
     """Each planned model loaded onto its device, then the pipeline assembled around them."""
+    kwargs = dict(kwargs)
+    kernels = kwargs.pop("use_kernels", False)
     models = {}
     for placement in tqdm(plan.components, desc="pipemap: loading", unit="model", disable=not progress):
         library, class_name = index[placement.component]
         if placement.component not in passed and not _custom_code(library):
             models[placement.component] = load_component(
                 folder, placement.component, library, class_name, _load_device(placement), dtype, variant,
-                trust_remote_code=kwargs.get("trust_remote_code", False))
+                trust_remote_code=kwargs.get("trust_remote_code", False), use_kernels=kernels)
     from diffusers import DiffusionPipeline  # here, not at import: it pulls in every pipeline class
 
     extra = {"dtype": dtype} if dtype is not None else {}
@@ -70,11 +72,18 @@ def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, varia
 
 def load_component(folder: Path, name: str, library: str, class_name: str, device: str,
                    dtype: torch.dtype | None, variant: str | None, *,
-                   trust_remote_code: bool = False) -> torch.nn.Module:
+                   trust_remote_code: bool = False, use_kernels: bool = False) -> torch.nn.Module:
     """One model loaded by its library onto ``device`` (``device_map=device``), at ``dtype`` if given; a custom
-    class in the component's folder only with ``trust_remote_code``, as diffusers asks."""
+    class in the component's folder only with ``trust_remote_code``, as diffusers asks.
+
+    A transformers model is loaded with ``use_kernels`` (False unless the caller passes ``use_kernels=True``):
+    transformers 5.25 kernelizes by default a model loaded with a GPU ``device_map``, swapping layers for kernels
+    fetched from the Hub. A plain diffusers pipeline loads on the CPU and is moved, so it keeps PyTorch's layers;
+    kernelizing here would change its outputs, and fail offline (``HF_HUB_OFFLINE=1``) where diffusers loads."""
     cls = component_class(library, class_name, folder, name, trust_remote_code)
     options: dict[str, Any] = {"subfolder": name}
+    if library == "transformers":
+        options["use_kernels"] = use_kernels
     if device != "cpu":  # the CPU is where from_pretrained loads anyway; a device_map there only adds a dispatch
         options["device_map"] = device
     if dtype is not None:

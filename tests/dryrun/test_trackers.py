@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import pipemap
 from pipemap.dryrun import standin
 from pipemap.dryrun.trackers import ComponentTracker, Phase, PhasedTracker, PhaseTracker, StorageTracker
+from pipemap.errors import ArgumentTypeError
 
 FLOAT = 4  # bytes
 
@@ -163,3 +164,8 @@ def test_phases_name_each_peak_and_tiling_advice_when_decode_does_not_fit(tiny_f
     assert len(report.advice) == 1 and report.advice[0].startswith("cuda:1: VAE decode peaks at")
     assert "pipe.vae.enable_tiling()" in report.advice[0] and report.advice[0].endswith(": fits")
     assert report.advice[0] in str(report)
+    # advice=False: the same run and peaks, without the second dry run
+    quick = pipemap.simulate(folder, plan, advice=False, height=96, width=96)
+    assert quick.advice == () and quick.peak_bytes == report.peak_bytes
+    with pytest.raises(ArgumentTypeError, match="advice"):
+        pipemap.simulate(folder, plan, advice="no")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..counts import Counts
 from ..errors import NotAPipelineError
+from ..units import format_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -249,7 +250,6 @@ def run_catalog() -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from ..units import format_bytes
 
     table = Table(title="pipemap catalog: `pipemap plan NAME` plans any of these by name; nothing is downloaded")
     table.add_column("pipeline (names `plan` takes)")

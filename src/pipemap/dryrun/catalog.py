@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import inspect
 from collections.abc import Mapping
 
@@ -85,7 +86,6 @@ def _scheduler(class_name: str, config: dict):
 
 def _other(library: str | None, class_name: str | None):
     """A feature extractor or other processor, built with its defaults (its config changes no device memory)."""
-    import importlib
 
     if library is None or class_name is None:  # an optional component left out ([null, null])
         return None

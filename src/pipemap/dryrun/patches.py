@@ -13,6 +13,7 @@ import inspect
 import threading
 from collections import Counter
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
@@ -139,7 +140,6 @@ def _as_tensors(original, video: bool):
 def _host_like(decoded: torch.Tensor, output_type: str, video: bool):
     """Blank host outputs of ``decoded``'s sizes: (batch, [frames,] channels, height, width) as postprocess gives
     them for ``"pt"``, turned into what it gives for ``"np"`` (channels last) or ``"pil"``."""
-    import numpy as np
     from PIL import Image
 
     *lead, channels, height, width = decoded.shape
@@ -194,7 +194,6 @@ def host_copies():
     broadcast of one zero has the right shape and dtype and costs no memory. Decoded outputs never get here
     (``tensor_outputs`` keeps them tensors).
     """
-    import numpy as np
 
     original = torch.Tensor.numpy
 

@@ -40,11 +40,12 @@ from .report import Failure, SimulationReport, report_of
 from .trackers import ComponentTracker, PhasedTracker, PhaseTracker
 
 
-def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, **call_kwargs) -> SimulationReport:
+def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, advice: bool = True,
+             **call_kwargs) -> SimulationReport:
     """The dry run behind ``pipemap.simulate`` (``api.simulate``, which checks its arguments and documents them):
     ``source``'s own call on stand-in devices as ``plan`` places it; the caller's pipeline is never touched."""
     report, _, pipe = traced(source, plan, steps=steps, vae_tiling=vae_tiling, call=call_kwargs)
-    if not vae_tiling and _tiles(getattr(pipe, "vae", None)):
+    if advice and not vae_tiling and _tiles(getattr(pipe, "vae", None)):
         report = replace(report, advice=_tiling_advice(source, plan, steps, call_kwargs, report))
     return report
 
