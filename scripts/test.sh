@@ -17,5 +17,6 @@ fi
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
 .venv/bin/ruff check src tests bench
 .venv/bin/mypy
-# one worker per core (pytest-xdist); PIPEMAP_TEST_WORKERS=0 runs in this process
-exec .venv/bin/python -m pytest -q -n "${PIPEMAP_TEST_WORKERS:-auto}" "$@"
+# one worker per core (pytest-xdist), an idle one taking tests queued for another (worksteal): the long tests
+# then finish together; PIPEMAP_TEST_WORKERS=0 runs in this process
+exec .venv/bin/python -m pytest -q -n "${PIPEMAP_TEST_WORKERS:-auto}" --dist worksteal "$@"

@@ -43,26 +43,32 @@ _NOT_STATE = frozenset(torch.nn.Module().__dict__) | {
 
 @dataclass(frozen=True)
 class Signature:
-    """What a component's model is made of: each tensor it holds (identity, version), each module's plain state."""
+    """What a component's model is made of, as a digest: each tensor it holds (identity, version) and each module's
+    plain state, hashed as they are met. Kept as a digest, not as those tuples: a tuple per tensor and per module
+    state, kept on every component, was most of the memory a load added over diffusers' (issue 28); two signatures
+    of one model that differ hash alike with odds of 2**-64."""
 
-    tensors: tuple[tuple[int, str, str, int, int], ...]
-    state: tuple[tuple[Any, ...], ...]
+    tensors: int
+    modules: int
+    digest: int
 
 
 def signature(module: torch.nn.Module) -> Signature:
     """``module`` as its hook last saw it: an onloaded tensor counts as its CPU master, so onloading and evicting
     change nothing, and an in-place write into the master (``load_state_dict``) changes its version."""
     masters = _masters(getattr(module, "_hf_hook", None))
-    tensors, state = [], []
+    tensors = modules = digest = 0
     for sub in module.modules():
         for store in ("_parameters", "_buffers"):
             for key, tensor in getattr(sub, store).items():
                 if tensor is not None:
                     held = masters.get(id(tensor), tensor)
-                    tensors.append((id(sub), store, key, id(held), held._version))
+                    digest = hash((digest, id(sub), store, key, id(held), held._version))
+                    tensors += 1
         children = tuple((name, id(child)) for name, child in sub._modules.items())
-        state.append((id(sub), type(sub), children, _state(sub)))
-    return Signature(tuple(tensors), tuple(state))
+        digest = hash((digest, id(sub), type(sub), children, _state(sub)))
+        modules += 1
+    return Signature(tensors, modules, digest)
 
 
 def _masters(hook: Any) -> dict[int, torch.Tensor]:
