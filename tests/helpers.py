@@ -1,13 +1,16 @@
-"""What many test files share: plain pipelines to compare with, the command line in a child process, tiny
+"""What many test files share: plain pipelines to compare with, the command line (in this process or a child), tiny
 inventories and random planning problems. Fixtures live in ``conftest.py``; this is plain code, imported by name
 (``tests`` is on pytest's ``pythonpath``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import subprocess
 import sys
+import warnings
 
 import torch
 from diffusers import DiffusionPipeline
@@ -29,10 +32,30 @@ def run(pipe, kind: str) -> torch.Tensor:
     return torch.as_tensor(pipe(**tiny.default_call(pipe, kind)).images)
 
 
-def pipemap_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "pipemap", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=300)
+def pipemap_cli(*args: str, cwd=None, child: bool = False) -> subprocess.CompletedProcess:
+    """``pipemap *args``: by default in this process, through ``pipemap.cli.main`` (what ``python -m pipemap`` runs)
+    with its output captured and the environment, warning filters and working directory it touches restored, which
+    spares each call a new interpreter's import of torch and diffusers; with ``child=True`` in a child process, as a
+    user runs it."""
+    if child:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        return subprocess.run([sys.executable, "-m", "pipemap", *args], capture_output=True, text=True, env=env,
+                              cwd=cwd, timeout=300)
+    from pipemap.cli import main
+
+    out, err, environ, here = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            os.chdir(cwd if cwd is not None else here)
+            try:
+                code = main(list(args))
+            except SystemExit as exit:  # argparse's answer to bad arguments
+                code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
+    return subprocess.CompletedProcess(["pipemap", *args], code, out.getvalue(), err.getvalue())
 
 
 def inventory(*sizes: tuple[str, int], dtype: str | None = None) -> Inventory:

@@ -1,4 +1,5 @@
-"""The command line, run for real in a child process."""
+"""The command line, through ``pipemap.cli.main`` as ``python -m pipemap`` runs it; the demo also in a child process,
+as a user starts it."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_plan_error_is_reported_with_exit_code_2(tiny_folders, tmp_path):
 @pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
     output = tmp_path / "demo.png"
-    result = pipemap_cli("demo", "--hardware", "2x5MiB,cpu=1GiB", "--output", str(output))
+    result = pipemap_cli("demo", "--hardware", "2x5MiB,cpu=1GiB", "--output", str(output), child=True)
     assert result.returncode == 0, result.stderr
     assert "largest difference from an un-mapped run: 0" in result.stdout
     assert "cuda:1" in result.stdout

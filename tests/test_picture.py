@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import pipemap
+from helpers import pipemap_cli
 from pipemap import picture
 from pipemap.cost import bytes_moved
 from pipemap.planner import forcing_hardware
@@ -153,13 +154,8 @@ def test_timeline_peak_and_budget():
 
 @pytest.mark.slow
 def test_command_line_draws_and_writes_svg(tiny_folders, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "plan.svg"
-    done = subprocess.run([sys.executable, "-m", "pipemap", "plan", tiny_folders["sd"], "--hardware", "2x1GiB",
-                           "--picture", "--svg", str(out)], capture_output=True, text=True, env=os.environ, timeout=300)
+    done = pipemap_cli("plan", tiny_folders["sd"], "--hardware", "2x1GiB", "--picture", "--svg", str(out))
     assert done.returncode == 0, done.stderr
     assert "cuda:0" in done.stdout and f"wrote {out}" in done.stdout
     devices = {g.get("data-device") for g in _groups(out.read_text(), "device")}
@@ -168,13 +164,8 @@ def test_command_line_draws_and_writes_svg(tiny_folders, tmp_path):
 
 @pytest.mark.slow
 def test_simulate_command_writes_the_timeline(tiny_folders, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "run.svg"
-    done = subprocess.run([sys.executable, "-m", "pipemap", "simulate", tiny_folders["sd"], "--hardware", "2x1GiB",
-                           "--strategy", "balanced", "--svg", str(out)], capture_output=True, text=True,
-                          env=os.environ, timeout=300)
+    done = pipemap_cli("simulate", tiny_folders["sd"], "--hardware", "2x1GiB", "--strategy", "balanced", "--svg",
+                       str(out))
     assert done.returncode == 0, done.stderr
     assert {g.get("data-device") for g in _groups(out.read_text(), "timeline")} >= {"cuda:0", "cuda:1"}
