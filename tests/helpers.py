@@ -46,7 +46,8 @@ def pipemap_cli(*args: str, cwd=None, child: bool = False) -> subprocess.Complet
     out, err, environ, here = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            os.chdir(cwd if cwd is not None else here)
+            if cwd is not None:
+                os.chdir(cwd)
             try:
                 code = main(list(args))
             except SystemExit as exit:  # argparse's answer to bad arguments

@@ -220,11 +220,11 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, ad
         raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ArgumentTypeError("steps", steps, "a whole number of denoising steps, 1 or more (2 shows the peak)")
-    from .dryrun.run import simulate as dry_run  # here, as each dry-run verb imports it: load needs none
-
     if not isinstance(advice, bool):
         raise ArgumentTypeError("advice", advice, "True (the default: tiling advice where VAE decode does not fit) "
                                 "or False (no second dry run)")
+    from .dryrun.run import simulate as dry_run  # here, as each dry-run verb imports it: load needs none
+
     return dry_run(source, plan, steps=steps, vae_tiling=vae_tiling, advice=advice, **call_kwargs)
 
 

@@ -250,7 +250,6 @@ def run_catalog() -> int:
     from rich.table import Table
     from rich.text import Text
 
-
     table = Table(title="pipemap catalog: `pipemap plan NAME` plans any of these by name; nothing is downloaded")
     table.add_column("pipeline (names `plan` takes)")
     table.add_column("component", no_wrap=True)
