@@ -10,7 +10,7 @@ import torch
 
 import pipemap
 from helpers import plain_pipeline
-from pipemap.inventory import module_bytes, read_header
+from pipemap.inventory import block_tree, module_bytes, near_submodules, read_header, submodules, tensor_sizes
 
 
 def _loaded_bytes(pipe) -> dict[str, int]:
@@ -167,3 +167,55 @@ def test_inventory_counts_calls_and_blocks_in_flight(tiny_folders):
         for name, component in headers.items():
             assert component.calls_per_image == (100 if name in DENOISERS else 1)
             assert 0 < live[name].in_flight <= component.in_flight < component.bytes  # headers err high
+
+
+def _shared_and_empty() -> torch.nn.Module:
+    """A module tree torch's walk has rules for: a submodule reached twice (once deeper first) and an empty slot."""
+    shared, root, inner = torch.nn.Linear(2, 2), torch.nn.Module(), torch.nn.Sequential(torch.nn.ReLU())
+    inner.add_module("deep", shared)
+    root.add_module("a", torch.nn.Sequential(inner, torch.nn.Tanh()))
+    root.add_module("shared", shared)
+    root.register_module("empty", None)
+    return root
+
+
+def test_submodules_walk_as_torch_does(tiny_folders):
+    """The stack walk dispatch and follow use yields what ``module.modules()`` yields, in its order; the near walk
+    yields each module within the depth once, as ``named_modules()`` has them."""
+    pipe = plain_pipeline(tiny_folders["sdxl"])
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)] + [_shared_and_empty()]
+    for module in modules:
+        assert [id(m) for m in submodules(module)] == [id(m) for m in module.modules()]
+    for module in modules[:-1]:  # no module shared: every module within the depth is there, at its own path
+        named = [m for name, m in module.named_modules() if name and name.count(".") < 2]
+        near = [id(m) for m in near_submodules(module, 2)]
+        assert len(near) == len(set(near)) and set(near) == {id(m) for m in named}
+    near = near_submodules(modules[-1], 2)
+    assert len(near) == len({id(m) for m in near}) == 4  # a, a.0, a.1, shared: once, though also 3 levels down
+
+
+def test_block_tree_from_headers_is_the_module_tree(tiny_folders):
+    """A tree from tensor names has a block per module holding tensors (or holding one that does), each with its
+    subtree's bytes, children in natural order (``blocks.10`` after ``blocks.9``)."""
+    pipe = plain_pipeline(tiny_folders["sd"])
+    for name, module in pipe.components.items():
+        if not isinstance(module, torch.nn.Module):
+            continue
+        sizes = tensor_sizes(module)
+        tree, paths = block_tree(sizes), []
+        stack = [tree]
+        while stack:
+            block = stack.pop()
+            paths.append(block.path)
+            assert block.bytes == block.own + sum(c.bytes for c in block.children)
+            names = [c.path.rpartition(".")[2] for c in block.children]
+            assert names == sorted(names, key=lambda p: (not p.isdigit(), int(p) if p.isdigit() else 0, p))
+            stack.extend(block.children)
+        holding = {""} | {key.rpartition(".")[0] for key in sizes}  # the modules holding a saved tensor
+        for path in list(holding):
+            while path:
+                path = path.rpartition(".")[0]
+                holding.add(path)  # and every module above one
+        assert sorted(paths) == sorted(holding), name
+        assert holding <= {n for n, _ in module.named_modules()}
+        assert tree.bytes >= sum(sizes.values())  # each tensor aligned as in a streaming buffer

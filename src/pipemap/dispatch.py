@@ -27,7 +27,7 @@ from .errors import ArgumentTypeError, ComponentChangedError, DispatchError, Pip
 from .hooks import HOOKS, MOVING, CallLock, Moved, PlacementHook, hook_component, hook_maker, unhook_component
 from .hooks.follow import follow as follow_component
 from .hooks.follow import forget, remember, settle
-from .inventory import module_bytes
+from .inventory import module_bytes, submodules
 from .plan import Placement, Plan
 from .quantized import movable, storage
 from .streams import Queues, queues_for
@@ -154,7 +154,7 @@ def place_module(module: torch.nn.Module, device: str | torch.device, skip: set[
     """
     target = torch.device(device)
     moves = [] if moves is None else moves
-    for sub in module.modules():
+    for sub in submodules(module):
         if id(sub) in skip:
             continue
         for key, param in sub._parameters.items():

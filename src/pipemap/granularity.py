@@ -32,7 +32,7 @@ def stream_charge(root: int, blocks: Iterable[int], depth: int = 1) -> int:
     return root + min((depth + 1) * max(sizes), sum(sizes))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a component has one per module, kept with its inventory (issue 28: memory)
 class Block:
     """A module of a component as streaming sees it: its path, the bytes of its subtree, the bytes of its own
     tensors (not in a child) and its children in natural order. ``container``: a ModuleList or ModuleDict (from

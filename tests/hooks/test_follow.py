@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pipemap.dispatch import _place
-from pipemap.hooks import Ledger, OffloadHook, hook_component, unhook_component
+from pipemap.hooks import Ledger, OffloadHook, ReplicaHook, hook_component, unhook_component
 from pipemap.hooks.follow import follow, groups, remember, settle, signature
 from pipemap.plan import Placement
 
@@ -38,13 +38,41 @@ def test_onloading_and_evicting_change_no_signature_but_the_model_does():
     assert hook.group.loaded and signature(model) == before
     hook.evict()
     assert signature(model) == before
-    model.scale = 0.5
-    assert signature(model) != before
+    with_state = signature(model, state=True)
+    model.scale = 0.5  # plain state: an offloaded model keeps it where it is; followed only where a hook keeps copies
+    assert signature(model) == before and signature(model, state=True) != with_state
     model.scale = 1.0
     with torch.no_grad():
         model.first.weight.copy_(torch.zeros(8, 8))  # load_state_dict's in-place copy: a new version
     assert signature(model) != before
     unhook_component(model)
+
+
+class _Processor:
+    """An attention processor: an object kept by identity."""
+
+
+def test_signature_sees_every_kind_of_state_a_pipeline_changes():
+    """Each change the pipelines make is seen (a plain value, an object replaced, a list or dict written into in
+    place, a tensor replaced or added, a child replaced), and a model untouched keeps its signature."""
+    model = Scaled()
+    model.processor, model.adapters, model.factors = _Processor(), ["default"], {"b1": 1.2}
+    changes = [
+        lambda m: setattr(m, "scale", 2.0),
+        lambda m: setattr(m, "processor", _Processor()),
+        lambda m: m.adapters.append("style"),  # peft's active adapters: a list written into
+        lambda m: m.factors.update(b1=1.3),  # FreeU's factors
+        lambda m: setattr(m.first, "weight", torch.nn.Parameter(m.first.weight.detach().clone())),
+        lambda m: m.first.register_buffer("mask", torch.ones(8)),
+        lambda m: setattr(m, "second", torch.nn.Linear(8, 8)),
+        lambda m: setattr(m.first, "in_features", 9),
+    ]
+    for change in changes:
+        before = signature(model, state=True)
+        assert signature(model, state=True) == before
+        change(model)
+        assert signature(model, state=True) != before, change
+    assert signature(model) == signature(model, state=False)  # no hook keeping copies: tensors and tree only
 
 
 def test_settle_writes_an_onloaded_change_back_into_the_master():
@@ -76,3 +104,27 @@ def test_follow_packs_a_new_layer_into_the_group_and_keeps_the_counts():
     out = model(x)
     unhook_component(model)
     torch.testing.assert_close(out, model(x), atol=0, rtol=0)
+
+
+def test_a_plain_state_change_is_followed_only_where_the_hook_keeps_copies():
+    """An offloaded model keeps its state where it is: a new scale needs nothing. A replicated one runs part of each
+    call on a copy, which must get the new scale: its copies are made again."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    offloaded = Scaled()
+    _, placement = _offloaded(offloaded)
+    offloaded.scale = 0.5
+    assert not follow(offloaded, placement, _place)
+    replicated = Scaled()
+    replicated.load_state_dict(offloaded.state_dict())
+    hook = ReplicaHook("model", "cpu", "cpu", ("cpu",))
+    hook_component(replicated, hook)
+    remember(replicated)
+    copy = hook.replicas[0]
+    replicated.scale = 0.5
+    assert follow(replicated, Placement("model", "cpu", 1 << 20, "replicated", "cpu", replicas=("cpu",)), _place)
+    assert replicated._hf_hook.replicas[0] is not copy and replicated._hf_hook.replicas[0].scale == 0.5
+    halves = torch.cat([offloaded(x[:1]), offloaded(x[1:])])  # a row at a time, as the replica splits the batch
+    torch.testing.assert_close(replicated(x), halves, atol=0, rtol=0)  # both halves at the new scale
+    unhook_component(offloaded)
+    unhook_component(replicated)

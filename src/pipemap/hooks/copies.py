@@ -22,6 +22,9 @@ from .resident import PlacementHook
 class CopiesHook(PlacementHook):
     """A resident component with a copy on each of ``replicas``, whose calls run through ``run``."""
 
+    rehooked_on_change = True  # its copies are made from the model as it was: a changed model gets new ones
+    keeps_copies = True
+
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
         super().__init__(component, device, execution_device)
         self.replica_devices = tuple(torch.device(d) for d in replicas)

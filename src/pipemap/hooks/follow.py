@@ -2,14 +2,16 @@
 IP-Adapter's projections, fused QKV projections, FreeU, ``load_state_dict``.
 
 The model is compared with what it was when last placed (``Signature``: every tensor it holds, with its version
-counter, and the plain state of every module: peft's active adapters, scales and merged adapters, FreeU's factors,
-attention processors). On a change:
+counter, and its module tree; for a component with copies also the plain state of every module: peft's active
+adapters, scales and merged adapters, FreeU's factors, attention processors, which a copy has to share and a placed
+model keeps where it is). On a change:
 
 - a resident or split component gets its new tensors moved onto their devices;
 - an offloaded or streamed one first writes what its onloaded copies hold back into the CPU masters (``fuse_lora``
   writes into the copy it finds, the one on the GPU), then gets a new hook over its tensors as they are now: every
   new tensor packed into its group (or block), the old groups unpinned;
-- a replicated denoiser gets its copies made again from the home copy.
+- a component with copies (replicated, guidance branches, sequence shards) gets its copies made again from the home
+  copy.
 
 Why not diffusers' own bookkeeping: it follows none of this either (``enable_model_cpu_offload`` users re-enable
 offload after loading a LoRA); and a copy of the model on another GPU, which only pipemap makes, shares no state with
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..inventory import submodules
 from ..plan import Placement
 from ..quantized import restored, storage
 from ..transfer import move_tensor
@@ -53,22 +56,33 @@ class Signature:
     digest: int
 
 
-def signature(module: torch.nn.Module) -> Signature:
+def signature(module: torch.nn.Module, state: bool | None = None) -> Signature:
     """``module`` as its hook last saw it: an onloaded tensor counts as its CPU master, so onloading and evicting
-    change nothing, and an in-place write into the master (``load_state_dict``) changes its version."""
+    change nothing, and an in-place write into the master (``load_state_dict``) changes its version. ``state``: the
+    modules' plain state too (``_state``); None: where its hook keeps copies of it (``_with_state``).
+
+    One hash per module, of tuples built in comprehensions: every dispatch and every pipeline call takes this of
+    every component, and a hash per tensor and a sorted state were a third of its time (issue 28: load time)."""
     masters = _masters(getattr(module, "_hf_hook", None))
+    state = _with_state(module) if state is None else state
     tensors = modules = digest = 0
-    for sub in module.modules():
-        for store in ("_parameters", "_buffers"):
-            for key, tensor in getattr(sub, store).items():
-                if tensor is not None:
-                    held = masters.get(id(tensor), tensor)
-                    digest = hash((digest, id(sub), store, key, id(held), held._version))
-                    tensors += 1
-        children = tuple((name, id(child)) for name, child in sub._modules.items())
-        digest = hash((digest, id(sub), type(sub), children, _state(sub)))
+    for sub in submodules(module):
+        found = sub.__dict__
+        params, buffers = _held(found["_parameters"], masters), _held(found["_buffers"], masters)
+        children = tuple([(name, id(child)) for name, child in found["_modules"].items()])
+        digest = hash((digest, id(sub), type(sub), params, buffers, children, _state(found) if state else 0))
+        tensors += len(params) + len(buffers)
         modules += 1
     return Signature(tensors, modules, digest)
+
+
+def _held(store: dict[str, torch.Tensor | None], masters: dict[int, torch.Tensor]) -> tuple[tuple[str, int, int], ...]:
+    """``(key, identity, version)`` of each tensor in a module's ``_parameters`` or ``_buffers``, as its master."""
+    if not store:
+        return ()
+    if masters:
+        store = {key: masters.get(id(tensor), tensor) for key, tensor in store.items()}
+    return tuple([(key, id(tensor), tensor._version) for key, tensor in store.items() if tensor is not None])
 
 
 def _masters(hook: Any) -> dict[int, torch.Tensor]:
@@ -76,11 +90,15 @@ def _masters(hook: Any) -> dict[int, torch.Tensor]:
             if s.onloaded is not None and s.master is not None}
 
 
-def _state(module: torch.nn.Module) -> tuple[Any, ...]:
-    # the keys left by a set difference, then sorted: each dispatch takes this of every module (``remember``), and
-    # sorting all of a module's __dict__ (torch's bookkeeping first) was most of what a load added (issue 28)
-    found = module.__dict__
-    return tuple((k, _frozen(found[k])) for k in sorted(found.keys() - _NOT_STATE))
+def _state(found: dict[str, Any]) -> int:
+    """A hash of a module's plain state: its ``__dict__`` less torch's own bookkeeping (``_NOT_STATE``), in any
+    order. Values hash as themselves where they can (numbers, strings, tuples of them; an object by identity: an
+    attention processor replaced or kept); a dict or list by its contents (``_frozen``)."""
+    items = [(key, found[key]) for key in found.keys() - _NOT_STATE]
+    try:
+        return hash(frozenset(items))
+    except TypeError:  # a value that does not hash (a list, a dict)
+        return hash(frozenset([(key, _frozen(value)) for key, value in items]))
 
 
 _PLAIN = (bool, int, float, str, torch.dtype, torch.device)
@@ -107,6 +125,13 @@ def groups(hook: Any) -> list[Group]:
 def remember(module: torch.nn.Module) -> None:
     """Record ``module`` as placed now (after ``dispatch`` hooked it, or after a follow)."""
     module.__dict__["_pipemap_seen"] = signature(module)
+
+
+def _with_state(module: torch.nn.Module) -> bool:
+    """Whether a change of the modules' plain state alone is followed: only where the hook keeps copies of the
+    model. A model placed, moved or streamed keeps its state where it is, so such a change needs nothing; leaving it
+    out halves the signature a load and each call take (issue 28)."""
+    return bool(getattr(getattr(module, "_hf_hook", None), "keeps_copies", False))
 
 
 def forget(module: torch.nn.Module) -> None:

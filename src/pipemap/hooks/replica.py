@@ -36,6 +36,7 @@ class ReplicaHook(PlacementHook):
     """
 
     rehooked_on_change = True
+    keeps_copies = True
 
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
         super().__init__(component, device, execution_device)

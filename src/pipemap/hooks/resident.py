@@ -17,6 +17,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_mod
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
 from ..admission import component_call
+from ..inventory import near_submodules, submodules
 from ..transfer import move
 
 
@@ -57,6 +58,7 @@ class PlacementHook(ModelHook):
     """
 
     rehooked_on_change = False  # a changed model gets a new hook (``follow.rehook``), not just its tensors placed
+    keeps_copies = False  # its calls run on copies of the model too: a change of plain state alone is followed
     moves_weights = False  # it onloads weights through a ``moving.Ledger`` (its ``ledger``)
 
     def __init__(self, component: str, device: str, execution_device: str):
@@ -149,10 +151,9 @@ def hook_component(module: torch.nn.Module, hook: ModelHook) -> None:
     for name in _hooked_methods(module):
         module.__dict__[name] = _wrap_method(module, getattr(type(module), name), hook)
     entry = _Entry(hook, module)
-    for name, sub in module.named_modules():
-        if name and name.count(".") + 1 <= ENTRY_DEPTH:  # the root is hooked itself
-            sub.register_forward_pre_hook(entry.before, prepend=True, with_kwargs=True)
-            sub.register_forward_hook(entry.after, with_kwargs=True, always_call=True)
+    for sub in near_submodules(module, ENTRY_DEPTH):  # the root is hooked itself
+        sub.register_forward_pre_hook(entry.before, prepend=True, with_kwargs=True)
+        sub.register_forward_hook(entry.after, with_kwargs=True, always_call=True)
 
 
 # how deep below a component's root a submodule gets an entry: pipeline code reaches two levels in at most
@@ -221,7 +222,7 @@ def unhook_component(module: torch.nn.Module) -> None:
 
 def _remove_entries(module: torch.nn.Module) -> None:
     """The submodule entries, found by their owner (a deep copy of a hooked module holds copies of them)."""
-    for sub in module.modules():
+    for sub in submodules(module):
         for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
             for key in [k for k, f in hooks.items() if isinstance(getattr(f, "__self__", None), _Entry)]:
                 del hooks[key]
