@@ -1081,6 +1081,14 @@ def build(name: str, scratch=None):
     return pipe, kwargs
 
 
+def true_cfg(name: str, steps: int):
+    """A family's pipeline and call with true classifier-free guidance on: two denoiser calls a step."""
+    pipe, call = build(name)
+    if name == "qwen_image":  # a longer prompt budget: the tiny tokenizer's template alone fills 16 tokens
+        call = dict(call, true_cfg_scale=4.0, max_sequence_length=200)
+    return pipe, dict(call, num_inference_steps=steps)
+
+
 def fresh(kwargs: dict) -> dict:
     """A copy of call kwargs with a new generator of the same seed (a run consumes its generator)."""
     return {**kwargs, "generator": _generator()}

@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 
+import families
 import pipemap
-from families import build, fresh, output
+from families import fresh, output
 from helpers import pipeline_state, with_copy
 from pipemap.hooks import GuidanceHook, hook_component, unhook_component
 from pipemap.hooks.guidance import Inputs, alike, predict, same
@@ -21,11 +22,7 @@ STEPS = 3
 
 
 def true_cfg(name: str):
-    """A family's pipeline and call with true classifier-free guidance on: two denoiser calls a step."""
-    pipe, call = build(name)
-    if name == "qwen_image":  # a longer prompt budget: the tiny tokenizer's template alone fills 16 tokens
-        call = dict(call, true_cfg_scale=4.0, max_sequence_length=200)
-    return pipe, dict(call, num_inference_steps=STEPS)
+    return families.true_cfg(name, STEPS)
 
 
 # ---- on two stand-in GPUs ------------------------------------------------------------------------------------
