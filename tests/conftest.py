@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite never reads the user's caches (``pipemap doctor``'s disk.json, transfers.json, counts/, the Hub's files):
+# each test process gets empty ones, set before huggingface_hub reads HF_HOME at its import. A test that means to
+# read a cache writes it first.
+_CACHES = tempfile.mkdtemp(prefix="pipemap-test-caches-")
+atexit.register(shutil.rmtree, _CACHES, True)
+os.environ["PIPEMAP_CACHE_DIR"] = os.path.join(_CACHES, "pipemap")
+os.environ["HF_HOME"] = os.path.join(_CACHES, "hf")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from diffusers.utils import logging as diffusers_logging  # noqa: E402
+from huggingface_hub import constants as hub_constants  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
 import pipemap  # noqa: E402
@@ -18,6 +29,7 @@ from helpers import moving, plain_pipeline  # noqa: E402
 from pipemap import tiny  # noqa: E402
 
 torch.set_num_threads(1)
+hub_constants.HF_HOME = os.environ["HF_HOME"]  # in case a plugin imported huggingface_hub before this file ran
 diffusers_logging.set_verbosity_error()
 diffusers_logging.disable_progress_bar()
 transformers_logging.set_verbosity_error()

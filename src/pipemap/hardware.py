@@ -60,6 +60,7 @@ class Performance:
     memory_bandwidth: float = 600e9
     kernel_seconds: float = KERNEL_SECONDS
     disk_bandwidth: float = 2e9  # an NVMe SSD's sustained reads through the page cache
+    disk_origin: str = "default"  # where ``disk_bandwidth`` comes from: a key of DISK_ORIGINS
 
     def __post_init__(self) -> None:
         for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops", "memory_bandwidth", "kernel_seconds",
@@ -68,6 +69,22 @@ class Performance:
             # `not value > 0` also catches NaN; a zero figure would divide by zero in the cost model
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
                 raise HardwareSpecError(repr(self), f"{name}={value!r}", "a speed must be a positive finite number")
+        if self.disk_origin not in DISK_ORIGINS:
+            raise HardwareSpecError(repr(self), f"disk_origin={self.disk_origin!r}", f"one of {sorted(DISK_ORIGINS)}")
+
+    @property
+    def disk_text(self) -> str:
+        """The disk figure and where it comes from, as a plan's note and ``explain()`` say it."""
+        return f"{self.disk_bandwidth / 1e9:.3g} GB/s ({DISK_ORIGINS[self.disk_origin]})"
+
+
+# A measured figure describes this machine only: a spec for another machine (GPUs this one lacks, another GPU model)
+# takes its stated or default figures, so one spec gives the same plan and estimate on every machine.
+DISK_ORIGINS = {
+    "default": "the default, an NVMe SSD; `pipemap doctor` measures this machine's, used when planning for it",
+    "measured": "this machine's, measured by `pipemap doctor`",
+    "stated": "disk_bw= in the hardware spec",
+}
 
 
 # name fragment (lower case) -> datasheet figures: dense bf16 tensor FLOP/s (GeForce: with FP32 accumulate, as
@@ -86,17 +103,20 @@ _PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "disk_bw", "reserv
 GPU_RESERVE = 512 * 2**20
 
 
-def performance_for(gpu_name: str | None) -> Performance:
+def performance_for(gpu_name: str | None, this_machine: bool = False) -> Performance:
     """Figures for a GPU model name (``"NVIDIA H100 80GB HBM3"``, ``"4090"``): the sustained share of its datasheet
     FLOP/s and memory bandwidth (``SUSTAINED``, else ``SUSTAINED_SHARE``), and its links; generic figures if
-    unknown. The disk is this machine's as ``pipemap doctor`` measured it, if it did."""
+    unknown. The disk is this machine's as ``pipemap doctor`` measured it when the figures are for ``this_machine``
+    and it did; the default otherwise."""
     name = (gpu_name or "").lower()
-    disk = measured_disk_bandwidth() or Performance.disk_bandwidth
+    measured = measured_disk_bandwidth() if this_machine else None
+    disk, origin = (measured, "measured") if measured else (Performance.disk_bandwidth, "default")
     for fragment, (flops, memory, host, peer) in GPU_PERFORMANCE.items():
         if fragment in name:
             share = SUSTAINED.get(fragment, SUSTAINED_SHARE)
-            return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk)
-    return Performance(disk_bandwidth=disk)
+            return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk,
+                               disk_origin=origin)
+    return Performance(disk_bandwidth=disk, disk_origin=origin)
 
 
 DISK_FILE = "disk.json"  # beside the transfer checks' cache: ``pipemap doctor``'s measured disk read speed
@@ -148,7 +168,7 @@ class Hardware:
                 gpus.append(Device(f"cuda:{index}", max(0, int(free) - reserve)))
         name = torch.cuda.get_device_name(0) if gpus else None
         return cls(tuple(gpus) + (Device("cpu", ram_figure()),), detected=True,
-                   performance=performance_for(name), reserve=reserve if gpus else 0)
+                   performance=performance_for(name, this_machine=True), reserve=reserve if gpus else 0)
 
     @classmethod
     def parse(cls, spec: str) -> Hardware:
@@ -159,6 +179,9 @@ class Hardware:
         ``host_bw=25GB``, ``peer_bw=50GB``, ``mem_bw=700GB`` (sustained), ``disk_bw=3GB`` (bytes per second);
         ``reserve=512MiB`` is kept off each GPU for the CUDA context and workspaces (none unless given: a profile's
         figures are what the plan may use).
+
+        The disk speed ``pipemap doctor`` measured applies only to a spec of this machine (no ``gpu=``, and no GPU
+        this machine lacks): a spec for another machine gives the same plan and estimate everywhere.
         """
         if not isinstance(spec, str):
             raise ArgumentTypeError("hardware", spec, "a spec string such as '2x24GiB,cpu=64GiB' or a Hardware")
@@ -181,7 +204,8 @@ class Hardware:
             devices["cpu"] = ram_figure()
         reserve = _size(spec, f"reserve={settings['reserve']}", settings["reserve"]) if "reserve" in settings else 0
         devices = {n: max(0, m - reserve) if is_accelerator(n) else m for n, m in devices.items()}
-        return cls(_ordered(devices), performance=_performance(spec, settings), reserve=reserve)
+        this_machine = "gpu" not in settings and _present(devices)
+        return cls(_ordered(devices), performance=_performance(spec, settings, this_machine), reserve=reserve)
 
     def with_max_memory(self, max_memory: Mapping[int | str, int | str]) -> Hardware:
         """This machine restricted to the devices of a diffusers/accelerate ``max_memory`` dict, with its figures.
@@ -233,8 +257,16 @@ def _parse_part(spec: str, part: str, gpus: int) -> list[tuple[str, int]]:
     return [(device, _size(spec, part, text))]
 
 
-def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
-    base = performance_for(settings.get("gpu"))
+def _present(devices: Mapping[str, int]) -> bool:
+    """Whether this machine has every GPU ``devices`` names (a CPU-only spec describes any machine's CPU)."""
+    gpus = [int(name.partition(":")[2] or 0) for name in devices if is_accelerator(name)]
+    if not gpus:
+        return True
+    return torch.cuda.is_available() and max(gpus) < torch.cuda.device_count()
+
+
+def _performance(spec: str, settings: Mapping[str, str], this_machine: bool) -> Performance:
+    base = performance_for(settings.get("gpu"), this_machine)
     flops, host, peer = base.flops, base.host_bandwidth, base.peer_bandwidth
     if "flops" in settings:
         flops = _flops(spec, settings["flops"])
@@ -243,8 +275,11 @@ def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
     if "peer_bw" in settings:
         peer = _bandwidth(spec, "peer_bw", settings["peer_bw"])
     memory = _bandwidth(spec, "mem_bw", settings["mem_bw"]) if "mem_bw" in settings else base.memory_bandwidth
-    disk = _bandwidth(spec, "disk_bw", settings["disk_bw"]) if "disk_bw" in settings else base.disk_bandwidth
-    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds, disk)
+    if "disk_bw" in settings:
+        disk, origin = _bandwidth(spec, "disk_bw", settings["disk_bw"]), "stated"
+    else:
+        disk, origin = base.disk_bandwidth, base.disk_origin
+    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds, disk, origin)
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:

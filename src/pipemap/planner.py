@@ -543,7 +543,9 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
     best = plans[fitting[0].strategy]
     why = f"auto: {fitting[0].strategy} is the fastest plan that fits ({fitting[0].seconds:.3g} s per image"
     why += f"; next {fitting[1].strategy} at {fitting[1].seconds:.3g} s)" if len(fitting) > 1 else ")"
-    return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + (priced_by(counts), why))
+    disk = (f"auto: the disk tier priced at {hw.performance.disk_text}",) if best.host.disk else ()
+    return replace(best, strategy=AUTO, candidates=tuple(candidates),
+                   notes=best.notes + (priced_by(counts), why) + disk)
 
 
 def priced_by(counts: Counts | None) -> str:
