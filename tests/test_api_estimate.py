@@ -113,3 +113,14 @@ def test_auto_prices_by_the_counts_once_known_and_says_so(tiny_folders):
     assert "a dry run counted" in after.explain()
     catalog = pipemap.plan("flux.1-dev", hardware="1x24GiB,cpu=64GiB", strategy="auto")
     assert "recorded, 28 steps" in catalog.explain()
+
+
+def test_an_estimate_prices_the_plan_on_the_machine_it_was_made_for():
+    inventory = pipemap.inspect("flux.1-dev")  # a large denoiser: the GPU's speed, not the launches, sets its time
+    h100 = "1x80GiB,cpu=128GiB,gpu=h100"
+    plan = pipemap.plan(inventory, hardware=h100)
+    own = pipemap.estimate(inventory, plan)
+    assert own.seconds == pipemap.estimate(inventory, plan, hardware=h100).seconds
+    assert own.seconds == pipemap.estimate(inventory, pipemap.Plan.from_json(plan.to_json())).seconds
+    # another machine when asked: a T4 is slower
+    assert pipemap.estimate(inventory, plan, hardware="1x80GiB,cpu=128GiB,gpu=t4").seconds > 2 * own.seconds

@@ -385,9 +385,9 @@ class Estimate:
 def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, count: bool = True,
              **call) -> Estimate:
     """Predicted seconds of one call of ``source`` placed by ``plan`` on ``hardware`` (its GPUs' speeds and links;
-    this machine by default), for the call ``call`` describes (``num_inference_steps``, ``height``, ``width``,
-    ``num_frames``, ``num_images_per_prompt``, ``guidance_scale``, ``negative_prompt``...), by the cost model
-    ``auto`` uses.
+    by default the machine the plan was made for, ``plan.performance``, else this machine), for the call ``call``
+    describes (``num_inference_steps``, ``height``, ``width``, ``num_frames``, ``num_images_per_prompt``,
+    ``guidance_scale``, ``negative_prompt``...), by the cost model ``auto`` uses.
 
     The work is what the pipeline does for that call, counted by a dry run at its shapes (guidance as the
     pipeline decides it: a pipeline whose true CFG needs a negative prompt makes one call a step without one); the
@@ -407,7 +407,8 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, coun
     counts = counts_for(source, plan.dtype, call) if count else None
     if counts is not None:
         work = replace(work, steps=counts.steps)
-    parts = predict(plan, inventory, request.machine().performance, work, counts=counts)
+    perf = plan.performance if hardware is None and plan.performance is not None else request.machine().performance
+    parts = predict(plan, inventory, perf, work, counts=counts)
     priced = f"{counts.origin} counts" if counts is not None else "the formula on parameter counts"
     return Estimate(sum(c.total for c in parts.values()), parts, work, priced,
                     int(call.get("num_images_per_prompt") or 1))

@@ -449,7 +449,7 @@ def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], dev
     used["cpu"] += sum(p.ram_bytes for p in placements) + staging - resident["cpu"]
     devices = tuple(DeviceUse(d.name, d.memory, budget[d.name], used[d.name]) for d in hw.devices)
     return Plan(label, placements, devices, execution_device(placements), inventory.dtype, inventory.variant,
-                tuple(notes), staging=staging)
+                tuple(notes), staging=staging, performance=hw.performance)
 
 
 def _with_rooms(placements: tuple[Placement, ...], components: Mapping[str, Component], budget: Mapping[str, int],
