@@ -124,3 +124,11 @@ def test_an_estimate_prices_the_plan_on_the_machine_it_was_made_for():
     assert own.seconds == pipemap.estimate(inventory, pipemap.Plan.from_json(plan.to_json())).seconds
     # another machine when asked: a T4 is slower
     assert pipemap.estimate(inventory, plan, hardware="1x80GiB,cpu=128GiB,gpu=t4").seconds > 2 * own.seconds
+
+
+def test_an_estimate_says_where_its_gpu_speeds_come_from():
+    inventory = pipemap.inspect("flux.1-dev")
+    plan = pipemap.plan(inventory, hardware="1x48GiB,cpu=128GiB,gpu=l20")
+    found = pipemap.estimate(inventory, plan)
+    assert found.speeds == plan.performance.origin and "no L20 fit" in found.speeds
+    assert "GPU speeds: L20 datasheet" in str(found)

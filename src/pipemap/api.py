@@ -349,13 +349,15 @@ def iter_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False,
 class Estimate:
     """Predicted seconds of one call of a plan and their parts: each component's compute, copies and the copies its
     compute hides (``components``, ``cost.Cost``), the call (``work``), the images it makes and what priced it
-    (``priced_by``: a dry run's counts, recorded or cached ones, or the formula)."""
+    (``priced_by``: a dry run's counts, recorded or cached ones, or the formula; ``speeds``: where the GPU's figures
+    come from)."""
 
     seconds: float
     components: dict[str, Cost]
     work: Workload
     priced_by: str = "formula"
     images: int = 1
+    speeds: str = ""  # where the GPU's figures come from (``Performance.origin``): a fit, a generation's default
 
     @property
     def per_image(self) -> float:
@@ -375,7 +377,7 @@ class Estimate:
 
     def __str__(self) -> str:
         lines = [f"{self.seconds:.3g} s a call ({self.work.describe()}), {self.per_image:.3g} s an image; priced by "
-                 f"{self.priced_by}",
+                 f"{self.priced_by}" + (f"; GPU speeds: {self.speeds}" if self.speeds else ""),
                  f"{'component':<18}{'compute s':>11}{'copies s':>11}{'hidden s':>11}{'total s':>11}"]
         for c in self.components.values():
             lines.append(f"{c.component:<18}{c.compute:>11.3g}{c.transfer:>11.3g}{c.hidden:>11.3g}{c.total:>11.3g}")
@@ -411,7 +413,7 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, coun
     parts = predict(plan, inventory, perf, work, counts=counts)
     priced = f"{counts.origin} counts" if counts is not None else "the formula on parameter counts"
     return Estimate(sum(c.total for c in parts.values()), parts, work, priced,
-                    int(call.get("num_images_per_prompt") or 1))
+                    int(call.get("num_images_per_prompt") or 1), perf.origin)
 
 
 def runnable(plan: Plan) -> Plan:

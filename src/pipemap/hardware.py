@@ -37,12 +37,19 @@ class Device:
 
 # The cost model's fitted constants (bench/CALIBRATION.md: each fitted on one published figure, then held against
 # figures nothing was fitted on). The share of a GPU's datasheet dense bf16 FLOP/s and memory bandwidth that eager
-# PyTorch sustains over a diffusion pipeline's kernels, for the GPUs a published figure fits it on (H200: the H100's
-# chip); every other GPU takes their median. And the seconds the host takes to launch a kernel (Python, dispatch),
+# PyTorch sustains over a diffusion pipeline's kernels, for the GPUs a published figure fits it on. A GPU without one
+# takes its generation's default share (``GENERATION_SHARE``: the share fitted on that generation's GPU, the figure
+# saying so), never another generation's. And the seconds the host takes to launch a kernel (Python, dispatch),
 # fitted on SD 1.5 on an A100, a small UNet whose GPU waits for its launches.
-SUSTAINED = {"l40s": 0.891, "h100": 0.573, "l20": 1.03, "a100": 0.497}
-SUSTAINED_SHARE = sorted(SUSTAINED.values())[len(SUSTAINED) // 2]
-SUSTAINED["h200"] = SUSTAINED["h100"]
+SUSTAINED = {"l40s": 0.891, "h100": 0.573, "a100": 0.497}
+# generation -> (its default share, where it comes from). Turing has no published figure fitted: it takes the share
+# of the nearest generation that has one (Ampere), stated as such.
+GENERATION_SHARE = {"hopper": (SUSTAINED["h100"], "fitted on the H100"),
+                    "ampere": (SUSTAINED["a100"], "fitted on the A100"),
+                    "ada": (SUSTAINED["l40s"], "fitted on the L40S"),
+                    "turing": (SUSTAINED["a100"], "no Turing fit: Ampere's, fitted on the A100")}
+GENERATION = {"h200": "hopper", "h100": "hopper", "a100": "ampere", "a6000": "ampere", "3090": "ampere",
+              "l40s": "ada", "l20": "ada", "4090": "ada", "4080": "ada", "l4": "ada", "t4": "turing"}
 KERNEL_SECONDS = 4.02e-5
 
 
@@ -60,6 +67,7 @@ class Performance:
     memory_bandwidth: float = 600e9
     kernel_seconds: float = KERNEL_SECONDS
     disk_bandwidth: float = 2e9  # an NVMe SSD's sustained reads through the page cache
+    origin: str = "generic figures: no GPU model named"  # where the GPU's sustained figures come from
 
     def __post_init__(self) -> None:
         for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops", "memory_bandwidth", "kernel_seconds",
@@ -88,15 +96,25 @@ GPU_RESERVE = 512 * 2**20
 
 def performance_for(gpu_name: str | None) -> Performance:
     """Figures for a GPU model name (``"NVIDIA H100 80GB HBM3"``, ``"4090"``): the sustained share of its datasheet
-    FLOP/s and memory bandwidth (``SUSTAINED``, else ``SUSTAINED_SHARE``), and its links; generic figures if
-    unknown. The disk is this machine's as ``pipemap doctor`` measured it, if it did."""
+    FLOP/s and memory bandwidth (``sustained_share``), and its links; generic figures if unknown. ``origin`` says
+    which share priced it. The disk is this machine's as ``pipemap doctor`` measured it, if it did."""
     name = (gpu_name or "").lower()
     disk = measured_disk_bandwidth() or Performance.disk_bandwidth
     for fragment, (flops, memory, host, peer) in GPU_PERFORMANCE.items():
         if fragment in name:
-            share = SUSTAINED.get(fragment, SUSTAINED_SHARE)
-            return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk)
+            share, origin = sustained_share(fragment)
+            return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk,
+                               origin=f"{fragment.upper()} datasheet at {share:.3g} of it ({origin})")
     return Performance(disk_bandwidth=disk)
+
+
+def sustained_share(gpu: str) -> tuple[float, str]:
+    """A GPU's (``GPU_PERFORMANCE``'s key) sustained share of its datasheet and where it comes from: its own fit,
+    else its generation's default."""
+    if gpu in SUSTAINED:
+        return SUSTAINED[gpu], f"fitted on the {gpu.upper()}"
+    share, origin = GENERATION_SHARE[GENERATION[gpu]]
+    return share, f"no {gpu.upper()} fit: the {GENERATION[gpu].capitalize()} generation's default, {origin}"
 
 
 DISK_FILE = "disk.json"  # beside the transfer checks' cache: ``pipemap doctor``'s measured disk read speed
@@ -244,7 +262,9 @@ def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
         peer = _bandwidth(spec, "peer_bw", settings["peer_bw"])
     memory = _bandwidth(spec, "mem_bw", settings["mem_bw"]) if "mem_bw" in settings else base.memory_bandwidth
     disk = _bandwidth(spec, "disk_bw", settings["disk_bw"]) if "disk_bw" in settings else base.disk_bandwidth
-    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds, disk)
+    stated = [key for key in ("flops", "mem_bw") if key in settings]
+    origin = base.origin + (f"; {' and '.join(stated)} as given" if stated else "")
+    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds, disk, origin=origin)
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:
