@@ -13,6 +13,7 @@ a check row outside 0.8x-1.25x is reported, not tuned away.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import types
@@ -75,6 +76,9 @@ class Row:
     predicted: float
     source: str
     fits: str = ""  # the constant this row fits, for a fit row
+    model: str = ""  # the model it runs, to tell a check row that repeats a fit row's GPU and model
+    label: str = ""  # a check row: "independent" or "repeat" (the same GPU and model as a fit row)
+    terms: str = ""  # a check row: the fitted constants that set its price (``sensitive_terms``)
 
     @property
     def ratio(self) -> float:
@@ -87,7 +91,7 @@ class Row:
 def perf(gpu: str, share: float | None = None, kernel: float | None = None) -> Performance:
     """A GPU's figures at a trial share and kernel overhead (the code's unless given)."""
     flops, memory, host, peer = GPU_PERFORMANCE[gpu]
-    share = hardware.SUSTAINED[gpu] if share is None else share
+    share = hardware.sustained_share(gpu)[0] if share is None else share
     kernel = hardware.KERNEL_SECONDS if kernel is None else kernel
     return Performance(flops * share, host, peer, memory_bandwidth=memory * share, kernel_seconds=kernel)
 
@@ -290,8 +294,7 @@ def fit_rows() -> list[Row]:
     flux_call, component = forward(FLUX, "transformer")
     flux = counts(FLUX)
     fitted = {"a100": a100, "l40s": fit_share("l40s", lambda p: one_call(flux_call, p), 0.493),
-              "h100": fit_share("h100", lambda p: resident(flux, p), 6.71),
-              "l20": fit_share("l20", lambda p: resident(flux, p), 23.4)}
+              "h100": fit_share("h100", lambda p: resident(flux, p), 6.71)}
     bandwidth = fit_runner_bandwidth()
     pageable = fit_pageable()
     for name, found, used in (*((f"SUSTAINED[{g!r}]", v, hardware.SUSTAINED[g]) for g, v in fitted.items()),
@@ -311,8 +314,6 @@ def fit_rows() -> list[Row]:
             one_call(flux_call, perf("l40s")), DIFFUSERS + ", sha 152f7ca", share("l40s", fitted["l40s"])),
         Row("H100", "FLUX.1-dev pipeline, 1024x1024, 28 steps, resident", 6.71, resident(flux, perf("h100")), XDIT,
             share("h100", fitted["h100"])),
-        Row("L20", "FLUX.1-dev pipeline, resident (~38 GiB)", 23.4, resident(flux, perf("l20")), CACHE_DIT,
-            share("l20", fitted["l20"])),
         Row("L40S", "FLUX.1-dev transformer, one forward, group offload leaf_level + stream (0.56 GB)", 1.859,
             leaf_streamed(flux_call, component, runner(), 1, cost.PIPEMAP), DIFFUSERS,
             f"the runner's host link `RUNNER_HOST_BANDWIDTH` (bench only) = {bandwidth / 1e9:.1f} GB/s"),
@@ -345,6 +346,8 @@ def check_rows() -> list[Row]:
             resident(counts(SD35), h100, 50), ORT),
         Row("H100", "Qwen-Image pipeline, 1024x1024, 50 steps, true CFG (negative prompt), resident", 18.49,
             resident(counts(QWEN, negative_prompt=" ", true_cfg_scale=4.0), h100), CACHE_DIT_H100),
+        Row("L20", "FLUX.1-dev pipeline, resident (~38 GiB) [the L20's fit row until its share of 1.03 was dropped]",
+            23.4, resident(flux, l20), CACHE_DIT),
         Row("L20", "FLUX.1-dev pipeline, diffusers model offload (~25 GiB)", 56,
             model_offload(FLUX, l20, DIFFUSERS_MODEL_OFFLOAD), CACHE_DIT),
         Row("L20", "FLUX.1-dev pipeline, cache-dit layerwise, synchronous copies (~1 GiB)" + AFTER, 49,
@@ -354,6 +357,73 @@ def check_rows() -> list[Row]:
             pipeline_streamed(FLUX, l20, leaf, {"transformer": 8}, {"transformer": (32, 4), "text_encoder": (4, 1),
                                                                     "text_encoder_2": (4, 1)}), CACHE_DIT),
     ]
+
+
+# ---- what sets a check row's price -------------------------------------------------------------------------------
+
+# each fitted constant, how to scale it for a run of the rows: the GPU shares (a generation's default follows the
+# share it is taken from), the launch constant, the runner's host link, the pageable share
+FIT_GPU = {"hopper": "h100", "ampere": "a100", "ada": "l40s", "turing": "a100"}
+TERMS = ("H100 share", "A100 share", "L40S share", "launch constant", "runner host link", "pageable share")
+ELASTIC = 0.3  # a term sets a row's price when 10% on it moves the row by 3% or more
+MODELS = ("SD 1.5", "SDXL", "SD 3.5 Large", "FLUX.1", "Qwen-Image", "LTX-Video")
+
+
+@contextlib.contextmanager
+def scaled(term: str, factor: float):
+    """The fitted constant ``term`` times ``factor`` while the rows are priced."""
+    global RUNNER_HOST_BANDWIDTH
+    saved = (hardware.sustained_share, hardware.KERNEL_SECONDS, RUNNER_HOST_BANDWIDTH, cost.PAGEABLE_SHARE)
+    if term.endswith(" share") and term != "pageable share":
+        fitted = term.split()[0].lower()
+
+        def share(gpu: str) -> tuple[float, str]:
+            value, origin = saved[0](gpu)
+            source = gpu if gpu in hardware.SUSTAINED else FIT_GPU[hardware.GENERATION[gpu]]
+            return (value * factor if source == fitted else value), origin
+
+        hardware.sustained_share = share
+    elif term == "launch constant":
+        hardware.KERNEL_SECONDS = saved[1] * factor
+    elif term == "runner host link":
+        RUNNER_HOST_BANDWIDTH = saved[2] * factor
+    elif term == "pageable share":
+        cost.PAGEABLE_SHARE = saved[3] * factor
+    try:
+        yield
+    finally:
+        hardware.sustained_share, hardware.KERNEL_SECONDS, RUNNER_HOST_BANDWIDTH, cost.PAGEABLE_SHARE = saved
+
+
+def labelled(checks: list[Row], fits: list[Row]) -> list[Row]:
+    """Each check row labelled independent or repeat (the same GPU and model as a fit row), with the fitted
+    constants whose 10% moves its price by 3% or more."""
+    fitted = {(r.gpu, model_of(r.setup)) for r in fits}
+    moved: dict[str, list[float]] = {}
+    for term in TERMS:
+        with scaled(term, 1.1):
+            moved[term] = [row.predicted for row in check_rows()]
+    out = []
+    for i, row in enumerate(checks):
+        terms = [t for t in TERMS if abs(moved[t][i] / row.predicted - 1) >= ELASTIC * 0.1]
+        label = "repeat" if (row.gpu, model_of(row.setup)) in fitted else "independent"
+        out.append(replace(row, model=model_of(row.setup), label=label, terms=", ".join(terms) or "none fitted"))
+    return out
+
+
+def model_of(setup: str) -> str:
+    return next((m for m in MODELS if setup.startswith(m)), setup.split(",")[0])
+
+
+def bands(checks: list[Row]) -> list[str]:
+    lines = ["| label | rows | within 0.8-1.25x | within 0.67-1.5x | lowest | highest |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for label in ("independent", "repeat"):
+        ratios = [r.ratio for r in checks if r.label == label]
+        if ratios:
+            lines.append(f"| {label} | {len(ratios)} | {sum(0.8 <= x <= 1.25 for x in ratios)} | "
+                         f"{sum(0.67 <= x <= 1.5 for x in ratios)} | {min(ratios):.2f} | {max(ratios):.2f} |")
+    return lines
 
 
 DROPPED = [
@@ -406,11 +476,12 @@ def formula_table() -> list[str]:
 
 
 def table(rows: list[Row], fitted: bool) -> list[str]:
-    head = "| GPU | setup | published s | predicted s | predicted/published | " + ("fits | " if fitted else "")
-    lines = [head + "source |", "|---|---|---:|---:|---:|" + ("---|" if fitted else "") + "---|"]
+    extra = "fits | " if fitted else "label | priced by | "
+    head = "| GPU | setup | published s | predicted s | predicted/published | " + extra
+    lines = [head + "source |", "|---|---|---:|---:|---:|" + ("---|" if fitted else "---|---|") + "---|"]
     for row in rows:
         flag = "" if fitted or 0.8 <= row.ratio <= 1.25 else " (outside 0.8-1.25)"
-        fits = f"{row.fits} | " if fitted else ""
+        fits = f"{row.fits} | " if fitted else f"{row.label} | {row.terms} | "
         lines.append(f"| {row.gpu} | {row.setup} | {row.published:g} | {row.predicted:.3g} | {row.ratio:.2f}{flag} | "
                      f"{fits}{row.source} |")
     return lines
@@ -435,7 +506,8 @@ def flops_table() -> list[str]:
 
 
 def main() -> None:
-    fits, checks = fit_rows(), check_rows()
+    fits = fit_rows()
+    checks = labelled(check_rows(), fits)
     inside = sum(0.8 <= r.ratio <= 1.25 for r in checks)
     gpus = sorted({r.gpu for r in checks})
     text = "\n".join([
@@ -455,9 +527,12 @@ def main() -> None:
         "## Fitted: each constant and the one published figure it is fitted on",
         "",
         "Eager PyTorch reaches very different shares of the datasheet on different GPUs (FLUX.1-dev: 0.57 of an "
-        "H100's, 0.89 of an L40S's, about all of an L20's), so each GPU with a published figure has its share, "
-        "fitted on one FLUX.1-dev row (the A100's on SDXL, with the kernel overhead on SD 1.5); the check rows then "
-        "put other architectures and mechanisms on the same GPUs. A GPU without a fitted share takes their median. "
+        "H100's, 0.89 of an L40S's), so three GPUs, one of each generation, have their share, fitted on one "
+        "FLUX.1-dev row (the A100's on SDXL, with the kernel overhead on SD 1.5); the check rows then put other "
+        "architectures, mechanisms and GPUs on them. A GPU without a fitted share takes its generation's "
+        "(`hardware.GENERATION_SHARE`: the L20 and 4090 the L40S's, the H200 the H100's, the 3090 and A6000 the "
+        "A100's; Turing, with no fit, Ampere's), and its figures say so (`Performance.origin`). The L20's own fit "
+        "(1.03 of its datasheet: not physical) was dropped; its row is a check row now. "
         "The script solves each constant from its row and warns when the code's constant is not that value.",
         "",
         *table(fits, True),
@@ -469,6 +544,12 @@ def main() -> None:
         "(LTX-Video 0.9.7).",
         "",
         *table(checks, False),
+        "",
+        "Each check row is labelled independent (no fit row runs its model on its GPU) or repeat (one does), and "
+        "priced by the fitted constants a 10% change of which moves it 3% or more (none: only datasheet figures "
+        "and counts). The band per label:",
+        "",
+        *bands(checks),
         "",
         "How it was made, and what is outside the band:",
         "",
