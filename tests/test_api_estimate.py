@@ -132,3 +132,14 @@ def test_an_estimate_says_where_its_gpu_speeds_come_from():
     found = pipemap.estimate(inventory, plan)
     assert found.speeds == plan.performance.origin and "no L20 fit" in found.speeds
     assert "GPU speeds: L20 datasheet" in str(found)
+
+
+def test_a_launch_bound_call_is_flagged_in_the_estimate_and_in_auto_explain():
+    # SD 1.5's small UNet on an H100: its ~kernels x 40 us of launches outlast the GPU's work; FLUX.1-dev's do not
+    h100 = "1x80GiB,cpu=128GiB,gpu=h100"
+    small = pipemap.inspect("stable-diffusion-1.5")
+    found = pipemap.estimate(small, pipemap.plan(small, hardware=h100))
+    assert found.components["unet"].launch_bound and "launch-bound: " in str(found) and "unet" in str(found)
+    assert "launch-bound: " in pipemap.plan(small, hardware=h100, strategy="auto").explain()
+    large = pipemap.inspect("flux.1-dev")
+    assert not pipemap.estimate(large, pipemap.plan(large, hardware=h100)).components["transformer"].launch_bound

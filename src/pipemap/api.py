@@ -381,6 +381,10 @@ class Estimate:
                  f"{'component':<18}{'compute s':>11}{'copies s':>11}{'hidden s':>11}{'total s':>11}"]
         for c in self.components.values():
             lines.append(f"{c.component:<18}{c.compute:>11.3g}{c.transfer:>11.3g}{c.hidden:>11.3g}{c.total:>11.3g}")
+        bound = [c.component for c in self.components.values() if c.launch_bound and c.compute > 0]
+        if bound:
+            lines.append(f"launch-bound: {', '.join(bound)} wait for the host's kernel launches (a faster host, CUDA "
+                         "graphs or torch.compile would speed them up, a faster GPU would not)")
         return "\n".join(lines)
 
 

@@ -51,6 +51,24 @@ GENERATION_SHARE = {"hopper": (SUSTAINED["h100"], "fitted on the H100"),
 GENERATION = {"h200": "hopper", "h100": "hopper", "a100": "ampere", "a6000": "ampere", "3090": "ampere",
               "l40s": "ada", "l20": "ada", "4090": "ada", "4080": "ada", "l4": "ada", "t4": "turing"}
 KERNEL_SECONDS = 4.02e-5
+# Attention backends: the share of a GPU's datasheet dense bf16 FLOP/s each fused kernel's forward reaches, by
+# generation, from published kernel benchmarks (head dim 128, long sequences), and where each figure comes from. The
+# backend is what the user's stack runs (``attention=`` in a profile), not a fit. "dense": attention at the GPU's
+# fitted share, as matrix products (what the fits assume; the default). "math": PyTorch's unfused path, the score
+# matrices written and read through memory (``cost.MATH_SCORE_BYTES``). A generation without a figure takes the one
+# named beside it.
+ATTENTION_SHARE: dict[str, tuple[dict[str, float], str]] = {
+    "flash": ({"hopper": 0.35, "ampere": 0.70}, "FlashAttention-2: ~35% of an H100's peak (FlashAttention-3 paper, "
+              "Shah et al. 2024), 50-73% of an A100's (FlashAttention-2 paper, Dao 2023); Ada and Turing: Ampere's"),
+    "fa3": ({"hopper": 0.75}, "FlashAttention-3 forward: up to 75% of an H100's peak (Shah et al. 2024); Hopper "
+            "only, other generations run FlashAttention-2's figure"),
+    "cudnn": ({"hopper": 0.60}, "cuDNN 9 fused attention: about 0.6 of an H100's peak (the FlashAttention-3 paper's "
+              "cuDNN baseline, approximate); other generations FlashAttention-2's figure"),
+    "efficient": ({"hopper": 0.20, "ampere": 0.40}, "memory-efficient (xFormers CUTLASS) kernels: about half of "
+                  "FlashAttention-2's rate on an A100 (FlashAttention-2 paper), Ampere kernels on Hopper at Ampere's "
+                  "rate per clock (approximate)"),
+}
+ATTENTION_BACKENDS = ("dense", "math", *ATTENTION_SHARE)
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,8 @@ class Performance:
     kernel_seconds: float = KERNEL_SECONDS
     disk_bandwidth: float = 2e9  # an NVMe SSD's sustained reads through the page cache
     origin: str = "generic figures: no GPU model named"  # where the GPU's sustained figures come from
+    attention: str = "dense"  # the attention backend the stack runs (``ATTENTION_BACKENDS``)
+    attention_flops: float | None = None  # its sustained FLOP/s (None: the dense rate, ``flops``)
 
     def __post_init__(self) -> None:
         for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops", "memory_bandwidth", "kernel_seconds",
@@ -87,11 +107,23 @@ GPU_PERFORMANCE = {
     "a6000": (154.8e12, 768e9, 25e9, 25e9), "4090": (165.2e12, 1008e9, 25e9, 20e9), "3090": (71e12, 936e9, 25e9, 20e9),
     "4080": (97.5e12, 717e9, 25e9, 20e9), "l4": (121e12, 300e9, 25e9, 20e9), "t4": (65e12, 320e9, 12e9, 10e9),
 }
-_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "disk_bw", "reserve"}
+_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "disk_bw", "reserve", "attention"}
 # Kept off each detected GPU's free memory, beside the activation headroom: cuBLAS/cuDNN workspaces and the
 # allocator's fragmentation (0.3 to 1 GiB); the CUDA context itself is already out of the free figure, since
 # reading it starts the context.
 GPU_RESERVE = 512 * 2**20
+
+
+def attention_rate(gpu: str, backend: str) -> tuple[float | None, str]:
+    """The sustained FLOP/s of ``backend``'s fused attention on a GPU (``GPU_PERFORMANCE``'s key) and where the
+    figure comes from; None for "dense" and "math" (attention at the dense rate)."""
+    if backend not in ATTENTION_SHARE:
+        return None, f"attention {backend}: at the dense rate"
+    shares, origin = ATTENTION_SHARE[backend]
+    fallback = ATTENTION_SHARE["flash"][0]
+    generation = GENERATION[gpu]
+    share = shares.get(generation) or fallback.get(generation) or fallback["ampere"]
+    return GPU_PERFORMANCE[gpu][0] * share, f"attention {backend} at {share:.2g} of the datasheet ({origin})"
 
 
 def performance_for(gpu_name: str | None) -> Performance:
@@ -174,7 +206,8 @@ class Hardware:
 
         A profile without ``cpu`` gets the RAM this process may use (``ram.ram``) as its CPU memory. The cost
         model's figures may follow: ``gpu=4090`` (defaults for that model), ``flops=120T`` (sustained),
-        ``host_bw=25GB``, ``peer_bw=50GB``, ``mem_bw=700GB`` (sustained), ``disk_bw=3GB`` (bytes per second);
+        ``host_bw=25GB``, ``peer_bw=50GB``, ``mem_bw=700GB`` (sustained), ``disk_bw=3GB`` (bytes per second),
+        ``attention=flash`` (the attention backend the stack runs: ``ATTENTION_BACKENDS``; a fused one needs gpu=);
         ``reserve=512MiB`` is kept off each GPU for the CUDA context and workspaces (none unless given: a profile's
         figures are what the plan may use).
         """
@@ -264,7 +297,17 @@ def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
     disk = _bandwidth(spec, "disk_bw", settings["disk_bw"]) if "disk_bw" in settings else base.disk_bandwidth
     stated = [key for key in ("flops", "mem_bw") if key in settings]
     origin = base.origin + (f"; {' and '.join(stated)} as given" if stated else "")
-    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds, disk, origin=origin)
+    backend, rate = settings.get("attention", "dense").lower(), None
+    if backend not in ATTENTION_BACKENDS:
+        raise HardwareSpecError(spec, f"attention={backend}", f"the backends are {', '.join(ATTENTION_BACKENDS)}")
+    gpu = next((g for g in GPU_PERFORMANCE if g in settings.get("gpu", "").lower()), None)
+    if backend in ATTENTION_SHARE:
+        if gpu is None:
+            raise HardwareSpecError(spec, f"attention={backend}", "a fused backend's rate needs the GPU: add gpu=")
+        rate, said = attention_rate(gpu, backend)
+        origin += f"; {said}"
+    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds, disk, origin=origin,
+                       attention=backend, attention_flops=rate)
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:

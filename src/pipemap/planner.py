@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import replication
-from .cost import images_per_second, seconds_per_image
+from .cost import images_per_second, launch_note, predict, seconds_per_image
 from .counts import Counts
 from .devices import is_accelerator, real_device
 from .errors import (
@@ -543,7 +543,9 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
     best = plans[fitting[0].strategy]
     why = f"auto: {fitting[0].strategy} is the fastest plan that fits ({fitting[0].seconds:.3g} s per image"
     why += f"; next {fitting[1].strategy} at {fitting[1].seconds:.3g} s)" if len(fitting) > 1 else ")"
-    return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + (priced_by(counts), why))
+    bound = launch_note(predict(best, inventory, hw.performance, counts=counts), hw.performance)
+    notes = (priced_by(counts), *((f"auto: {bound}",) if bound else ()), why)
+    return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + notes)
 
 
 def priced_by(counts: Counts | None) -> str:
