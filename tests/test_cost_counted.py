@@ -100,7 +100,8 @@ def test_attention_is_priced_by_the_backend_the_stack_runs():
     assert gpu_seconds(work, flash) == pytest.approx(6e12 / dense.flops + 4e12 / (989e12 * 0.35))
     assert gpu_seconds(work, fa3) == pytest.approx(6e12 / dense.flops + 4e12 / (989e12 * 0.75))
     assert gpu_seconds(work, math) == pytest.approx(10e12 / dense.flops + 8e9 / dense.memory_bandwidth)
-    assert "FlashAttention-2" in flash.origin and "attention" not in dense.origin
+    assert "FlashAttention-2" in flash.origin and "dense rate" in dense.origin
+    assert Hardware.parse(base).performance == flash  # a named GPU's default: what PyTorch's SDPA runs there
     with pytest.raises(pipemap.HardwareSpecError, match="gpu="):
         Hardware.parse("1x80GiB,attention=flash")
     with pytest.raises(pipemap.HardwareSpecError, match="backends"):

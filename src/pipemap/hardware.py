@@ -37,11 +37,12 @@ class Device:
 
 # The cost model's fitted constants (bench/CALIBRATION.md: each fitted on one published figure, then held against
 # figures nothing was fitted on). The share of a GPU's datasheet dense bf16 FLOP/s and memory bandwidth that eager
-# PyTorch sustains over a diffusion pipeline's kernels, for the GPUs a published figure fits it on. A GPU without one
+# PyTorch sustains over a diffusion pipeline's kernels but attention (priced at its backend's published rate,
+# ``ATTENTION_SHARE``), for the GPUs a published figure fits it on. A GPU without one
 # takes its generation's default share (``GENERATION_SHARE``: the share fitted on that generation's GPU, the figure
 # saying so), never another generation's. And the seconds the host takes to launch a kernel (Python, dispatch),
 # fitted on SD 1.5 on an A100, a small UNet whose GPU waits for its launches.
-SUSTAINED = {"l40s": 0.891, "h100": 0.573, "a100": 0.497}
+SUSTAINED = {"l40s": 0.917, "h100": 0.622, "a100": 0.483}
 # generation -> (its default share, where it comes from). Turing has no published figure fitted: it takes the share
 # of the nearest generation that has one (Ampere), stated as such.
 GENERATION_SHARE = {"hopper": (SUSTAINED["h100"], "fitted on the H100"),
@@ -53,8 +54,9 @@ GENERATION = {"h200": "hopper", "h100": "hopper", "a100": "ampere", "a6000": "am
 KERNEL_SECONDS = 4.02e-5
 # Attention backends: the share of a GPU's datasheet dense bf16 FLOP/s each fused kernel's forward reaches, by
 # generation, from published kernel benchmarks (head dim 128, long sequences), and where each figure comes from. The
-# backend is what the user's stack runs (``attention=`` in a profile), not a fit. "dense": attention at the GPU's
-# fitted share, as matrix products (what the fits assume; the default). "math": PyTorch's unfused path, the score
+# backend is what the user's stack runs (``attention=`` in a profile), not a fit; the fits price attention at
+# ``DEFAULT_ATTENTION``'s rate. "dense": attention at the GPU's sustained share, as matrix products (a GPU without a
+# datasheet figure, where no rate is known). "math": PyTorch's unfused path, the score
 # matrices written and read through memory (``cost.MATH_SCORE_BYTES``). A generation without a figure takes the one
 # named beside it.
 ATTENTION_SHARE: dict[str, tuple[dict[str, float], str]] = {
@@ -69,6 +71,9 @@ ATTENTION_SHARE: dict[str, tuple[dict[str, float], str]] = {
                   "rate per clock (approximate)"),
 }
 ATTENTION_BACKENDS = ("dense", "math", *ATTENTION_SHARE)
+# what PyTorch's SDPA runs for 16-bit inputs without a mask on Ampere, Ada and Hopper (torch 2.1-2.5, diffusers'
+# default processors), for a named GPU whose profile names no backend
+DEFAULT_ATTENTION = "flash"
 
 
 @dataclass(frozen=True)
@@ -126,18 +131,21 @@ def attention_rate(gpu: str, backend: str) -> tuple[float | None, str]:
     return GPU_PERFORMANCE[gpu][0] * share, f"attention {backend} at {share:.2g} of the datasheet ({origin})"
 
 
-def performance_for(gpu_name: str | None) -> Performance:
+def performance_for(gpu_name: str | None, attention: str = DEFAULT_ATTENTION) -> Performance:
     """Figures for a GPU model name (``"NVIDIA H100 80GB HBM3"``, ``"4090"``): the sustained share of its datasheet
-    FLOP/s and memory bandwidth (``sustained_share``), and its links; generic figures if unknown. ``origin`` says
-    which share priced it. The disk is this machine's as ``pipemap doctor`` measured it, if it did."""
+    FLOP/s and memory bandwidth (``sustained_share``), its links, and its ``attention`` backend's rate
+    (``attention_rate``); generic figures if unknown (attention at the dense rate). ``origin`` says which share and
+    rate priced it. The disk is this machine's as ``pipemap doctor`` measured it, if it did."""
     name = (gpu_name or "").lower()
     disk = measured_disk_bandwidth() or Performance.disk_bandwidth
     for fragment, (flops, memory, host, peer) in GPU_PERFORMANCE.items():
         if fragment in name:
             share, origin = sustained_share(fragment)
+            rate, said = attention_rate(fragment, attention)
             return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk,
-                               origin=f"{fragment.upper()} datasheet at {share:.3g} of it ({origin})")
-    return Performance(disk_bandwidth=disk)
+                               origin=f"{fragment.upper()} datasheet at {share:.3g} of it ({origin}); {said}",
+                               attention=attention, attention_flops=rate)
+    return Performance(disk_bandwidth=disk, attention="dense" if attention in ATTENTION_SHARE else attention)
 
 
 def sustained_share(gpu: str) -> tuple[float, str]:
@@ -285,7 +293,12 @@ def _parse_part(spec: str, part: str, gpus: int) -> list[tuple[str, int]]:
 
 
 def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
-    base = performance_for(settings.get("gpu"))
+    backend = settings.get("attention", DEFAULT_ATTENTION).lower()
+    if backend not in ATTENTION_BACKENDS:
+        raise HardwareSpecError(spec, f"attention={backend}", f"the backends are {', '.join(ATTENTION_BACKENDS)}")
+    base = performance_for(settings.get("gpu"), backend)
+    if "attention" in settings and backend in ATTENTION_SHARE and base.attention_flops is None:
+        raise HardwareSpecError(spec, f"attention={backend}", "a fused backend's rate needs the GPU: add gpu=")
     flops, host, peer = base.flops, base.host_bandwidth, base.peer_bandwidth
     if "flops" in settings:
         flops = _flops(spec, settings["flops"])
@@ -297,17 +310,8 @@ def _performance(spec: str, settings: Mapping[str, str]) -> Performance:
     disk = _bandwidth(spec, "disk_bw", settings["disk_bw"]) if "disk_bw" in settings else base.disk_bandwidth
     stated = [key for key in ("flops", "mem_bw") if key in settings]
     origin = base.origin + (f"; {' and '.join(stated)} as given" if stated else "")
-    backend, rate = settings.get("attention", "dense").lower(), None
-    if backend not in ATTENTION_BACKENDS:
-        raise HardwareSpecError(spec, f"attention={backend}", f"the backends are {', '.join(ATTENTION_BACKENDS)}")
-    gpu = next((g for g in GPU_PERFORMANCE if g in settings.get("gpu", "").lower()), None)
-    if backend in ATTENTION_SHARE:
-        if gpu is None:
-            raise HardwareSpecError(spec, f"attention={backend}", "a fused backend's rate needs the GPU: add gpu=")
-        rate, said = attention_rate(gpu, backend)
-        origin += f"; {said}"
-    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds, disk, origin=origin,
-                       attention=backend, attention_flops=rate)
+    return replace(base, flops=flops, host_bandwidth=host, peer_bandwidth=peer, memory_bandwidth=memory,
+                   disk_bandwidth=disk, origin=origin)
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:
