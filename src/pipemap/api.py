@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .admission import Admission, cuda_peaks
-from .cost import predict, workload_for
+from .cost import launch_bound, predict, workload_for
 from .devices import is_accelerator, real_device
 from .dispatch import planned
 from .errors import (
@@ -381,7 +381,7 @@ class Estimate:
                  f"{'component':<18}{'compute s':>11}{'copies s':>11}{'hidden s':>11}{'total s':>11}"]
         for c in self.components.values():
             lines.append(f"{c.component:<18}{c.compute:>11.3g}{c.transfer:>11.3g}{c.hidden:>11.3g}{c.total:>11.3g}")
-        bound = [c.component for c in self.components.values() if c.launch_bound and c.compute > 0]
+        bound = launch_bound(self.components)
         if bound:
             lines.append(f"launch-bound: {', '.join(bound)} wait for the host's kernel launches (a faster host, CUDA "
                          "graphs or torch.compile would speed them up, a faster GPU would not)")

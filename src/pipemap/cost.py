@@ -201,9 +201,19 @@ def is_launch_bound(work: Tally, perf: Performance) -> bool:
     return work.kernels > 0 and work.kernels * perf.kernel_seconds > gpu_seconds(work, perf)
 
 
+LAUNCH_NOTE_SHARE = 0.05  # a launch-bound component is named when it takes this share of the call or more
+
+
+def launch_bound(costs: Mapping[str, Cost]) -> list[str]:
+    """The components whose calls wait for the host's launches and take a noticeable share of the call."""
+    total = sum(c.total for c in costs.values())
+    return [name for name, c in costs.items() if c.launch_bound and c.compute > 0
+            and c.compute >= LAUNCH_NOTE_SHARE * total]
+
+
 def launch_note(costs: Mapping[str, Cost], perf: Performance) -> str | None:
-    """A line naming the components whose calls wait for the host's launches, or None."""
-    bound = [name for name, c in costs.items() if c.launch_bound and c.compute > 0]
+    """A line naming the components whose calls wait for the host's launches (``launch_bound``), or None."""
+    bound = launch_bound(costs)
     if not bound:
         return None
     return (f"launch-bound: {', '.join(bound)} wait for the host's kernel launches ({perf.kernel_seconds * 1e6:.3g} us "
