@@ -12,7 +12,14 @@ from dataclasses import replace
 
 import pipemap
 from pipemap import catalog
-from pipemap.cost import TRUE_CFG, bytes_moved, images_per_second, seconds_per_image, workload_for
+from pipemap.cost import (
+    TRUE_CFG,
+    bytes_moved,
+    formula_counts,
+    images_per_second,
+    seconds_per_image,
+    workload_for,
+)
 from pipemap.replication import parallel_modes
 from pipemap.units import format_bytes
 
@@ -95,10 +102,21 @@ def speed(name: str, machine: str = SPEED_MACHINE, call: dict | None = None) -> 
     if copied:
         steps = work.steps
         moved = bytes_moved(plan, inventory, work)[copied[0].component]
-        how = f"{HOW[copied[0].mode]}, {format_bytes(round(moved / steps))} a step between GPUs"
+        how = (f"{HOW[copied[0].mode]}, {format_bytes(round(moved / steps))} a step between GPUs, host "
+               f"{host_seconds(inventory, work, counts, copied[0], two):.2g} s")
     else:
         how = "one GPU's work"
     return f"{s2:.0f} s ({s1 / s2:.2f}x, {how}); {r2 * 60:.2g}/min overlapped ({r2 / r1:.2f}x)"
+
+
+def host_seconds(inventory, work, counts, placement: pipemap.Placement, hardware) -> float:
+    """The host's seconds launching a shared denoiser's kernels for one image on each GPU: a part of a batch or of
+    the tokens runs every kernel, so this does not shrink with a second GPU (``cost.shared_compute``); guidance
+    branches at once run half the calls on each."""
+    found = (counts or formula_counts(inventory, work))[placement.component]
+    steps = counts.iterations(work.steps) if counts is not None else work.steps
+    kernels = found.total(steps).kernels / (2 if placement.mode == "guidance" else 1)
+    return kernels * hardware.performance.kernel_seconds
 
 
 def fastest_for(plan: pipemap.Plan, inventory, hardware, work) -> pipemap.Plan:

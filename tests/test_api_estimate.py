@@ -113,3 +113,40 @@ def test_auto_prices_by_the_counts_once_known_and_says_so(tiny_folders):
     assert "a dry run counted" in after.explain()
     catalog = pipemap.plan("flux.1-dev", hardware="1x24GiB,cpu=64GiB", strategy="auto")
     assert "recorded, 28 steps" in catalog.explain()
+
+
+def test_an_estimate_prices_the_plan_on_the_machine_it_was_made_for():
+    inventory = pipemap.inspect("flux.1-dev")  # a large denoiser: the GPU's speed, not the launches, sets its time
+    h100 = "1x80GiB,cpu=128GiB,gpu=h100"
+    plan = pipemap.plan(inventory, hardware=h100)
+    own = pipemap.estimate(inventory, plan)
+    assert own.seconds == pipemap.estimate(inventory, plan, hardware=h100).seconds
+    assert own.seconds == pipemap.estimate(inventory, pipemap.Plan.from_json(plan.to_json())).seconds
+    # another machine when asked: a T4 is slower
+    assert pipemap.estimate(inventory, plan, hardware="1x80GiB,cpu=128GiB,gpu=t4").seconds > 2 * own.seconds
+
+
+def test_an_estimate_says_where_its_gpu_speeds_come_from():
+    inventory = pipemap.inspect("flux.1-dev")
+    plan = pipemap.plan(inventory, hardware="1x48GiB,cpu=128GiB,gpu=l20")
+    found = pipemap.estimate(inventory, plan)
+    assert found.speeds == plan.performance.origin and "no L20 fit" in found.speeds
+    assert "GPU speeds: L20 datasheet" in str(found)
+
+
+def test_a_launch_bound_call_is_flagged_in_the_estimate_and_in_auto_explain():
+    # SD 1.5's small UNet on an H100: its ~kernels x 40 us of launches outlast the GPU's work; FLUX.1-dev's do not
+    h100 = "1x80GiB,cpu=128GiB,gpu=h100"
+    small = pipemap.inspect("stable-diffusion-1.5")
+    found = pipemap.estimate(small, pipemap.plan(small, hardware=h100))
+    assert found.components["unet"].launch_bound and "launch-bound: " in str(found) and "unet" in str(found)
+    assert "launch-bound: " in pipemap.plan(small, hardware=h100, strategy="auto").explain()
+    large = pipemap.inspect("flux.1-dev")
+    assert not pipemap.estimate(large, pipemap.plan(large, hardware=h100)).components["transformer"].launch_bound
+
+
+def test_a_small_launch_bound_part_of_a_call_is_not_flagged():
+    # FLUX.1-dev on an H100: its text encoders wait for their launches, but take well under 5% of the call
+    inventory = pipemap.inspect("flux.1-dev")
+    found = pipemap.estimate(inventory, pipemap.plan(inventory, hardware="1x80GiB,cpu=128GiB,gpu=h100"))
+    assert found.components["text_encoder"].launch_bound and "launch-bound" not in str(found)

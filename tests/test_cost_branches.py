@@ -9,6 +9,7 @@ import torch
 import pipemap
 from pipemap import Component, Hardware, Inventory, Placement
 from pipemap.cost import (
+    COLLECTIVE_LATENCY,
     EXCHANGE_ITEM_BYTES,
     PROMPT_BYTES,
     REPLICA_BYTES_PER_TOKEN,
@@ -86,3 +87,19 @@ def test_auto_on_two_gpus_splits_the_published_transformers(name, mode, least):
     assert bytes_moved(plans[two], inventory)["transformer"] > 0  # what the GPUs exchange, priced and shown
     link = plans[two].picture(bytes_moved(plans[two], inventory)).links
     assert [(lk.source, lk.target) for lk in link] == [("cuda:0", "cuda:1")]
+
+
+@pytest.mark.parametrize("mode", ["sequence", "replicated"])
+def test_a_split_call_shares_the_gpus_work_but_not_the_hosts_launches(mode):
+    # the same transformer on a GPU 1000x faster: its launches (4.7 a module, 10 modules a block without a module
+    # tree, 40.2 us each) outlast its work, and each GPU launches every kernel of its share: two GPUs gain nothing
+    fast = Performance(flops=100e15, memory_bandwidth=600e12, peer_bandwidth=20e9)
+    placement = Placement("transformer", "cuda:0", TRANSFORMER.bytes, mode, replicas=("cuda:1",))
+    plain = component_cost(Placement("transformer", "cuda:0", TRANSFORMER.bytes), TRANSFORMER, 2, fast, CFG)
+    split = component_cost(placement, TRANSFORMER, 2, fast, CFG)
+    assert split.compute == pytest.approx(plain.compute) and split.total > plain.total  # the exchanges on top
+    assert plain.compute == pytest.approx(CFG.calls * 4.7 * 20 * 10 * fast.kernel_seconds)
+    # a batch cut across copies meets once a call (gathered, inputs broadcast): priced beside the bytes
+    if mode == "replicated":
+        assert split.transfer == pytest.approx(moved_per_image(placement, TRANSFORMER, CFG) / fast.peer_bandwidth
+                                               + CFG.calls * COLLECTIVE_LATENCY)

@@ -13,12 +13,13 @@ from pipemap.cost import (
     compute_seconds,
     copy_seconds,
     formula_counts,
+    gpu_seconds,
     predict,
     stream_call_seconds,
 )
 from pipemap.counts import ComponentCounts, Counts, Tally
 from pipemap.granularity import Block
-from pipemap.hardware import Performance
+from pipemap.hardware import Hardware, Performance
 
 PERF = Performance(flops=100e12, host_bandwidth=10e9, memory_bandwidth=1e12, kernel_seconds=1e-5)
 
@@ -86,3 +87,22 @@ def test_a_component_the_call_never_ran_costs_nothing_and_the_formula_prices_wit
     formula = formula_counts(inventory, Workload(512, 512, 50, True))
     assert formula.origin == "formula" and formula["unet"].calls_per_step == 2
     assert formula["unet"].per_step.flops > 0 and formula["vae"].once.kernels > 0
+
+
+def test_attention_is_priced_by_the_backend_the_stack_runs():
+    # 10 TFLOP of which 4 in fused attention, 1e9 score elements, on an H100: dense (the fitted share), FlashAttention-2
+    # (35% of the datasheet), FlashAttention-3 (75%), math (the dense rate plus 8 bytes a score through memory)
+    work = Tally(flops=10e12, attention_flops=4e12, attention_scores=1e9)
+    base = "1x80GiB,gpu=h100"
+    dense, flash, fa3, math = (Hardware.parse(f"{base},attention={b}").performance
+                               for b in ("dense", "flash", "fa3", "math"))
+    assert gpu_seconds(work, dense) == pytest.approx(10e12 / dense.flops)
+    assert gpu_seconds(work, flash) == pytest.approx(6e12 / dense.flops + 4e12 / (989e12 * 0.35))
+    assert gpu_seconds(work, fa3) == pytest.approx(6e12 / dense.flops + 4e12 / (989e12 * 0.75))
+    assert gpu_seconds(work, math) == pytest.approx(10e12 / dense.flops + 8e9 / dense.memory_bandwidth)
+    assert "FlashAttention-2" in flash.origin and "dense rate" in dense.origin
+    assert Hardware.parse(base).performance == flash  # a named GPU's default: what PyTorch's SDPA runs there
+    with pytest.raises(pipemap.HardwareSpecError, match="gpu="):
+        Hardware.parse("1x80GiB,attention=flash")
+    with pytest.raises(pipemap.HardwareSpecError, match="backends"):
+        Hardware.parse("1x80GiB,gpu=h100,attention=sage")

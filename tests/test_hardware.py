@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pipemap import Device, Hardware, HardwareSpecError, PipemapError, UnknownDeviceError
+from pipemap.hardware import GENERATION, GPU_PERFORMANCE, SUSTAINED, performance_for, sustained_share
 
 GiB = 1024**3
 
@@ -164,3 +165,22 @@ def test_a_reserve_for_context_and_workspaces_comes_off_each_gpu():
     hw = Hardware.parse("2x8GiB,cpu=16GiB,reserve=512MiB")
     assert [d.memory for d in hw.devices] == [8 * 2**30 - 2**29, 8 * 2**30 - 2**29, 16 * 2**30]
     assert hw.reserve == 2**29 and Hardware.parse("2x8GiB,cpu=16GiB").reserve == 0
+
+
+def test_an_unfitted_gpu_takes_its_generations_share_and_says_so():
+    # the L20 has no fit of its own: the Ada generation's share, the L40S's; the T4 (Turing, no fit in its
+    # generation) the nearest fitted one's, the A100's; never another GPU's by a median
+    l20, l40s = performance_for("NVIDIA L20"), performance_for("NVIDIA L40S")
+    assert l20.flops / GPU_PERFORMANCE["l20"][0] == pytest.approx(l40s.flops / GPU_PERFORMANCE["l40s"][0])
+    assert "no L20 fit" in l20.origin and "Ada" in l20.origin and "fitted on the L40S" in l40s.origin
+    t4 = performance_for("Tesla T4")
+    assert t4.flops == pytest.approx(GPU_PERFORMANCE["t4"][0] * SUSTAINED["a100"]) and "Turing" in t4.origin
+    assert "as given" in Hardware.parse("1x16GiB,gpu=t4,flops=20T").performance.origin
+    assert "generic" in performance_for("some new accelerator").origin
+
+
+def test_every_share_is_physical_and_every_gpu_has_a_generation():
+    assert set(GENERATION) == set(GPU_PERFORMANCE)
+    for gpu in GPU_PERFORMANCE:
+        share, _origin = sustained_share(gpu)
+        assert 0 < share <= 1.0, gpu

@@ -4,11 +4,13 @@ table."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from helpers import inventory, plan
-from pipemap import DeviceUse, Placement, Plan
+from pipemap import DeviceUse, Hardware, Placement, Plan
+from pipemap.errors import PlanFormatError
 from pipemap.plan import MODES, Candidate, _mode_text
 
 NO_GPU_NOTE = "no GPU on this machine or in the profile: every component runs on the CPU"
@@ -184,3 +186,34 @@ def test_explain_ranks_the_candidates_and_says_when_there_were_none():
     assert lines[1].split()[:3] == ["parallel", "1.5", "1.2"] and lines[2].split()[:3] == ["balanced", "-", "-"]
     assert "does not fit" in lines[2] and lines[-1] == "auto: parallel is the fastest"
     assert plan(SDXL_LIKE, TWO_GPUS).explain() == "strategy 'balanced' was asked for; no other plan was weighed"
+
+
+# sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100
+def test_a_plan_keeps_its_machines_speeds_through_json():
+    made = plan(SDXL_LIKE, TWO_GPUS + ",gpu=h100,disk_bw=3GB")
+    assert made.performance == Hardware.parse(TWO_GPUS + ",gpu=h100,disk_bw=3GB").performance
+    assert made.performance != Hardware.parse(TWO_GPUS + ",gpu=4090,disk_bw=3GB").performance
+    assert Plan.from_json(made.to_json()).performance == made.performance
+    assert Plan.from_json(made.to_json()) == made
+
+
+def test_a_plan_saved_before_plans_kept_speeds_still_loads():
+    # written by main's Plan.to_json (before this field): FLUX.1-dev planned for '1x80GiB,cpu=128GiB,gpu=h100'
+    text = (Path(__file__).parent / "data" / "plan_saved_before_performance.json").read_text()
+    assert "performance" not in json.loads(text)
+    saved = Plan.from_json(text)
+    assert saved.performance is None
+    assert saved.device_map["transformer"] == "cuda:0" and saved.dtype == "bfloat16"
+    assert Plan.from_json(saved.to_json()) == saved
+
+
+def test_saved_speeds_are_checked_and_unknown_figures_left_out():
+    data = json.loads(plan(SDXL_LIKE, TWO_GPUS + ",gpu=a100").to_json())
+    data["performance"]["a_later_figure"] = 1.0
+    assert Plan.from_dict(data).performance == Hardware.parse(TWO_GPUS + ",gpu=a100").performance
+    data["performance"]["flops"] = -1
+    with pytest.raises(PlanFormatError, match="performance"):
+        Plan.from_dict(data)
+    data["performance"] = [1, 2]
+    with pytest.raises(PlanFormatError, match="performance"):
+        Plan.from_dict(data)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .admission import Admission, cuda_peaks
-from .cost import predict, workload_for
+from .cost import launch_bound, predict, workload_for
 from .devices import is_accelerator, real_device
 from .dispatch import planned
 from .errors import (
@@ -349,13 +349,15 @@ def iter_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False,
 class Estimate:
     """Predicted seconds of one call of a plan and their parts: each component's compute, copies and the copies its
     compute hides (``components``, ``cost.Cost``), the call (``work``), the images it makes and what priced it
-    (``priced_by``: a dry run's counts, recorded or cached ones, or the formula)."""
+    (``priced_by``: a dry run's counts, recorded or cached ones, or the formula; ``speeds``: where the GPU's figures
+    come from)."""
 
     seconds: float
     components: dict[str, Cost]
     work: Workload
     priced_by: str = "formula"
     images: int = 1
+    speeds: str = ""  # where the GPU's figures come from (``Performance.origin``): a fit, a generation's default
 
     @property
     def per_image(self) -> float:
@@ -375,19 +377,23 @@ class Estimate:
 
     def __str__(self) -> str:
         lines = [f"{self.seconds:.3g} s a call ({self.work.describe()}), {self.per_image:.3g} s an image; priced by "
-                 f"{self.priced_by}",
+                 f"{self.priced_by}" + (f"; GPU speeds: {self.speeds}" if self.speeds else ""),
                  f"{'component':<18}{'compute s':>11}{'copies s':>11}{'hidden s':>11}{'total s':>11}"]
         for c in self.components.values():
             lines.append(f"{c.component:<18}{c.compute:>11.3g}{c.transfer:>11.3g}{c.hidden:>11.3g}{c.total:>11.3g}")
+        bound = launch_bound(self.components)
+        if bound:
+            lines.append(f"launch-bound: {', '.join(bound)} wait for the host's kernel launches (a faster host, CUDA "
+                         "graphs or torch.compile would speed them up, a faster GPU would not)")
         return "\n".join(lines)
 
 
 def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, count: bool = True,
              **call) -> Estimate:
     """Predicted seconds of one call of ``source`` placed by ``plan`` on ``hardware`` (its GPUs' speeds and links;
-    this machine by default), for the call ``call`` describes (``num_inference_steps``, ``height``, ``width``,
-    ``num_frames``, ``num_images_per_prompt``, ``guidance_scale``, ``negative_prompt``...), by the cost model
-    ``auto`` uses.
+    by default the machine the plan was made for, ``plan.performance``, else this machine), for the call ``call``
+    describes (``num_inference_steps``, ``height``, ``width``, ``num_frames``, ``num_images_per_prompt``,
+    ``guidance_scale``, ``negative_prompt``...), by the cost model ``auto`` uses.
 
     The work is what the pipeline does for that call, counted by a dry run at its shapes (guidance as the
     pipeline decides it: a pipeline whose true CFG needs a negative prompt makes one call a step without one); the
@@ -407,10 +413,11 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, coun
     counts = counts_for(source, plan.dtype, call) if count else None
     if counts is not None:
         work = replace(work, steps=counts.steps)
-    parts = predict(plan, inventory, request.machine().performance, work, counts=counts)
+    perf = plan.performance if hardware is None and plan.performance is not None else request.machine().performance
+    parts = predict(plan, inventory, perf, work, counts=counts)
     priced = f"{counts.origin} counts" if counts is not None else "the formula on parameter counts"
     return Estimate(sum(c.total for c in parts.values()), parts, work, priced,
-                    int(call.get("num_images_per_prompt") or 1))
+                    int(call.get("num_images_per_prompt") or 1), perf.origin)
 
 
 def runnable(plan: Plan) -> Plan:

@@ -34,6 +34,9 @@ COPY_LATENCY = 10e-6  # seconds per copy beyond its bytes: the launch, the event
 # on an L20 (bench/CALIBRATION.md).
 PAGEABLE_SHARE = 0.0869
 FP32_RATE = 0.5  # float32 operands run on TF32 tensor cores: half the bf16 rate on every GPU of GPU_PERFORMANCE
+# PyTorch's math attention in 16 bits, per score element: the scores written by Q K^T (2 bytes), read and written by
+# the softmax (4), read by the product with V (2); a fused kernel keeps them on chip
+MATH_SCORE_BYTES = 8
 ACTIVATION_BYTES = 6144  # per token crossing GPUs: a 3072-wide hidden state in 16 bits
 # A denoiser copy's share of a call crosses GPUs as latents (in and out: 4 latent pixels per token, 16 channels, 16
 # bits) and the prompt's embeddings (512 tokens of 4096 in 16 bits); a call under guidance carries both halves,
@@ -55,6 +58,10 @@ VERIFY_SECONDS = 100e-6
 EXCHANGED_TENSORS = 4
 EXCHANGE_ITEM_BYTES = 2
 EXCHANGE_LATENCY = 50e-6
+# A batch cut across copies meets once a call: the parts gathered (an all-gather of the outputs) and the inputs
+# broadcast, each a small collective: NCCL's small-message latency over NVLink is 10-30 us (nccl-tests), the host's
+# hand-over around it as much again
+COLLECTIVE_LATENCY = 50e-6
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,7 @@ class Cost:
     transfer: float
     total: float
     hidden: float = 0.0
+    launch_bound: bool = False  # its GPU waits for the host's kernel launches: a faster GPU would not help
 
 
 # ---- pricing work and copies ----------------------------------------------------------------------------------
@@ -179,11 +187,50 @@ def compute_seconds(work: Tally, perf: Performance, on_gpu: bool = True) -> floa
     return max(gpu_seconds(work, perf), work.kernels * perf.kernel_seconds)
 
 
+def shared_compute(work: Tally, perf: Performance, on_gpu: bool, gpus: int) -> float:
+    """Seconds each of ``gpus`` GPUs takes for its share of ``work`` when a call is cut across them (a batch's parts,
+    a sequence's tokens): the GPU's time shares, the host's does not: each GPU's process launches every kernel of
+    its share (a part of a batch or of the tokens runs the same kernels), so a launch-bound call gains little."""
+    if not on_gpu:
+        return work.flops / perf.cpu_flops / gpus
+    return max(gpu_seconds(work, perf) / gpus, work.kernels * perf.kernel_seconds)
+
+
+def is_launch_bound(work: Tally, perf: Performance) -> bool:
+    """Whether the host's kernel launches (``perf.kernel_seconds`` each) take longer than the GPU's own work."""
+    return work.kernels > 0 and work.kernels * perf.kernel_seconds > gpu_seconds(work, perf)
+
+
+LAUNCH_NOTE_SHARE = 0.05  # a launch-bound component is named when it takes this share of the call or more
+
+
+def launch_bound(costs: Mapping[str, Cost]) -> list[str]:
+    """The components whose calls wait for the host's launches and take a noticeable share of the call."""
+    total = sum(c.total for c in costs.values())
+    return [name for name, c in costs.items() if c.launch_bound and c.compute > 0
+            and c.compute >= LAUNCH_NOTE_SHARE * total]
+
+
+def launch_note(costs: Mapping[str, Cost], perf: Performance) -> str | None:
+    """A line naming the components whose calls wait for the host's launches (``launch_bound``), or None."""
+    bound = launch_bound(costs)
+    if not bound:
+        return None
+    return (f"launch-bound: {', '.join(bound)} wait for the host's kernel launches ({perf.kernel_seconds * 1e6:.3g} us "
+            "a kernel): a faster host, CUDA graphs or torch.compile would speed them up, a faster GPU would not")
+
+
 def gpu_seconds(work: Tally, perf: Performance) -> float:
-    """The GPU's own time for ``work``: FLOPs and memory-bound bytes at its sustained rates."""
-    dense = work.flops - work.fp32_flops
-    return (dense / perf.flops + work.fp32_flops / (perf.flops * FP32_RATE)
-            + work.memory_bytes / perf.memory_bandwidth)
+    """The GPU's own time for ``work``, each work class at its rate: matrix products at the sustained FLOP/s
+    (float32 operands at ``FP32_RATE`` of it), fused attention at its backend's (``perf.attention_flops``; the dense
+    rate unless the profile names a fused backend), memory-bound bytes at the sustained memory bandwidth, and under
+    the math backend the score matrices it materialises (``MATH_SCORE_BYTES`` an element) too."""
+    half = work.flops - work.fp32_flops
+    attention = min(work.attention_flops, half) if perf.attention_flops is not None else 0.0
+    scores = work.attention_scores * MATH_SCORE_BYTES if perf.attention == "math" else 0.0
+    return ((half - attention) / perf.flops + work.fp32_flops / (perf.flops * FP32_RATE)
+            + (attention / perf.attention_flops if attention and perf.attention_flops else 0.0)
+            + (work.memory_bytes + scores) / perf.memory_bandwidth)
 
 
 def copy_seconds(size: float, bandwidth: float, copies: float = 1, latency: float = COPY_LATENCY) -> float:
@@ -359,6 +406,7 @@ def component_cost(placement: Placement, component: Component, dtype_bytes: int,
     steps = work.steps if steps is None else steps
     on_gpu = is_accelerator(placement.execution_device)
     compute = compute_seconds(counted.total(steps), perf, on_gpu)
+    copies = 1 + len(placement.replicas)
     bandwidth = perf.host_bandwidth * (1.0 if mechanism.pinned else PAGEABLE_SHARE)
     if placement.mode == "offload":  # one onload per image: the LRU keeps it while the others' calls run
         transfer = copy_seconds(component.bytes, bandwidth, 1, mechanism.copy_latency) * (
@@ -367,14 +415,16 @@ def component_cost(placement: Placement, component: Component, dtype_bytes: int,
     if placement.mode == "stream":
         return _stream_cost(placement, component, counted, steps, perf, bandwidth, mechanism, on_gpu)
     moved = moved_per_image(placement, component, work)
-    if placement.mode == "replicated":  # each call's parts run at once on the copies
-        parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas)) if work.guidance else 1
-        transfer = moved / perf.peer_bandwidth
-        return Cost(component.name, compute / parts, transfer, compute / parts + transfer)
+    if placement.mode == "replicated":  # each call's parts run at once on the copies, gathered at each call
+        parts = min(GUIDANCE_BATCH, copies) if work.guidance else 1
+        share = shared_compute(counted.total(steps), perf, on_gpu, parts)
+        transfer = moved / perf.peer_bandwidth + (counted.calls(steps) * COLLECTIVE_LATENCY if parts > 1 else 0.0)
+        return Cost(component.name, share, transfer, share + transfer)
     if placement.mode == "guidance":
         return guidance_cost(component, compute, moved, perf, work)
     if placement.mode == "sequence":
-        return sequence_cost(placement, component, compute, moved, perf, work)
+        share = shared_compute(counted.total(steps), perf, on_gpu, copies)
+        return sequence_cost(placement, component, share, moved, perf, work)
     transfer = moved / perf.peer_bandwidth  # split: activations to each run of shards and back; resident: none
     return Cost(component.name, compute, transfer, compute + transfer)
 
@@ -509,16 +559,17 @@ def _width_guess(component: Component) -> int:
     return int((component.bytes / EXCHANGE_ITEM_BYTES / 12) ** 0.5) * max(1, len(component.blocks))
 
 
-def sequence_cost(placement: Placement, component: Component, compute: float, moved: float, perf: Performance,
+def sequence_cost(placement: Placement, component: Component, share: float, moved: float, perf: Performance,
                   work: Workload) -> Cost:
     """A sequence split over ``1 + len(replicas)`` GPUs: each computes its share of the tokens (the attention too:
-    all tokens for its share of the heads), then waits for the exchanges, which Ulysses attention does not overlap;
-    the GPUs send at once, so the link carries one GPU's share at a time."""
+    all tokens for its share of the heads; ``share``: its seconds, ``shared_compute``), then waits for the
+    exchanges, which Ulysses attention does not overlap; the GPUs send at once, so the link carries one GPU's share
+    at a time."""
     gpus = 1 + len(placement.replicas)
     calls = calls_per_image(component, work)
     layers = max(1, len(component.blocks))
     transfer = moved / gpus / perf.peer_bandwidth + calls * layers * EXCHANGED_TENSORS * EXCHANGE_LATENCY
-    return Cost(component.name, compute / gpus, transfer, compute / gpus + transfer)
+    return Cost(component.name, share, transfer, share + transfer)
 
 
 def _moved_per_call(placement: Placement, component: Component) -> tuple[int, int, int]:
@@ -553,8 +604,13 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
         if p.component not in by_name:
             continue
         component = by_name[p.component]
-        cost = component_cost(p, component, dtype_bytes, perf, work, mechanism, _counted(counts, p.component), steps)
-        found[p.component] = _with_disk(cost, disk_seconds(p, component, perf, work, cached))
+        counted = _counted(counts, p.component)
+        cost = component_cost(p, component, dtype_bytes, perf, work, mechanism, counted, steps)
+        whole = (counted or formula_component(component, dtype_bytes, work)).total(work.steps if steps is None
+                                                                                    else steps)
+        bound = is_accelerator(p.execution_device) and is_launch_bound(whole, perf)
+        found[p.component] = _with_disk(replace(cost, launch_bound=bound), disk_seconds(p, component, perf, work,
+                                                                                        cached))
     code = counts.get(PIPELINE) if counts is not None else None
     if code is not None and steps is not None:
         seconds = compute_seconds(code.total(steps), perf, is_accelerator(plan.execution_device))

@@ -24,13 +24,20 @@ class Tally:
     """Work of a run of kernels: ``flops`` (matrix products, convolutions, attention: torch's FLOP formulas), of
     which ``fp32_flops`` on float32 operands (an upcast VAE: half the tensor-core rate), ``bytes`` read and written by
     every kernel, ``memory_bytes`` the part of them moved by kernels that do no such FLOPs (normalisations,
-    activations, copies: bound by memory bandwidth), and ``kernels`` launched."""
+    activations, copies: bound by memory bandwidth), and ``kernels`` launched. Of ``flops`` and ``bytes``, those of
+    fused attention kernels: ``attention_flops`` and ``attention_bytes`` (queries, keys, values, mask and output:
+    what a fused kernel reads and writes), and ``attention_scores``, the elements of the score matrices they never
+    materialise (what PyTorch's math path would write and read instead): the cost model prices attention by the
+    backend the user's stack runs."""
 
     flops: float = 0.0
     fp32_flops: float = 0.0
     bytes: float = 0.0
     memory_bytes: float = 0.0
     kernels: float = 0.0
+    attention_flops: float = 0.0
+    attention_bytes: float = 0.0
+    attention_scores: float = 0.0
 
     def __add__(self, other: Tally) -> Tally:
         return Tally(*(a + b for a, b in zip(self.to_list(exact=True), other.to_list(exact=True))))
@@ -39,11 +46,13 @@ class Tally:
         return Tally(*(a * factor for a in self.to_list(exact=True)))
 
     def to_list(self, exact: bool = False) -> list[float]:
-        values = [self.flops, self.fp32_flops, self.bytes, self.memory_bytes, self.kernels]
+        values = [self.flops, self.fp32_flops, self.bytes, self.memory_bytes, self.kernels, self.attention_flops,
+                  self.attention_bytes, self.attention_scores]
         return values if exact else [_round(v) for v in values]
 
     @classmethod
     def from_list(cls, values: list[float]) -> Tally:
+        """A tally from ``to_list``'s form; a record from before attention was counted apart has five figures."""
         return cls(*(float(v) for v in values))
 
 

@@ -37,13 +37,43 @@ class Device:
 
 # The cost model's fitted constants (bench/CALIBRATION.md: each fitted on one published figure, then held against
 # figures nothing was fitted on). The share of a GPU's datasheet dense bf16 FLOP/s and memory bandwidth that eager
-# PyTorch sustains over a diffusion pipeline's kernels, for the GPUs a published figure fits it on (H200: the H100's
-# chip); every other GPU takes their median. And the seconds the host takes to launch a kernel (Python, dispatch),
+# PyTorch sustains over a diffusion pipeline's kernels but attention (priced at its backend's published rate,
+# ``ATTENTION_SHARE``), for the GPUs a published figure fits it on. A GPU without one
+# takes its generation's default share (``GENERATION_SHARE``: the share fitted on that generation's GPU, the figure
+# saying so), never another generation's. And the seconds the host takes to launch a kernel (Python, dispatch),
 # fitted on SD 1.5 on an A100, a small UNet whose GPU waits for its launches.
-SUSTAINED = {"l40s": 0.891, "h100": 0.573, "l20": 1.03, "a100": 0.497}
-SUSTAINED_SHARE = sorted(SUSTAINED.values())[len(SUSTAINED) // 2]
-SUSTAINED["h200"] = SUSTAINED["h100"]
+SUSTAINED = {"l40s": 0.917, "h100": 0.622, "a100": 0.483}
+# generation -> (its default share, where it comes from). Turing has no published figure fitted: it takes the share
+# of the nearest generation that has one (Ampere), stated as such.
+GENERATION_SHARE = {"hopper": (SUSTAINED["h100"], "fitted on the H100"),
+                    "ampere": (SUSTAINED["a100"], "fitted on the A100"),
+                    "ada": (SUSTAINED["l40s"], "fitted on the L40S"),
+                    "turing": (SUSTAINED["a100"], "no Turing fit: Ampere's, fitted on the A100")}
+GENERATION = {"h200": "hopper", "h100": "hopper", "a100": "ampere", "a6000": "ampere", "3090": "ampere",
+              "l40s": "ada", "l20": "ada", "4090": "ada", "4080": "ada", "l4": "ada", "t4": "turing"}
 KERNEL_SECONDS = 4.02e-5
+# Attention backends: the share of a GPU's datasheet dense bf16 FLOP/s each fused kernel's forward reaches, by
+# generation, from published kernel benchmarks (head dim 128, long sequences), and where each figure comes from. The
+# backend is what the user's stack runs (``attention=`` in a profile), not a fit; the fits price attention at
+# ``DEFAULT_ATTENTION``'s rate. "dense": attention at the GPU's sustained share, as matrix products (a GPU without a
+# datasheet figure, where no rate is known). "math": PyTorch's unfused path, the score
+# matrices written and read through memory (``cost.MATH_SCORE_BYTES``). A generation without a figure takes the one
+# named beside it.
+ATTENTION_SHARE: dict[str, tuple[dict[str, float], str]] = {
+    "flash": ({"hopper": 0.35, "ampere": 0.70}, "FlashAttention-2: ~35% of an H100's peak (FlashAttention-3 paper, "
+              "Shah et al. 2024), 50-73% of an A100's (FlashAttention-2 paper, Dao 2023); Ada and Turing: Ampere's"),
+    "fa3": ({"hopper": 0.75}, "FlashAttention-3 forward: up to 75% of an H100's peak (Shah et al. 2024); Hopper "
+            "only, other generations run FlashAttention-2's figure"),
+    "cudnn": ({"hopper": 0.60}, "cuDNN 9 fused attention: about 0.6 of an H100's peak (the FlashAttention-3 paper's "
+              "cuDNN baseline, approximate); other generations FlashAttention-2's figure"),
+    "efficient": ({"hopper": 0.20, "ampere": 0.40}, "memory-efficient (xFormers CUTLASS) kernels: about half of "
+                  "FlashAttention-2's rate on an A100 (FlashAttention-2 paper), Ampere kernels on Hopper at Ampere's "
+                  "rate per clock (approximate)"),
+}
+ATTENTION_BACKENDS = ("dense", "math", *ATTENTION_SHARE)
+# what PyTorch's SDPA runs for 16-bit inputs without a mask on Ampere, Ada and Hopper (torch 2.1-2.5, diffusers'
+# default processors), for a named GPU whose profile names no backend
+DEFAULT_ATTENTION = "flash"
 
 
 @dataclass(frozen=True)
@@ -61,6 +91,9 @@ class Performance:
     kernel_seconds: float = KERNEL_SECONDS
     disk_bandwidth: float = 2e9  # an NVMe SSD's sustained reads through the page cache
     disk_origin: str = "default"  # where ``disk_bandwidth`` comes from: a key of DISK_ORIGINS
+    origin: str = "generic figures: no GPU model named"  # where the GPU's sustained figures come from
+    attention: str = "dense"  # the attention backend the stack runs (``ATTENTION_BACKENDS``)
+    attention_flops: float | None = None  # its sustained FLOP/s (None: the dense rate, ``flops``)
 
     def __post_init__(self) -> None:
         for name in ("flops", "host_bandwidth", "peer_bandwidth", "cpu_flops", "memory_bandwidth", "kernel_seconds",
@@ -96,27 +129,54 @@ GPU_PERFORMANCE = {
     "a6000": (154.8e12, 768e9, 25e9, 25e9), "4090": (165.2e12, 1008e9, 25e9, 20e9), "3090": (71e12, 936e9, 25e9, 20e9),
     "4080": (97.5e12, 717e9, 25e9, 20e9), "l4": (121e12, 300e9, 25e9, 20e9), "t4": (65e12, 320e9, 12e9, 10e9),
 }
-_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "disk_bw", "reserve"}
+_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "disk_bw", "reserve", "attention"}
 # Kept off each detected GPU's free memory, beside the activation headroom: cuBLAS/cuDNN workspaces and the
 # allocator's fragmentation (0.3 to 1 GiB); the CUDA context itself is already out of the free figure, since
 # reading it starts the context.
 GPU_RESERVE = 512 * 2**20
 
 
-def performance_for(gpu_name: str | None, this_machine: bool = False) -> Performance:
+def attention_rate(gpu: str, backend: str) -> tuple[float | None, str]:
+    """The sustained FLOP/s of ``backend``'s fused attention on a GPU (``GPU_PERFORMANCE``'s key) and where the
+    figure comes from; None for "dense" and "math" (attention at the dense rate)."""
+    if backend not in ATTENTION_SHARE:
+        return None, f"attention {backend}: at the dense rate"
+    shares, origin = ATTENTION_SHARE[backend]
+    fallback = ATTENTION_SHARE["flash"][0]
+    generation = GENERATION[gpu]
+    share = shares.get(generation) or fallback.get(generation) or fallback["ampere"]
+    return GPU_PERFORMANCE[gpu][0] * share, f"attention {backend} at {share:.2g} of the datasheet ({origin})"
+
+
+def performance_for(gpu_name: str | None, attention: str = DEFAULT_ATTENTION,
+                    this_machine: bool = False) -> Performance:
     """Figures for a GPU model name (``"NVIDIA H100 80GB HBM3"``, ``"4090"``): the sustained share of its datasheet
-    FLOP/s and memory bandwidth (``SUSTAINED``, else ``SUSTAINED_SHARE``), and its links; generic figures if
-    unknown. The disk is this machine's as ``pipemap doctor`` measured it when the figures are for ``this_machine``
-    and it did; the default otherwise."""
+    FLOP/s and memory bandwidth (``sustained_share``), its links, and its ``attention`` backend's rate
+    (``attention_rate``); generic figures if unknown (attention at the dense rate). ``origin`` says which share and
+    rate priced it. The disk is this machine's as ``pipemap doctor`` measured it when the figures are for
+    ``this_machine`` and it did; the default otherwise."""
     name = (gpu_name or "").lower()
     measured = measured_disk_bandwidth() if this_machine else None
-    disk, origin = (measured, "measured") if measured else (Performance.disk_bandwidth, "default")
+    disk, disk_origin = (measured, "measured") if measured else (Performance.disk_bandwidth, "default")
     for fragment, (flops, memory, host, peer) in GPU_PERFORMANCE.items():
         if fragment in name:
-            share = SUSTAINED.get(fragment, SUSTAINED_SHARE)
+            share, origin = sustained_share(fragment)
+            rate, said = attention_rate(fragment, attention)
             return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk,
-                               disk_origin=origin)
-    return Performance(disk_bandwidth=disk, disk_origin=origin)
+                               disk_origin=disk_origin,
+                               origin=f"{fragment.upper()} datasheet at {share:.3g} of it ({origin}); {said}",
+                               attention=attention, attention_flops=rate)
+    return Performance(disk_bandwidth=disk, disk_origin=disk_origin,
+                       attention="dense" if attention in ATTENTION_SHARE else attention)
+
+
+def sustained_share(gpu: str) -> tuple[float, str]:
+    """A GPU's (``GPU_PERFORMANCE``'s key) sustained share of its datasheet and where it comes from: its own fit,
+    else its generation's default."""
+    if gpu in SUSTAINED:
+        return SUSTAINED[gpu], f"fitted on the {gpu.upper()}"
+    share, origin = GENERATION_SHARE[GENERATION[gpu]]
+    return share, f"no {gpu.upper()} fit: the {GENERATION[gpu].capitalize()} generation's default, {origin}"
 
 
 DISK_FILE = "disk.json"  # beside the transfer checks' cache: ``pipemap doctor``'s measured disk read speed
@@ -176,7 +236,8 @@ class Hardware:
 
         A profile without ``cpu`` gets the RAM this process may use (``ram.ram``) as its CPU memory. The cost
         model's figures may follow: ``gpu=4090`` (defaults for that model), ``flops=120T`` (sustained),
-        ``host_bw=25GB``, ``peer_bw=50GB``, ``mem_bw=700GB`` (sustained), ``disk_bw=3GB`` (bytes per second);
+        ``host_bw=25GB``, ``peer_bw=50GB``, ``mem_bw=700GB`` (sustained), ``disk_bw=3GB`` (bytes per second),
+        ``attention=flash`` (the attention backend the stack runs: ``ATTENTION_BACKENDS``; a fused one needs gpu=);
         ``reserve=512MiB`` is kept off each GPU for the CUDA context and workspaces (none unless given: a profile's
         figures are what the plan may use).
 
@@ -266,7 +327,12 @@ def _present(devices: Mapping[str, int]) -> bool:
 
 
 def _performance(spec: str, settings: Mapping[str, str], this_machine: bool) -> Performance:
-    base = performance_for(settings.get("gpu"), this_machine)
+    backend = settings.get("attention", DEFAULT_ATTENTION).lower()
+    if backend not in ATTENTION_BACKENDS:
+        raise HardwareSpecError(spec, f"attention={backend}", f"the backends are {', '.join(ATTENTION_BACKENDS)}")
+    base = performance_for(settings.get("gpu"), backend, this_machine)
+    if "attention" in settings and backend in ATTENTION_SHARE and base.attention_flops is None:
+        raise HardwareSpecError(spec, f"attention={backend}", "a fused backend's rate needs the GPU: add gpu=")
     flops, host, peer = base.flops, base.host_bandwidth, base.peer_bandwidth
     if "flops" in settings:
         flops = _flops(spec, settings["flops"])
@@ -276,10 +342,13 @@ def _performance(spec: str, settings: Mapping[str, str], this_machine: bool) -> 
         peer = _bandwidth(spec, "peer_bw", settings["peer_bw"])
     memory = _bandwidth(spec, "mem_bw", settings["mem_bw"]) if "mem_bw" in settings else base.memory_bandwidth
     if "disk_bw" in settings:
-        disk, origin = _bandwidth(spec, "disk_bw", settings["disk_bw"]), "stated"
+        disk, disk_origin = _bandwidth(spec, "disk_bw", settings["disk_bw"]), "stated"
     else:
-        disk, origin = base.disk_bandwidth, base.disk_origin
-    return Performance(flops, host, peer, base.cpu_flops, memory, base.kernel_seconds, disk, origin)
+        disk, disk_origin = base.disk_bandwidth, base.disk_origin
+    stated = [key for key in ("flops", "mem_bw") if key in settings]
+    origin = base.origin + (f"; {' and '.join(stated)} as given" if stated else "")
+    return replace(base, flops=flops, host_bandwidth=host, peer_bandwidth=peer, memory_bandwidth=memory,
+                   disk_bandwidth=disk, disk_origin=disk_origin, origin=origin)
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:

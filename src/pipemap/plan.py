@@ -5,6 +5,7 @@ Making a plan moves nothing; ``pipemap.dispatch`` and ``pipemap.load`` apply one
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections.abc import Mapping
@@ -19,6 +20,8 @@ from .units import format_bytes
 
 if TYPE_CHECKING:
     from rich.table import Table
+
+    from .hardware import Performance
 
 MODES = ("resident", "offload", "stream", "split", "replicated", "guidance", "sequence")
 
@@ -179,6 +182,10 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     candidates: tuple[Candidate, ...] = field(default=())
     staging: int = 0  # pinned host bytes that pieces read from the disk pass through on their way to a GPU
+    # the speeds of the machine the plan was made for (``Hardware.performance``): what ``pipemap.estimate`` prices it
+    # by unless given another machine. None: a plan made by hand, or saved before plans kept them. Not compared: two
+    # plans are equal when they place alike, whatever the speeds they were priced at
+    performance: Performance | None = field(default=None, compare=False)
 
     @property
     def device_map(self) -> dict[str, str]:
@@ -308,6 +315,7 @@ class Plan:
             **({"candidates": [{"strategy": c.strategy, "seconds": c.seconds, "peaks": dict(c.peaks),
                                 "reason": c.reason, "images_per_second": c.images_per_second}
                                for c in self.candidates]} if self.candidates else {}),
+            **({"performance": dataclasses.asdict(self.performance)} if self.performance is not None else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -333,7 +341,8 @@ class Plan:
             raise PlanFormatError(f"the candidates are malformed ({type(err).__name__}: {err})") from None
         return cls(_text(data, "strategy"), components, devices, _device(_text(data, "execution_device")),
                    _text(data, "dtype", optional=True), _text(data, "variant", optional=True),
-                   tuple(_strings(data.get("notes", []), "notes")), candidates, _size(data, "staging", 0))
+                   tuple(_strings(data.get("notes", []), "notes")), candidates, _size(data, "staging", 0),
+                   _performance(data.get("performance")))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -412,6 +421,21 @@ def _device(name: object) -> str:
         return real_device(_string(name, "device"))
     except UnknownDeviceError as err:
         raise PlanFormatError(f"{name!r} {err.reason}") from None
+
+
+def _performance(figures: object) -> Performance | None:
+    """The saved machine's speeds; None where the plan was saved without them (before plans kept them). A figure
+    this version does not know is left out, one it knows and lacks takes its default."""
+    if figures is None:
+        return None
+    from .hardware import Performance  # here: reading a plan's figures needs the machine's module (torch)
+
+    given = _mapping(figures, "'performance'")
+    known = {f.name for f in dataclasses.fields(Performance)}
+    try:
+        return Performance(**{k: v for k, v in given.items() if k in known})
+    except (ValueError, TypeError) as err:
+        raise PlanFormatError(f"'performance' is malformed ({err})") from None
 
 
 def _placement(name: str, c: dict[str, Any]) -> Placement:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import replication
-from .cost import images_per_second, seconds_per_image
+from .cost import images_per_second, launch_note, predict, seconds_per_image
 from .counts import Counts
 from .devices import is_accelerator, real_device
 from .errors import (
@@ -449,7 +449,7 @@ def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], dev
     used["cpu"] += sum(p.ram_bytes for p in placements) + staging - resident["cpu"]
     devices = tuple(DeviceUse(d.name, d.memory, budget[d.name], used[d.name]) for d in hw.devices)
     return Plan(label, placements, devices, execution_device(placements), inventory.dtype, inventory.variant,
-                tuple(notes), staging=staging)
+                tuple(notes), staging=staging, performance=hw.performance)
 
 
 def _with_rooms(placements: tuple[Placement, ...], components: Mapping[str, Component], budget: Mapping[str, int],
@@ -543,9 +543,10 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
     best = plans[fitting[0].strategy]
     why = f"auto: {fitting[0].strategy} is the fastest plan that fits ({fitting[0].seconds:.3g} s per image"
     why += f"; next {fitting[1].strategy} at {fitting[1].seconds:.3g} s)" if len(fitting) > 1 else ")"
+    bound = launch_note(predict(best, inventory, hw.performance, counts=counts), hw.performance)
     disk = (f"auto: the disk tier priced at {hw.performance.disk_text}",) if best.host.disk else ()
-    return replace(best, strategy=AUTO, candidates=tuple(candidates),
-                   notes=best.notes + (priced_by(counts), why) + disk)
+    notes = (priced_by(counts), *((f"auto: {bound}",) if bound else ()), why, *disk)
+    return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + notes)
 
 
 def priced_by(counts: Counts | None) -> str:

@@ -28,7 +28,9 @@ from ..planner import budgets, plan_inventory
 from ..transfer import cache_path
 from .run import count_work
 
-COUNTER_VERSION = 1  # bumped when the counter's rules change: older cached counts are not read
+# bumped when the counter's rules change: older cached counts are not read (2: attention counted apart, boolean
+# masks as the fused kernels run them)
+COUNTER_VERSION = 2
 RECORD_DEPTH = 3  # the catalog's record keeps each component's work by module down to paths of 3 parts
 _KEPT: dict[str, Counts] = {}
 

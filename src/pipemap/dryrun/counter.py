@@ -36,6 +36,10 @@ def _cpu_attention_flops(query, key, value, *args, **kwargs) -> int:
 
 
 _EXTRA_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops}
+# the fused attention kernels (their forward): counted as a work class of their own, priced by backend
+_ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+              aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu}
+_FIGURES = len(Tally().to_list())
 
 
 class WorkCounter(TorchDispatchMode):
@@ -61,8 +65,8 @@ class WorkCounter(TorchDispatchMode):
         self._in_loop = False
         self._stack: list[tuple[str, str]] = []
         self._last: str | None = None
-        self.work: dict[tuple[str, bool], list[float]] = collections.defaultdict(lambda: [0.0] * 5)
-        self.pieces: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0] * 5)
+        self.work: dict[tuple[str, bool], list[float]] = collections.defaultdict(lambda: [0.0] * _FIGURES)
+        self.pieces: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0] * _FIGURES)
         self.root_calls: collections.Counter = collections.Counter()
         self.runs: collections.Counter = collections.Counter()
         self._handles: list = []
@@ -130,12 +134,17 @@ class WorkCounter(TorchDispatchMode):
         moved = _bytes(inputs) + _bytes(tree_leaves(out))
         component, path = self._stack[-1] if self._stack else (None, "")
         name = component or PIPELINE
+        fused = func._overloadpacket in _ATTENTION
         for into in (self.work[(name, self._per_step(component))], self.pieces[(name, path)]):
             into[0] += flops
             into[1] += wide
             into[2] += moved
             into[3] += 0 if flops else moved
             into[4] += 1
+            if fused:
+                into[5] += flops
+                into[6] += moved
+                into[7] += _scores(args)
         return out
 
     # ---- the result
@@ -151,7 +160,7 @@ class WorkCounter(TorchDispatchMode):
                       extra_steps=iterations - steps_asked)
 
     def _component(self, name: str, steps_run: int) -> ComponentCounts:
-        once, per_step = (Tally(*self.work.get((name, flag), [0.0] * 5)) for flag in (False, True))
+        once, per_step = (Tally(*self.work.get((name, flag), [0.0] * _FIGURES)) for flag in (False, True))
         calls_once, calls_step = (self.root_calls[(name, flag)] or self.runs[(name, flag)] for flag in (False, True))
         steps = max(1, steps_run)
         calls = max(1, calls_once + calls_step)
@@ -166,6 +175,12 @@ def _flops(func, args, kwargs, out) -> float:
     if formula is None:
         return 0.0
     return float(formula(*args, **kwargs, out_val=out))
+
+
+def _scores(args) -> float:
+    """Elements of the score matrices a fused attention kernel keeps on chip: batch x heads x queries x keys."""
+    query, key = args[0], args[1]
+    return float(query.numel() // query.shape[-1] * key.shape[-2])
 
 
 def _first_dtype(leaves) -> torch.dtype | None:

@@ -257,12 +257,17 @@ def fused_attention():
 
     On meta devices ``scaled_dot_product_attention`` decomposes to the math path and materialises the whole score
     matrix (a peak 10x too high); a real GPU runs a fused kernel, whose fake counterpart returns only the output.
+    A boolean mask goes to the fused kernel as a GPU's SDPA gives it: turned into an additive mask of the query's
+    dtype first (``convert_boolean_attn_mask``), never a materialised score matrix.
     """
     original = F.scaled_dot_product_attention
 
     # torch's own argument names: diffusers' attention dispatcher passes query=, key=, value= by keyword
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if _standin(query) and not enable_gqa and (attn_mask is None or attn_mask.dtype != torch.bool):
+        if _standin(query) and not enable_gqa:
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(attn_mask.logical_not(),
+                                                                                        float("-inf"))
             # the kernel takes (batch, heads, tokens, width); a 3-D call (HunyuanImage 2.1's VAE) has one head
             lead = query.shape[:-2]
             q, k, v = (t.reshape(-1, 1, *t.shape[-2:]) if t.dim() != 4 else t for t in (query, key, value))
