@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -194,9 +195,13 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
     inventory = with_passed(request.inventory(), passed)  # headers only: checks before any load
     if plan is None:
         plan = request.plan(inventory)
-    else:
-        check_plan_fits(plan, inventory)
-    return load_onto(folder, index, plan, passed, request.dtype, request.variant, progress=progress,
+    running = runnable(plan)  # as the command line runs it: GPUs this machine lacks on the CPU, and said so
+    check_plan_fits(running, inventory)
+    if running is not plan:
+        warnings.warn(f"pipemap: this machine lacks {', '.join(_lacking(plan, running))} of the plan: running the "
+                      "same plan with them on the CPU (plan for this machine, or leave hardware= out, to use what it "
+                      "has)", UserWarning, stacklevel=2)
+    return load_onto(folder, index, running, passed, request.dtype, request.variant, progress=progress,
                      check_transfers=check_transfers, kwargs=kwargs)
 
 
@@ -414,10 +419,17 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, coun
 
 
 def runnable(plan: Plan) -> Plan:
-    """``plan`` with the devices this machine lacks remapped onto the CPU."""
+    """``plan`` with the GPUs this machine lacks remapped onto the CPU, every mode kept: the one rule of ``load``,
+    ``run``, ``demo`` and ``serve`` (a plan made for another machine runs here, slowly, and they say so). A stand-in
+    ``meta:N`` is left as it is, for ``load`` to refuse."""
     local = set(Hardware.detect().names)
-    missing = {d.device: "cpu" for d in plan.devices if d.device not in local}
+    missing = {d.device: "cpu" for d in plan.devices if d.device.startswith("cuda:") and d.device not in local}
     return plan.remap(missing) if missing else plan
+
+
+def _lacking(plan: Plan, running: Plan) -> list[str]:
+    here = {d.device for d in running.devices}
+    return [d.device for d in plan.devices if d.device not in here]
 
 
 def measured_plan(source, inventory: Inventory, hw: Hardware, strategy: str | dict, call: Mapping,
