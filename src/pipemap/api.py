@@ -34,7 +34,7 @@ from .errors import (
     UnknownStrategyError,
 )
 from .hardware import Hardware
-from .inventory import Inventory, inventory_of, read_model_index, resolve_dtype
+from .inventory import Inventory, check_weights_present, inventory_of, read_model_index, resolve_dtype
 from .loading import check_plan_fits, load_onto, with_passed
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
@@ -195,6 +195,7 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
     inventory = with_passed(request.inventory(), passed)  # headers only: checks before any load
     if plan is None:
         plan = request.plan(inventory)
+    check_weights_present(folder, index, request.variant if request.variant is not None else plan.variant, passed)
     running = runnable(plan)  # as the command line runs it: GPUs this machine lacks on the CPU, and said so
     check_plan_fits(running, inventory)
     if running is not plan:
