@@ -370,6 +370,16 @@ CASES = [
     ("simulate-keyword", lambda ctx: lambda: pipemap.simulate(ctx.pipe, ctx.plan, heigth=32), E.CallArgumentError,
      "heigth"),
     *[(f"simulate-steps-{v!r}", simulating(steps=v), E.ArgumentTypeError, "steps") for v in (-1, 0, 1.5, True, "2")],
+    # a plan for another pipeline: refused before a dry run builds anything, whatever the source
+    ("simulate-other-folder", lambda ctx: lambda: pipemap.simulate(ctx.folder, pipemap.plan(ctx.sdxl,
+                                                                                          hardware="2x1GiB")),
+     E.PlanMismatchError, "'text_encoder_2': the plan places it but the folder has no such model"),
+    ("simulate-other-pipe", lambda ctx: lambda: pipemap.simulate(ctx.pipe, pipemap.plan(ctx.sdxl, hardware="2x1GiB")),
+     E.PlanMismatchError, "re-plan from this pipeline"),
+    ("simulate-other-catalog", lambda ctx: lambda: pipemap.simulate("flux.1-dev", ctx.plan), E.PlanMismatchError,
+     "'text_encoder_2': the pipeline 'flux.1-dev' has this model but the plan does not place it"),
+    ("simulate-many-other", lambda ctx: lambda: pipemap.simulate_many("flux.1-dev", ctx.plan, [{}]),
+     E.PlanMismatchError, "made for another pipeline"),
     # the command line
     ("cli-strategy-json", cli("plan", "FOLDER", "--strategy", "{bad"), CliExit, "not valid JSON"),
     ("cli-headroom-json", cli("plan", "FOLDER", "--headroom", "{bad"), CliExit, "not valid JSON"),

@@ -35,7 +35,7 @@ from .errors import (
 )
 from .hardware import Hardware
 from .inventory import Inventory, check_weights_present, inventory_of, read_model_index, resolve_dtype
-from .loading import check_plan_fits, load_onto, with_passed
+from .loading import check_plan_fits, check_plan_models, load_onto, with_passed
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
 from .units import format_bytes, parse_bytes
@@ -229,6 +229,7 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, ad
     if not isinstance(advice, bool):
         raise ArgumentTypeError("advice", advice, "True (the default: tiling advice where VAE decode does not fit) "
                                 "or False (no second dry run)")
+    check_plan_of(source, plan)
     from .dryrun.run import simulate as dry_run  # here, as each dry-run verb imports it: load needs none
 
     return dry_run(source, plan, steps=steps, vae_tiling=vae_tiling, advice=advice, **call_kwargs)
@@ -251,9 +252,26 @@ def simulate_many(source, plan: Plan, calls, workers: int = 2, *, steps: int = 2
     calls = list(calls)
     if not all(isinstance(c, Mapping) for c in calls):
         raise ArgumentTypeError("calls", calls, "a list of dicts of the pipeline's keyword arguments")
+    check_plan_of(source, plan)
     from .dryrun.many import simulate_many as dry_run_many
 
     return dry_run_many(source, plan, calls, workers, steps=steps)
+
+
+def check_plan_of(source, plan: Plan) -> None:
+    """A plan made for another pipeline than ``source`` (a loaded pipeline, a folder or a catalog name) is a
+    ``PlanMismatchError`` before a dry run builds anything, as ``load`` refuses it."""
+    if isinstance(getattr(source, "components", None), dict):
+        models = {n for n, m in source.components.items() if isinstance(m, torch.nn.Module)}
+        return check_plan_models(plan, models, "pipeline")
+    if isinstance(source, str) and not os.path.exists(source):
+        from . import catalog  # here: only a name that is no path is looked up there
+
+        if (name := catalog.resolve(source)) is not None:
+            return check_plan_models(plan, set(catalog.entry(name).configs), f"pipeline {name!r}")
+    if isinstance(source, (str, os.PathLike)):
+        check_plan_models(plan, {c.name for c in inventory_of(source, plan.dtype, plan.variant).models}, "folder")
+    return None
 
 
 _ADMISSION = "_pipemap_admission"

@@ -38,19 +38,24 @@ def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.
 def check_plan_fits(plan: Plan, inventory: Inventory) -> None:
     """The plan places exactly the folder's models, on devices this machine has, as ``dispatch`` will check; here
     before any weight is loaded."""
-    models = {c.name for c in inventory.models}
-    for name in models - set(plan.device_map):
-        raise PlanMismatchError(name, "the folder has this model but the plan does not place it: it was made for "
-                                "another pipeline; re-plan from this folder (pipemap.plan(path, ...))")
-    for name in set(plan.device_map) - models:
-        raise PlanMismatchError(name, f"the plan places it but the folder has no such model (it has: "
-                                f"{', '.join(sorted(models))}); re-plan from this folder")
+    check_plan_models(plan, {c.name for c in inventory.models}, "folder")
     here = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
     for p in plan.components:
         for device in (p.device, p.execution_device, *(d for _, d, _ in p.shards), *p.replicas):
             if device not in here:
                 raise UnknownDeviceError(device, tuple(here), f"(where the plan puts {p.component!r}) is not on "
                                          "this machine: re-plan here, or plan.remap() it onto devices it has")
+
+
+def check_plan_models(plan: Plan, models: set[str], source: str) -> None:
+    """The plan places exactly the models of its ``source`` (a ``"folder"``, ``"pipeline"`` or catalog name), else
+    a ``PlanMismatchError``: a plan made for another pipeline."""
+    for name in sorted(models - set(plan.device_map)):
+        raise PlanMismatchError(name, f"the {source} has this model but the plan does not place it: it was made for "
+                                f"another pipeline; re-plan from this {source} (pipemap.plan(...))")
+    for name in sorted(set(plan.device_map) - models):
+        raise PlanMismatchError(name, f"the plan places it but the {source} has no such model (it has: "
+                                f"{', '.join(sorted(models))}); re-plan from this {source}")
 
 
 def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, variant, progress: bool, kwargs: dict):
