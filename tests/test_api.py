@@ -359,6 +359,13 @@ CASES = [
     ("load-meta-plan", lambda ctx: lambda: pipemap.load(ctx.folder, plan=ctx.plan.remap({"cuda:0": "meta:0"})),
      E.UnknownDeviceError, "not on this machine"),
     ("load-missing", call(pipemap.load, "/no/such/folder"), E.NotAPipelineError, "no such folder"),
+    # a component passed in built that is not of the kind model_index.json names: diffusers' check, typed, up front
+    ("load-unet-str", lambda ctx: lambda: pipemap.load(ctx.folder, unet="not a module"), E.ArgumentTypeError,
+     "unet='not a module' is a str: give a built component of the kind model_index.json names for 'unet'"),
+    ("load-unet-linear", lambda ctx: lambda: pipemap.load(ctx.folder, unet=torch.nn.Linear(2, 2)),
+     E.ArgumentTypeError, "an instance of diffusers.models.modeling_utils.ModelMixin"),
+    ("load-scheduler-str", lambda ctx: lambda: pipemap.load(ctx.folder, scheduler="ddim"), E.ArgumentTypeError,
+     "SchedulerMixin"),
     ("load-strategy-name", lambda ctx: lambda: pipemap.load(ctx.folder, strategy="nope"), E.UnknownStrategyError,
      "nope"),
     ("load-variant-missing", lambda ctx: lambda: pipemap.load(ctx.folder, variant="fp8"), E.VariantNotFoundError,

@@ -35,7 +35,7 @@ from .errors import (
 )
 from .hardware import Hardware
 from .inventory import Inventory, check_weights_present, inventory_of, read_model_index, resolve_dtype
-from .loading import check_plan_fits, check_plan_models, load_onto, with_passed
+from .loading import check_passed, check_plan_fits, check_plan_models, load_onto, with_passed
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
 from .units import format_bytes, parse_bytes
@@ -192,6 +192,7 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
     if plan is not None:
         check_plan_arguments(plan, request)
     passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index and not k.startswith("_")}
+    check_passed(index, passed)
     inventory = with_passed(request.inventory(), passed)  # headers only: checks before any load
     if plan is None:
         plan = request.plan(inventory)

@@ -9,6 +9,7 @@ parts (tokenizers, scheduler).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .dispatch import dispatch
-from .errors import PlanMismatchError, UnknownDeviceError
+from .errors import ArgumentTypeError, PlanMismatchError, UnknownDeviceError
 from .inventory import Component, Inventory, component_class, live_component
 from .plan import Plan
 from .quiet import quiet_progress
@@ -106,6 +107,26 @@ def _custom_code(library: str) -> bool:
     from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
 
     return library not in LOADABLE_CLASSES and not hasattr(pipelines, library)
+
+
+def check_passed(index: dict, passed: dict) -> None:
+    """Each component passed in built (``load(path, unet=...)``) is of the kind its ``model_index.json`` entry names
+    (diffusers' own check, before any weight loads), else an ``ArgumentTypeError`` naming it; None leaves an
+    optional one out, as in diffusers."""
+    from diffusers.pipelines.pipeline_loading_utils import ALL_IMPORTABLE_CLASSES, maybe_raise_or_warn
+
+    for name, value in passed.items():
+        entry = index.get(name)
+        if value is None or not isinstance(entry, list) or entry[0] is None or _custom_code(entry[0]):
+            continue
+        library, class_name = entry
+        try:
+            maybe_raise_or_warn(library, None, class_name, ALL_IMPORTABLE_CLASSES, passed, name, False)
+        except ValueError as err:
+            expected = re.sub(r"<class '([^']+)'>", r"\1", str(err).rpartition(" but should be ")[2]) or "its base"
+            raise ArgumentTypeError(name, value, f"a built component of the kind model_index.json names for "
+                                    f"{name!r} ({library} {class_name}, an instance of {expected}), or None to "
+                                    "leave an optional component out") from None
 
 
 def with_passed(inventory: Inventory, passed: dict) -> Inventory:
