@@ -2,7 +2,7 @@
 # Set everything up, then lint and run the whole test suite (CPU only, no download).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test  # pipemap and its test tools (after a demo-only install too)
 # the home page's browser test drives a headless Chromium (Selenium): install it from the system's packages where
 # missing; without it that one test is skipped and says why
 have_browser() { command -v chromedriver >/dev/null && { command -v chromium || command -v chromium-browser \

@@ -127,6 +127,32 @@ def test_read_header_reads_header_only(tiny_folders):
     assert all({"dtype", "shape"} <= set(meta) for meta in header.values())
 
 
+def _header_only(source: str, folder) -> list:
+    """A copy of ``source`` whose weights files end after their headers (what a header-only fetch gives)."""
+    shutil.copytree(source, folder)
+    files = sorted(folder.rglob("*.safetensors"))
+    for path in files:
+        data = path.read_bytes()
+        path.write_bytes(data[:8 + int.from_bytes(data[:8], "little")])
+    return files
+
+
+@pytest.mark.slow  # a dry run: about 3 s on 2 cores
+def test_plan_and_simulate_read_headers_only_load_checks_the_bytes(tmp_path, tiny_folders):
+    folder = tmp_path / "headers"
+    files = _header_only(tiny_folders["sd"], folder)
+    whole, headers = pipemap.inspect(tiny_folders["sd"]), pipemap.inspect(folder)
+    assert headers.components == whole.components  # sized, cut and mapped as the whole folder is
+    # the VAE stays in its files (the disk tier): its maps are planned from the headers, and the dry run never reads
+    plan = pipemap.plan(folder, hardware="1x3MiB,cpu=2MiB", strategy="balanced_ultra_low_memory", headroom=0)
+    assert plan.placement("vae").disk_bytes > 0
+    report = pipemap.simulate(folder, plan, advice=False)
+    assert report.ok, report.error
+    with pytest.raises(pipemap.CheckpointError) as err:
+        pipemap.load(folder, plan=plan, progress=False)
+    assert err.value.path in {str(f) for f in files} and "truncated" in err.value.reason
+
+
 def _bytes_read() -> int:
     for line in open("/proc/self/io").read().splitlines():
         if line.startswith("rchar:"):

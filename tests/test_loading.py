@@ -9,6 +9,7 @@ import pipemap
 from helpers import plain_pipeline, run
 from pipemap import tiny
 from pipemap.dispatch import planned
+from pipemap.hardware import Hardware
 from pipemap.hooks import PlacementHook
 
 TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny models: unet 3.0 MiB, vae 2.5, controlnet 1.6, text encoders 0.2
@@ -73,6 +74,26 @@ def test_passed_component_planned_without_a_plan(tiny_folders):
     controlnet = plain_pipeline(folder).controlnet
     pipe = pipemap.load(folder, hardware="cpu=1GiB", controlnet=controlnet, progress=False)
     assert "controlnet" in pipe.hf_device_map and isinstance(controlnet._hf_hook, PlacementHook)
+
+
+@pytest.mark.parametrize("given", ["hardware", "plan"])
+def test_gpus_this_machine_lacks_run_on_the_cpu_with_a_warning(tiny_folders, reference_outputs, monkeypatch, given):
+    # the README's budget for a tiny folder on a machine without GPUs: load runs it as `pipemap run` and `demo` do
+    monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls, reserve=0: Hardware.parse("cpu=1GiB")))
+    folder = tiny_folders["sd"]
+    plan = pipemap.plan(folder, hardware="2x5MiB,cpu=1GiB")
+    arguments = {"hardware": "2x5MiB,cpu=1GiB"} if given == "hardware" else {"plan": plan}
+    with pytest.warns(UserWarning, match="lacks cuda:0, cuda:1 of the plan: running the same plan with them on the"):
+        pipe = pipemap.load(folder, progress=False, **arguments)
+    assert planned(pipe) == plan.remap(ON_CPU) and set(plan.device_map.values()) == {"cuda:0", "cuda:1"}
+    _assert_placed(pipe, plan.remap(ON_CPU))
+    torch.testing.assert_close(run(pipe, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
+
+
+def test_a_stand_in_device_is_still_refused(tiny_folders):
+    plan = pipemap.plan(tiny_folders["sd"], hardware="2x5MiB,cpu=1GiB").remap({"cuda:0": "meta:0", "cuda:1": "meta:1"})
+    with pytest.raises(pipemap.UnknownDeviceError, match="not on this machine"):
+        pipemap.load(tiny_folders["sd"], plan=plan, progress=False)
 
 
 def test_max_memory_naming_a_missing_gpu_is_an_error(tiny_folders):

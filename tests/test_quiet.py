@@ -49,3 +49,25 @@ def test_quiet_progress_leaves_a_hidden_bar_hidden(settings):
     with quiet_progress():
         pass
     assert diffusers_logging.is_progress_bar_enabled() and not transformers_logging.is_progress_bar_enabled()
+
+
+def test_import_noise_is_dropped_and_the_rest_of_those_loggers_still_shows(caplog):
+    import logging
+
+    import torch
+
+    import pipemap  # noqa: F401  (its import installs the filters: quiet.quiet_imports)
+
+    caplog.set_level(logging.WARNING)
+    pytree, torchao = logging.getLogger("torch.utils._pytree"), logging.getLogger("torchao")
+    pytree.warning("<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile")
+    pytree.warning("another warning")
+    pytree.error("<enum 'X'> is an Enum subclass and is now natively supported (an error: kept)")
+    torchao.warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
+    logging.getLogger("transformers.utils.import_utils").warning(
+        "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`")
+    shown = [r.getMessage() for r in caplog.records]
+    cuda_build = torch.version.cuda is not None  # there the kernels should load: a failure is news
+    assert shown == ["another warning", "<enum 'X'> is an Enum subclass and is now natively supported (an error: "
+                     "kept)"] + (["Failed to load /x/torchao/_C_mxfp8.so: Could not load this library"]
+                               if cuda_build else [])

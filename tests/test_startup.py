@@ -278,7 +278,8 @@ def test_catalog_sizes_are_recorded_as_computed():
 
 def test_tiny_save_makes_a_folder_to_try(tmp_path, capsys):
     assert main(["tiny", "save", "sd", str(tmp_path / "tiny-sd")]) == 0
-    assert "pipemap plan" in capsys.readouterr().out
+    hint = capsys.readouterr().out.split("try: pipemap ")[1].split()
+    assert hint[:2] == ["plan", str(tmp_path / "tiny-sd")] and main(hint) == 0  # the command it suggests works
     plan = pipemap.plan(str(tmp_path / "tiny-sd"), hardware="2x5MiB,cpu=1GiB")
     assert set(plan.device_map) == {"text_encoder", "unet", "vae"}
     assert "[cuda:0]" in str(plan)  # a device label is printed, not swallowed as rich markup

@@ -41,7 +41,10 @@ from .errors import (
     UnknownStrategyError,
     VariantNotFoundError,
 )
+from .quiet import quiet_imports
 from .units import format_bytes, parse_bytes
+
+quiet_imports()  # before torch, torchao and transformers are imported: their import-time noise (quiet.NOISE)
 
 __version__ = "0.1.0"
 

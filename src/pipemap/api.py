@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,8 +34,8 @@ from .errors import (
     UnknownStrategyError,
 )
 from .hardware import Hardware
-from .inventory import Inventory, inventory_of, read_model_index, resolve_dtype
-from .loading import check_plan_fits, load_onto, with_passed
+from .inventory import Inventory, check_weights_present, inventory_of, read_model_index, resolve_dtype
+from .loading import check_passed, check_plan_fits, check_plan_models, load_onto, with_passed
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
 from .units import format_bytes, parse_bytes
@@ -191,12 +192,18 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
     if plan is not None:
         check_plan_arguments(plan, request)
     passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index and not k.startswith("_")}
+    check_passed(index, passed)
     inventory = with_passed(request.inventory(), passed)  # headers only: checks before any load
     if plan is None:
         plan = request.plan(inventory)
-    else:
-        check_plan_fits(plan, inventory)
-    return load_onto(folder, index, plan, passed, request.dtype, request.variant, progress=progress,
+    check_weights_present(folder, index, request.variant if request.variant is not None else plan.variant, passed)
+    running = runnable(plan)  # as the command line runs it: GPUs this machine lacks on the CPU, and said so
+    check_plan_fits(running, inventory)
+    if running is not plan:
+        warnings.warn(f"pipemap: this machine lacks {', '.join(_lacking(plan, running))} of the plan: running the "
+                      "same plan with them on the CPU (plan for this machine, or leave hardware= out, to use what it "
+                      "has)", UserWarning, stacklevel=2)
+    return load_onto(folder, index, running, passed, request.dtype, request.variant, progress=progress,
                      check_transfers=check_transfers, kwargs=kwargs)
 
 
@@ -223,6 +230,7 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, ad
     if not isinstance(advice, bool):
         raise ArgumentTypeError("advice", advice, "True (the default: tiling advice where VAE decode does not fit) "
                                 "or False (no second dry run)")
+    check_plan_of(source, plan)
     from .dryrun.run import simulate as dry_run  # here, as each dry-run verb imports it: load needs none
 
     return dry_run(source, plan, steps=steps, vae_tiling=vae_tiling, advice=advice, **call_kwargs)
@@ -245,9 +253,26 @@ def simulate_many(source, plan: Plan, calls, workers: int = 2, *, steps: int = 2
     calls = list(calls)
     if not all(isinstance(c, Mapping) for c in calls):
         raise ArgumentTypeError("calls", calls, "a list of dicts of the pipeline's keyword arguments")
+    check_plan_of(source, plan)
     from .dryrun.many import simulate_many as dry_run_many
 
     return dry_run_many(source, plan, calls, workers, steps=steps)
+
+
+def check_plan_of(source, plan: Plan) -> None:
+    """A plan made for another pipeline than ``source`` (a loaded pipeline, a folder or a catalog name) is a
+    ``PlanMismatchError`` before a dry run builds anything, as ``load`` refuses it."""
+    if isinstance(getattr(source, "components", None), dict):
+        models = {n for n, m in source.components.items() if isinstance(m, torch.nn.Module)}
+        return check_plan_models(plan, models, "pipeline")
+    if isinstance(source, str) and not os.path.exists(source):
+        from . import catalog  # here: only a name that is no path is looked up there
+
+        if (name := catalog.resolve(source)) is not None:
+            return check_plan_models(plan, set(catalog.entry(name).configs), f"pipeline {name!r}")
+    if isinstance(source, (str, os.PathLike)):
+        check_plan_models(plan, {c.name for c in inventory_of(source, plan.dtype, plan.variant).models}, "folder")
+    return None
 
 
 _ADMISSION = "_pipemap_admission"
@@ -421,10 +446,17 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, coun
 
 
 def runnable(plan: Plan) -> Plan:
-    """``plan`` with the devices this machine lacks remapped onto the CPU."""
+    """``plan`` with the GPUs this machine lacks remapped onto the CPU, every mode kept: the one rule of ``load``,
+    ``run``, ``demo`` and ``serve`` (a plan made for another machine runs here, slowly, and they say so). A stand-in
+    ``meta:N`` is left as it is, for ``load`` to refuse."""
     local = set(Hardware.detect().names)
-    missing = {d.device: "cpu" for d in plan.devices if d.device not in local}
+    missing = {d.device: "cpu" for d in plan.devices if d.device.startswith("cuda:") and d.device not in local}
     return plan.remap(missing) if missing else plan
+
+
+def _lacking(plan: Plan, running: Plan) -> list[str]:
+    here = {d.device for d in running.devices}
+    return [d.device for d in plan.devices if d.device not in here]
 
 
 def measured_plan(source, inventory: Inventory, hw: Hardware, strategy: str | dict, call: Mapping,

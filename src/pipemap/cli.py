@@ -277,7 +277,7 @@ def _tiny_save(args) -> int:
         raise FolderNotEmptyError(str(folder))
     with quiet_progress():
         tiny.save(args.kind, folder)
-    print(f"saved the tiny {args.kind} pipeline to {folder}; try: pipemap plan {folder} --hardware 2x1MiB,cpu=1GiB")
+    print(f"saved the tiny {args.kind} pipeline to {folder}; try: pipemap plan {folder} --hardware 2x5MiB,cpu=1GiB")
     return 0
 
 

@@ -14,7 +14,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast, overload
@@ -368,8 +368,14 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
 
     Reads the 8-byte length and the JSON header and nothing else. safetensors' own ``safe_open`` memory-maps the
     whole file; reading the header with two plain reads keeps "no weight byte is read" checkable (``/proc``
-    read counters) and is the format's documented layout.
+    read counters) and is the format's documented layout. The weights need not follow (a header-only fetch):
+    ``check_weights_present`` is what loading asks.
     """
+    return _header(path)[0]
+
+
+def _header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """``read_header`` and the byte the file's tensors end at, as the header places them."""
     try:
         with open(path, "rb", buffering=0) as f:  # unbuffered: a buffered read(8) reads 8 KiB of weights
             head = f.read(8)
@@ -392,10 +398,24 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
             raise CheckpointError(str(path), f"the entry for tensor {key!r} is malformed: {str(meta)[:200]}")
     end = 8 + length + max((m["data_offsets"][1] for m in header.values() if _is_shape(m.get("data_offsets"))),
                            default=0)
-    if end > size:  # an interrupted download: the loader would fail on it after reading the rest
-        raise CheckpointError(str(path), f"the file is truncated: its header places tensors up to byte {end}, the "
-                              f"file has {size} bytes")
-    return header
+    return header, end
+
+
+def check_weights_present(folder: Path, index: Mapping[str, Any], variant: str | None,
+                          skip: Collection[str] = ()) -> None:
+    """Every weights file of ``folder``'s components (but ``skip``, passed in built) holds the bytes its header
+    places, else a ``CheckpointError`` naming it, before any load. Planning and the dry run read headers only, so a
+    folder fetched header-only (the first bytes of each file) plans; loading reads the weights, and an interrupted
+    download would fail there only after reading the rest."""
+    for name, entry in index.items():
+        if name.startswith("_") or name in skip or not isinstance(entry, list) or not (folder / name).is_dir():
+            continue
+        for path in weight_files(folder / name, variant) if entry[0] is not None else []:
+            end, size = _header(path)[1], os.path.getsize(path)
+            if end > size:
+                raise CheckpointError(str(path), f"the file is truncated: its header places tensors up to byte "
+                                      f"{end}, the file has {size} bytes (a header-only fetch plans and dry-runs; "
+                                      "loading needs the weights)")
 
 
 def _is_shape(shape: object) -> bool:

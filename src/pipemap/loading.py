@@ -9,6 +9,7 @@ parts (tokenizers, scheduler).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .dispatch import dispatch
-from .errors import PlanMismatchError, UnknownDeviceError
+from .errors import ArgumentTypeError, PlanMismatchError, UnknownDeviceError
 from .inventory import Component, Inventory, component_class, live_component
 from .plan import Plan
 from .quiet import quiet_progress
@@ -38,19 +39,24 @@ def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.
 def check_plan_fits(plan: Plan, inventory: Inventory) -> None:
     """The plan places exactly the folder's models, on devices this machine has, as ``dispatch`` will check; here
     before any weight is loaded."""
-    models = {c.name for c in inventory.models}
-    for name in models - set(plan.device_map):
-        raise PlanMismatchError(name, "the folder has this model but the plan does not place it: it was made for "
-                                "another pipeline; re-plan from this folder (pipemap.plan(path, ...))")
-    for name in set(plan.device_map) - models:
-        raise PlanMismatchError(name, f"the plan places it but the folder has no such model (it has: "
-                                f"{', '.join(sorted(models))}); re-plan from this folder")
+    check_plan_models(plan, {c.name for c in inventory.models}, "folder")
     here = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
     for p in plan.components:
         for device in (p.device, p.execution_device, *(d for _, d, _ in p.shards), *p.replicas):
             if device not in here:
                 raise UnknownDeviceError(device, tuple(here), f"(where the plan puts {p.component!r}) is not on "
                                          "this machine: re-plan here, or plan.remap() it onto devices it has")
+
+
+def check_plan_models(plan: Plan, models: set[str], source: str) -> None:
+    """The plan places exactly the models of its ``source`` (a ``"folder"``, ``"pipeline"`` or catalog name), else
+    a ``PlanMismatchError``: a plan made for another pipeline."""
+    for name in sorted(models - set(plan.device_map)):
+        raise PlanMismatchError(name, f"the {source} has this model but the plan does not place it: it was made for "
+                                f"another pipeline; re-plan from this {source} (pipemap.plan(...))")
+    for name in sorted(set(plan.device_map) - models):
+        raise PlanMismatchError(name, f"the plan places it but the {source} has no such model (it has: "
+                                f"{', '.join(sorted(models))}); re-plan from this {source}")
 
 
 def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, variant, progress: bool, kwargs: dict):
@@ -101,6 +107,26 @@ def _custom_code(library: str) -> bool:
     from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
 
     return library not in LOADABLE_CLASSES and not hasattr(pipelines, library)
+
+
+def check_passed(index: dict, passed: dict) -> None:
+    """Each component passed in built (``load(path, unet=...)``) is of the kind its ``model_index.json`` entry names
+    (diffusers' own check, before any weight loads), else an ``ArgumentTypeError`` naming it; None leaves an
+    optional one out, as in diffusers."""
+    from diffusers.pipelines.pipeline_loading_utils import ALL_IMPORTABLE_CLASSES, maybe_raise_or_warn
+
+    for name, value in passed.items():
+        entry = index.get(name)
+        if value is None or not isinstance(entry, list) or entry[0] is None or _custom_code(entry[0]):
+            continue
+        library, class_name = entry
+        try:
+            maybe_raise_or_warn(library, None, class_name, ALL_IMPORTABLE_CLASSES, passed, name, False)
+        except ValueError as err:
+            expected = re.sub(r"<class '([^']+)'>", r"\1", str(err).rpartition(" but should be ")[2]) or "its base"
+            raise ArgumentTypeError(name, value, f"a built component of the kind model_index.json names for "
+                                    f"{name!r} ({library} {class_name}, an instance of {expected}), or None to "
+                                    "leave an optional component out") from None
 
 
 def with_passed(inventory: Inventory, passed: dict) -> Inventory:

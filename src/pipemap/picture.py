@@ -190,16 +190,12 @@ def _bar(plan: _Plan, device: str, memory: int, budget: int, used: int) -> Bar:
 
 
 def _disk_bar(plan: Any) -> tuple[Bar, ...]:
-    """The disk tier as a bar: each component's bytes left in its files (read at each call, or kept on a GPU)."""
-    segments = tuple(Segment(p.component, p.disk_bytes + _kept_in_files(p), "disk") for p in plan.components
-                     if getattr(p, "disk_bytes", 0) or _kept_in_files(p))
+    """The disk tier as a bar: each component's bytes read from its files at each call. Pieces a streamed component
+    keeps resident on its GPU have their files as their only host copy too, but are drawn once, on that GPU."""
+    segments = tuple(Segment(p.component, p.disk_bytes, "disk") for p in plan.components
+                     if getattr(p, "disk_bytes", 0))
     total = sum(s.bytes for s in segments)
     return (Bar("disk", total, total, total, segments),) if total else ()
-
-
-def _kept_in_files(p: Any) -> int:
-    """A streamed component's pieces resident on its GPU whose only host copy is its files."""
-    return int(p.resident_bytes) if p.mode == "stream" and getattr(p, "files", ()) and p.device == "cpu" else 0
 
 
 def _held(p: Any, device: str) -> int:

@@ -251,9 +251,10 @@ class Plan:
         if any(p.ram_bytes for p in self.components) or host.staging or host.disk:
             table.add_row(*map(Text, ("[ram]", "cpu", str(host), "", "")))
         if host.disk or host.kept:
+            # the bytes read from the files: the pieces kept on GPUs are counted there (in their device's total)
             table.add_row(*map(Text, ("[disk]", "disk", f"left in {host.files} file(s), memory-mapped: "
                                       f"{format_bytes(host.disk)} read at each call, {format_bytes(host.kept)} kept "
-                                      "on GPUs", "", format_bytes(host.disk + host.kept))))
+                                      "on GPUs", "", format_bytes(host.disk))))
         return table
 
     def __str__(self) -> str:

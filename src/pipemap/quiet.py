@@ -3,8 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
+
+# Lines libraries log when pipemap imports them that tell its user nothing, each by its logger and its words:
+# torchao's CUDA kernels (``_C_mxfp8``, ``_C_cutlass_90a``) fail to load on a CPU build of torch, as they must (on
+# a CUDA build that would be a real failure, and is shown); torchao registers enums that torch now handles itself;
+# transformers falls back to the PIL image processors without torchvision, which pipemap's pipelines use anyway.
+NOISE = (
+    ("torchao", "Failed to load"),
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
+    ("transformers.utils.import_utils", "requires torchvision (not installed)"),
+)
+
+
+class _Noise(logging.Filter):
+    def __init__(self, words: str):
+        super().__init__()
+        self.words = words
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.words not in record.getMessage() or record.levelno >= logging.ERROR:
+            return True
+        if self.words == "Failed to load":  # torchao's kernels: noise only where torch has no CUDA to run them
+            torch = sys.modules.get("torch")
+            return torch is not None and getattr(torch.version, "cuda", None) is not None
+        return False
+
+
+def quiet_imports() -> None:
+    """Drop the ``NOISE`` lines (each a filter on its own logger; everything else they log still shows). Called
+    when pipemap is imported, before any of those libraries is: the standard library's logging only."""
+    for name, words in NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Noise) and f.words == words for f in logger.filters):
+            logger.addFilter(_Noise(words))
 
 
 @contextlib.contextmanager

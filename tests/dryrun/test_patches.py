@@ -114,3 +114,63 @@ def test_tensor_outputs_keep_a_decoded_stand_in_a_tensor(output_type):
     else:
         assert images.shape == real.shape == (1, 8, 8, 3) and images.dtype == real.dtype and not images.any()
     assert VaeImageProcessor.postprocess is original
+
+
+# ---- tiles: run once what each tile repeats ------------------------------------------------------------------------
+
+# the tiny SD VAE: tiles of 16x16 latents every 12 (overlap 0.25), decoded to 32x32; at 64x64 its latents are 32x32
+TILED = {"unet": "cuda:0", "text_encoder": "cpu", "vae": "cuda:1"}
+
+
+def _executed_decoder_runs(monkeypatch) -> list:
+    """Counts the VAE decoder's mid-blocks that really run (a replayed tile runs none of its modules)."""
+    from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
+
+    runs: list = []
+    original = UNetMidBlock2D.forward
+    monkeypatch.setattr(UNetMidBlock2D, "forward", lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
+    return runs
+
+
+def _figures(report) -> tuple:
+    return (report.ok, report.peak_bytes, report.weight_bytes, report.activation_bytes, report.weight_peak_bytes,
+            report.peak_phase, report.peak_component, report.bound_peaks)
+
+
+@pytest.mark.slow  # two tiled dry runs: about 4 s on 2 cores
+def test_a_tiled_decode_runs_each_tile_shape_once_with_the_figures_of_every_tile(tiny_folders, monkeypatch):
+    from pipemap.dryrun.run import traced
+
+    folder = tiny_folders["sd"]
+    plan = pipemap.plan(folder, hardware="2x4MiB,cpu=1GiB", headroom=0.0, strategy=TILED)
+    runs = _executed_decoder_runs(monkeypatch)
+    once, _, _ = traced(folder, plan, vae_tiling=True, call={"height": 64, "width": 64})
+    assert len(runs) == 4  # 3x3 tiles of 4 shapes: 16x16, 16x8, 8x16, 8x8 latents
+    runs.clear()
+    monkeypatch.setattr(patches, "repeated_tiles", lambda vae, tracker: patches.contextlib.nullcontext())
+    every, _, _ = traced(folder, plan, vae_tiling=True, call={"height": 64, "width": 64})
+    assert len(runs) == 9  # every tile run
+    assert _figures(once) == _figures(every) and once.ok
+    assert once.peak_phase["cuda:1"] == "VAE decode"
+
+
+@pytest.mark.slow  # a dry run at 1024x1024: about 15 s of CPU on 2 cores (400 s when each of its 1849 tiles ran)
+def test_tiling_advice_at_1024_runs_a_bounded_number_of_tiles(tiny_folders, monkeypatch):
+    folder = tiny_folders["sd"]
+    plan = pipemap.plan(folder, hardware="2x5MiB,cpu=1GiB")
+    runs = _executed_decoder_runs(monkeypatch)
+    report = pipemap.simulate(folder, plan, height=1024, width=1024)
+    # 1 untiled decode, then 43x43 tiles of 4 shapes, each run once
+    assert report.ok and len(runs) <= 5
+    assert len(report.advice) == 1 and "with pipe.vae.enable_tiling() the peak is" in report.advice[0]
+
+
+def test_repeated_tiles_leaves_a_vae_without_tiling_and_puts_methods_back():
+    vae = tiny.build("sd").vae
+    tracker = trackers.StorageTracker()
+    with patches.repeated_tiles(vae, tracker):
+        assert "forward" not in vae.decoder.__dict__  # no tiling: nothing wrapped
+    vae.enable_tiling()
+    with patches.repeated_tiles(vae, tracker):
+        assert "forward" in vae.decoder.__dict__ and "blend_v" in vae.__dict__
+    assert "forward" not in vae.decoder.__dict__ and "blend_v" not in vae.__dict__

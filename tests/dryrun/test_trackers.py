@@ -149,6 +149,29 @@ def test_phased_tracker_notes_the_phase_and_component_of_each_peak_and_a_timelin
     del small
 
 
+def test_a_window_measures_the_rise_and_a_replay_counts_it_again_where_it_is_replayed(mode):
+    phases = SimpleNamespace(current=Phase("VAE decode"))
+    tracker = PhasedTracker(phases, lambda: "vae")
+    with mode, tracker:
+        with tracker.allocating_weights():
+            weights = torch.empty(100, device="meta:0")
+        base = torch.empty(10, device="meta:0")
+        with tracker.window() as rises:
+            scratch = torch.empty(50, device="meta:0")
+            out = torch.empty(20, device="meta:0")
+            del scratch
+        # above the 110 floats live at its start: at most 70 more, all activations
+        assert rises == {"meta:0": [70 * FLOAT, 70 * FLOAT, 0]} and tracker.peak["meta:0"] == 180 * FLOAT
+        more = torch.empty(200, device="meta:0")  # 330 floats live now
+        phases.current = Phase("VAE decode", None)
+        tracker.replay(rises)  # as if the stretch ran again here: 330 + 70
+        assert tracker.peak["meta:0"] == 400 * FLOAT and tracker.activation_peak["meta:0"] == 300 * FLOAT
+        assert tracker.weight_peak["meta:0"] == 100 * FLOAT and tracker.live["meta:0"] == 330 * FLOAT
+        assert tracker.samples[-1] == ("meta:0", 400 * FLOAT, Phase("VAE decode"))
+        assert tracker.peak_component == {"meta:0": "vae"}
+    del weights, base, out, more
+
+
 @pytest.mark.slow
 def test_phases_name_each_peak_and_tiling_advice_when_decode_does_not_fit(tiny_folders):
     folder = tiny_folders["sd"]

@@ -58,6 +58,8 @@ class _Open:
 class SegmentTracker(PhasedTracker):
     """The dry run's tracker that also cuts the call into segments where the running component changes."""
 
+    replays = False  # each segment counts the operations it runs (the clock): every tile of a tiled decode runs
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.level: collections.Counter = collections.Counter()  # activation bytes live per device

@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from . import known
-from .trackers import ConvertingTracker
+from .trackers import ConvertingTracker, StorageTracker
 
 # ---- module conversions ----------------------------------------------------------------------------------------
 
@@ -213,3 +213,88 @@ def host_copies():
         yield
     finally:
         torch.Tensor.numpy = original  # type: ignore[method-assign]
+
+
+# ---- tiles ------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def repeated_tiles(vae, tracker: StorageTracker):
+    """A tiled VAE runs once what each tile repeats.
+
+    ``enable_tiling()`` decodes a large latent tile by tile: about 1800 tiles at 1024x1024 on a tiny VAE, each
+    through the decoder and two blends under fake mode and the trackers (hundreds of seconds, for a figure a few
+    tiles set). A call of one of its submodules or its ``blend_*`` methods that repeats an earlier one's arguments
+    (the same shapes, strides, dtypes and devices, the same plain values) is not run again: the tracker counts
+    again the most the first one held above its start on each device (``StorageTracker.window``, ``replay``),
+    and its output is made anew, as the first one's (a fresh tensor of its sizes, or the input it changed in
+    place). Fake tensors hold no values, so a dry run's peaks are exactly those of running every tile.
+    A call taking anything else (a list of cached frames: a video VAE's decoder) runs as it is.
+    """
+    if vae is None or not getattr(vae, "use_tiling", False) or not tracker.replays:
+        yield
+        return
+    targets = [(child, "forward") for child in vae.children()]
+    targets += [(vae, name) for name in dir(type(vae)) if name.startswith("blend_")]
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name in targets]
+    for owner, name in targets:
+        setattr(owner, name, _once(getattr(owner, name), tracker))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _once(call, tracker: StorageTracker):
+    """``call``, run once per signature of its arguments (``repeated_tiles``)."""
+    seen: dict[tuple, tuple] = {}
+
+    def run(*args, **kwargs):
+        key = _signature((args, sorted(kwargs.items())))
+        if key is not None and key in seen:
+            rises, made = seen[key]
+            tracker.replay(rises)
+            if isinstance(made, int):
+                return args[made]
+            # made from an input, whose value is unknown: a factory call with no tensor input reads as a known value
+            shape, stride, dtype, device = made
+            first = next(a for a in args if isinstance(a, torch.Tensor))
+            return first.new_empty_strided(shape, stride, dtype=dtype, device=device)
+        with tracker.window() as rises:
+            out = call(*args, **kwargs)
+        made = _made(out, args)
+        if key is not None and made is not None:
+            seen[key] = (rises, made)
+        return out
+
+    return functools.wraps(call)(run)
+
+
+def _signature(value) -> tuple | None:
+    """What a call's output and memory depend on under fake tensors, or None: a value of another kind."""
+    if isinstance(value, torch.Tensor):
+        # not its storage offset: a tile is a view of the latents at another offset, and memory does not depend on it
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, str(value.device))
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return ("value", type(value).__name__, value)
+    if isinstance(value, (tuple, list)):
+        parts = [_signature(v) for v in value]
+        return None if any(p is None for p in parts) else ("seq", *parts)
+    return None
+
+
+def _made(out, args: tuple):
+    """How a replay makes ``out``: the index of the argument it is (changed in place), or its tensor's sizes,
+    strides, dtype and device (a new tensor); None when it is neither (a view of an input, not a tensor)."""
+    if not isinstance(out, torch.Tensor) or not any(isinstance(a, torch.Tensor) for a in args):
+        return None
+    for i, arg in enumerate(args):
+        if arg is out:
+            return i
+    if any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == out.untyped_storage()._cdata for a in args):
+        return None
+    return (tuple(out.shape), out.stride(), out.dtype, out.device)

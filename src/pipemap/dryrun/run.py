@@ -14,6 +14,7 @@ import functools
 import inspect as pyinspect
 import os
 import re
+import sys
 import time
 import traceback
 from collections.abc import Mapping
@@ -44,17 +45,20 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, ad
              **call_kwargs) -> SimulationReport:
     """The dry run behind ``pipemap.simulate`` (``api.simulate``, which checks its arguments and documents them):
     ``source``'s own call on stand-in devices as ``plan`` places it; the caller's pipeline is never touched."""
-    report, _, pipe = traced(source, plan, steps=steps, vae_tiling=vae_tiling, call=call_kwargs)
+    label = "pipemap: dry run" + (" (VAE tiled)" if vae_tiling else "")
+    report, _, pipe = traced(source, plan, steps=steps, vae_tiling=vae_tiling, call=call_kwargs, progress=label)
     if advice and not vae_tiling and _tiles(getattr(pipe, "vae", None)):
         report = replace(report, advice=_tiling_advice(source, plan, steps, call_kwargs, report))
     return report
 
 
 def traced(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, call: Mapping | None = None,
-           tracker: type[PhasedTracker] = PhasedTracker) -> tuple[SimulationReport, PhasedTracker | None, object]:
+           tracker: type[PhasedTracker] = PhasedTracker,
+           progress: str | None = None) -> tuple[SimulationReport, PhasedTracker | None, object]:
     """``simulate``'s run without its tiling advice, with the tracker that counted it (of class ``tracker``; its
     figures keyed by stand-in devices, ``standin.devices_for(plan)``) and the fake pipeline it ran: ``dryrun.many``
-    reads a call's course in the tracker."""
+    reads a call's course in the tracker. ``progress``: the label of a progress bar on stderr, shown on a terminal
+    when the run lasts more than a few seconds."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     standins = standin.devices_for(plan)
     start = time.perf_counter()
@@ -66,7 +70,7 @@ def traced(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, call
         pipe.vae.enable_tiling()
     made = dry_call(pipe, steps, call or {})
     start = time.perf_counter()
-    counted, failure = _run(pipe, plan.remap(standins), mode, made, tracker)
+    counted, failure = _run(pipe, plan.remap(standins), mode, made, tracker, progress=progress)
     back = {v: k for k, v in standins.items()}
     return report_of(counted, failure, plan, back, time.perf_counter() - start, made), counted, pipe
 
@@ -202,7 +206,7 @@ def _resolution(pipe, overrides: Mapping) -> tuple[int, int]:
 
 
 def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict, tracker_class: type[PhasedTracker] = PhasedTracker,
-         counter=None):
+         counter=None, progress: str | None = None):
     phases = PhaseTracker(pipe)
     components = ComponentTracker(pipe)
     tracker = tracker_class(phases, lambda: components.current)
@@ -210,15 +214,41 @@ def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict, tracker_class: type
     try:
         place(pipe, plan, queues=functools.partial(StandinQueues, tracker=tracker))
         tracker.track_module_tensors(pipe)
-        with phases.watching(pipe.scheduler), standin.fused_attention(), standin.attention_kernels(), \
-                standin.standin_generators(), patches.module_conversions(tracker), patches.tensor_outputs(), \
-                patches.host_copies(), patches.safety_checks(pipe), components, mode, standin.StrictDevices(), \
-                tracker, counter or contextlib.nullcontext(), \
+        vae = getattr(pipe, "vae", None)
+        with _progress(progress, phases, call_steps(pipe, call)), phases.watching(pipe.scheduler), \
+                standin.fused_attention(), standin.attention_kernels(), standin.standin_generators(), \
+                patches.module_conversions(tracker), patches.tensor_outputs(), patches.host_copies(), \
+                patches.safety_checks(pipe), patches.repeated_tiles(vae, tracker), components, mode, \
+                standin.StrictDevices(), tracker, counter or contextlib.nullcontext(), \
                 known.known_values(tracker.assume):  # innermost: the trackers see what it rewrites
             pipe(**call)
     except Exception as err:  # a dry run reports what broke instead of raising it
         failure = _failure(err, components.current)
     return tracker, failure
+
+
+@contextlib.contextmanager
+def _progress(label: str | None, phases: PhaseTracker, steps: int):
+    """A progress bar on stderr, from the phases the call goes through: shown only on a terminal, and only once the
+    run has lasted a few seconds (a catalog pipeline at full size, a tiled decode), so a quick one prints nothing."""
+    if label is None:
+        yield
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, desc=label, unit="step", delay=3, leave=False, file=sys.stderr, disable=None)
+
+    def changed(phase) -> None:
+        bar.n = min(phases.steps_done, steps)
+        bar.set_postfix_str(str(phase), refresh=False)
+        bar.update(0)  # drawn if the delay has passed, at most every tenth of a second
+
+    phases.on_change = changed
+    try:
+        yield
+    finally:
+        phases.on_change = None
+        bar.close()
 
 
 _DEVICES = re.compile(r"\b((?:meta|cuda|cpu)(?::\d+)?)\b")

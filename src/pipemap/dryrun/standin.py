@@ -23,6 +23,7 @@ from ..errors import PipemapError
 from ..inventory import component_class, default_dtype, keep_in_fp32, kept_fp32, read_model_index
 from ..plan import Plan
 from ..quantized import is_packed, restored, storage
+from ..quiet import quiet_progress
 
 
 class DeviceMixError(PipemapError, RuntimeError):
@@ -108,7 +109,8 @@ def pipeline_from_folder(folder, plan: Plan, mode: FakeTensorMode, device_of: Ma
             models[name] = model
     with _passed_models_kept(index.get("_class_name"), models) as pipeline_class:
         try:
-            pipe = (pipeline_class or DiffusionPipeline).from_pretrained(folder, **models)
+            with quiet_progress():  # its "Loading pipeline components" bar: the tokenizers and scheduler only
+                pipe = (pipeline_class or DiffusionPipeline).from_pretrained(folder, **models)
         except Exception as err:
             raise StandInError(None, str(index.get("_class_name")), err) from err
     pipe.set_progress_bar_config(disable=True)

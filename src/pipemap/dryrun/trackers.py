@@ -33,6 +33,8 @@ class StorageTracker(TorchDispatchMode):
     else. Written for fake tensors, which PyTorch's own ``torch.cuda`` memory statistics cannot see.
     """
 
+    replays = True  # a stretch measured once may be counted again (``window``, ``replay``): a tiled decode's tiles
+
     def __init__(self):
         super().__init__()
         self.live: collections.Counter = collections.Counter()
@@ -47,6 +49,7 @@ class StorageTracker(TorchDispatchMode):
         self._allocating_weights = False
         self.peak_bound: dict[str, str] = {}  # devices whose peak was last raised after it: a bound, not exact
         self._disk_keys: set[int] = set()  # host copies left in their files: counted on "disk", not the CPU
+        self._windows: list[dict[str, list[int]]] = []  # open ``window``s: per device, the highs seen inside
 
     @contextlib.contextmanager
     def allocating_weights(self):
@@ -64,6 +67,43 @@ class StorageTracker(TorchDispatchMode):
     def on_disk(self, tensors) -> None:
         """These host copies stay in their files (the disk tier): count them on ``"disk"`` when first tracked."""
         self._disk_keys.update(id(t.untyped_storage()) for t in tensors)
+
+    def _levels(self, device: str) -> list[int]:
+        """What ``window`` and ``replay`` follow on a device: bytes live, activations live, weights live."""
+        live, weights = self.live[device], self.weight_live[device]
+        return [live, live - weights, weights]
+
+    @contextlib.contextmanager
+    def window(self):
+        """The most each device held while inside, above what it held on entry: yields a dict filled on exit,
+        ``{device: [bytes, activation bytes, weight bytes]}``, what ``replay`` takes."""
+        entry = {d: self._levels(d) for d in self.live}
+        highs: dict[str, list[int]] = {}
+        self._windows.append(highs)
+        rises: dict[str, list[int]] = {}
+        try:
+            yield rises
+        finally:
+            self._windows.remove(highs)
+            for device, high in highs.items():
+                start = entry.get(device, [0, 0, 0])
+                rises[device] = [max(0, h - s) for h, s in zip(high, start, strict=True)]
+
+    def replay(self, rises: dict[str, list[int]]) -> None:
+        """A stretch of the call that held ``rises`` above what each device holds now (a ``window`` measured it),
+        and gave it back: the peaks as if it had run again."""
+        for device, (rise, activations, weights) in rises.items():
+            live, active, weight = self._levels(device)
+            self._raise_peak(device, live + rise)
+            self.activation_peak[device] = max(self.activation_peak[device], active + activations)
+            self.weight_peak[device] = max(self.weight_peak[device], weight + weights)
+
+    def _raise_peak(self, device: str, level: int) -> None:
+        """``level`` bytes were live on ``device`` for a moment: the peak, and each open window's high."""
+        if level > self.peak[device]:
+            self.peak[device] = level
+            if self.bound is not None:
+                self.peak_bound[device] = self.bound
 
     def track_module_tensors(self, pipe) -> None:
         for module in _with_replicas(pipe):
@@ -83,12 +123,12 @@ class StorageTracker(TorchDispatchMode):
             self._weight_keys.add(key)
             self.weight_live[device] += size
             self.weight_peak[device] = max(self.weight_peak[device], self.weight_live[device])
-        if self.live[device] > self.peak[device]:
-            self.peak[device] = self.live[device]
-            if self.bound is not None:
-                self.peak_bound[device] = self.bound
+        self._raise_peak(device, self.live[device])
         self.activation_peak[device] = max(self.activation_peak[device],
                                            self.live[device] - self.weight_live[device])
+        for highs in self._windows:
+            high = highs.setdefault(device, [0, 0, 0])
+            high[:] = [max(h, level) for h, level in zip(high, self._levels(device), strict=True)]
         weakref.finalize(storage, self._free, key)
         return True
 
@@ -211,6 +251,7 @@ class PhaseTracker:
         self._depth = 0
         self.steps_done = 0
         self.current = Phase("weights")
+        self.on_change: Callable[[Phase], None] | None = None  # told each new phase (a progress bar)
 
     def _enter(self, module, *args):
         kind = self._kind.get(id(module))
@@ -218,7 +259,10 @@ class PhaseTracker:
             return
         if self._depth == 0 or kind == "VAE decode" or kind == "VAE encode":
             step = self.steps_done + 1 if kind == "denoising" else None
-            self.current = Phase(kind, step)
+            phase = Phase(kind, step)
+            if phase != self.current and self.on_change is not None:
+                self.on_change(phase)
+            self.current = phase
         self._depth += 1
 
     def _leave(self, module, *args):
@@ -303,3 +347,12 @@ class PhasedTracker(ConvertingTracker):
         device = self._seen[key][0]
         super()._free(key)
         self.samples.append((device, self.live[device], self.phases.current))
+
+    def replay(self, rises: dict[str, list[int]]) -> None:
+        for device, (rise, _, _) in rises.items():
+            before = self.peak[device]
+            super().replay({device: rises[device]})
+            if self.peak[device] > before:
+                self.peak_phase[device] = self.phases.current
+                self.peak_component[device] = self.component() or ""
+            self.samples.append((device, self.live[device] + rise, self.phases.current))
