@@ -55,8 +55,10 @@ def test_plan_health_and_routes(service, client):
     assert pipemap.Plan.from_dict(plan) == service.plan
     assert set(plan["runs_on"].values()) == {"cpu"}  # the planned GPU is not on this machine
     assert client.get("/health").json() == {"status": "ok", "queue_depth": 0, "running": 0}
-    assert client.get("/nowhere").status_code == 404
-    assert client.get(GENERATIONS).status_code == 405
+    missing, wrong = client.get("/nowhere"), client.get(GENERATIONS)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert wrong.headers["allow"] == "POST"
 
 
 # ---- the app itself ------------------------------------------------------------------------------------------
@@ -87,7 +89,8 @@ def test_a_service_shutting_down_answers_503_and_its_health_says_so(service):
     # a service of its own on the same pipeline: draining it leaves the module's service serving
     draining = Service(service.pipe, service.plan, service.running_plan)
     draining.worker.drain()
-    client = TestClient(create_app(draining))  # no lifespan: the worker is never started
+    # no lifespan: the worker is never started; the Host a loopback server answers
+    client = TestClient(create_app(draining), base_url="http://localhost")
     response = client.post(GENERATIONS, json={"prompt": "a cat", "size": "32x32"})
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "draining"

@@ -65,6 +65,7 @@ class Job:
     seed: int
     images: int
     deadline: float  # time.monotonic()
+    timeout: float = 0.0  # seconds it was given: its deadline less its submission time
     future: Future = field(default_factory=Future)
     started: float = 0.0  # time.perf_counter() when the worker took it
     dropped: threading.Event = field(default_factory=threading.Event)
@@ -88,10 +89,10 @@ class Finished:
 class Worker:
     """A bounded queue of jobs and the thread that runs them through ``runner`` on ``pipe``."""
 
-    def __init__(self, pipe, runner=run_sequential, max_queue: int = 16, on_finished=None):
-        self.pipe, self.runner, self.max_queue = pipe, runner, max_queue
+    def __init__(self, pipe, runner=run_sequential, max_queue: int = 16, on_finished=None, in_flight: int = 1):
+        self.pipe, self.runner, self.max_queue, self.in_flight = pipe, runner, max_queue, in_flight
         self.on_finished = on_finished or (lambda finished: None)
-        self.running = 0
+        self.taken: set[Job] = set()  # handed to the runner, not yet answered
         self.draining = False
         self._waiting: collections.deque[Job] = collections.deque()
         self._ready = threading.Condition()
@@ -102,8 +103,14 @@ class Worker:
         self.dropped = 0  # jobs dropped (timed out or abandoned) since the start
 
     @property
+    def running(self) -> int:
+        """Jobs running: those the runner holds, up to the calls it runs at once (it reads a few more ahead)."""
+        return min(len(self.taken), self.in_flight)
+
+    @property
     def depth(self) -> int:
-        return len(self._waiting)
+        """Jobs waiting: in the queue, and those the runner read ahead but cannot run yet."""
+        return len(self._waiting) + len(self.taken) - self.running
 
     def start(self) -> None:
         with self._ready:
@@ -116,14 +123,15 @@ class Worker:
             if self.draining:
                 raise DrainingError()
             if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(len(self._waiting), self.retry_after())
+                raise QueueFullError(self.depth, self.retry_after())
             self._waiting.append(job)
             self._ready.notify()
         return job.future
 
     def retry_after(self) -> int:
-        """Seconds until the queue has room: about one answer's time, from the recent ones; at least 1."""
-        return max(1, math.ceil(self._recent))
+        """Seconds until the work waiting now has drained, at the rate answers came lately (``_recent`` seconds
+        apart): a client retrying sooner would find the queue as full; at least 1."""
+        return max(1, math.ceil(max(1, self.depth) * self._recent))
 
     def drain(self) -> None:
         """Take no new job; those waiting and running still finish."""
@@ -132,10 +140,19 @@ class Worker:
             self._ready.notify_all()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Drain, then wait for the thread to finish what it took."""
+        """Drain, then wait for the thread to finish what it took, ``timeout`` seconds at most; then drop every job
+        left (a running one stops at its next step) and wait a little more: a step that never ends is left to the
+        process's exit (the thread is a daemon)."""
         self.drain()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._ready:
+                left = [*self._waiting, *self.taken]
+            for job in left:
+                self.cancel(job)
+            self._thread.join(5)
 
     def cancel(self, job: Job) -> None:
         """Drop ``job``: out of the queue if it waits there, stopped at its next step if it runs."""
@@ -173,7 +190,7 @@ class Worker:
                 job = self._waiting.popleft()
                 # a future marked running can no longer be cancelled by its handler: its answer can always be set
                 if job.wanted() and job.future.set_running_or_notify_cancel():
-                    self.running += 1
+                    self.taken.add(job)
                     job.started = time.perf_counter()
                     return job
                 self.dropped += 1
@@ -184,7 +201,7 @@ class Worker:
         seconds, self._last = now - max(job.started, self._last), now
         self._recent = 0.7 * self._recent + 0.3 * seconds
         with self._ready:
-            self.running -= 1
+            self.taken.discard(job)
             self.dropped += isinstance(outcome, WorkDropped)
         if isinstance(outcome, BaseException):
             job.future.set_exception(outcome)
