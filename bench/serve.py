@@ -2,6 +2,12 @@
 
     python bench/serve.py                 # a burst of 16 requests, 3 rounds, tiny SD 32x32 (a minute or two)
     python bench/serve.py --burst 32 --steps 4 --workers 2 --no-record
+    python bench/serve.py --clients 1,4,16,64 --seconds 20 --no-record   # load: closed-loop clients at each level
+
+With ``--clients``: at each level, that many client threads each send a request, wait for its answer and send the
+next, for ``--seconds``; a 429 is counted and retried after 50 ms (not after its Retry-After, to load the queue).
+Figures per level: images per second answered 200, latency p50/p99 of the 200s, 429s, and the process's RSS after
+the level (the server runs in this process).
 
 Each round sends the burst to the server at once (one client thread per request, over loopback HTTP) and then
 hands the same calls to ``pipemap.iter_many`` on the same pipeline; rounds alternate so load on a shared machine
@@ -45,8 +51,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pipemap-bench-serve-") as root:
         with quiet_progress():
             folder = tiny.save("sd", Path(root) / "sd", variant_fp16=False, scale=args.scale)
-        service = Service.load(Options(str(folder), hardware="cpu=64GiB", max_queue=args.burst,
+        service = Service.load(Options(str(folder), hardware="cpu=64GiB", max_queue=args.max_queue or args.burst,
                                        timeout=600.0, max_n=1, workers=args.workers))
+        if args.clients:
+            _load(args, service)
+            return
         with Background(service) as url, httpx.Client(base_url=url, timeout=600) as client:
             rounds = _rounds(args, client, service.pipe)
     rows = _rows(args, rounds)
@@ -68,7 +77,65 @@ def _arguments():
     parser.add_argument("--scale", type=int, default=1, help="tiny pipeline channel scale (default 1)")
     parser.add_argument("--workers", type=int, default=2, help="requests in flight, both ways (default 2)")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to bench/RESULTS.md")
+    parser.add_argument("--clients", help="load levels, e.g. 1,4,16,64: closed-loop clients at each")
+    parser.add_argument("--seconds", type=float, default=20.0, help="seconds per load level (default 20)")
+    parser.add_argument("--max-queue", type=int, help="the server's queue (default: --burst)")
     return parser.parse_args()
+
+
+def _load(args, service) -> None:
+    """Closed-loop clients at each level of ``--clients``: one table row per level."""
+    levels = [int(level) for level in args.clients.split(",")]
+    lines = [f"## serve load {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
+             f"cores, torch {torch.__version__}, {_revision()}\n",
+             f"tiny SD scale {args.scale}, {args.size}x{args.size}, {args.steps} steps, {args.workers} workers, "
+             f"queue {service.worker.max_queue}, {args.seconds:g} s a level\n",
+             "| clients | images / s | p50 (s) | p99 (s) | 200s | 429s | other | RSS (MiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    with Background(service) as url:
+        with httpx.Client(base_url=url, timeout=600) as warm:
+            warm.post("/v1/images/generations", json=_calls(args)[0]).raise_for_status()
+        for level in levels:
+            lines.append(_level(args, url, level))
+            print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    if not args.no_record:
+        with RESULTS.open("a") as results:
+            results.write(f"\n{table}\n")
+
+
+def _level(args, url: str, clients: int) -> str:
+    end = time.perf_counter() + args.seconds
+    latencies: list[float] = []
+    codes: dict[int, int] = {}
+
+    def client(index: int) -> None:
+        body = _calls(args)[index % args.burst]
+        with httpx.Client(base_url=url, timeout=600, limits=httpx.Limits(max_connections=1)) as session:
+            while time.perf_counter() < end:
+                start = time.perf_counter()
+                status = session.post("/v1/images/generations", json=body).status_code
+                codes[status] = codes.get(status, 0) + 1
+                if status == 200:
+                    latencies.append(time.perf_counter() - start)
+                elif status == 429:
+                    time.sleep(0.05)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    elapsed = time.perf_counter() - started
+    ok = codes.get(200, 0)
+    other = sum(n for code, n in codes.items() if code not in (200, 429))
+    p50, p99 = (_percentile(latencies, 50), _percentile(latencies, 99)) if latencies else (float("nan"),) * 2
+    return (f"| {clients} | {ok / elapsed:.3g} | {p50:.3g} | {p99:.3g} | {ok} | {codes.get(429, 0)} | {other} | "
+            f"{_rss() / 2**20:.0f} |")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _calls(args) -> list[dict]:

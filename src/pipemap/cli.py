@@ -133,6 +133,10 @@ def _add_serve(commands) -> None:
     serve.add_argument("--max-prompt", type=int, default=4000, help="characters a prompt may have (default 4000)")
     serve.add_argument("--max-body", type=int, default=1 << 20, help="bytes a request body may have; then 413 "
                        "(default 1 MiB)")
+    serve.add_argument("--max-batch", type=int, default=1, help="requests of one shape (one image each) run as one "
+                       "call, at most, as memory allows (default 1: no batching)")
+    serve.add_argument("--batch-window-ms", type=float, default=20.0, help="with --max-batch: milliseconds a "
+                       "request waits for others of its shape (default 20)")
     serve.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment (pipemap[ray])")
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: this many replicas")
     serve.add_argument("--autoscale", metavar="MIN:MAX", help="with --ray: replicas scaled on queue length")
@@ -256,7 +260,8 @@ def _serve(args) -> int:
     options = Options(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant,
                       _headroom(args.headroom),
                       args.max_queue, args.timeout, args.max_n, args.workers, args.max_steps, args.max_prompt,
-                      tuple(args.served_model_name), Access(args.api_key or None, local, args.max_body))
+                      tuple(args.served_model_name), Access(args.api_key or None, local, args.max_body),
+                      args.max_batch, args.batch_window_ms / 1000)
     if args.ray:
         from .serve.deployment import run_on_ray
 

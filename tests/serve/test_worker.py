@@ -301,3 +301,80 @@ def test_stop_drops_what_is_left_after_its_grace(worker):
     stopping()
     assert isinstance(slow.future.exception(5), WorkDropped) and pipe.steps < 1000
     assert pipe.calls == ["slow"] and queue.dropped == 2
+
+
+# ---- batching: requests of one shape as one call -----------------------------------------------------------------
+
+
+class _Batched:
+    """A pipeline stand-in that takes prompt lists: each call recorded with its prompts and seeds; an image per
+    prompt, the prompt itself."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.gate = Echo().gate
+
+    def __call__(self, prompt, num_images_per_prompt=1, width=32, generator=None, output_type="pil",
+                 callback_on_step_end=None):
+        assert self.gate.wait(60)
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        generators = generator if isinstance(generator, list) else [generator]
+        self.calls.append((tuple(prompts), tuple(g.initial_seed() for g in generators)))
+        return type("Out", (), {"images": [p for p in prompts for _ in range(num_images_per_prompt)]})()
+
+
+def test_jobs_of_one_shape_run_as_one_call_each_answered_with_its_own_image(worker):
+    pipe = _Batched()
+    queue = worker(pipe, max_batch=3, batch_window=0.0)
+    jobs = [_job("a", seed=1), _job("b", seed=2), _job("c", seed=3, width=64), _job("d", seed=4),
+            _job("e", seed=5, images=2), _job("f", seed=6)]
+    for job in jobs:
+        queue.submit(job)
+    queue.start()
+    assert [job.future.result(30).images for job in jobs] == [["a"], ["b"], ["c"], ["d"], ["e", "e"], ["f"]]
+    # a, b and d share a shape (c is wider; e asks for two images, which a batch cannot seed alike): one call
+    assert pipe.calls == [(("a", "b", "d"), (1, 2, 4)), (("c",), (3,)), (("e",), (5,)), (("f",), (6,))]
+    assert queue.batched == 1
+
+
+def test_a_batch_holds_what_memory_lets_one_call_hold(worker):
+    pipe = _Batched()
+    queue = worker(pipe, max_batch=4, batch_window=0.0, fits=lambda call: len(call["prompt"]) <= 2)
+    jobs = [_job(p, seed=i) for i, p in enumerate("abcd")]
+    for job in jobs:
+        queue.submit(job)
+    queue.start()
+    assert [job.future.result(30).images for job in jobs] == [["a"], ["b"], ["c"], ["d"]]
+    assert pipe.calls == [(("a", "b"), (0, 1)), (("c", "d"), (2, 3))]
+
+
+def test_a_batch_waits_its_window_for_jobs_of_its_shape(worker):
+    pipe = _Batched()
+    queue = worker(pipe, max_batch=2, batch_window=30.0)
+    first, second = _job("a", seed=1), _job("b", seed=2)
+    queue.submit(first)
+    queue.start()
+    wait_until(lambda: queue.depth == 0 and len(queue.taken) == 1)  # taken, waiting for a second of its shape
+    queue.submit(second)  # comes within the window: the batch is full and runs at once
+    assert first.future.result(30).images == ["a"] and second.future.result(30).images == ["b"]
+    assert pipe.calls == [(("a", "b"), (1, 2))]
+
+
+@pytest.mark.slow
+def test_batched_requests_over_http_each_get_the_image_their_seed_makes_alone(service):
+    from pipemap.serve import Background, Service
+
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=120.0, workers=1, max_batch=3,
+                  batch_window=0.0)
+    with Background(own) as url, httpx.Client(base_url=url, timeout=120) as session:
+        with stalled(service.pipe.unet) as entered:
+            first = in_background(ask, session, prompt="first", seed=1)
+            assert entered.wait(60)
+            rest = [in_background(ask, session, prompt=f"cat {seed}", seed=seed) for seed in (2, 3, 4)]
+            wait_until(lambda: own.worker.depth == 3)
+        answers = [first()] + [each() for each in rest]
+    assert own.worker.batched == 1  # the three that waited ran as one call
+    for response, seed, prompt in zip(answers, (1, 2, 3, 4), ("first", "cat 2", "cat 3", "cat 4")):
+        assert response.json()["seed"] == seed
+        got, want = pngs(response)[0], direct(service.pipe, seed, prompt=prompt)[0]
+        assert np.abs(got.astype(int) - want).max() <= 1  # a batch's kernels may round apart

@@ -50,6 +50,8 @@ class Options:
     max_prompt: int = 4000  # characters
     names: tuple[str, ...] = ()  # the model names served; none: the path as given
     access: Access = Access()  # who may call, and how large a body may be
+    max_batch: int = 1  # requests of one shape run as one call, at most; 1: no batching
+    batch_window: float = 0.02  # seconds a request waits for others of its shape
 
     def served_names(self) -> tuple[str, ...]:
         return self.names or (self.path,)
@@ -112,7 +114,8 @@ class Service:
     def __init__(self, pipe, plan: Plan, running_plan: Plan | None = None, *, max_queue: int = 16,
                  timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None,
                  memory: Admission | None = None, sizes: Admission | None = None, max_steps: int = 200,
-                 max_prompt: int = 4000, names: tuple[str, ...] = (), access: Access | None = None):
+                 max_prompt: int = 4000, names: tuple[str, ...] = (), access: Access | None = None,
+                 max_batch: int = 1, batch_window: float = 0.02):
         self.pipe, self.plan, self.running_plan = pipe, plan, running_plan or plan
         self.timeout = timeout
         self.limits = Limits.of(pipe, max_n, max_steps=max_steps, max_prompt=max_prompt, names=names)
@@ -125,7 +128,8 @@ class Service:
         self.created = int(time.time())
         pipe.set_progress_bar_config(disable=True)
         self.workers = workers or workers_for(memory, self.running_plan, {"prompt": "a", "num_images_per_prompt": 1})
-        self.worker = Worker(pipe, runner or pipeline_runner(self.workers, memory), max_queue, in_flight=self.workers)
+        self.worker = Worker(pipe, runner or pipeline_runner(self.workers, memory), max_queue, in_flight=self.workers,
+                             max_batch=max_batch, batch_window=batch_window, fits=self.fits)
         self.metrics = Metrics(pipe, self.worker, memory)
         self.worker.on_finished = self.metrics.finished
         self._home: str | None = None
@@ -142,7 +146,7 @@ class Service:
         return cls(pipe, plan, running, max_queue=options.max_queue, timeout=options.timeout, max_n=options.max_n,
                    workers=options.workers, memory=memory, sizes=None if memory else sizes_for(running, folder),
                    max_steps=options.max_steps, max_prompt=options.max_prompt, names=options.served_names(),
-                   access=options.access)
+                   access=options.access, max_batch=options.max_batch, batch_window=options.batch_window)
 
     def start(self) -> None:
         self.worker.start()
@@ -193,6 +197,16 @@ class Service:
         for seen, peak in list(self._measured):
             if work is not None and seen < work:
                 yield from ((device, bytes_ * work // seen, bytes_) for device, bytes_ in peak.items())
+
+    def fits(self, call: dict) -> bool:
+        """Whether one call like ``call`` fits the plan's room on every device, alone (its shape's dry run, once)."""
+        if self.sizes is None:
+            return True
+        try:
+            self.sizes.needs(call)
+        except CallTooLargeError:
+            return False
+        return True
 
     def plan_json(self) -> dict:
         """The plan as made (with the moves an out-of-memory error caused since, in its notes); where it runs on
