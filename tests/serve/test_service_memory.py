@@ -167,4 +167,8 @@ def test_a_cpu_plan_refuses_a_request_too_large_for_the_host_with_the_figures_an
     assert "but the plan leaves 1.99 GiB there beside its weights" in huge.json()["error"]["message"]
     assert "scaled from" in absurd.json()["error"]["message"]  # far too large by the 8192's figures: no dry run
     assert image(ask(session, "32x32", seed=4)).shape == (32, 32, 3)  # the server goes on
+    # a batch of k such requests takes k times one's activations: 1.6 MiB each against the host's 1.99 GiB
+    batch = {"prompt": ["a cat"] * 1000, "num_images_per_prompt": 1, "width": 32, "height": 32,
+             "num_inference_steps": 2}
+    assert service.fits(batch) and not service.fits({**batch, "prompt": ["a cat"] * 2000})
     assert counted(session).get('pipemap_requests_total{code="500"}', 0) == 0

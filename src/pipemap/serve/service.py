@@ -199,14 +199,20 @@ class Service:
                 yield from ((device, bytes_ * work // seen, bytes_) for device, bytes_ in peak.items())
 
     def fits(self, call: dict) -> bool:
-        """Whether one call like ``call`` fits the plan's room on every device, alone (its shape's dry run, once)."""
+        """Whether one call like ``call`` (prompts as a list: a batch) fits the plan's room on every device, alone:
+        a batch of k takes k times one request's activations (its shape measured when it was submitted), so no batch
+        size costs a dry run here (a GPU plan's ledger measures the batch's own shape before it runs)."""
         if self.sizes is None:
             return True
+        prompts = call.get("prompt")
+        k = len(prompts) if isinstance(prompts, list) else 1
+        one = {name: value[0] if name in ("prompt", "negative_prompt") and k > 1 else value
+               for name, value in call.items()}
         try:
-            self.sizes.needs(call)
+            peak = self.sizes.needs(one).peak
         except CallTooLargeError:
             return False
-        return True
+        return all(k * needs <= self.sizes.ledger.room(device) for device, needs in peak.items())
 
     def plan_json(self) -> dict:
         """The plan as made (with the moves an out-of-memory error caused since, in its notes); where it runs on
