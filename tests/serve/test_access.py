@@ -134,3 +134,18 @@ def test_a_raw_text_plain_post_from_a_page_is_refused_before_any_work(keyed, ser
     finally:
         handle.remove()
     assert head.startswith(b"HTTP/1.1 403") and calls == []
+
+
+def test_the_official_openai_client_with_the_key(keyed):
+    openai = pytest.importorskip("openai", reason="the OpenAI client test needs openai: pip install openai")
+    url = f"{keyed.base_url}/v1"
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+    made = client.images.generate(prompt="a cat", size="32x32", n=1, response_format="b64_json", quality="hd",
+                                  extra_body={"seed": 3, "num_inference_steps": 1})
+    assert len(made.data) == 1 and made.data[0].b64_json
+    assert [m.id for m in client.models.list()] == ["pipemap"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="sk-wrong", max_retries=0).images.generate(prompt="a cat", size="32x32")
+    with pytest.raises(openai.BadRequestError, match="at most 200 steps") as refused:
+        client.images.generate(prompt="a cat", size="32x32", extra_body={"num_inference_steps": 10_000})
+    assert (refused.value.code, refused.value.param) == ("steps_too_large", "num_inference_steps")
