@@ -78,8 +78,9 @@ def ray_url(tiny_folders):
              object_store_memory=100 * 2**20, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(application(Options(tiny_folders["sd"], hardware="cpu=4GiB", timeout=60.0)), name="pipemap",
-                  route_prefix="/")
+        # the slow request below asks for 400 steps, past the default cap of 200
+        serve.run(application(Options(tiny_folders["sd"], hardware="cpu=4GiB", timeout=60.0, max_steps=1000)),
+                  name="pipemap", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
