@@ -2,6 +2,13 @@
 
     python bench/serve.py                 # a burst of 16 requests, 3 rounds, tiny SD 32x32 (a minute or two)
     python bench/serve.py --burst 32 --steps 4 --workers 2 --no-record
+    python bench/serve.py --clients 1,4,16,64 --seconds 20 --no-record   # load: closed-loop clients at each level
+    python bench/serve.py --clients 1,4,16,64 --max-batch 8 --no-record  # the same, batching on
+
+With ``--clients``: at each level, that many client threads each send a request, wait for its answer and send the
+next, for ``--seconds``; a 429 is counted and retried after its Retry-After (as OpenAI's client does).
+Figures per level: images per second answered 200, latency p50/p99 of the 200s, 429s, and the process's RSS after
+the level (the server runs in this process).
 
 Each round sends the burst to the server at once (one client thread per request, over loopback HTTP) and then
 hands the same calls to ``pipemap.iter_many`` on the same pipeline; rounds alternate so load on a shared machine
@@ -13,6 +20,7 @@ The table is printed and appended to ``bench/RESULTS.md``; the last line is ``su
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -45,8 +53,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pipemap-bench-serve-") as root:
         with quiet_progress():
             folder = tiny.save("sd", Path(root) / "sd", variant_fp16=False, scale=args.scale)
-        service = Service.load(Options(str(folder), hardware="cpu=64GiB", max_queue=args.burst,
-                                       timeout=600.0, max_n=1, workers=args.workers))
+        service = Service.load(Options(str(folder), hardware="cpu=64GiB", max_queue=args.max_queue or args.burst,
+                                       timeout=600.0, max_n=1, workers=args.workers, max_batch=args.max_batch,
+                                       batch_window=args.batch_window_ms / 1000))
+        if args.clients:
+            _load(args, service)
+            return
         with Background(service) as url, httpx.Client(base_url=url, timeout=600) as client:
             rounds = _rounds(args, client, service.pipe)
     rows = _rows(args, rounds)
@@ -68,7 +80,82 @@ def _arguments():
     parser.add_argument("--scale", type=int, default=1, help="tiny pipeline channel scale (default 1)")
     parser.add_argument("--workers", type=int, default=2, help="requests in flight, both ways (default 2)")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to bench/RESULTS.md")
+    parser.add_argument("--clients", help="load levels, e.g. 1,4,16,64: closed-loop clients at each")
+    parser.add_argument("--seconds", type=float, default=20.0, help="seconds per load level (default 20)")
+    parser.add_argument("--max-queue", type=int, help="the server's queue (default: --burst)")
+    parser.add_argument("--max-batch", type=int, default=1, help="the server's --max-batch (default 1: off)")
+    parser.add_argument("--batch-window-ms", type=float, default=20.0, help="the server's batch window (default 20)")
     return parser.parse_args()
+
+
+def _load(args, service) -> None:
+    """Closed-loop clients at each level of ``--clients``: one table row per level; with ``--max-batch`` N > 1, the
+    same level run with batching off and then on (two services on the one pipeline, paired so the machine's load
+    falls on both), and the ratio."""
+    levels = [int(level) for level in args.clients.split(",")]
+    ways = {"off": service}
+    if args.max_batch > 1:
+        ways = {"off": Service(service.pipe, service.plan, service.running_plan, max_queue=service.worker.max_queue,
+                               timeout=600.0, max_n=1, workers=args.workers, sizes=service.sizes), "on": service}
+    lines = [f"## serve load {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
+             f"cores, torch {torch.__version__}, {_revision()}\n",
+             f"tiny SD scale {args.scale}, {args.size}x{args.size}, {args.steps} steps, {args.workers} workers, "
+             f"queue {service.worker.max_queue}, batch {args.max_batch} (window {args.batch_window_ms:g} ms), "
+             f"{args.seconds:g} s a level and way; 429s retried after their Retry-After\n",
+             "| clients | batching | images / s | p50 (s) | p99 (s) | 200s | 429s | other | RSS (MiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    summary = {}
+    with contextlib.ExitStack() as stack:
+        urls = {way: stack.enter_context(Background(each)) for way, each in ways.items()}
+        for url in urls.values():  # warm: each shape measured, lazy inits paid
+            _level(args, url, max(levels), seconds=5.0)
+        for level in levels:
+            for way, url in urls.items():
+                figures = _level(args, url, level)
+                summary[f"c{level}_{way}_ips"] = figures[0]
+                lines.append(f"| {level} | {way} | " + " | ".join(f"{f:.3g}" for f in figures) + " |")
+                print(lines[-1], flush=True)
+    if "on" in ways:
+        summary.update({f"c{level}_ratio": summary[f"c{level}_on_ips"] / summary[f"c{level}_off_ips"]
+                        for level in levels})
+    table = "\n".join(lines) + "\n\n```\nsummary: " + " ".join(f"{k}={v:.3g}" for k, v in summary.items()) + "\n```"
+    print(table)
+    if not args.no_record:
+        with RESULTS.open("a") as results:
+            results.write(f"\n{table}\n")
+
+
+def _level(args, url: str, clients: int, seconds: float | None = None) -> tuple[float, ...]:
+    """Images per second, p50 and p99 latency, 200s, 429s, other codes, RSS in MiB."""
+    end = time.perf_counter() + (seconds or args.seconds)
+    latencies: list[float] = []
+    codes: dict[int, int] = {}
+
+    def client(index: int) -> None:
+        body = _calls(args)[index % args.burst]
+        with httpx.Client(base_url=url, timeout=600, limits=httpx.Limits(max_connections=1)) as session:
+            while time.perf_counter() < end:
+                start = time.perf_counter()
+                response = session.post("/v1/images/generations", json=body)
+                codes[response.status_code] = codes.get(response.status_code, 0) + 1
+                if response.status_code == 200:
+                    latencies.append(time.perf_counter() - start)
+                elif response.status_code == 429:
+                    time.sleep(min(float(response.headers["retry-after"]), max(0.0, end - time.perf_counter())))
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    elapsed = time.perf_counter() - started
+    ok = codes.get(200, 0)
+    other = sum(n for code, n in codes.items() if code not in (200, 429))
+    p50, p99 = (_percentile(latencies, 50), _percentile(latencies, 99)) if latencies else (float("nan"),) * 2
+    return ok / elapsed, p50, p99, ok, codes.get(429, 0), other, _rss() / 2**20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _calls(args) -> list[dict]:

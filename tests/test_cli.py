@@ -72,3 +72,27 @@ def test_run_generates_an_image_with_an_offloading_plan(tiny_folders, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "offload" in result.stdout and "bytes moved to its GPU" in result.stdout
     assert Image.open(output).size == (32, 32)
+
+
+def test_serve_flags_become_the_services_options(monkeypatch, tmp_path):
+    pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
+    import pipemap.serve
+    from pipemap.cli import main
+    from pipemap.serve.access import Access
+
+    loaded, served = [], []
+    monkeypatch.setattr(pipemap.serve.Service, "load", classmethod(lambda cls, options: loaded.append(options)
+                                                                   or type("S", (), {"plan": "a plan"})()))
+    monkeypatch.setattr(pipemap.serve, "run", lambda service, host, port: served.append((host, port)))
+    monkeypatch.setenv("PIPEMAP_API_KEY", "from-env")
+    assert main(["serve", str(tmp_path), "--host", "0.0.0.0", "--port", "8123", "--max-steps", "60", "--max-prompt",
+                 "500", "--max-body", "9999", "--served-model-name", "sd", "sd-alias", "--max-batch", "4",
+                 "--batch-window-ms", "30"]) == 0
+    (options,) = loaded
+    assert (options.max_steps, options.max_prompt, options.names) == (60, 500, ("sd", "sd-alias"))
+    assert (options.max_batch, options.batch_window) == (4, 0.03)
+    assert options.access == Access(api_key="from-env", local=False, max_body=9999)
+    assert served == [("0.0.0.0", 8123)]
+    assert main(["serve", str(tmp_path), "--api-key", "given"]) == 0
+    assert loaded[-1].access == Access(api_key="given", local=True)
+    assert loaded[-1].names == () and loaded[-1].served_names() == (str(tmp_path),)  # the path as given

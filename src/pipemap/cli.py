@@ -124,9 +124,24 @@ def _add_serve(commands) -> None:
     serve.add_argument("--max-n", type=int, default=4, help="images a request may ask for (default 4)")
     serve.add_argument("--workers", type=int, help="requests run together, their stages overlapped (run_many; "
                        "default: one per device the plan computes on)")
+    serve.add_argument("--api-key", default=os.environ.get("PIPEMAP_API_KEY"),
+                       help="the bearer token /v1/ routes want (default: $PIPEMAP_API_KEY; none: no key)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME", default=(),
+                       help="the model names requests may give (the first is listed by /v1/models; default: PATH)")
+    serve.add_argument("--max-steps", type=int, default=200, help="num_inference_steps a request may ask for "
+                       "(default 200)")
+    serve.add_argument("--max-prompt", type=int, default=4000, help="characters a prompt may have (default 4000)")
+    serve.add_argument("--max-body", type=int, default=1 << 20, help="bytes a request body may have; then 413 "
+                       "(default 1 MiB)")
+    serve.add_argument("--max-batch", type=int, default=1, help="requests of one shape (one image each) run as one "
+                       "call, at most, as memory allows (default 1: no batching)")
+    serve.add_argument("--batch-window-ms", type=float, default=20.0, help="with --max-batch: milliseconds a "
+                       "request waits for others of its shape (default 20)")
     serve.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment (pipemap[ray])")
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: this many replicas")
     serve.add_argument("--autoscale", metavar="MIN:MAX", help="with --ray: replicas scaled on queue length")
+    serve.add_argument("--ray-public", action="store_true", help="with --ray and no RAY_ADDRESS: bind the local "
+                       "Ray's own ports on all interfaces (default: 127.0.0.1 only)")
     serve.set_defaults(run=_serve)
 
 
@@ -235,14 +250,22 @@ def _run(args) -> int:
 
 def _serve(args) -> int:
     from .serve import Options
+    from .serve.access import Access, is_local
 
+    local = is_local(args.host)
+    if not local and not args.api_key:
+        print(f"pipemap: WARNING: serving on {args.host}, reachable from other machines, with no API key: anyone "
+              "who reaches the port can run the pipeline. Give --api-key (or PIPEMAP_API_KEY), or bind "
+              "--host 127.0.0.1", file=sys.stderr, flush=True)
     options = Options(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant,
                       _headroom(args.headroom),
-                      args.max_queue, args.timeout, args.max_n, args.workers)
+                      args.max_queue, args.timeout, args.max_n, args.workers, args.max_steps, args.max_prompt,
+                      tuple(args.served_model_name), Access(args.api_key or None, local, args.max_body),
+                      args.max_batch, args.batch_window_ms / 1000)
     if args.ray:
         from .serve.deployment import run_on_ray
 
-        return run_on_ray(options, args.host, args.port, args.replicas, args.autoscale)
+        return run_on_ray(options, args.host, args.port, args.replicas, args.autoscale, public=args.ray_public)
     from .serve import Service, run
 
     service = Service.load(options)

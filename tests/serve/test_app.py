@@ -55,8 +55,10 @@ def test_plan_health_and_routes(service, client):
     assert pipemap.Plan.from_dict(plan) == service.plan
     assert set(plan["runs_on"].values()) == {"cpu"}  # the planned GPU is not on this machine
     assert client.get("/health").json() == {"status": "ok", "queue_depth": 0, "running": 0}
-    assert client.get("/nowhere").status_code == 404
-    assert client.get(GENERATIONS).status_code == 405
+    missing, wrong = client.get("/nowhere"), client.get(GENERATIONS)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert wrong.headers["allow"] == "POST"
 
 
 # ---- the app itself ------------------------------------------------------------------------------------------
@@ -87,10 +89,108 @@ def test_a_service_shutting_down_answers_503_and_its_health_says_so(service):
     # a service of its own on the same pipeline: draining it leaves the module's service serving
     draining = Service(service.pipe, service.plan, service.running_plan)
     draining.worker.drain()
-    client = TestClient(create_app(draining))  # no lifespan: the worker is never started
+    # no lifespan: the worker is never started; the Host a loopback server answers
+    client = TestClient(create_app(draining), base_url="http://localhost")
     response = client.post(GENERATIONS, json={"prompt": "a cat", "size": "32x32"})
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "draining"
     health = client.get("/health")
     assert health.status_code == 503 and health.json() == {"status": "draining", "queue_depth": 0, "running": 0}
     assert samples(client.get("/metrics").text)['pipemap_requests_total{code="503"}'] == 1
+
+
+# ---- the conventions OpenAI clients and orchestrators expect ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def named(service):
+    """A service that serves the tiny SD under a name and an alias."""
+    from pipemap.serve import Background
+
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=60.0, names=("tiny-sd", "sd-alias"))
+    with Background(own) as url, httpx.Client(base_url=url, timeout=60) as session:
+        yield own, session
+
+
+def test_models_lists_the_served_name_in_openais_shape(named):
+    own, session = named
+    listed = session.get("/v1/models").json()
+    assert listed == {"object": "list", "data": [{"id": "tiny-sd", "object": "model", "created": own.created,
+                                                   "owned_by": "pipemap"}]}
+    assert session.get("/v1/models/sd-alias").json()["id"] == "sd-alias"
+    unknown = session.get("/v1/models/dall-e-3")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_model_not_served_answers_404_and_a_served_name_or_alias_is_taken(named):
+    own, session = named
+    refused = ask(session, prompt="a cat", model="dall-e-3", seed=1, num_inference_steps=1)
+    assert refused.status_code == 404
+    error = refused.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert "'tiny-sd', 'sd-alias'" in error["message"]
+    for name in ("tiny-sd", "sd-alias", None):
+        fields = {"model": name} if name else {}
+        assert len(pngs(ask(session, prompt="a cat", seed=1, num_inference_steps=1, **fields))) == 1
+
+
+def test_openais_unused_fields_are_taken_and_named_in_a_warning(named):
+    own, session = named
+    fields = dict(quality="hd", style="vivid", background="transparent", output_format="webp")
+    response = ask(session, prompt="a cat", seed=1, num_inference_steps=1, **fields)
+    assert len(pngs(response)) == 1
+    assert response.headers["warning"] == ", ".join(f'299 pipemap "{name} is ignored: this server has no such '
+                                                    'option"' for name in fields)
+
+
+def test_liveness_and_readiness(named):
+    own, session = named
+    assert session.get("/health/live").json() == {"status": "alive"}
+    assert session.get("/health/ready").json() == {"ready": True, "reason": None, "queue_depth": 0, "running": 0}
+
+
+def test_a_sticky_device_error_makes_the_service_unready_and_refuse_work(service):
+    from pipemap.serve import Background
+
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=60.0)
+    failures = [RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
+                             "asynchronously reported")]
+
+    def fail_once(*_):
+        if failures:
+            raise failures.pop()
+
+    with Background(own) as url, httpx.Client(base_url=url, timeout=60) as session:
+        handle = service.pipe.vae.decoder.register_forward_pre_hook(fail_once)
+        try:
+            failed = ask(session, prompt="a cat", seed=1, num_inference_steps=1)
+        finally:
+            handle.remove()
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "device_error"
+        ready = session.get("/health/ready")
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        assert "illegal memory access" in ready.json()["reason"]
+        assert session.get("/health/live").status_code == 200  # alive: the orchestrator restarts it on readiness
+        after = ask(session, prompt="a cat", seed=1, num_inference_steps=1)
+        assert after.status_code == 503 and after.json()["error"]["code"] == "device_error"
+        assert session.get("/health").status_code == 200  # the old route keeps its meaning (draining or not)
+
+
+def test_a_plain_pipeline_error_leaves_the_service_ready(service):
+    from pipemap.serve import Background
+
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=60.0)
+    failures = [RuntimeError("injected: shapes do not match")]
+
+    def fail_once(*_):
+        if failures:
+            raise failures.pop()
+
+    with Background(own) as url, httpx.Client(base_url=url, timeout=60) as session:
+        handle = service.pipe.vae.decoder.register_forward_pre_hook(fail_once)
+        try:
+            assert ask(session, prompt="a cat", seed=1, num_inference_steps=1).json()["error"]["code"] == \
+                "pipeline_error"
+        finally:
+            handle.remove()
+        assert session.get("/health/ready").status_code == 200 and own.broken is None

@@ -24,7 +24,13 @@ httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip ins
 from ray import serve  # noqa: E402
 
 from pipemap.serve import Options  # noqa: E402
-from pipemap.serve.deployment import AutoscaleSpecError, application, autoscaling, gpus  # noqa: E402
+from pipemap.serve.deployment import (  # noqa: E402
+    AutoscaleSpecError,
+    application,
+    autoscaling,
+    gpus,
+    ray_init_options,
+)
 
 GENERATIONS = "/v1/images/generations"
 
@@ -39,6 +45,21 @@ def test_a_replica_asks_for_the_gpus_its_plan_uses(tiny_folders):
     assert options.ray_actor_options["num_gpus"] == 2
     assert options._deployment_config.autoscaling_config.min_replicas == 1
     assert options._deployment_config.autoscaling_config.max_replicas == 3
+
+
+def test_the_queue_limit_and_the_grace_follow_the_options(tiny_folders):
+    deployment = application(Options(tiny_folders["sd"], hardware="cpu=4GiB", max_queue=2, timeout=300.0))
+    config = deployment._bound_deployment._deployment_config
+    assert config.max_queued_requests == 2  # Ray's router answers 503 past it, as a replica's queue would 429
+    assert config.graceful_shutdown_timeout_s == 305.0  # not Ray's 20 s: a request running may finish
+
+
+def test_a_local_ray_keeps_its_ports_on_loopback_unless_asked():
+    assert ray_init_options(None, public=False) == {"address": None, "ignore_reinit_error": True,
+                                                    "_node_ip_address": "127.0.0.1", "dashboard_host": "127.0.0.1"}
+    assert ray_init_options(None, public=True) == {"address": None, "ignore_reinit_error": True}
+    assert ray_init_options("ray://head:10001", public=False) == {"address": "ray://head:10001",
+                                                                  "ignore_reinit_error": True}
 
 
 @pytest.mark.parametrize("text", ["3", "3:1", "0:0", "a:b"])
@@ -57,8 +78,9 @@ def ray_url(tiny_folders):
              object_store_memory=100 * 2**20, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(application(Options(tiny_folders["sd"], hardware="cpu=4GiB", timeout=60.0)), name="pipemap",
-                  route_prefix="/")
+        # the slow request below asks for 400 steps, past the default cap of 200
+        serve.run(application(Options(tiny_folders["sd"], hardware="cpu=4GiB", timeout=60.0, max_steps=1000)),
+                  name="pipemap", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

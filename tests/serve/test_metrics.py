@@ -47,12 +47,15 @@ def test_queue_depth_running_and_drops_are_read_from_the_worker_at_each_scrape()
     jobs = [Job({"prompt": str(i)}, 0, 1, float("inf")) for i in range(3)]
     for job in jobs:
         worker.submit(job)
-    worker.running = 1
+    worker.taken.add(Job({"prompt": "run"}, 0, 1, float("inf")))  # as the worker's thread takes a job
     counted = samples(metrics.text().decode())
     assert (counted["pipemap_queue_depth"], counted["pipemap_running"], counted["pipemap_dropped_total"]) == (3, 1, 0)
+    worker.taken.add(Job({"prompt": "read ahead"}, 0, 1, float("inf")))  # one worker: the runner holds it waiting
+    counted = samples(metrics.text().decode())
+    assert (counted["pipemap_queue_depth"], counted["pipemap_running"]) == (4, 1)
     worker.cancel(jobs[0])
     counted = samples(metrics.text().decode())
-    assert (counted["pipemap_queue_depth"], counted["pipemap_dropped_total"]) == (2, 1)
+    assert (counted["pipemap_queue_depth"], counted["pipemap_dropped_total"]) == (3, 1)
 
 
 def test_two_services_in_one_process_count_apart():

@@ -4,6 +4,7 @@ truncated with a warning; directly, ``parse`` and ``Limits`` turn a request into
 
 from __future__ import annotations
 
+import json
 import re
 from types import SimpleNamespace
 
@@ -36,7 +37,15 @@ BAD = {
     "size not WxH": ({"prompt": "a cat", "size": "large"}, "size", "not WIDTHxHEIGHT"),
     "n too large": ({"prompt": "a cat", "n": 3}, "n", "at most 2 images"),
     "n below 1": ({"prompt": "a cat", "n": 0}, "n", "greater than or equal to 1"),
-    "unknown field": ({"prompt": "a cat", "quality": "hd"}, "quality", "unknown field 'quality'"),
+    "unknown field": ({"prompt": "a cat", "colour": "red"}, "colour", "unknown field 'colour'"),
+    "n a boolean": ({"prompt": "a cat", "n": True}, "n", "valid integer"),
+    "n a float": ({"prompt": "a cat", "n": 2.0}, "n", "valid integer"),
+    "guidance NaN": ({"prompt": "a cat", "guidance_scale": float("nan")}, "guidance_scale", "finite number"),
+    "guidance Infinity": ({"prompt": "a cat", "guidance_scale": float("inf")}, "guidance_scale", "finite number"),
+    "steps over the cap": ({"prompt": "a cat", "num_inference_steps": 100000}, "num_inference_steps",
+                           "at most 200 steps"),
+    "prompt too long": ({"prompt": "a cat " * 1000}, "prompt", "6000 characters; this server takes at most 4000"),
+    "timeout not positive": ({"prompt": "a cat", "timeout": 0}, "timeout", "greater than 0"),
     "no prompt": ({"n": 1}, "prompt", "Field required"),
     "prompt not text": ({"prompt": 3}, "prompt", "valid string"),
     "url format": ({"prompt": "a cat", "response_format": "url"}, "response_format", "'b64_json'"),
@@ -49,7 +58,8 @@ BAD = {
 def test_bad_request_names_its_field(client, kind):
     fields, param, words = BAD[kind]
     before = code(client, 400)
-    response = client.post(GENERATIONS, json=fields)
+    # as Python's json writes it: NaN and Infinity as bare words, which httpx's json= refuses to send
+    response = client.post(GENERATIONS, content=json.dumps(fields), headers={"content-type": "application/json"})
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
@@ -89,8 +99,8 @@ def test_parse_reads_openais_fields_with_their_defaults():
 
 def test_a_request_error_names_the_field_and_a_code():
     with pytest.raises(RequestError) as refused:
-        parse(b'{"prompt": "a cat", "style": "vivid"}')
-    assert (refused.value.param, refused.value.code) == ("style", "unknown_field")
+        parse(b'{"prompt": "a cat", "colour": "red"}')
+    assert (refused.value.param, refused.value.code) == ("colour", "unknown_field")
     assert "the fields are prompt, n, size" in refused.value.message
     assert isinstance(refused.value, ValueError) and isinstance(refused.value, pipemap.PipemapError)
     with pytest.raises(RequestError) as refused:

@@ -62,6 +62,9 @@ def test_run_serves_the_app_on_the_address_given_with_a_grace_period_past_the_ti
     (server,) = started
     assert (server.config.host, server.config.port) == ("0.0.0.0", 8123)
     assert server.config.timeout_graceful_shutdown == own.timeout + 5  # a request running may finish
+    # connections at once: the queue (16) and the requests in flight (1), twice over, and 32 for probes
+    assert server.config.limit_concurrency == 2 * (16 + 1) + 32
+    assert server.config.timeout_keep_alive == 5 and server.config.h11_max_incomplete_event_size == 64 * 1024
     assert server.config.app.state.service is own and server.service is own
 
 

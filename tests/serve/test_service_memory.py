@@ -129,3 +129,46 @@ def test_an_out_of_memory_move_is_answered_200_and_counted(service, client):
     direct = service.pipe(prompt="a tiny cat", width=32, height=32, num_inference_steps=2, output_type="pil",
                           generator=torch.Generator("cpu").manual_seed(9)).images[0]
     np.testing.assert_array_equal(image(response), np.array(direct))
+
+
+# ---- a plan with no GPU: requests checked against the host's room ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def on_cpu(tiny_folders):
+    """The tiny SD planned for a host of 2 GiB and no GPU: no ledger admits its requests, but each call's shape is
+    checked by its dry run against the 2 GiB less the weights (5.75 MiB)."""
+    service = Service.load(Options(tiny_folders["sd"], hardware="cpu=2GiB", timeout=120.0, max_n=2))
+    with Background(service) as url, httpx.Client(base_url=url, timeout=120) as session:
+        yield service, session
+
+
+@pytest.mark.slow  # two dry runs, 3 s each on 2 cores
+def test_a_cpu_plan_refuses_a_request_too_large_for_the_host_with_the_figures_and_never_runs_it(on_cpu):
+    service, session = on_cpu
+    assert service.memory is None and service.sizes is not None  # no GPU: no admission, but a size check
+    calls = []
+    counting = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in (service.pipe.unet, service.pipe.vae,
+                                                                                   service.pipe.text_encoder)]
+    try:
+        huge = ask(session, "8192x8192")  # 101.5 GiB of activations by its dry run: the kernel would kill us
+        absurd = ask(session, "100000x100000")
+        two = session.post(GENERATIONS, json={"prompt": "a cat", "size": "4096x4096", "n": 2,
+                                              "num_inference_steps": 2})
+    finally:
+        for handle in counting:
+            handle.remove()
+    assert calls == []  # refused before the pipeline ran any model
+    for response, param in ((huge, "size"), (absurd, "size"), (two, "n")):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("insufficient_memory", param)
+        assert re.search(r"needs (about )?[\d.]+ GiB of activations on cpu", error["message"])
+    assert "but the plan leaves 1.99 GiB there beside its weights" in huge.json()["error"]["message"]
+    assert "scaled from" in absurd.json()["error"]["message"]  # far too large by the 8192's figures: no dry run
+    assert image(ask(session, "32x32", seed=4)).shape == (32, 32, 3)  # the server goes on
+    # a batch of k such requests takes k times one's activations: 1.6 MiB each against the host's 1.99 GiB
+    batch = {"prompt": ["a cat"] * 1000, "num_images_per_prompt": 1, "width": 32, "height": 32,
+             "num_inference_steps": 2}
+    assert service.fits(batch) and not service.fits({**batch, "prompt": ["a cat"] * 2000})
+    assert counted(session).get('pipemap_requests_total{code="500"}', 0) == 0

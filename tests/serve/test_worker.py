@@ -209,3 +209,172 @@ def test_a_failure_inside_the_pipeline_answers_500_and_the_next_request_succeeds
     np.testing.assert_array_equal(pngs(ask(client, prompt="after", seed=2))[0],
                                   direct(service.pipe, 2, prompt="after")[0])
     assert code(client, 500) == before + 1
+
+
+# ---- a client that hangs up: its work dropped, waiting or running ------------------------------------------------
+
+
+def _post_and_hold(client, **fields):
+    """A generation posted on a raw connection of its own, left open: closing it is the client hanging up."""
+    import json
+    import socket
+
+    body = json.dumps({"size": "32x32", "num_inference_steps": 2, **fields}).encode()
+    raw = socket.create_connection((client.base_url.host, client.base_url.port), timeout=60)
+    raw.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return raw
+
+
+def test_a_client_that_hangs_up_has_its_waiting_work_dropped_at_once(service, client):
+    before = counted(client)
+    prompts = []
+    seen = service.pipe.text_encoder.register_forward_pre_hook(lambda *_: prompts.append(1))
+    try:
+        with stalled(service.pipe.unet) as entered:
+            running = in_background(ask, client, prompt="first", seed=1)
+            assert entered.wait(60)
+            gone = _post_and_hold(client, prompt="gone", seed=2)
+            wait_until(lambda: service.worker.depth == 1)
+            gone.close()
+            wait_until(lambda: service.worker.depth == 0)  # out of the queue while the first still runs
+            assert counted(client)["pipemap_dropped_total"] == before["pipemap_dropped_total"] + 1
+        assert pngs(running())
+    finally:
+        seen.remove()
+    assert len(prompts) == 2  # the first request's prompt and its empty negative: the dropped one never encoded
+    after = counted(client)
+    assert after['pipemap_requests_total{code="499"}'] == before.get('pipemap_requests_total{code="499"}', 0) + 1
+
+
+def test_a_client_that_hangs_up_has_its_running_work_stopped_at_the_next_step(service, client):
+    before = counted(client)
+    calls = []
+    counting = service.pipe.unet.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with stalled(service.pipe.unet) as entered:
+            gone = _post_and_hold(client, prompt="gone", seed=2, num_inference_steps=20)
+            assert entered.wait(60)
+            gone.close()
+            wait_until(lambda: counted(client).get('pipemap_requests_total{code="499"}', 0)
+                       == before.get('pipemap_requests_total{code="499"}', 0) + 1)
+        wait_until(lambda: counted(client)["pipemap_dropped_total"] == before["pipemap_dropped_total"] + 1)
+        wait_until(lambda: service.worker.running == 0)
+    finally:
+        counting.remove()
+    assert len(calls) < 20  # stopped at the end of the step it was in (guidance: one unet call a step)
+    assert pngs(ask(client, prompt="next", seed=3))
+
+
+def test_a_request_may_ask_for_a_shorter_timeout_than_the_servers(service, client):
+    before = code(client, 504)
+    with stalled(service.pipe.unet):
+        response = ask(client, prompt="slow", seed=1, timeout=0.5)
+    assert response.status_code == 504 and "its timeout of 0.5 s" in response.json()["error"]["message"]
+    assert code(client, 504) == before + 1
+    longer = ask(client, prompt="fine", seed=1, timeout=10_000)  # more than the server's 120 s: the server's holds
+    assert pngs(longer)
+
+
+def test_retry_after_is_the_time_the_waiting_work_takes_to_drain(worker):
+    queue = worker(max_queue=3)  # not started: the jobs wait
+    queue._recent = 2.5  # seconds between answers lately
+    for prompt in "abc":
+        queue.submit(_job(prompt))
+    with pytest.raises(QueueFullError) as full:
+        queue.submit(_job("d"))
+    assert full.value.retry_after == 8  # three waiting, 2.5 s apart: 7.5 s, rounded up
+
+
+def test_stop_drops_what_is_left_after_its_grace(worker):
+    pipe = Echo()
+    queue = worker(pipe)
+    slow, waiting = _job("slow", num_inference_steps=1000), _job("waiting")
+    pipe.gate.clear()
+    queue.submit(slow)
+    queue.start()
+    assert pipe.entered.wait(30)
+    queue.submit(waiting)
+    stopping = in_background(queue.stop, 0.2)
+    wait_until(lambda: not slow.wanted())  # the grace has passed: the jobs left are dropped
+    pipe.gate.set()
+    stopping()
+    assert isinstance(slow.future.exception(5), WorkDropped) and pipe.steps < 1000
+    assert pipe.calls == ["slow"] and queue.dropped == 2
+
+
+# ---- batching: requests of one shape as one call -----------------------------------------------------------------
+
+
+class _Batched:
+    """A pipeline stand-in that takes prompt lists: each call recorded with its prompts and seeds; an image per
+    prompt, the prompt itself."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.gate = Echo().gate
+
+    def __call__(self, prompt, num_images_per_prompt=1, width=32, generator=None, output_type="pil",
+                 callback_on_step_end=None):
+        assert self.gate.wait(60)
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        generators = generator if isinstance(generator, list) else [generator]
+        self.calls.append((tuple(prompts), tuple(g.initial_seed() for g in generators)))
+        return type("Out", (), {"images": [p for p in prompts for _ in range(num_images_per_prompt)]})()
+
+
+def test_jobs_of_one_shape_run_as_one_call_each_answered_with_its_own_image(worker):
+    pipe = _Batched()
+    queue = worker(pipe, max_batch=3, batch_window=0.0)
+    jobs = [_job("a", seed=1), _job("b", seed=2), _job("c", seed=3, width=64), _job("d", seed=4),
+            _job("e", seed=5, images=2), _job("f", seed=6)]
+    for job in jobs:
+        queue.submit(job)
+    queue.start()
+    assert [job.future.result(30).images for job in jobs] == [["a"], ["b"], ["c"], ["d"], ["e", "e"], ["f"]]
+    # a, b and d share a shape (c is wider; e asks for two images, which a batch cannot seed alike): one call
+    assert pipe.calls == [(("a", "b", "d"), (1, 2, 4)), (("c",), (3,)), (("e",), (5,)), (("f",), (6,))]
+    assert queue.batched == 1
+
+
+def test_a_batch_holds_what_memory_lets_one_call_hold(worker):
+    pipe = _Batched()
+    queue = worker(pipe, max_batch=4, batch_window=0.0, fits=lambda call: len(call["prompt"]) <= 2)
+    jobs = [_job(p, seed=i) for i, p in enumerate("abcd")]
+    for job in jobs:
+        queue.submit(job)
+    queue.start()
+    assert [job.future.result(30).images for job in jobs] == [["a"], ["b"], ["c"], ["d"]]
+    assert pipe.calls == [(("a", "b"), (0, 1)), (("c", "d"), (2, 3))]
+
+
+def test_a_batch_waits_its_window_for_jobs_of_its_shape(worker):
+    pipe = _Batched()
+    queue = worker(pipe, max_batch=2, batch_window=30.0)
+    first, second = _job("a", seed=1), _job("b", seed=2)
+    queue.submit(first)
+    queue.start()
+    wait_until(lambda: queue.depth == 0 and len(queue.taken) == 1)  # taken, waiting for a second of its shape
+    queue.submit(second)  # comes within the window: the batch is full and runs at once
+    assert first.future.result(30).images == ["a"] and second.future.result(30).images == ["b"]
+    assert pipe.calls == [(("a", "b"), (1, 2))]
+
+
+@pytest.mark.slow
+def test_batched_requests_over_http_each_get_the_image_their_seed_makes_alone(service):
+    from pipemap.serve import Background, Service
+
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=120.0, workers=1, max_batch=3,
+                  batch_window=0.0)
+    with Background(own) as url, httpx.Client(base_url=url, timeout=120) as session:
+        with stalled(service.pipe.unet) as entered:
+            first = in_background(ask, session, prompt="first", seed=1)
+            assert entered.wait(60)
+            rest = [in_background(ask, session, prompt=f"cat {seed}", seed=seed) for seed in (2, 3, 4)]
+            wait_until(lambda: own.worker.depth == 3)
+        answers = [first()] + [each() for each in rest]
+    assert own.worker.batched == 1  # the three that waited ran as one call
+    for response, seed, prompt in zip(answers, (1, 2, 3, 4), ("first", "cat 2", "cat 3", "cat 4")):
+        assert response.json()["seed"] == seed
+        got, want = pngs(response)[0], direct(service.pipe, seed, prompt=prompt)[0]
+        assert np.abs(got.astype(int) - want).max() <= 1  # a batch's kernels may round apart

@@ -14,21 +14,22 @@ import time
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from .access import Guard, error, too_large
 from .metrics import CONTENT_TYPE
-from .requests import RequestError, parse
+from .requests import ModelNotFoundError, RequestError, parse
 from .service import Service
 from .worker import DrainingError, QueueFullError, WorkDropped
 
-
-def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
-          headers: dict | None = None) -> JSONResponse:
-    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+# what a RuntimeError's text says when the device itself is broken: every later call fails too, so the service stops
+# taking work (readiness false) and the process must be restarted
+STICKY = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
+          "uncorrectable ecc error")
 
 
 async def generations(service: Service, request: Request) -> Response:
@@ -39,8 +40,17 @@ async def generations(service: Service, request: Request) -> Response:
 
 
 async def _generate(service: Service, request: Request) -> Response:
+    if service.broken is not None:
+        return error(503, f"the device failed and the server takes no more work until it restarts: "
+                     f"{service.broken}", "server_error", code="device_error")
+    try:
+        body = await _body(request, service.access.max_body)
+    except BodyTooLarge:
+        return too_large(service.access.max_body)
     try:  # off the event loop: a new call shape is measured by a dry run first
-        generation, job = await run_in_threadpool(service.submit, parse(await request.body()))
+        generation, job = await run_in_threadpool(service.submit, parse(body))
+    except ModelNotFoundError as err:
+        return error(404, err.message, "invalid_request_error", err.param, err.code)
     except RequestError as err:
         return error(400, err.message, "invalid_request_error", err.param, err.code)
     except QueueFullError as err:
@@ -48,23 +58,77 @@ async def _generate(service: Service, request: Request) -> Response:
     except DrainingError as err:
         return error(503, str(err), "server_shutting_down", code="draining", headers={"Retry-After": "1"})
     try:
-        output = await asyncio.wait_for(asyncio.wrap_future(job.future), max(0.0, job.deadline - time.monotonic()))
-    except asyncio.CancelledError:  # the client went away: nobody wants the work
+        output = await _outcome(request, service, job)
+    except ClientGone:
+        return error(499, "the client closed the connection; its work was dropped", "client_closed",
+                     code="client_closed")
+    except (TimeoutError, asyncio.TimeoutError, WorkDropped):
+        return error(504, f"the request took more than its timeout of {job.timeout:g} s; its work was dropped: ask "
+                     "for fewer steps or images, or retry later", "timeout", code="timeout")
+    except Exception as err:  # noqa: BLE001 - the pipeline failed on this request; the server goes on
+        return _failed(service, err)
+    images = await run_in_threadpool(lambda: [_png(image) for image in output.images])
+    answer = {"created": int(time.time()), "seed": generation.seed, "data": [{"b64_json": i} for i in images]}
+    headers = {"Warning": ", ".join(f'299 pipemap "{w}"' for w in generation.warnings)} if generation.warnings else {}
+    return JSONResponse(answer, headers=headers)
+
+
+class BodyTooLarge(Exception):
+    """A body that grew past the limit as it was read (no Content-Length, or a false one)."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer."""
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _outcome(request: Request, service: Service, job):
+    """The job's output, as soon as its own work ends; the job dropped (and ``ClientGone`` or a timeout raised) when
+    its client hangs up or its time runs out first: a waiting job leaves the queue, a running one stops at its next
+    denoising step."""
+    answer = asyncio.ensure_future(asyncio.wrap_future(job.future))
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({answer, gone}, timeout=max(0.0, job.deadline - time.monotonic()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping this handler: nobody wants the work
         service.worker.cancel(job)
         raise
-    except (TimeoutError, asyncio.TimeoutError, WorkDropped):
-        service.worker.cancel(job)
-        return error(504, f"the request took more than the server's timeout of {service.timeout:g} s; its work "
-                     "was dropped: ask for fewer steps or images, or retry later", "timeout", code="timeout")
-    except Exception as err:  # noqa: BLE001 - the pipeline failed on this request; the server goes on
-        if type(err).__name__ == "OutOfMemoryError":  # torch's, after the retry a move to the host allowed
-            return error(503, f"out of memory on the GPU, after moving weights to the host and retrying: {err}",
-                         "server_busy", code="out_of_memory", headers={"Retry-After": "5"})
-        return error(500, f"the pipeline failed: {type(err).__name__}: {err}", "server_error", code="pipeline_error")
-    images = await run_in_threadpool(lambda: [_png(image) for image in output.images])
-    body = {"created": int(time.time()), "seed": generation.seed, "data": [{"b64_json": i} for i in images]}
-    headers = {"Warning": ", ".join(f'299 pipemap "{w}"' for w in generation.warnings)} if generation.warnings else {}
-    return JSONResponse(body, headers=headers)
+    finally:
+        gone.cancel()
+    if answer in done:
+        return answer.result()
+    service.worker.cancel(job)
+    answer.cancel()
+    if gone in done:
+        raise ClientGone()
+    raise TimeoutError()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects: once the body is read, the server's next message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _failed(service: Service, err: Exception) -> Response:
+    if type(err).__name__ == "OutOfMemoryError":  # torch's, after the retry a move to the host allowed
+        return error(503, f"out of memory on the GPU, after moving weights to the host and retrying: {err}",
+                     "server_busy", code="out_of_memory", headers={"Retry-After": "5"})
+    if isinstance(err, RuntimeError) and any(words in str(err).lower() for words in STICKY):
+        service.broken = f"{type(err).__name__}: {str(err)[:300]}"
+        return error(500, f"the device failed: {err}; the server takes no more work until it restarts",
+                     "server_error", code="device_error")
+    return error(500, f"the pipeline failed: {type(err).__name__}: {err}", "server_error", code="pipeline_error")
 
 
 def _png(image) -> str:
@@ -77,6 +141,37 @@ async def health(service: Service, request: Request) -> Response:
     """``GET /health``: 200 while taking work, 503 while shutting down; queue depth and requests running."""
     state = service.health()
     return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
+
+
+async def live(service: Service, request: Request) -> Response:
+    """``GET /health/live``: 200 while the process answers at all (a liveness probe restarts it otherwise)."""
+    return JSONResponse({"status": "alive"})
+
+
+async def ready(service: Service, request: Request) -> Response:
+    """``GET /health/ready``: 200 while the service takes work; 503 with the reason while it drains or after a
+    sticky device error (a readiness probe sends traffic elsewhere)."""
+    reason = service.readiness()
+    return JSONResponse({"ready": reason is None, "reason": reason, "queue_depth": service.worker.depth,
+                         "running": service.worker.running}, status_code=200 if reason is None else 503)
+
+
+async def models(service: Service, request: Request) -> Response:
+    """``GET /v1/models``: the served model in OpenAI's list shape (its aliases are taken as ``model`` too)."""
+    return JSONResponse({"object": "list", "data": [_model(service, service.names[0])]})
+
+
+async def model(service: Service, request: Request) -> Response:
+    """``GET /v1/models/{model}``: one served name, or 404 model_not_found."""
+    name = request.path_params["model"]
+    if name not in service.names:
+        return error(404, f"the model {name!r} is not served here: GET /v1/models lists what is",
+                     "invalid_request_error", "model", "model_not_found")
+    return JSONResponse(_model(service, name))
+
+
+def _model(service: Service, name: str) -> dict:
+    return {"id": name, "object": "model", "created": service.created, "owned_by": "pipemap"}
 
 
 async def plan(service: Service, request: Request) -> Response:
@@ -98,6 +193,10 @@ ROUTES = [
     ("GET", "/", home),
     ("POST", "/v1/images/generations", generations),
     ("GET", "/health", health),
+    ("GET", "/health/live", live),
+    ("GET", "/health/ready", ready),
+    ("GET", "/v1/models", models),
+    ("GET", "/v1/models/{model:path}", model),
     ("GET", "/v1/plan", plan),
     ("GET", "/metrics", metrics),
 ]
@@ -117,9 +216,32 @@ def create_app(service: Service) -> Starlette:
         await run_in_threadpool(service.stop)
 
     routes = [Route(path, _bound(handler, service), methods=[method]) for method, path, handler in ROUTES]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    handlers = {HTTPException: _http_error, Exception: _server_error}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers,
+                    middleware=[Middleware(Guard, access=service.access, refused=_refused(service))])
     app.state.service = service
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """404 and 405 (and any other HTTPException) as JSON in OpenAI's shape, as every other error."""
+    assert isinstance(exc, HTTPException)
+    kinds = {404: ("not_found", "no such route: the routes are " + ", ".join(f"{m} {p}" for m, p, _ in ROUTES)),
+             405: ("method_not_allowed", f"{request.method} is not allowed on {request.url.path}")}
+    code, message = kinds.get(exc.status_code, ("http_error", str(exc.detail)))
+    return error(exc.status_code, message, "invalid_request_error", code=code, headers=dict(exc.headers or {}))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return error(500, f"the server failed: {type(exc).__name__}: {exc}", "server_error", code="server_error")
+
+
+def _refused(service: Service):
+    def count(path: str, status: int) -> None:  # a generation turned away before its route is still answered
+        if path == "/v1/images/generations":
+            service.metrics.answered(status)
+
+    return count
 
 
 def _bound(handler, service: Service):

@@ -8,6 +8,7 @@ ongoing requests (queue plus running) rise above or fall below the target.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -50,6 +51,14 @@ def autoscaling(text: str, max_ongoing: int) -> dict:
             "target_ongoing_requests": max(1, min(2, max_ongoing)), "upscale_delay_s": 5, "downscale_delay_s": 60}
 
 
+def ray_init_options(address: str | None, public: bool) -> dict:
+    """``ray.init``'s arguments: a cluster's address as given; a local Ray on loopback unless ``public``."""
+    options: dict = {"address": address, "ignore_reinit_error": True}
+    if address is None and not public:
+        options.update(_node_ip_address="127.0.0.1", dashboard_host="127.0.0.1")
+    return options
+
+
 @serve.ingress()
 class PipemapReplica:
     """One replica: loads the pipeline onto the plan made on the driver and serves the pipemap app."""
@@ -77,17 +86,23 @@ def application(options: Options, replicas: int = 1, autoscale: str | None = Non
     # a request waits in Ray's router rather than being refused by a replica whose own queue is full
     max_ongoing = options.max_queue + (options.workers or default_workers(plan))
     scaling = {"autoscaling_config": autoscaling(autoscale, max_ongoing)} if autoscale else {"num_replicas": replicas}
+    # the queue limit holds in Ray's router too (past it: 503 at once), and a replica going away gets as long as a
+    # request may take (Ray's default grace is 20 s, then it is killed)
     deployment = serve.deployment(PipemapReplica, name="pipemap", max_ongoing_requests=max_ongoing,
+                                  max_queued_requests=options.max_queue,
+                                  graceful_shutdown_timeout_s=options.timeout + 5,
                                   ray_actor_options={"num_gpus": gpus(plan), "num_cpus": num_cpus},
                                   health_check_period_s=2, health_check_timeout_s=30, **scaling)
     # ray annotates the decorator form's return, but given the class it returns the Deployment
     return deployment.bind(options, plan.to_dict())  # type: ignore[attr-defined, unused-ignore]
 
 
-def run_on_ray(options: Options, host: str, port: int, replicas: int = 1, autoscale: str | None = None) -> int:
+def run_on_ray(options: Options, host: str, port: int, replicas: int = 1, autoscale: str | None = None,
+               public: bool = False) -> int:
     """``pipemap serve --ray``: deploy on the Ray cluster ``ray.init`` finds (``RAY_ADDRESS``) or a local one, and
-    keep serving until Ctrl-C or SIGTERM."""
-    ray.init(address=None, ignore_reinit_error=True)
+    keep serving until Ctrl-C or SIGTERM. A local one binds its own ports (GCS, object store, dashboard) to
+    127.0.0.1 unless ``public``: they run any code sent to them."""
+    ray.init(**ray_init_options(os.environ.get("RAY_ADDRESS"), public))
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(options, replicas, autoscale), name="pipemap", route_prefix="/")
     print(f"pipemap: serving on Ray at http://{host}:{port} (POST /v1/images/generations)", flush=True)

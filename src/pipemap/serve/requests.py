@@ -1,9 +1,12 @@
 """A generation request: read in the OpenAI images format, checked against what this pipeline accepts.
 
-``GenerationRequest`` checks types and unknown fields (pydantic, ``extra="forbid"``); ``Limits.check`` then checks
-what depends on the pipeline: the image size against the multiple it accepts, ``n`` against the server's limit,
-extensions the pipeline's ``__call__`` lacks. A prompt longer than a text encoder reads is not an error: the
-pipeline drops the rest, and the answer says so in a ``Warning`` header.
+``GenerationRequest`` checks types strictly (``n: true`` or ``2.0`` is no count; NaN and Infinity are no guidance)
+and unknown fields (pydantic, ``extra="forbid"``), except OpenAI's own fields this server has no use for
+(``quality``, ``style``, ...): those are taken and ignored, with a ``Warning`` header saying so. ``Limits.check``
+then checks what depends on the pipeline and the server: the model name, the image size against the multiple it
+accepts, ``n``, the steps and the prompt's length against the server's caps, extensions the pipeline's ``__call__``
+lacks. A prompt longer than a text encoder reads is not an error: the pipeline drops the rest, and the answer says
+so in a ``Warning`` header.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from ..errors import PipemapError
 
@@ -24,6 +27,10 @@ _SIZE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
 # request field -> the pipeline __call__ argument it becomes
 _EXTENSIONS = {"negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
                "guidance_scale": "guidance_scale"}
+# OpenAI's images fields that ask for what this server does not do (quality tiers, styles, formats, moderation):
+# clients send them by default, so they are ignored with a warning rather than refused (as vLLM does)
+IGNORED = ("quality", "style", "background", "output_format", "output_compression", "moderation", "partial_images",
+           "stream", "input_fidelity")
 
 
 class RequestError(PipemapError, ValueError):
@@ -34,21 +41,46 @@ class RequestError(PipemapError, ValueError):
         super().__init__(message)
 
 
+class ModelNotFoundError(RequestError):
+    """A request naming a model this server does not serve (HTTP 404, as OpenAI answers): ``names`` are those it
+    does."""
+
+    def __init__(self, model: str, names: tuple[str, ...]):
+        self.model, self.names = model, names
+        super().__init__("model", f"the model {model!r} is not served here: this server serves "
+                         f"{', '.join(map(repr, names))} (GET /v1/models lists them)", "model_not_found")
+
+
 class GenerationRequest(BaseModel):
     """``POST /v1/images/generations``: OpenAI's fields, then pipemap's extensions."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1)
-    n: int = Field(1, ge=1)
+    n: StrictInt = Field(1, ge=1)
     size: str | None = None
     response_format: Literal["b64_json"] = "b64_json"
-    model: str | None = None  # OpenAI clients always send one; a server holds one pipeline, so any name is taken
+    model: str | None = None  # checked against the served names (``Limits.names``)
     user: str | None = None
     negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    num_inference_steps: StrictInt | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, allow_inf_nan=False)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds; at most the server's own
+    # OpenAI's fields this server ignores (``IGNORED``): taken, then named in a warning
+    quality: Any = None
+    style: Any = None
+    background: Any = None
+    output_format: Any = None
+    output_compression: Any = None
+    moderation: Any = None
+    partial_images: Any = None
+    stream: Any = None
+    input_fidelity: Any = None
+
+    def ignored(self) -> tuple[str, ...]:
+        """The OpenAI fields the client sent that this server ignores."""
+        return tuple(name for name in IGNORED if name in self.model_fields_set)
 
 
 def parse(body: bytes) -> GenerationRequest:
@@ -59,7 +91,7 @@ def parse(body: bytes) -> GenerationRequest:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
         if first["type"] == "extra_forbidden":
-            known = ", ".join(GenerationRequest.model_fields)
+            known = ", ".join(name for name in GenerationRequest.model_fields if name not in IGNORED)
             raise RequestError(param, f"unknown field {param!r}: the fields are {known}", "unknown_field") from None
         if first["type"] == "json_invalid":
             raise RequestError(None, f"the body is not JSON: {first['msg']}", "invalid_json") from None
@@ -80,28 +112,31 @@ class Generation:
 
 @dataclass(frozen=True)
 class Limits:
-    """What this pipeline and server accept: side multiple, images per request, the ``__call__`` arguments, and
-    each text encoder's tokenizer (``{component: tokenizer}``) with its length."""
+    """What this pipeline and server accept: side multiple, images per request, the ``__call__`` arguments, each text
+    encoder's tokenizer (``{component: tokenizer}``) with its length, the most steps and prompt characters a request
+    may ask for, and the model names served (the first is the one ``/v1/models`` lists; none: any name is taken)."""
 
     multiple: int
     max_n: int
     parameters: frozenset[str]
     tokenizers: tuple[tuple[str, Any], ...] = ()  # transformers tokenizers
+    max_steps: int = 200  # a step costs a unet call: 200 is four times SD's default, and past what samplers need
+    max_prompt: int = 4000  # characters, as OpenAI's dall-e-3; tokenizers read 77 to 512 tokens of it
+    names: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, pipe, max_n: int = 4) -> Limits:
+    def of(cls, pipe, max_n: int = 4, *, max_steps: int = 200, max_prompt: int = 4000,
+           names: tuple[str, ...] = ()) -> Limits:
         processor = getattr(pipe, "image_processor", None)
         scale = getattr(getattr(processor, "config", None), "vae_scale_factor", None) or _SD_MULTIPLE
         tokenizers = tuple((name, value) for name, value in pipe.components.items()
                            if name.startswith("tokenizer") and hasattr(value, "model_max_length"))
         return cls(math.lcm(scale, _SD_MULTIPLE), max_n, frozenset(inspect.signature(pipe.__call__).parameters),
-                   tokenizers)
+                   tokenizers, max_steps, max_prompt, tuple(names))
 
     def check(self, request: GenerationRequest, seed: int) -> Generation:
         """The pipeline call ``request`` asks for, or a RequestError naming the field at fault."""
-        if request.n > self.max_n:
-            raise RequestError("n", f"n is {request.n}; this server makes at most {self.max_n} images a request: "
-                               "send several requests", "n_too_large")
+        self._caps(request)
         call = {"prompt": request.prompt, "num_images_per_prompt": request.n}
         if request.size is not None:
             call["width"], call["height"] = self._size(request.size)
@@ -111,9 +146,27 @@ class Limits:
                 if argument not in self.parameters:
                     raise RequestError(name, f"this pipeline takes no {name}: leave it out", "unsupported_field")
                 call[argument] = value
-        warnings = tuple(w for text, what in ((request.prompt, "prompt"), (request.negative_prompt, "negative_prompt"))
-                         if text for w in self._truncation(text, what))
+        warnings = tuple(f"{name} is ignored: this server has no such option" for name in request.ignored())
+        warnings += tuple(w for text, what in ((request.prompt, "prompt"), (request.negative_prompt,
+                          "negative_prompt")) if text for w in self._truncation(text, what))
         return Generation(call, request.n, seed, warnings)
+
+    def _caps(self, request: GenerationRequest) -> None:
+        """The server's own caps, checked before anything costs work (a tokenizer on a long prompt, a dry run)."""
+        if self.names and request.model is not None and request.model not in self.names:
+            raise ModelNotFoundError(request.model, self.names)
+        if request.n > self.max_n:
+            raise RequestError("n", f"n is {request.n}; this server makes at most {self.max_n} images a request: "
+                               "send several requests", "n_too_large")
+        steps = request.num_inference_steps
+        if steps is not None and steps > self.max_steps:
+            raise RequestError("num_inference_steps", f"num_inference_steps is {steps}; this server runs at most "
+                               f"{self.max_steps} steps a request: ask for fewer", "steps_too_large")
+        for name in ("prompt", "negative_prompt"):
+            text = getattr(request, name)
+            if text is not None and len(text) > self.max_prompt:
+                raise RequestError(name, f"{name} is {len(text)} characters; this server takes at most "
+                                   f"{self.max_prompt}: shorten it", "prompt_too_long")
 
     def _size(self, text: str) -> tuple[int, int]:
         match = _SIZE.match(text)

@@ -25,11 +25,19 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def limits(service: Service) -> dict:
+    """uvicorn's own limits for ``service``: connections at once (the queue, the work running, and as many again
+    for probes, scrapes and clients being refused; past them uvicorn answers 503 at once, holding no file
+    descriptor for long), seconds an idle keep-alive connection is held, the bytes of an incomplete request head,
+    and the grace a shutdown gives the requests in flight (the worker drops what is left after it)."""
+    return {"limit_concurrency": 2 * (service.worker.max_queue + service.workers) + 32, "timeout_keep_alive": 5,
+            "h11_max_incomplete_event_size": 64 * 1024, "timeout_graceful_shutdown": service.timeout + 5}
+
+
 def run(service: Service, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Serve ``service`` on ``host:port`` until SIGTERM or Ctrl-C."""
-    config = uvicorn.Config(create_app(service), host=host, port=port, log_level=log_level,
-                            # uvicorn annotates int, but takes any number of seconds (asyncio.timeout)
-                            timeout_graceful_shutdown=service.timeout + 5)  # type: ignore[arg-type, unused-ignore]
+    # uvicorn annotates timeout_graceful_shutdown int, but takes any number of seconds (asyncio.timeout)
+    config = uvicorn.Config(create_app(service), host=host, port=port, log_level=log_level, **limits(service))
     _DrainingServer(config, service).run()
 
 
@@ -45,7 +53,8 @@ class Background:
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.bind((host, 0))  # the port is ours from here on: no race with other processes for it
         self.url = f"http://{host}:{self.socket.getsockname()[1]}"
-        config = uvicorn.Config(create_app(service), log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(create_app(service), log_level="warning", **{**limits(service),
+                                                                             "timeout_graceful_shutdown": 5})
         self.server = _DrainingServer(config, service)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 

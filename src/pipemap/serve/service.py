@@ -19,10 +19,12 @@ from .. import catalog
 from ..admission import Admission
 from ..api import Request, load, memory_for, runnable
 from ..cost import bytes_moved
-from ..errors import CallTooLargeError, NotAPipelineError
+from ..dryrun.many import needs_of
+from ..errors import CallTooLargeError, NotAPipelineError, format_bytes
 from ..inventory import inventory_of
 from ..parallel import iter_many
 from ..plan import Plan
+from .access import Access
 from .home import home_page
 from .metrics import Metrics
 from .requests import Generation, GenerationRequest, Limits, RequestError
@@ -44,6 +46,15 @@ class Options:
     timeout: float = 300.0
     max_n: int = 4
     workers: int | None = None  # requests in flight at most; None: as many as the plan's room holds at once
+    max_steps: int = 200
+    max_prompt: int = 4000  # characters
+    names: tuple[str, ...] = ()  # the model names served; none: the path as given
+    access: Access = Access()  # who may call, and how large a body may be
+    max_batch: int = 1  # requests of one shape run as one call, at most; 1: no batching
+    batch_window: float = 0.02  # seconds a request waits for others of its shape
+
+    def served_names(self) -> tuple[str, ...]:
+        return self.names or (self.path,)
 
     def request(self) -> Request:
         """What to load and how, as every verb takes it (the folder resolved in the Hugging Face cache)."""
@@ -80,6 +91,19 @@ def workers_for(memory: Admission | None, plan: Plan, call: dict) -> int:
     return max(1, min([MOST_WORKERS, *fits]))
 
 
+def sizes_for(plan: Plan, folder: Path) -> Admission:
+    """What checks a request's activations against the room a plan with no GPU leaves in the host's memory: the
+    same dry run per call shape as a GPU plan's ledger (``api.memory_for``), used only to refuse calls too large
+    (the CPU runs them without admission)."""
+    return Admission(plan, lambda asked, call: needs_of(str(folder), asked, call))
+
+
+# a request this many times over a device's room, by a linear scaling of a smaller shape's measured peak, is refused
+# without a dry run of its own: activations grow at least as the pixels (attention faster), and the margin covers the
+# parts that do not grow (the text encoders), so no request that fits is refused by it
+_SURE = 16
+
+
 class Service:
     """A pipeline, the plan it runs on, and the queue in front of it.
 
@@ -89,14 +113,23 @@ class Service:
 
     def __init__(self, pipe, plan: Plan, running_plan: Plan | None = None, *, max_queue: int = 16,
                  timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None,
-                 memory: Admission | None = None):
+                 memory: Admission | None = None, sizes: Admission | None = None, max_steps: int = 200,
+                 max_prompt: int = 4000, names: tuple[str, ...] = (), access: Access | None = None,
+                 max_batch: int = 1, batch_window: float = 0.02):
         self.pipe, self.plan, self.running_plan = pipe, plan, running_plan or plan
         self.timeout = timeout
-        self.limits = Limits.of(pipe, max_n)
+        self.limits = Limits.of(pipe, max_n, max_steps=max_steps, max_prompt=max_prompt, names=names)
+        self.names = names or ("pipemap",)
+        self.access = access or Access()
         self.memory = memory  # the ledger requests are admitted by (``api.memory_for``); None: no GPU in the plan
+        self.sizes = memory or sizes  # what refuses calls too large for the plan's room (CPU plans too)
+        self._measured: list[tuple[int, dict[str, int]]] = []  # (pixels x images, peak per device) seen
+        self.broken: str | None = None  # a sticky device error: the process must be restarted
+        self.created = int(time.time())
         pipe.set_progress_bar_config(disable=True)
         self.workers = workers or workers_for(memory, self.running_plan, {"prompt": "a", "num_images_per_prompt": 1})
-        self.worker = Worker(pipe, runner or pipeline_runner(self.workers, memory), max_queue)
+        self.worker = Worker(pipe, runner or pipeline_runner(self.workers, memory), max_queue, in_flight=self.workers,
+                             max_batch=max_batch, batch_window=batch_window, fits=self.fits)
         self.metrics = Metrics(pipe, self.worker, memory)
         self.worker.on_finished = self.metrics.finished
         self._home: str | None = None
@@ -111,13 +144,17 @@ class Service:
         pipe = load(folder, plan=running, progress=False)
         memory = memory_for(pipe, plan, source=str(folder))
         return cls(pipe, plan, running, max_queue=options.max_queue, timeout=options.timeout, max_n=options.max_n,
-                   workers=options.workers, memory=memory)
+                   workers=options.workers, memory=memory, sizes=None if memory else sizes_for(running, folder),
+                   max_steps=options.max_steps, max_prompt=options.max_prompt, names=options.served_names(),
+                   access=options.access, max_batch=options.max_batch, batch_window=options.batch_window)
 
     def start(self) -> None:
         self.worker.start()
 
-    def stop(self) -> None:
-        self.worker.stop()
+    def stop(self, grace: float | None = None) -> None:
+        """Drain: the work taken may finish for ``grace`` seconds (the timeout by default); then what is still
+        waiting or running is dropped (stopped at its next step) and the worker given a few seconds more."""
+        self.worker.stop(self.timeout if grace is None else grace)
 
     def submit(self, request: GenerationRequest) -> tuple[Generation, Job]:
         """The checked request and its job, queued (RequestError, QueueFullError or DrainingError if not). A request
@@ -125,14 +162,57 @@ class Service:
         shape's dry run, once, may take seconds: the app calls this off its event loop)."""
         seed = request.seed if request.seed is not None else secrets.randbits(31)
         generation = self.limits.check(request, seed)
-        if self.memory is not None:
-            try:
-                self.memory.needs(generation.call)
-            except CallTooLargeError as err:
-                raise RequestError("n" if generation.n > 1 else "size", str(err), "insufficient_memory") from None
-        job = Job(generation.call, seed, generation.n, time.monotonic() + self.timeout)
+        if self.sizes is not None:
+            self._check_room(generation)
+        timeout = min(self.timeout, request.timeout or self.timeout)
+        job = Job(generation.call, seed, generation.n, time.monotonic() + timeout, timeout)
         self.worker.submit(job)
         return generation, job
+
+    def _check_room(self, generation: Generation) -> None:
+        """A RequestError with the figures when the call's activations fit the plan's room on no device, even alone:
+        far too large by the shapes measured so far, else by its own shape's dry run."""
+        assert self.sizes is not None
+        param = "n" if generation.n > 1 else "size"
+        work = _work(generation.call)
+        for device, needs, seen in self._scaled(work):
+            room = self.sizes.ledger.room(device)
+            if needs > _SURE * room:
+                raise RequestError(param, f"the call needs about {format_bytes(needs)} of activations on {device} "
+                                   f"(scaled from {format_bytes(seen)} measured at a smaller size), but the plan "
+                                   f"leaves {format_bytes(room)} there beside its weights: ask for a smaller size "
+                                   "or fewer images", "insufficient_memory")
+        try:
+            self._seen(work, self.sizes.needs(generation.call).peak)
+        except CallTooLargeError as err:
+            self._seen(work, {err.device: err.needs})
+            raise RequestError(param, str(err), "insufficient_memory") from None
+
+    def _seen(self, work: int | None, peak: dict[str, int]) -> None:
+        if work and len(self._measured) < 64:  # a few shapes suffice to scale from; a flood of sizes adds none
+            self._measured.append((work, peak))
+
+    def _scaled(self, work: int | None):
+        """``(device, bytes, measured bytes)``: each measured smaller shape's peak scaled linearly to ``work``."""
+        for seen, peak in list(self._measured):
+            if work is not None and seen < work:
+                yield from ((device, bytes_ * work // seen, bytes_) for device, bytes_ in peak.items())
+
+    def fits(self, call: dict) -> bool:
+        """Whether one call like ``call`` (prompts as a list: a batch) fits the plan's room on every device, alone:
+        a batch of k takes k times one request's activations (its shape measured when it was submitted), so no batch
+        size costs a dry run here (a GPU plan's ledger measures the batch's own shape before it runs)."""
+        if self.sizes is None:
+            return True
+        prompts = call.get("prompt")
+        k = len(prompts) if isinstance(prompts, list) else 1
+        one = {name: value[0] if name in ("prompt", "negative_prompt") and k > 1 else value
+               for name, value in call.items()}
+        try:
+            peak = self.sizes.needs(one).peak
+        except CallTooLargeError:
+            return False
+        return all(k * needs <= self.sizes.ledger.room(device) for device, needs in peak.items())
 
     def plan_json(self) -> dict:
         """The plan as made (with the moves an out-of-memory error caused since, in its notes); where it runs on
@@ -153,6 +233,19 @@ class Service:
     def health(self) -> dict:
         return {"status": "draining" if self.worker.draining else "ok", "queue_depth": self.worker.depth,
                 "running": self.worker.running}
+
+    def readiness(self) -> str | None:
+        """Why this service takes no work now (a sticky device error, a drain), or None when it is ready."""
+        if self.broken is not None:
+            return f"device error: {self.broken}"
+        return "draining" if self.worker.draining else None
+
+
+def _work(call: dict) -> int | None:
+    """Pixels times images: what activations grow with; None when the size is the pipeline's default."""
+    if "width" not in call:
+        return None
+    return call["width"] * call["height"] * call.get("num_images_per_prompt", 1)
 
 
 def make_plan(options: Options) -> Plan:

@@ -7,6 +7,11 @@ job as its outcome comes. The stream of calls never blocks: when the queue is em
 what it holds, and the worker waits for the next job (a stream that blocked would hold back the answers the runner
 has ready). A job past its deadline is dropped: skipped if still waiting, stopped at its next denoising step if
 running (``callback_on_step_end``).
+
+Batching (``max_batch`` > 1): a job of one image waits up to ``batch_window`` seconds for waiting jobs of its shape
+(every argument the same but the prompts); they run as one call, the prompts as a list and one generator per job,
+as many as the plan's memory lets one call hold (``fits``); each job is answered with its own image, the one its
+seed makes alone (up to the rounding a batch's kernels may differ by).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Job:
     seed: int
     images: int
     deadline: float  # time.monotonic()
+    timeout: float = 0.0  # seconds it was given: its deadline less its submission time
     future: Future = field(default_factory=Future)
     started: float = 0.0  # time.perf_counter() when the worker took it
     dropped: threading.Event = field(default_factory=threading.Event)
@@ -88,10 +94,14 @@ class Finished:
 class Worker:
     """A bounded queue of jobs and the thread that runs them through ``runner`` on ``pipe``."""
 
-    def __init__(self, pipe, runner=run_sequential, max_queue: int = 16, on_finished=None):
-        self.pipe, self.runner, self.max_queue = pipe, runner, max_queue
+    def __init__(self, pipe, runner=run_sequential, max_queue: int = 16, on_finished=None, in_flight: int = 1,
+                 max_batch: int = 1, batch_window: float = 0.02, fits=None):
+        self.pipe, self.runner, self.max_queue, self.in_flight = pipe, runner, max_queue, in_flight
+        self.max_batch, self.batch_window = max_batch, batch_window
+        self.fits = fits or (lambda call: True)  # whether one call of this shape fits the plan's memory
+        self.batched = 0  # calls that ran several jobs
         self.on_finished = on_finished or (lambda finished: None)
-        self.running = 0
+        self.taken: set[Job] = set()  # handed to the runner, not yet answered
         self.draining = False
         self._waiting: collections.deque[Job] = collections.deque()
         self._ready = threading.Condition()
@@ -102,8 +112,14 @@ class Worker:
         self.dropped = 0  # jobs dropped (timed out or abandoned) since the start
 
     @property
+    def running(self) -> int:
+        """Jobs running: those the runner holds, up to the calls it runs at once (it reads a few more ahead)."""
+        return min(len(self.taken), self.in_flight * self.max_batch)
+
+    @property
     def depth(self) -> int:
-        return len(self._waiting)
+        """Jobs waiting: in the queue, and those the runner read ahead but cannot run yet."""
+        return len(self._waiting) + len(self.taken) - self.running
 
     def start(self) -> None:
         with self._ready:
@@ -116,14 +132,15 @@ class Worker:
             if self.draining:
                 raise DrainingError()
             if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(len(self._waiting), self.retry_after())
+                raise QueueFullError(self.depth, self.retry_after())
             self._waiting.append(job)
             self._ready.notify()
         return job.future
 
     def retry_after(self) -> int:
-        """Seconds until the queue has room: about one answer's time, from the recent ones; at least 1."""
-        return max(1, math.ceil(self._recent))
+        """Seconds until the work waiting now has drained, at the rate answers came lately (``_recent`` seconds
+        apart): a client retrying sooner would find the queue as full; at least 1."""
+        return max(1, math.ceil(max(1, self.depth) * self._recent))
 
     def drain(self) -> None:
         """Take no new job; those waiting and running still finish."""
@@ -132,10 +149,19 @@ class Worker:
             self._ready.notify_all()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Drain, then wait for the thread to finish what it took."""
+        """Drain, then wait for the thread to finish what it took, ``timeout`` seconds at most; then drop every job
+        left (a running one stops at its next step) and wait a little more: a step that never ends is left to the
+        process's exit (the thread is a daemon)."""
         self.drain()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._ready:
+                left = [*self._waiting, *self.taken]
+            for job in left:
+                self.cancel(job)
+            self._thread.join(5)
 
     def cancel(self, job: Job) -> None:
         """Drop ``job``: out of the queue if it waits there, stopped at its next step if it runs."""
@@ -147,13 +173,13 @@ class Worker:
 
     def _loop(self) -> None:
         while self._work_waits():
-            taken: collections.deque[Job] = collections.deque()
+            taken: collections.deque[list[Job]] = collections.deque()
             try:
                 for outcome in self.runner(self.pipe, self._stream(taken)):
-                    self._answer(taken.popleft(), outcome)
+                    self._answer_group(taken.popleft(), outcome)
             except Exception as error:  # noqa: BLE001 - a runner that fails whole fails each job it holds
                 while taken:
-                    self._answer(taken.popleft(), error)
+                    self._answer_group(taken.popleft(), error)
 
     def _work_waits(self) -> bool:
         with self._ready:
@@ -162,29 +188,72 @@ class Worker:
             return bool(self._waiting)
 
     def _stream(self, taken: collections.deque) -> Iterator[dict]:
-        """The waiting jobs' calls, as the runner asks for them; ends (never blocks) when none waits."""
+        """The waiting jobs' calls, as the runner asks for them; ends (never blocks) when none waits. A job that can
+        be batched waits up to the batch window for others of its shape (``_group``)."""
         while (job := self._take()) is not None:
-            taken.append(job)
-            yield self._armed(job)
+            group = self._group(job)
+            taken.append(group)
+            yield self._armed(group)
 
     def _take(self) -> Job | None:
         with self._ready:
             while self._waiting:
                 job = self._waiting.popleft()
-                # a future marked running can no longer be cancelled by its handler: its answer can always be set
-                if job.wanted() and job.future.set_running_or_notify_cancel():
-                    self.running += 1
-                    job.started = time.perf_counter()
+                if self._run(job):
                     return job
-                self.dropped += 1
             return None
+
+    def _run(self, job: Job) -> bool:
+        """Mark a job taken off the queue as running, or count it dropped; under ``_ready``."""
+        # a future marked running can no longer be cancelled by its handler: its answer can always be set
+        if job.wanted() and job.future.set_running_or_notify_cancel():
+            self.taken.add(job)
+            job.started = time.perf_counter()
+            return True
+        self.dropped += 1
+        return False
+
+    def _group(self, job: Job) -> list[Job]:
+        """``job`` and the waiting jobs of its shape (``batch_key``) that come within ``batch_window`` seconds, up to
+        ``max_batch`` in all and as many as ``fits`` (the plan's memory) lets one call hold; the rest go back to the
+        front of the queue."""
+        key = batch_key(job.call)
+        if self.max_batch <= 1 or key is None:
+            return [job]
+        others: list[Job] = []
+        deadline = time.monotonic() + self.batch_window
+        with self._ready:
+            while len(others) + 1 < self.max_batch and not self.draining:
+                found = [j for j in self._waiting if batch_key(j.call) == key][:self.max_batch - 1 - len(others)]
+                for other in found:
+                    self._waiting.remove(other)
+                others += found
+                left = deadline - time.monotonic()
+                if left <= 0 or len(others) + 1 >= self.max_batch:
+                    break
+                self._ready.wait(left)
+        while others and not self.fits(batched_call([job, *others])):  # a dry run, maybe: outside the lock
+            with self._ready:
+                self._waiting.appendleft(others.pop())
+        with self._ready:
+            return [job, *(other for other in others if self._run(other))]
+
+    def _answer_group(self, group: list[Job], outcome) -> None:
+        """Each job of a call its own share: one image each of a batched call, or the call's error."""
+        if len(group) == 1:
+            self._answer(group[0], outcome)
+            return
+        self.batched += 1
+        for index, job in enumerate(group):
+            share = outcome if isinstance(outcome, BaseException) else Share(outcome.images[index:index + 1])
+            self._answer(job, share)
 
     def _answer(self, job: Job, outcome) -> None:
         now = time.perf_counter()
         seconds, self._last = now - max(job.started, self._last), now
         self._recent = 0.7 * self._recent + 0.3 * seconds
         with self._ready:
-            self.running -= 1
+            self.taken.discard(job)
             self.dropped += isinstance(outcome, WorkDropped)
         if isinstance(outcome, BaseException):
             job.future.set_exception(outcome)
@@ -192,14 +261,45 @@ class Worker:
             job.future.set_result(outcome)
         self.on_finished(Finished(0 if isinstance(outcome, BaseException) else job.images, seconds))
 
-    def _armed(self, job: Job) -> dict:
-        """The job's call with its generator, and a step callback that stops it once it is no longer wanted."""
-        call = {**job.call, "generator": torch.Generator("cpu").manual_seed(job.seed), "output_type": "pil"}
+    def _armed(self, group: list[Job]) -> dict:
+        """The group's call with its generators (one per job, so each image is the one its seed makes alone), and a
+        step callback that stops it once no job of it is wanted."""
+        seeded = [torch.Generator("cpu").manual_seed(job.seed) for job in group]
+        call = {**batched_call(group), "generator": seeded if len(group) > 1 else seeded[0], "output_type": "pil"}
         if self._steps:
             def stop_when_unwanted(pipe, step, timestep, tensors):
-                if not job.wanted():
+                if not any(job.wanted() for job in group):
                     raise WorkDropped(step + 1)
                 return {}
 
             call["callback_on_step_end"] = stop_when_unwanted
         return call
+
+
+@dataclass(frozen=True)
+class Share:
+    """One job's image of a batched call's output."""
+
+    images: list
+
+
+_PROMPTS = ("prompt", "negative_prompt")
+
+
+def batch_key(call: dict) -> tuple | None:
+    """What calls run as one share: every argument but the prompts, and which prompts are given; None for a call
+    that is not batched (several images: their latents come from one generator, which a batch cannot repeat)."""
+    if call.get("num_images_per_prompt", 1) != 1 or not isinstance(call.get("prompt"), str):
+        return None
+    return tuple(sorted((name, value if name not in _PROMPTS else None) for name, value in call.items()))
+
+
+def batched_call(group: list[Job]) -> dict:
+    """The jobs' calls as one: their prompts as lists (no generator yet); a single job's call as it is."""
+    if len(group) == 1:
+        return dict(group[0].call)
+    call = dict(group[0].call)
+    for name in _PROMPTS:
+        if name in call:
+            call[name] = [job.call[name] for job in group]
+    return call
