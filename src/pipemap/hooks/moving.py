@@ -147,6 +147,11 @@ class MovingHook(PlacementHook):
 
     def _staged(self, group: Group, buffer: torch.Tensor, copies, after, side: bool):
         staging = self.ledger.staging(self.device)
+        if after is None:
+            # the ring copies on the side queue, into a buffer from the compute queue's pool: memory that work
+            # already queued there (an activation just freed, an evicted component) may still use; so the copy
+            # waits for the compute queue's current point
+            after = self.queues.record()
         event = staging.copy(buffer, group.layout, [master for _, master in copies], after, group.name,
                              self.from_files[id(group)])
         if not side:  # asked for on the compute queue, so ordered before every use: make it so
