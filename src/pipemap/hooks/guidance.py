@@ -10,6 +10,13 @@ result is used only when the call that then arrives has exactly those inputs: th
 (identity and torch's version counter), else equal values; anything else is a miss, and the call runs as usual on the
 denoiser's own GPU. So the outputs are the plain run's by construction (the same kernels on the same inputs); a miss
 costs one wasted call on the copy. Each thread keeps its own calls (``pipemap.run_many`` interleaves requests).
+
+The copy computes what the model was when it was made; anything besides the inputs that could make the two differ
+turns the prediction off: the model changed since (a step callback that scales weights in place, swaps attention
+processors or sets LoRA scales: ``follow``'s signature of the model, with its modules' plain state, differs from the
+one taken when the copy was made), or a diffusers cache on (FirstBlockCache and the others of ``enable_cache``:
+their decisions hang on state that the pipeline's ``cache_context`` keeps on the home model only). Then each call
+runs on the denoiser's own GPU, as plain; the copy is made again when ``pipemap.follow`` next sees the change.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..transfer import move_tensor
 from .copies import CopiesHook, call_on
+from .follow import Signature, signature
 from .replica import CallerState
 
 _MISSING = object()
@@ -72,18 +80,38 @@ class GuidanceHook(CopiesHook):
         self.hits = self.misses = 0
         self._threads: dict[int, Branches] = {}
         self._moved: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
+        self._home: torch.nn.Module | None = None
+        self._made: Signature | None = None  # the model's signature when the copy was made from it
+
+    def init_hook(self, module):
+        module = super().init_hook(module)
+        self._home, self._made = module, signature(module, state=True)
+        return module
 
     def detach_hook(self, module):
         module = super().detach_hook(module)
-        self._threads, self._moved = {}, {}
+        self._threads, self._moved, self._home, self._made = {}, {}, None, None
         return module
+
+    def copy_is_current(self) -> bool:
+        """Whether the copy computes what the home model would: the model unchanged since the copy was made, and
+        no diffusers cache on (its state lives on the home model)."""
+        home = self._home
+        if home is None or getattr(home, "_cache_config", None) is not None:
+            return False
+        return signature(home, state=True) == self._made
 
     def run(self, *args, **kwargs):
         inputs = Inputs.of(args, kwargs)
         branches = self._threads.setdefault(threading.get_ident(), Branches())
+        current = self.copy_is_current()
+        if not current:  # a result the copy computed ahead, or would, may differ from the model's own
+            if branches.ahead is not None:
+                branches.ahead = None
+                self.misses += 1
         result = self._taken(branches, inputs)
         if result is _MISSING:
-            upcoming = predict(tuple(branches.history), inputs)
+            upcoming = predict(tuple(branches.history), inputs) if current else None
             if upcoming is not None:
                 branches.ahead = (upcoming, self._start(upcoming))
             result = self.forward_own(*args, **kwargs)
@@ -130,7 +158,7 @@ class GuidanceHook(CopiesHook):
         return tree_unflatten(leaves, upcoming.spec)
 
     def __getstate__(self):
-        return {**super().__getstate__(), "_threads": {}, "_moved": {}}
+        return {**super().__getstate__(), "_threads": {}, "_moved": {}, "_home": None}
 
 
 def predict(history: tuple[Inputs, ...], arriving: Inputs) -> Inputs | None:
