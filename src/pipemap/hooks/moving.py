@@ -147,13 +147,17 @@ class MovingHook(PlacementHook):
 
     def _staged(self, group: Group, buffer: torch.Tensor, copies, after, side: bool):
         staging = self.ledger.staging(self.device)
+        masters = [master for _, master in copies]
+        pages = self.from_files[id(group)]
+        if pages.written(masters):  # written in place since (``fuse_lora``): its private pages are kept from now
+            pages = self.from_files[id(group)] = Pages(masters)
+        pages.check(self.component)  # the file changed under the map: a typed error, not its new bytes or SIGBUS
         if after is None:
             # the ring copies on the side queue, into a buffer from the compute queue's pool: memory that work
             # already queued there (an activation just freed, an evicted component) may still use; so the copy
             # waits for the compute queue's current point
             after = self.queues.record()
-        event = staging.copy(buffer, group.layout, [master for _, master in copies], after, group.name,
-                             self.from_files[id(group)])
+        event = staging.copy(buffer, group.layout, masters, after, group.name, pages)
         if not side:  # asked for on the compute queue, so ordered before every use: make it so
             self.queues.wait(event)
         return event
