@@ -73,3 +73,23 @@ def test_a_streamed_root_from_the_files_waits_for_the_compute_stream(fake_cuda, 
         out = net(ids.to("cuda:0")).last_hidden_state
         torch.testing.assert_close(fakecuda.host(out), expected)
     unhook_component(net)
+
+
+def test_the_staging_ring_is_given_back_when_its_last_reader_detaches(fake_cuda, tmp_path):
+    nets = [_mapped_net(tmp_path / name) for name in ("a", "b") if not (tmp_path / name).mkdir()]
+    ledger = Ledger()
+    for i, net in enumerate(nets):
+        size = _bytes(net)
+        hook_component(net, OffloadHook.for_placement(
+            Placement(f"net{i}", "cpu", size, "offload", "cuda:0", room=0, disk_bytes=size), "cuda:0", ledger))
+    x = torch.ones(4, 64, device="cuda:0")
+    for net in nets:
+        net(x)
+    staging = ledger.staging(torch.device("cuda:0"))
+    assert len(staging.slots) == 2 and len(fake_cuda.registered) == 2  # page-locked, exactly their bytes
+    assert sum(fake_cuda.registered.values()) == 2 * staging.size
+    unhook_component(nets[0])
+    assert len(fake_cuda.registered) == 2  # the other still reads through it
+    unhook_component(nets[1])  # what pipemap.reset does: nothing page-locked is left, in no allocator's cache
+    assert fake_cuda.registered == {} and fake_cuda.host_pinned == {} and fake_cuda.host_cached == {}
+    assert staging.slots == []

@@ -195,6 +195,19 @@ class Staging:
         self.slots: list[torch.Tensor] = []
         self.copied: list[object] = []  # per slot, the event of the last copy out of it
         self.turn = 0
+        self.users: set[int] = set()  # the hooks that read through it (by identity): the last one gives it back
+
+    def leave(self, user: object) -> None:
+        """``user`` reads no more through the ring; the last one out gives the slots back (page-locked memory)."""
+        self.users.discard(id(user))
+        if not self.users:
+            self.release()
+
+    def release(self) -> None:
+        """The slots given back, each once its last copy ran; the ring grows again at its next use."""
+        for slot, copied in zip(self.slots, self.copied):
+            self.queues.free_host(slot, copied)
+        self.slots, self.copied, self.turn = [], [], 0
 
     def need(self, nbytes: int) -> None:
         """A group of ``nbytes`` will pass through: the slots grow to it (up to ``STAGING_CHUNK``) before first use."""

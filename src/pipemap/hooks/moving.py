@@ -166,10 +166,17 @@ class MovingHook(PlacementHook):
         """These groups stay in their files (the disk tier): never pinned, read through the device's staging ring
         at each onload, their pages given back after; the dry run counts them on the disk."""
         staging = self.ledger.staging(self.device)
+        staging.users.add(id(self))
         for group in groups:
             self.from_files[id(group)] = Pages(s.get() for s in group.slots)
             staging.need(group.layout.nbytes)
         self.queues.on_disk(s.get() for group in groups for s in group.slots)
+
+    def leave_files(self) -> None:
+        """At detach: this hook reads no more through its device's staging ring (the last one gives it back)."""
+        if self.from_files:
+            self.from_files = {}
+            self.ledger.staging(self.device).leave(self)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         buffer = self.queues.alloc(nbytes)  # first: an allocation that fails (out of memory) is not counted
