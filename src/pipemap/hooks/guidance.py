@@ -104,15 +104,12 @@ class GuidanceHook(CopiesHook):
     def run(self, *args, **kwargs):
         inputs = Inputs.of(args, kwargs)
         branches = self._threads.setdefault(threading.get_ident(), Branches())
-        current = self.copy_is_current()
-        if not current:  # a result the copy computed ahead, or would, may differ from the model's own
-            if branches.ahead is not None:
-                branches.ahead = None
-                self.misses += 1
         result = self._taken(branches, inputs)
         if result is _MISSING:
-            upcoming = predict(tuple(branches.history), inputs) if current else None
-            if upcoming is not None:
+            upcoming = predict(tuple(branches.history), inputs)
+            # asked once a step, before a call starts ahead (a step callback runs between steps, after the call
+            # started ahead was taken): a model walked whole, a few ms for a Flux-sized one
+            if upcoming is not None and self.copy_is_current():
                 branches.ahead = (upcoming, self._start(upcoming))
             result = self.forward_own(*args, **kwargs)
         branches.history.append(inputs)
