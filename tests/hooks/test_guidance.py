@@ -281,3 +281,27 @@ def test_weights_changed_in_place_between_steps_are_never_answered_from_the_copy
                 torch.testing.assert_close(module(x, context=context), x * module.weight + context, atol=0, rtol=0)
     assert hook.hits == 1 and not hook.copy_is_current()  # step 1 hit; from step 2 on the copy is stale
     unhook_component(module)
+
+
+def test_the_branches_embeddings_are_compared_once_a_call_not_once_a_step(monkeypatch):
+    # a comparison of values makes the host wait for the GPU: the prompt's and the negative prompt's embeddings,
+    # unchanged from step to step, are compared once
+    from pipemap.hooks import guidance
+
+    compared = []
+    equal = guidance._equal_tensors
+    monkeypatch.setattr(guidance, "_equal_tensors", lambda x, y: compared.append(1) or equal(x, y))
+    pipe, call = families.true_cfg("wan_t2v", 5)
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    pipe(**fresh(call))
+    assert pipe.transformer._hf_hook.hits == 4 and len(compared) == 1
+
+
+def test_a_kept_comparison_is_made_again_once_either_tensor_changed():
+    cond, uncond, latents = torch.ones(3), -torch.ones(3), torch.zeros(2)
+    first, second = _inputs(latents, context=cond), _inputs(latents, context=uncond)
+    kept: dict = {}
+    upcoming = predict((first, second), _inputs(latents + 1, context=cond), kept)
+    assert upcoming is not None and upcoming.leaves[1] is uncond and len(kept) == 1
+    uncond.copy_(cond)  # now equal: the branches no longer differ there
+    assert predict((first, second), _inputs(latents + 1, context=cond), kept).leaves[1] is cond

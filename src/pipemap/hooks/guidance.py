@@ -67,6 +67,7 @@ class Branches:
 
     history: deque = field(default_factory=lambda: deque(maxlen=2))
     ahead: tuple[Inputs, Future] | None = None
+    compared: dict = field(default_factory=dict)  # two tensors' values compared, by identity and version (``predict``)
 
 
 class GuidanceHook(CopiesHook):
@@ -106,7 +107,7 @@ class GuidanceHook(CopiesHook):
         branches = self._threads.setdefault(threading.get_ident(), Branches())
         result = self._taken(branches, inputs)
         if result is _MISSING:
-            upcoming = predict(tuple(branches.history), inputs)
+            upcoming = predict(tuple(branches.history), inputs, branches.compared)
             # asked once a step, before a call starts ahead (a step callback runs between steps, after the call
             # started ahead was taken): a model walked whole, a few ms for a Flux-sized one
             if upcoming is not None and self.copy_is_current():
@@ -158,22 +159,41 @@ class GuidanceHook(CopiesHook):
         return {**super().__getstate__(), "_threads": {}, "_moved": {}, "_home": None}
 
 
-def predict(history: tuple[Inputs, ...], arriving: Inputs) -> Inputs | None:
+def predict(history: tuple[Inputs, ...], arriving: Inputs, compared: dict | None = None) -> Inputs | None:
     """The call expected after ``arriving``, from the two calls before it: where the second of them differed from the
     first, the second's inputs; elsewhere ``arriving``'s. None unless ``arriving`` is a first branch: shaped as
     both, and equal to the first of them wherever the two differed (so the latents moved on, the prompt did not).
-    Two calls alike (a negative prompt that encodes as the prompt does) predict a call alike too."""
+    Two calls alike (a negative prompt that encodes as the prompt does) predict a call alike too. ``compared``: the
+    values of two tensors compared before, unchanged since (the prompt's and the negative prompt's embeddings, every
+    step), answered from there: a comparison of values makes the host wait for the GPU."""
     if len(history) < 2:
         return None
     first, second = history
     if not first.spec == second.spec == arriving.spec:
         return None
     # a guess: the call started from it is checked when the next call arrives (``same``)
-    differ = [i for i in range(len(first.leaves)) if not alike(first.leaves[i], second.leaves[i])]
+    differ = [i for i in range(len(first.leaves)) if not _alike_kept(first.leaves[i], second.leaves[i], compared)]
     if not all(alike(first.leaves[i], arriving.leaves[i]) for i in differ):
         return None
     return Inputs.started(arriving.spec, tuple(second.leaves[i] if i in differ else x
                                                for i, x in enumerate(arriving.leaves)))
+
+
+def _alike_kept(x, y, compared: dict | None) -> bool:
+    """``alike``, remembered in ``compared`` for two tensors by identity and version (they are kept there, so their
+    identities stay theirs)."""
+    if compared is None or x is y or not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return alike(x, y)
+    versions = (_version(x), _version(y))
+    if None in versions:
+        return alike(x, y)
+    key = (id(x), id(y), versions)
+    kept = compared.get(key)
+    if kept is None:
+        if len(compared) >= 16:  # a few pairs a call: old ones (last request's embeddings) go
+            compared.clear()
+        kept = compared[key] = (x, y, alike(x, y))
+    return kept[2]
 
 
 def same(started: Inputs, arriving: Inputs, i: int) -> bool:
