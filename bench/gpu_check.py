@@ -26,7 +26,10 @@ pipemap, weight bytes moved host to GPU per image and what that makes per second
 image and of its final latents from the first method's at the same step count, and the GPU memory left after
 ``pipemap.reset``. Then, each section capped: denoiser replicas and ``run_many`` (speed), pipemap's lifetime and
 concurrency checks (a streamed pipeline dropped without reset, then loaded again; reset right after a call whose
-latents the host never waited for; a streamed plan under ``run_many``), the host-to-GPU bandwidth of one pinned
+latents the host never waited for; a streamed plan under ``run_many``; the disk tier: a streamed UNet read from its
+safetensors file at each call, with the process's RSS against the plan's host figure; out-of-memory relief: an
+out-of-memory error injected into the UNet's first call under ``run_many``, the least-used components moved to
+the host within its budget), the host-to-GPU bandwidth of one pinned
 packed copy, the transfer self-test (with one GPU: host copies only, no GPU pair) and ``python -m pipemap doctor``.
 The whole run fits ``--time-budget`` (400 s; ``gpu_check.sh`` caps everything, installing included, at 7 minutes).
 Writes ``table.md`` and ``results.json`` (rewritten after every method, so a run cut short still leaves them) into
@@ -65,7 +68,7 @@ TOLERANCE = 2e-2  # max |difference| of images in [0, 1] computed in fp16 along 
 LATENT_TOLERANCE = 5e-2  # the same for the final latents (scaled, about unit variance)
 PROMPT = "an astronaut riding a horse on the moon, detailed photograph"
 # seconds each section after the methods may take; their sum (and 5 s for the report) is kept from the methods
-SECTIONS = {"speed": 45.0, "branches": 30.0, "lifetime": 75.0, "bandwidth": 15.0, "transfers": 20.0, "doctor": 30.0}
+SECTIONS = {"speed": 45.0, "branches": 30.0, "lifetime": 120.0, "bandwidth": 15.0, "transfers": 20.0, "doctor": 30.0}
 RESERVE = sum(SECTIONS.values()) + 5.0
 
 
@@ -744,7 +747,8 @@ def lifetime_checks(args, runner: Runner, budgets: Budgets, cap: float) -> dict[
     checks = {}
     end = time.perf_counter() + cap
     for name, check in (("del_without_reset_then_reload", _del_then_reload), ("reset_right_after_a_call",
-                         _reset_after_call), ("streamed_plan_under_run_many", _streamed_run_many)):
+                         _reset_after_call), ("streamed_plan_under_run_many", _streamed_run_many),
+                        ("disk_tier_streamed", _disk_tier), ("relief_within_host_budget", _relief)):
         left = end - time.perf_counter()
         if left < 5:
             checks[name] = Check(name, None, note="skipped: the section's time is spent")
@@ -826,6 +830,84 @@ def _reset(pipe) -> None:
     import pipemap
 
     pipemap.reset(pipe)
+
+
+DISK_RSS_MARGIN = 512 * 2**20  # the host's RSS over the plan's RAM figure the disk tier may show (allocator slack)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def _disk_tier(args, runner: Runner, budgets: Budgets) -> Check:
+    """The pipeline saved, then planned with RAM for a third of the UNet and loaded: its streamed pieces are read
+    from their safetensors files' maps at each call (the disk tier), through the staging ring. The image equals
+    plain's; the process's RSS grows by at most the plan's RAM figure (``plan.host``) plus ``DISK_RSS_MARGIN``."""
+    import tempfile
+
+    import pipemap
+
+    steps = args.seq_steps
+    reference = runner.references.get(steps)
+    with tempfile.TemporaryDirectory(prefix="pipemap-disk-") as folder:
+        fresh_pipeline(runner.models).save_pretrained(folder)
+        unet = budgets.sizes["unet"]
+        plan = pipemap.plan(folder, hardware=f"cuda:0={budgets.stream},cpu={unet // 3}",
+                            strategy="balanced_ultra_low_memory", headroom=HEADROOM, dtype=args.dtype)
+        host = plan.host
+        ram = host.resident + host.offloaded + host.streamed + host.staging
+        gc.collect()
+        before = _rss()
+        pipe = pipemap.load(folder, plan=plan if runner.cuda else plan.remap({"cuda:0": "cpu"}), progress=False)
+        pipe.set_progress_bar_config(disable=True)
+        image = runner.call(pipe, steps)
+        again = runner.call(pipe, steps)  # read from the files again: the same bytes
+        grown = _rss() - before
+        _reset(pipe)
+        del pipe
+    diff = float((image - reference).abs().max()) if reference is not None else None
+    figures = {"disk_bytes": host.disk, "plan_ram_bytes": ram, "rss_growth_bytes": grown, "max_diff": diff,
+               "repeat_max_diff": float((image - again).abs().max())}
+    passed = (host.disk > 0 and grown <= ram + DISK_RSS_MARGIN and figures["repeat_max_diff"] == 0
+              and (diff is None or diff <= TOLERANCE))
+    note = "" if reference is not None else f"no {steps}-step reference image (plain did not run)"
+    return Check("disk_tier_streamed", passed, figures, note)
+
+
+def _relief(args, runner: Runner, budgets: Budgets) -> Check:
+    """Every component resident, then an out-of-memory error (CUDA's text) in the UNet's first call under
+    ``run_many``: relief moves the least-used components to the host (pinned) within the plan's CPU budget, the
+    call runs again, and the images equal one by one's."""
+    import pipemap
+    from pipemap.api import memory_for
+
+    pipe = fresh_pipeline(runner.models)
+    sizes = budgets.sizes
+    cpu = sizes["vae"] + sizes["text_encoder"] + 2**20  # room for the small ones, not the second text encoder
+    plan = pipemap.plan(pipe, hardware=f"cuda:0={budgets.gpu},cpu={cpu}", strategy="balanced", headroom=HEADROOM)
+    pipemap.dispatch(pipe, plan if runner.cuda else plan.remap({"cuda:0": "cpu"}))
+    admission = memory_for(pipe, plan)
+    alone = [runner.call(pipe, 1, seed) for seed in range(2)]
+    failures = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total capacity "
+                                       "of 80.00 GiB of which 10.00 MiB is free. (injected by gpu_check)")]
+    leaf = next(m for m in pipe.unet.modules() if m is not pipe.unet and not list(m.children()))
+    handle = leaf.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(failures.pop()) if failures else None)
+    calls = [dict(prompt=PROMPT, height=args.size, width=args.size, num_inference_steps=1, guidance_scale=5.0,
+                  output_type="pt", generator=torch.Generator("cpu").manual_seed(seed)) for seed in range(2)]
+    try:
+        outputs = [o.images.float().cpu() for o in pipemap.run_many(pipe, calls, workers=2, plan=plan)]
+    finally:
+        handle.remove()
+    moved = admission.moves[0].moved if admission.moves else ()
+    pinned = pinned_now()
+    cpu_used = next((d.used for d in admission.plan.devices if d.device == "cpu"), 0)
+    _reset(pipe)
+    diff = max(float((a - b).abs().max()) for a, b in zip(alone, outputs))
+    figures = {"moved": list(moved), "cpu_budget_bytes": cpu, "cpu_used_after_bytes": cpu_used,
+               "pinned_bytes": pinned, "max_diff": diff}
+    passed = bool(moved) and cpu_used <= cpu and pinned <= cpu and diff <= TOLERANCE
+    return Check("relief_within_host_budget", passed, figures)
 
 
 def bandwidth_check(args, device: str, cap: float) -> dict:

@@ -50,16 +50,39 @@ ROUND = 512  # the caching allocator's block granularity
 # ---- streams, events, clocks -------------------------------------------------------------------------------------
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
 def _merge(into: dict[int, int], other: dict[int, int]) -> None:
     for key, value in other.items():
         if into.get(key, 0) < value:
             into[key] = value
 
 
+POOLED_STREAMS = 32  # CUDA hands out each device's streams of one priority from a pool of 32, round robin
+
+
 class FakeStream:
-    """``torch.cuda.Stream``: a queue of ops with a vector clock."""
+    """``torch.cuda.Stream``: a queue of ops with a vector clock. As in PyTorch, ``torch.cuda.Stream()`` hands out
+    one of ``POOLED_STREAMS`` pooled streams per device and priority, round robin: the 33rd is the 1st again."""
+
+    def __new__(cls, device=None, priority: int = 0, *, name: str | None = None, fake: FakeCuda | None = None):
+        fake = fake or FakeCuda.active
+        if name is not None:  # the fake's own (a default stream): not pooled
+            return super().__new__(cls)
+        with fake.lock:
+            pool = fake.stream_pools.setdefault((fake.index(device), priority), [])
+            if len(pool) < POOLED_STREAMS:
+                pool.append(super().__new__(cls))
+                return pool[-1]
+            turn = fake.stream_turns.get((fake.index(device), priority), 0)
+            fake.stream_turns[(fake.index(device), priority)] = turn + 1
+            return pool[turn % POOLED_STREAMS]
 
     def __init__(self, device=None, priority: int = 0, *, name: str | None = None, fake: FakeCuda | None = None):
+        if "clock" in self.__dict__:
+            return  # a pooled stream handed out again: it keeps its queue
         self.fake = fake or FakeCuda.active
         self.device_index = self.fake.index(device)
         self.device = torch.device("cuda", self.device_index)
@@ -94,6 +117,7 @@ class FakeStream:
 
     def synchronize(self) -> None:
         with self.fake.lock:
+            self.fake.check_sticky()
             self.fake.host_waits(self.clock)
 
     def query(self) -> bool:
@@ -128,6 +152,7 @@ class FakeEvent:
     def synchronize(self) -> None:
         fake = FakeCuda.active
         with fake.lock:
+            fake.check_sticky()
             if self.clock:
                 fake.host_waits(self.clock)
 
@@ -204,9 +229,16 @@ class FakeCuda:
         self.races: list[Race] = []
         self.registered: dict[int, int] = {}  # cudaHostRegister'ed host address -> bytes
         self.register_log: list[tuple[str, int, int]] = []
-        self.host_reads: list[tuple[int, int, int, int]] = []  # (lo, hi, stream, count): async copies from pinned
+        # (start, end, stream, count, lo, hi): async copies from pinned memory (the buffer, the bytes read)
+        self.host_reads: list[tuple[int, int, int, int, int, int]] = []
         self.trace = False  # keep a short stack per access (slower), for a race's report
         self.streams: weakref.WeakSet[FakeStream] = weakref.WeakSet()
+        self.stream_pools: dict[tuple[int, int], list[FakeStream]] = {}  # (device, priority) -> pooled streams
+        self.stream_turns: dict[tuple[int, int], int] = {}
+        self.host_pinned: dict[int, int] = {}  # the pinned host allocator's live blocks: address -> bytes
+        self.host_cached: dict[int, int] = {}  # its freed blocks, still page-locked until ``_host_emptyCache``
+        self.sticky: str | None = None  # a sticky error (illegal address, device assert): every later call fails
+        self.corrupt_pairs: set[tuple[int, int]] = set()  # (source, destination) GPUs whose direct copies corrupt
 
     # ---- devices and streams, per thread
 
@@ -252,6 +284,7 @@ class FakeCuda:
     def synchronize(self, device=None) -> None:
         index = self.index(device)
         with self.lock:
+            self.check_sticky()
             for stream in self._streams(index):
                 self.host_waits(stream.clock)
 
@@ -270,6 +303,7 @@ class FakeCuda:
     def allocate(self, inner: torch.Tensor, index: int, label: str) -> Block | None:
         """The block a new storage on ``cuda:index`` gets: a freed one of the current stream's pool that fits, else
         a new address; an out-of-memory error past ``limit``."""
+        self.check_sticky()
         storage = inner.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:
@@ -281,8 +315,7 @@ class FakeCuda:
                 return self.blocks[storage.data_ptr()]
             used = self.allocated.get(index, 0)
             if used + size > self.limit.get(index, self.memory):
-                raise torch.OutOfMemoryError(f"CUDA out of memory (fake). Tried to allocate {size} bytes on "
-                                             f"cuda:{index}: {used} of {self.limit.get(index, self.memory)} in use")
+                raise torch.OutOfMemoryError(self.oom_message(index, size))
             pool = self.pools.setdefault(stream.id, [])
             fits = sorted((b for b in pool if b.device == index and b.nbytes >= size), key=lambda b: b.nbytes)
             if fits:
@@ -300,6 +333,16 @@ class FakeCuda:
             self.peak[index] = max(self.peak.get(index, 0), self.allocated[index])
         weakref.finalize(storage, self._free, storage.data_ptr(), block)
         return block
+
+    def oom_message(self, index: int, size: int) -> str:
+        """CUDA's out-of-memory text (c10/cuda/CUDACachingAllocator.cpp), which admission reads the GPU and the
+        bytes tried from."""
+        cap, used = self.limit.get(index, self.memory), self.allocated.get(index, 0)
+        reserved = self.reserved.get(index, 0)
+        return (f"CUDA out of memory. Tried to allocate {_mib(size)}. GPU {index} has a total capacity of "
+                f"{_mib(self.memory)} of which {_mib(max(0, cap - reserved))} is free. Of the allocated memory "
+                f"{_mib(used)} is allocated by PyTorch, and {_mib(max(0, reserved - used))} is reserved by PyTorch "
+                "but unallocated. (fake CUDA)")
 
     def _free(self, address: int, block: Block) -> None:
         with self.lock:
@@ -320,6 +363,7 @@ class FakeCuda:
     def access(self, stream: FakeStream, reads: list[Block], writes: list[Block], op: str) -> None:
         """One op on ``stream`` reading and writing these blocks: checked against earlier accesses, then recorded."""
         with self.lock:
+            self.check_sticky()
             count = stream.tick()
             stack = tuple(_stack()) if self.trace else ()
             thread = threading.current_thread().name
@@ -401,7 +445,7 @@ class FakeCuda:
             return self.host_to_device(source, inner, index, non_blocking)
         out = CudaTensor(inner, index)
         block = self.allocate(inner, index, f"copy of {tuple(inner.shape)}")
-        self.transfer(source, block, index, non_blocking, "to_copy")
+        self.transfer(source, block, index, non_blocking, "to_copy", inner)
         return out
 
     def copy_(self, destination, source, non_blocking: bool):
@@ -419,7 +463,7 @@ class FakeCuda:
             self.access(stream, [], [block] if block else [], "copy_ h2d")
             self.after_host_copy(source, stream, non_blocking)
             return destination
-        self.transfer(source, block, index, non_blocking, "copy_")
+        self.transfer(source, block, index, non_blocking, "copy_", destination.inner)
         return destination
 
     def host_to_device(self, source: torch.Tensor, inner: torch.Tensor, index: int, non_blocking: bool):
@@ -446,7 +490,8 @@ class FakeCuda:
             stream.synchronize()
         return inner
 
-    def transfer(self, source: CudaTensor, block: Block | None, index: int, non_blocking: bool, op: str):
+    def transfer(self, source: CudaTensor, block: Block | None, index: int, non_blocking: bool, op: str,
+                 inner: torch.Tensor | None = None):
         """A copy from ``source`` into ``block`` on ``cuda:index``; between two GPUs, Copy.cu's two-way fence: the copy
         runs on the source's current stream after the destination's current stream, which then waits for it."""
         source_block = self.block_of(source.inner)
@@ -454,6 +499,8 @@ class FakeCuda:
             reads, writes = [source_block] if source_block else [], [block] if block else []
             self.access(self.current_stream(index), reads, writes, op)
             return
+        if (source.device.index, index) in self.corrupt_pairs and inner is not None:
+            inner.zero_()  # a broken peer link: the copy "succeeds" with wrong bytes
         copier, receiver = self.current_stream(source.device), self.current_stream(index)
         copier.wait_event(receiver.record_event())
         self.access(copier, [source_block] if source_block else [], [block] if block else [], f"{op} p2p")
@@ -464,10 +511,62 @@ class FakeCuda:
     def host_read(self, source: torch.Tensor, stream: FakeStream) -> None:
         """An asynchronous copy from host memory: if pinned, the host must not unregister it before it runs."""
         lo = source.data_ptr()
-        for start, nbytes in self.registered.items():
+        hi = lo + source.numel() * source.element_size()
+        for start, nbytes in [*self.registered.items(), *self.host_pinned.items()]:
             if start <= lo < start + nbytes:
-                self.host_reads.append((start, start + nbytes, stream.id, stream.clock.get(stream.id, 0)))
+                self.host_reads.append((start, start + nbytes, stream.id, stream.clock.get(stream.id, 0), lo, hi))
                 return
+
+    def pin_host_block(self, tensor: torch.Tensor) -> None:
+        """A block of the pinned host allocator (``pin_memory=True``): page-locked while in use, and cached, still
+        page-locked, once freed (``torch._C._host_emptyCache`` gives the cached ones back)."""
+        storage = tensor.untyped_storage()
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        if not nbytes:
+            return
+        with self.lock:
+            self.host_cached.pop(address, None)
+            self.host_pinned[address] = nbytes
+        weakref.finalize(storage, self._host_freed, address, nbytes)
+
+    def _host_freed(self, address: int, nbytes: int) -> None:
+        with self.lock:
+            if self.host_pinned.get(address) == nbytes:
+                del self.host_pinned[address]
+                self.host_cached[address] = nbytes
+
+    def host_empty_cache(self) -> None:
+        with self.lock:
+            self.host_cached.clear()
+
+    def host_write(self, target, func) -> None:
+        """The host writes into ``target``: a race with an asynchronous copy that still reads those bytes of pinned
+        memory (the copy may run after the write and move the new bytes)."""
+        if not isinstance(target, torch.Tensor) or isinstance(target, CudaTensor) or target.device.type != "cpu":
+            return
+        lo = target.data_ptr()
+        hi = lo + max(target.numel(), 1) * target.element_size()
+        with self.lock:
+            for start, _, sid, count, read_lo, read_hi in self.host_reads:
+                if read_lo < hi and lo < read_hi and self.host.get(sid, 0) < count:
+                    stream = next((st for st in self.streams if st.id == sid), None)
+                    earlier = Access(stream.name if stream else str(sid), sid, count, "read",
+                                     "async copy from pinned memory", "?")
+                    later = Access("host", -1, 0, "write", getattr(func, "__name__", str(func)),
+                                   threading.current_thread().name, tuple(_stack()) if self.trace else ())
+                    self.races.append(Race(f"host buffer {start:#x}", earlier, later))
+                    return
+
+    # ---- sticky errors
+
+    def fail_sticky(self, message: str = "CUDA error: an illegal memory access was encountered") -> None:
+        """What an illegal address or a device-side assert does to a CUDA context: every later call fails."""
+        self.sticky = message
+
+    def check_sticky(self) -> None:
+        if self.sticky is not None:
+            raise torch.AcceleratorError(f"{self.sticky} (sticky: the CUDA context is unusable; fake CUDA)") \
+                if hasattr(torch, "AcceleratorError") else RuntimeError(f"{self.sticky} (sticky; fake CUDA)")
 
     # ---- the report
 
@@ -594,7 +693,16 @@ class HostMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        kwargs.pop("pin_memory", None)  # pinning through cudaHostRegister is pipemap's; the host allocator's is not
+        pinned = bool(kwargs.pop("pin_memory", False))  # the pinned host allocator's: modelled in ``host_pinned``
+        fake = self.fake
+        if fake.host_reads and args and _writes_in_place(func):
+            fake.host_write(args[0], func)
+        out = self._call(func, args, kwargs)
+        if pinned and isinstance(out, torch.Tensor) and not isinstance(out, CudaTensor):
+            fake.pin_host_block(out)
+        return out
+
+    def _call(self, func, args, kwargs):
         first = args[0] if args else None
         if isinstance(first, CudaTensor) and func in _GUARDED:
             return _GUARDED[func](self.fake, *args, **kwargs)
@@ -813,7 +921,7 @@ class FakeCudart:
         with fake.lock:
             if ptr not in fake.registered:
                 return 713  # cudaErrorHostMemoryNotRegistered
-            for lo, _, sid, count in fake.host_reads:
+            for lo, _, sid, count, _, _ in fake.host_reads:
                 if lo == ptr and fake.host.get(sid, 0) < count:
                     stream = next((s for s in fake.streams if s.id == sid), None)
                     later = Access("host", -1, 0, "unregister", "cudaHostUnregister",
@@ -828,6 +936,11 @@ class FakeCudart:
     def cudaGetErrorString(self, code: int) -> str:
         return {712: "cudaErrorHostMemoryAlreadyRegistered", 713: "cudaErrorHostMemoryNotRegistered",
                 1: "cudaErrorInvalidValue"}.get(int(code), f"error {code}")
+
+
+def _writes_in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return func is torch.Tensor.__setitem__ or (name.endswith("_") and not name.startswith("_"))
 
 
 def _check_error(res) -> None:
@@ -848,14 +961,20 @@ class Patches:
     def __init__(self):
         self.saved: list[tuple[object, str, object]] = []
 
-    def setattr(self, target, name: str, value) -> None:
-        self.saved.append((target, name, getattr(target, name)))
+    def setattr(self, target, name: str, value, raising: bool = True) -> None:
+        self.saved.append((target, name, getattr(target, name) if raising else getattr(target, name, _ABSENT)))
         setattr(target, name, value)
 
     def undo(self) -> None:
         for target, name, value in reversed(self.saved):
-            setattr(target, name, value)
+            if value is _ABSENT:
+                delattr(target, name)
+            else:
+                setattr(target, name, value)
         self.saved.clear()
+
+
+_ABSENT = object()
 
 
 def install(monkeypatch=None, gpus: int = 2) -> FakeCuda:
@@ -899,6 +1018,7 @@ def install(monkeypatch=None, gpus: int = 2) -> FakeCuda:
         return isinstance(input, CudaTensor) == isinstance(from_, CudaTensor) and compatible(input, from_)
 
     monkeypatch.setattr(torch, "_has_compatible_shallow_copy_type", shallow_copy_compatible)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", fake.host_empty_cache, raising=False)
     mode = HostMode(fake)
     original_run = threading.Thread.run
 

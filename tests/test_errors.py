@@ -78,6 +78,9 @@ CASES = {
     E.ComponentChangedError: (("unet", "it needs 9 bytes", "pipemap.reset(pipe)"),
                               {"component": "unet", "reason": "it needs 9 bytes", "fix": "pipemap.reset(pipe)"},
                               ["'unet'", "it needs 9 bytes", "call pipemap.reset(pipe)"]),
+    E.WeightsFileChangedError: (("/m/x.safetensors", "unet", "9 bytes became 3"),
+                                {"path": "/m/x.safetensors", "component": "unet", "reason": "9 bytes became 3"},
+                                ["'unet'", "9 bytes became 3", "put the file back", "rename it over the old one"]),
 }
 # errors in what pipemap was asked to do at run time, not in what the user gave
 RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError}

@@ -150,3 +150,65 @@ def test_every_replaced_function_takes_the_arguments_of_torch_cuda_by_their_name
 
     assert {name: names(fn) for name, fn in functions.items()} == {
         name: names(before[name]) for name in functions}
+
+
+# ---- as strict as CUDA (issue 35) ----------------------------------------------------------------------------------
+
+
+def test_a_host_write_into_pinned_memory_a_copy_still_reads_races(fake_cuda):
+    fake_cuda.expect_races = True
+    staging = torch.empty(4096, dtype=torch.uint8, pin_memory=True)  # the pinned host allocator's
+    staging.fill_(1)
+    side = torch.cuda.Stream(0)
+    with torch.cuda.stream(side):
+        torch.empty(4096, dtype=torch.uint8, device="cuda:0").copy_(staging, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    staging[2048:].fill_(2)  # refilled before the copy ran: a GPU may move the new bytes
+    assert _ops(fake_cuda) == ["read async copy from pinned memory || write fill_"]
+    done.synchronize()
+    staging.fill_(3)  # after the host waited: ordered
+    assert fake_cuda.take() == []
+
+
+def test_pinned_host_blocks_stay_locked_in_the_cache_until_emptied(fake_cuda):
+    staging = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    assert sum(fake_cuda.host_pinned.values()) == 4096
+    del staging
+    assert fake_cuda.host_pinned == {} and sum(fake_cuda.host_cached.values()) == 4096
+    torch._C._host_emptyCache()
+    assert fake_cuda.host_cached == {}
+
+
+def test_out_of_memory_says_the_gpu_as_cuda_does(fake_cuda):
+    from pipemap.admission import _GPU, _TRIED
+
+    fake_cuda.limit[1] = 2**20
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        torch.empty(2**21, dtype=torch.uint8, device="cuda:1")
+    assert _GPU.search(str(err.value))[1] == "1" and _TRIED.search(str(err.value))[0] == "Tried to allocate 2.00 MiB"
+
+
+def test_streams_come_from_a_pool_of_32_per_device_and_priority(fake_cuda):
+    streams = [torch.cuda.Stream(0) for _ in range(fakecuda.POOLED_STREAMS + 1)]
+    assert len(set(streams)) == 32 and streams[32] is streams[0]
+    assert torch.cuda.Stream(0, priority=-1) not in streams and torch.cuda.Stream(1) not in streams
+    assert torch.cuda.current_stream(0) not in streams  # the default stream is not pooled
+
+
+def test_a_sticky_error_fails_every_later_call(fake_cuda):
+    x = torch.ones(4, device="cuda:0")
+    fake_cuda.fail_sticky()
+    for later in (lambda: x + 1, lambda: torch.ones(4, device="cuda:1"), torch.cuda.synchronize):
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            later()
+    fake_cuda.sticky = None  # the fixture's own checks run after
+
+
+def test_a_corrupting_peer_pair_copies_zeros_between_those_gpus_only(fake_cuda):
+    fake_cuda.corrupt_pairs.add((0, 1))
+    x = torch.full((8,), 5.0, device="cuda:0")
+    assert fakecuda.host(x.to("cuda:1")).eq(0).all()  # the direct copy: wrong bytes, no error
+    assert fakecuda.host(x.cpu().to("cuda:1")).eq(5).all()  # through the host: right
+    assert fakecuda.host(x.to("cuda:1").to("cuda:0")).eq(0).all()
+    assert fakecuda.host(torch.full((8,), 5.0, device="cuda:1").to("cuda:0")).eq(5).all()  # the other way: right

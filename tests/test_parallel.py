@@ -165,3 +165,22 @@ def test_loaded_onto_a_parallel_plan_and_run_many_over_replicas(tiny_folders, re
     one_by_one = _images(pipe(**call) for call in _calls(3))
     for got, want in zip(_images(pipemap.run_many(pipe, _calls(3), workers=2)), one_by_one, strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["guidance", "replicated"])
+def test_run_many_keeps_the_copies_of_an_unchanged_model_across_batches(mode):
+    import families
+    from families import fresh
+    from helpers import with_copy
+
+    pipe, call = families.true_cfg("wan_t2v", 2)
+    pipemap.dispatch(pipe, with_copy(pipe, mode).remap({"cuda:0": "cpu", "cuda:1": "cpu"}))
+    # what a forward may leave on the model (diffusers' hook registry, made by the first ``cache_context``; a plain
+    # attribute): no change of the model, so no new copies
+    pipe.transformer.register_forward_pre_hook(lambda m, args: m.__dict__.__setitem__("seen_call", True))
+    copies = set()
+    for _ in range(3):
+        pipemap.run_many(pipe, [fresh(call), fresh(call)], workers=2)
+        copies.add(id(pipe.transformer._hf_hook.replicas[0]))
+    assert len(copies) == 1
+    pipemap.reset(pipe)

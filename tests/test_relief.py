@@ -105,3 +105,50 @@ def test_a_move_that_fails_part_way_leaves_the_pipeline_as_it_was():
     assert pipe._pipemap_plan is plan
     assert pipe(**_calls(1)[0]).images.shape == (1, 32, 32, 3)
     pipemap.reset(pipe)
+
+
+# ---- the host held to its budget ---------------------------------------------------------------------------------
+
+
+def _failure(tried: int = 3 * 2**19):
+    from pipemap.admission import OutOfMemory
+
+    return OutOfMemory("unet", "cuda:0", tried, 0, "CUDA out of memory. Tried to allocate 1.50 MiB.")
+
+
+def test_only_what_fits_in_the_cpu_budget_moves_to_the_host():
+    from pipemap.relief import least_used, refused
+
+    pipe = tiny.build("sd")
+    # the tiny SD's vae is 2.5 MiB, its text encoder 223 KiB: a CPU budget of 1 MiB has room for the encoder only
+    plan = pipemap.plan(pipe, hardware="cuda:0=8MiB,cpu=1MiB", headroom=0.0)
+    assert least_used(plan, _failure(), {"vae": {"calls": 0}, "text_encoder": {"calls": 2}}) == ("text_encoder",)
+    unbounded = replace(plan, devices=tuple(d for d in plan.devices if d.device != "cpu"))
+    assert least_used(unbounded, _failure(), {"vae": {"calls": 0}, "text_encoder": {"calls": 2}}) == ("vae",)
+    tight = pipemap.plan(pipe, hardware="cuda:0=8MiB,cpu=64KiB", headroom=0.0)
+    assert least_used(tight, _failure(), {}) == ()
+    refusal = refused(tight, _failure())
+    assert refusal is not None and refusal.moved == () and refusal.plan is tight
+    assert "'text_encoder' (223.00 KiB), does not fit in the 64.00 KiB the CPU budget has left" in refusal.note
+
+
+@pytest.mark.slow
+def test_out_of_memory_with_no_host_room_fails_the_call_with_the_figures():
+    pipe = tiny.build("sd")
+    pipe.set_progress_bar_config(disable=True)
+    plan = pipemap.plan(pipe, hardware="cuda:0=8MiB,cpu=64KiB", headroom=0.0)
+    pipemap.dispatch(pipe, plan.remap({"cuda:0": "cpu"}))
+    admission = memory_for(pipe, plan)
+    failures = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 MiB. GPU 0 has a total "
+                                       "capacity of 8.00 MiB of which 1.00 MiB is free.")]
+    handle = _leaf(pipe.unet).register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(failures.pop())
+                                                        if failures else None)
+    try:
+        (result,) = pipemap.run_many(pipe, _calls(1), plan=plan, return_exceptions=True)
+    finally:
+        handle.remove()
+    assert isinstance(result, torch.OutOfMemoryError) and admission.moves == []
+    assert any("the CPU budget has left" in note for note in result.__notes__)
+    assert not any(isinstance(getattr(pipe, n)._hf_hook, OffloadHook) for n in ("vae", "text_encoder"))
+    assert planned(pipe).placement("vae").mode == "resident"
+    pipemap.reset(pipe)

@@ -40,6 +40,7 @@ from .errors import (
     UnknownDtypeError,
     UnknownStrategyError,
     VariantNotFoundError,
+    WeightsFileChangedError,
 )
 from .quiet import quiet_imports
 from .units import format_bytes, parse_bytes
@@ -113,5 +114,5 @@ __all__ = [
     "normalize_device", "parse_bytes", "plan", "reset", "Failure", "SimulationReport", "simulate", "PipemapWarning",
     "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
     "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request",
-    "simulate_many", "ManyReport", "CallTooLargeError", "HostMemoryError", "HostUse",
+    "simulate_many", "ManyReport", "CallTooLargeError", "HostMemoryError", "HostUse", "WeightsFileChangedError",
 ]

@@ -474,7 +474,10 @@ class Admission:
     def _recover(self, failure: OutOfMemory, error: BaseException, lease: Lease) -> None:
         with self.gate.closed():  # no component call runs while components are re-placed
             relief = self.relieve(self, failure) if self.relieve is not None else None
-        if relief is None:
+        if relief is None or not relief.moved:
+            add_note = getattr(error, "add_note", None)  # Python 3.11
+            if relief is not None and add_note is not None:  # refused: no host room; the figures with the error
+                add_note(relief.note)
             raise error
         with self._changed:
             self.plan, self.running = relief.plan, relief.running

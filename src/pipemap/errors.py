@@ -318,3 +318,19 @@ class ComponentChangedError(PipemapError, ValueError):
     def __init__(self, component: str, reason: str, fix: str):
         self.component, self.reason, self.fix = component, reason, fix
         super().__init__(f"cannot keep {component!r} placed: {reason}; call {fix}")
+
+
+# ---- the disk tier: weights read from their files at each call ----------------------------------------------------
+
+
+class WeightsFileChangedError(CheckpointError):
+    """A safetensors file a component is read from at each call (the disk tier) changed in place since it was
+    mapped: its new bytes are not the model that was loaded (and past a truncated end, a read would kill the
+    process)."""
+
+    def __init__(self, path: str, component: str, change: str):
+        self.path, self.component, self.reason = path, component, change
+        PipemapError.__init__(
+            self, f"{path!r}, which {component or 'a component'!r} is read from at each call, changed since it was "
+            f"loaded ({change}): put the file back, or load the pipeline again (pipemap.reset(pipe), then load and "
+            "dispatch); to save new weights, write them to a new file and rename it over the old one")

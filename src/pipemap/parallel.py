@@ -36,6 +36,7 @@ from .admission import Admission
 from .dispatch import CALL_LOCK, follow, unguarded_class
 from .errors import ForeignHookError, RunManyCallError
 from .hooks import PlacementHook
+from .hooks.follow import remember
 
 _local = threading.local()
 
@@ -105,6 +106,15 @@ def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bo
             yield _outcome(future, return_exceptions)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        _remember(pipe)
+
+
+def _remember(pipe) -> None:
+    """What the requests' own calls changed on the models is no change (as after a direct call: ``dispatch``):
+    the twins run the unguarded class, so without this the next batch's ``follow`` would make the copies again."""
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module) and isinstance(getattr(module, "_hf_hook", None), PlacementHook):
+            remember(module)
 
 
 def _run_one(twins: queue.SimpleQueue, index: int, call: dict, memory: Admission | None):

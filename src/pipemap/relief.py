@@ -7,6 +7,12 @@ leaves first is what was called least since dispatch (a text encoder runs once p
 and as many leave as free what the call tried to allocate, or at least its own reservation there. The move is all or
 nothing: if placing any tensor fails, every tensor moved goes back and the old hooks return; the plan's notes say
 what moved and why.
+
+The host is held to its budget as a GPU is: a component moves only if the plan's CPU budget has room for it beside
+what the plan already puts there (a moved component is pinned, whole). When a component on the device would free
+memory but none fits in that room, nothing moves and the call fails with its out-of-memory error, with a note of
+the figures (a relief with no ``moved``): a retry that would take the host past its budget would trade one request's
+error for the kernel's OOM killer.
 """
 
 from __future__ import annotations
@@ -37,14 +43,15 @@ class Relief:
 
 
 def relieve(pipe, admission, failure: OutOfMemory) -> Relief | None:
-    """Move the least-used resident components of ``failure.device`` to the host; None when none is left to move.
+    """Move the least-used resident components of ``failure.device`` to the host; None when none is left to move,
+    a relief that moved nothing when the host has no room for any (``refused``).
 
     >>> admission = pipemap.api.memory_for(pipe)            # run_many and serve call it on an out-of-memory error
     """
     plan, running = admission.plan, admission.running
     moved = least_used(plan, failure, stats(pipe))
     if not moved:
-        return None
+        return refused(plan, failure)
     freed = sum(plan.placement(name).bytes for name in moved)
     note = (f"out of memory in {failure.component!r} on {failure.device}: moved {', '.join(moved)} "
             f"({format_bytes(freed)}, least used) to the host, onloaded to {failure.device} for their own calls; "
@@ -58,16 +65,45 @@ def least_used(plan: Plan, failure: OutOfMemory, counted: dict[str, dict[str, in
     """The resident components of the failing device other than the failing one, fewest calls first (then the
     largest), as many as free what the call tried to allocate or had reserved there; at least one."""
     need = max(failure.tried, failure.reserved, 1)
-    there = [p for p in plan.components if p.mode == "resident" and p.device == failure.device
-             and p.component != failure.component and p.bytes > 0]
+    there = _movable(plan, failure)
     there.sort(key=lambda p: (counted.get(p.component, {}).get("calls", 0), -p.bytes, p.component))
+    room = host_room(plan)
     chosen, freed = [], 0
     for p in there:
         if freed >= need:
             break
+        if room is not None and p.bytes > room:
+            continue  # the host has no room for it within its budget
         chosen.append(p.component)
         freed += p.bytes
+        room = None if room is None else room - p.bytes
     return tuple(chosen)
+
+
+def _movable(plan: Plan, failure: OutOfMemory) -> list:
+    return [p for p in plan.components if p.mode == "resident" and p.device == failure.device
+            and p.component != failure.component and p.bytes > 0]
+
+
+def host_room(plan: Plan) -> int | None:
+    """The bytes the plan's CPU budget has left beside what it puts there; None where the plan has no CPU budget."""
+    cpu = next((d for d in plan.devices if d.device == "cpu"), None)
+    return None if cpu is None else max(0, cpu.budget - cpu.used)
+
+
+def refused(plan: Plan, failure: OutOfMemory) -> Relief | None:
+    """No move: None when the device has nothing to move; else a relief that moved nothing, whose note gives the
+    figures (the components that could leave, and the host's room for them)."""
+    there = _movable(plan, failure)
+    if not there:
+        return None
+    room = host_room(plan) or 0
+    smallest = min(there, key=lambda p: p.bytes)
+    note = (f"out of memory in {failure.component!r} on {failure.device}: nothing moved to the host: the smallest "
+            f"component that could leave, {smallest.component!r} ({format_bytes(smallest.bytes)}), does not fit in "
+            f"the {format_bytes(room)} the CPU budget has left; plan with a larger cpu= budget, or fewer requests at "
+            "once")
+    return Relief(failure.component, failure.device, (), 0, plan, plan, note)
 
 
 def offloaded(plan: Plan, names: tuple[str, ...], note: str) -> Plan:

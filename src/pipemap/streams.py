@@ -98,6 +98,10 @@ class Queues:
         """A host buffer copies to the device read from (page-locked for a GPU): a staging buffer."""
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    def free_host(self, buffer: torch.Tensor, last_copy=None) -> None:
+        """Give back a buffer of ``alloc_host`` once ``last_copy`` (the last copy out of it) ran."""
+        self.host_wait(last_copy)
+
     def on_disk(self, tensors: Iterable[torch.Tensor]) -> None:
         """``tensors`` are host copies left in their files (the disk tier), not in RAM; the dry run counts them so."""
 
@@ -170,7 +174,16 @@ class CudaQueues(Queues):
             event.synchronize()
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # page-locked with cudaHostRegister, not torch's pinned host allocator: its exact bytes, and given back to
+        # the system at ``free_host`` (the allocator would round it up to a power of two, and keep it locked in its
+        # cache after the buffer is dropped, past ``pipemap.reset``)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), max(nbytes, 1), 1)))
+        return buffer
+
+    def free_host(self, buffer: torch.Tensor, last_copy=None) -> None:
+        self.host_wait(last_copy)  # the driver must not unlock memory a queued copy still reads
+        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())))
 
 
 # ---- the model ---------------------------------------------------------------------------------------------------

@@ -198,3 +198,110 @@ def test_a_plan_of_guidance_mode_round_trips_and_places_the_copy():
     assert Plan.from_json(plan.to_json()) == plan
     assert repr(GuidanceHook.for_placement(plan.components[0], "cuda:0", None)) == (
         "GuidanceHook('transformer', device=cuda:0, replicas=[cuda:1])")
+
+
+# ---- the model changed inside a call, or a cache on: the copy's result is not used ------------------------------
+
+
+class _Halved:
+    """An attention processor that halves the one it wraps (an attention-control processor a callback swaps in)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        return self.inner(attn, hidden_states, *args, **kwargs) * 0.5
+
+
+def _swapping_processors(pipe, step, timestep, tensors):
+    if step == 0:
+        for module in pipe.transformer.modules():
+            if hasattr(module, "processor") and not isinstance(module.processor, _Halved):
+                module.processor = _Halved(module.processor)
+    return {}
+
+
+def _unswapped(pipe) -> None:
+    for module in pipe.transformer.modules():
+        if isinstance(getattr(module, "processor", None), _Halved):
+            module.processor = module.processor.inner
+
+
+def test_processors_swapped_by_a_step_callback_turn_the_copy_off_and_equal_plain():
+    pipe, call = true_cfg("wan_t2v")
+    call = dict(call, callback_on_step_end=_swapping_processors)
+    plain = output(pipe(**fresh(call)))
+    _unswapped(pipe)
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert hook.hits == 0 and not hook.copy_is_current()
+
+
+def test_a_diffusers_cache_on_the_denoiser_turns_the_copy_off_and_equals_plain():
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    pipe, call = families.true_cfg("wan_t2v", 6)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert pipe.transformer._hf_hook.hits == 0
+
+
+def test_a_pipeline_dispatched_before_its_first_call_still_takes_the_copy_s_results():
+    # the pipeline's first ``cache_context`` makes diffusers' hook registry on the denoiser: no change of the model
+    pipe, call = true_cfg("wan_t2v")
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    pipe(**fresh(call))
+    assert "_diffusers_hook" in pipe.transformer.__dict__ and pipe.transformer._hf_hook.copy_is_current()
+    assert pipe.transformer._hf_hook.hits == STEPS - 1
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((2,), 2.0))
+
+    def forward(self, x, context):
+        return x * self.weight + context
+
+
+def test_weights_changed_in_place_between_steps_are_never_answered_from_the_copy():
+    module = Scaled()
+    hook = GuidanceHook.for_placement(Placement("m", "cpu", 0, "guidance", replicas=("cpu",)), "cpu", None)
+    hook_component(module, hook)
+    cond, uncond = torch.ones(2), -torch.ones(2)
+    with torch.no_grad():
+        for step in range(4):
+            if step == 2:
+                module.weight.mul_(0.5)  # what a step callback (fuse_lora, a weight edit) does
+            x = torch.full((2,), float(step))
+            for context in (cond, uncond):
+                torch.testing.assert_close(module(x, context=context), x * module.weight + context, atol=0, rtol=0)
+    assert hook.hits == 1 and not hook.copy_is_current()  # step 1 hit; from step 2 on the copy is stale
+    unhook_component(module)
+
+
+def test_the_branches_embeddings_are_compared_once_a_call_not_once_a_step(monkeypatch):
+    # a comparison of values makes the host wait for the GPU: the prompt's and the negative prompt's embeddings,
+    # unchanged from step to step, are compared once
+    from pipemap.hooks import guidance
+
+    compared = []
+    equal = guidance._equal_tensors
+    monkeypatch.setattr(guidance, "_equal_tensors", lambda x, y: compared.append(1) or equal(x, y))
+    pipe, call = families.true_cfg("wan_t2v", 5)
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    pipe(**fresh(call))
+    assert pipe.transformer._hf_hook.hits == 4 and len(compared) == 1
+
+
+def test_a_kept_comparison_is_made_again_once_either_tensor_changed():
+    cond, uncond, latents = torch.ones(3), -torch.ones(3), torch.zeros(2)
+    first, second = _inputs(latents, context=cond), _inputs(latents, context=uncond)
+    kept: dict = {}
+    upcoming = predict((first, second), _inputs(latents + 1, context=cond), kept)
+    assert upcoming is not None and upcoming.leaves[1] is uncond and len(kept) == 1
+    uncond.copy_(cond)  # now equal: the branches no longer differ there
+    assert predict((first, second), _inputs(latents + 1, context=cond), kept).leaves[1] is cond

@@ -38,10 +38,11 @@ if TYPE_CHECKING:
 Place = Callable[[torch.nn.Module, Placement], Any]  # a component's tensors onto the devices of its placement
 
 # what a module's __dict__ holds that is no state of the model: torch's own bookkeeping, the hooks' traces, a
-# compiled call (a replica runs uncompiled)
+# compiled call (a replica runs uncompiled), diffusers' hook registry (made by a pipeline's first ``cache_context``,
+# empty then; a cache enabled in it sets ``_cache_config``, which is state)
 _NOT_STATE = frozenset(torch.nn.Module().__dict__) | {
     "_hf_hook", "_old_forward", "forward", "encode", "decode", "tiled_encode", "tiled_decode", "_compiled_call_impl",
-    "_pipemap_seen"}
+    "_pipemap_seen", "_diffusers_hook"}
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,13 @@ result is used only when the call that then arrives has exactly those inputs: th
 (identity and torch's version counter), else equal values; anything else is a miss, and the call runs as usual on the
 denoiser's own GPU. So the outputs are the plain run's by construction (the same kernels on the same inputs); a miss
 costs one wasted call on the copy. Each thread keeps its own calls (``pipemap.run_many`` interleaves requests).
+
+The copy computes what the model was when it was made; anything besides the inputs that could make the two differ
+turns the prediction off: the model changed since (a step callback that scales weights in place, swaps attention
+processors or sets LoRA scales: ``follow``'s signature of the model, with its modules' plain state, differs from the
+one taken when the copy was made), or a diffusers cache on (FirstBlockCache and the others of ``enable_cache``:
+their decisions hang on state that the pipeline's ``cache_context`` keeps on the home model only). Then each call
+runs on the denoiser's own GPU, as plain; the copy is made again when ``pipemap.follow`` next sees the change.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..transfer import move_tensor
 from .copies import CopiesHook, call_on
+from .follow import Signature, signature
 from .replica import CallerState
 
 _MISSING = object()
@@ -59,6 +67,7 @@ class Branches:
 
     history: deque = field(default_factory=lambda: deque(maxlen=2))
     ahead: tuple[Inputs, Future] | None = None
+    compared: dict = field(default_factory=dict)  # two tensors' values compared, by identity and version (``predict``)
 
 
 class GuidanceHook(CopiesHook):
@@ -72,19 +81,36 @@ class GuidanceHook(CopiesHook):
         self.hits = self.misses = 0
         self._threads: dict[int, Branches] = {}
         self._moved: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
+        self._home: torch.nn.Module | None = None
+        self._made: Signature | None = None  # the model's signature when the copy was made from it
+
+    def init_hook(self, module):
+        module = super().init_hook(module)
+        self._home, self._made = module, signature(module, state=True)
+        return module
 
     def detach_hook(self, module):
         module = super().detach_hook(module)
-        self._threads, self._moved = {}, {}
+        self._threads, self._moved, self._home, self._made = {}, {}, None, None
         return module
+
+    def copy_is_current(self) -> bool:
+        """Whether the copy computes what the home model would: the model unchanged since the copy was made, and
+        no diffusers cache on (its state lives on the home model)."""
+        home = self._home
+        if home is None or getattr(home, "_cache_config", None) is not None:
+            return False
+        return signature(home, state=True) == self._made
 
     def run(self, *args, **kwargs):
         inputs = Inputs.of(args, kwargs)
         branches = self._threads.setdefault(threading.get_ident(), Branches())
         result = self._taken(branches, inputs)
         if result is _MISSING:
-            upcoming = predict(tuple(branches.history), inputs)
-            if upcoming is not None:
+            upcoming = predict(tuple(branches.history), inputs, branches.compared)
+            # asked once a step, before a call starts ahead (a step callback runs between steps, after the call
+            # started ahead was taken): a model walked whole, a few ms for a Flux-sized one
+            if upcoming is not None and self.copy_is_current():
                 branches.ahead = (upcoming, self._start(upcoming))
             result = self.forward_own(*args, **kwargs)
         branches.history.append(inputs)
@@ -130,25 +156,44 @@ class GuidanceHook(CopiesHook):
         return tree_unflatten(leaves, upcoming.spec)
 
     def __getstate__(self):
-        return {**super().__getstate__(), "_threads": {}, "_moved": {}}
+        return {**super().__getstate__(), "_threads": {}, "_moved": {}, "_home": None}
 
 
-def predict(history: tuple[Inputs, ...], arriving: Inputs) -> Inputs | None:
+def predict(history: tuple[Inputs, ...], arriving: Inputs, compared: dict | None = None) -> Inputs | None:
     """The call expected after ``arriving``, from the two calls before it: where the second of them differed from the
     first, the second's inputs; elsewhere ``arriving``'s. None unless ``arriving`` is a first branch: shaped as
     both, and equal to the first of them wherever the two differed (so the latents moved on, the prompt did not).
-    Two calls alike (a negative prompt that encodes as the prompt does) predict a call alike too."""
+    Two calls alike (a negative prompt that encodes as the prompt does) predict a call alike too. ``compared``: the
+    values of two tensors compared before, unchanged since (the prompt's and the negative prompt's embeddings, every
+    step), answered from there: a comparison of values makes the host wait for the GPU."""
     if len(history) < 2:
         return None
     first, second = history
     if not first.spec == second.spec == arriving.spec:
         return None
     # a guess: the call started from it is checked when the next call arrives (``same``)
-    differ = [i for i in range(len(first.leaves)) if not alike(first.leaves[i], second.leaves[i])]
+    differ = [i for i in range(len(first.leaves)) if not _alike_kept(first.leaves[i], second.leaves[i], compared)]
     if not all(alike(first.leaves[i], arriving.leaves[i]) for i in differ):
         return None
     return Inputs.started(arriving.spec, tuple(second.leaves[i] if i in differ else x
                                                for i, x in enumerate(arriving.leaves)))
+
+
+def _alike_kept(x, y, compared: dict | None) -> bool:
+    """``alike``, remembered in ``compared`` for two tensors by identity and version (they are kept there, so their
+    identities stay theirs)."""
+    if compared is None or x is y or not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return alike(x, y)
+    versions = (_version(x), _version(y))
+    if None in versions:
+        return alike(x, y)
+    key = (id(x), id(y), versions)
+    kept = compared.get(key)
+    if kept is None:
+        if len(compared) >= 16:  # a few pairs a call: old ones (last request's embeddings) go
+            compared.clear()
+        kept = compared[key] = (x, y, alike(x, y))
+    return kept[2]
 
 
 def same(started: Inputs, arriving: Inputs, i: int) -> bool:

@@ -7,6 +7,16 @@ counted in the process's memory while the map holds it. So the hooks read a piec
 buffer (pinned: the copy to the GPU then runs on the copy stream while the host fills the next one) and then
 ``madvise(MADV_DONTNEED)`` its pages: the next read faults them in again from the page cache or the disk.
 
+Two things a file's map does that RAM does not, kept right here:
+- a write into the weights (``fuse_lora``, ``load_state_dict``, follow's ``settle``) copies the pages it touches
+  into private memory inside the map (the map is private); ``MADV_DONTNEED`` on such a page discards the write. So
+  the pages to hand back are only those still backed by the file (``/proc/self/pagemap``), taken again whenever a
+  tensor's version counter says it was written: a change stays, at the cost of the pages it wrote;
+- the file itself may change under the map: rewritten in place, the next read brings the new bytes; truncated, a
+  read past its new end kills the process (SIGBUS). So each read first compares the file's size and modification
+  time with those it had when mapped (``Pages.check``) and raises ``WeightsFileChangedError`` on a change; a file
+  replaced by a new one (a rename, as ``save_pretrained`` and downloads do) leaves the old one mapped: no change.
+
 Why our own: accelerate's disk offload and diffusers' group offloading to disk (``offload_to_disk_path``) write the
 weights out a second time, into files of their own; the weights already lie in their safetensors files, mapped.
 """
@@ -17,10 +27,13 @@ import bisect
 import ctypes
 import ctypes.util
 import mmap
+import os
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
+from ..errors import WeightsFileChangedError
 from ..ram import address, file_maps
 from ..streams import Queues
 from ..tiers import STAGING_CHUNK, STAGING_SLOTS
@@ -45,16 +58,40 @@ class Pages:
     would zero it. The tensors are held, so their map (and these addresses) stay valid as long as this does.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor]):
+    def __init__(self, tensors: Iterable[torch.Tensor], keep_written: bool = True):
         self.tensors = [t for t in tensors if t.device.type == "cpu" and nbytes_of(t)]
         maps = file_maps() if self.tensors else None
         spans = []
+        self.files: dict[str, tuple[int, int, int]] = {}  # path -> (inode, size, mtime) when first seen here
         for tensor in self.tensors:
             start = address(tensor)
-            if start and maps is not None and maps.file_of(start, nbytes_of(tensor)):
+            path = maps.file_of(start, nbytes_of(tensor)) if start and maps is not None else None
+            if path:
                 spans.append((start, start + nbytes_of(tensor)))
-        self.ranges = _pages(spans)
+                if path not in self.files:
+                    self.files[path] = _stamp(path)
+        # pages a write made private hold the only copy of the change: handed back, it would be undone
+        self.ranges = _file_backed(_pages(spans)) if keep_written else _pages(spans)
         self.starts = [start for start, _ in self.ranges]
+        self.versions = _versions(self.tensors)
+
+    def written(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether ``tensors`` (these pages' tensors, as the group holds them now) were written since."""
+        return _versions(tensors) != self.versions
+
+    def check(self, component: str = "") -> None:
+        """Raise ``WeightsFileChangedError`` if a file these pages lie in changed in place since it was mapped."""
+        for path, (inode, size, mtime) in self.files.items():
+            try:
+                now = os.stat(path)
+            except OSError:
+                continue  # deleted: its map keeps the file's data
+            if now.st_ino != inode:
+                continue  # replaced by another file (a rename): the map still holds the old one
+            if (now.st_size, now.st_mtime_ns) != (size, mtime):
+                change = (f"{size} bytes became {now.st_size}" if now.st_size != size else
+                          "rewritten in place (its modification time changed)")
+                raise WeightsFileChangedError(path, component, change)
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +110,52 @@ class Pages:
             first, last = max(start, low - low % mmap.PAGESIZE), min(start + length, high - high % mmap.PAGESIZE)
             if last > first:
                 _madvise(first, last - first)
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1, -1)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _versions(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(_version(t) for t in tensors if t.device.type == "cpu" and nbytes_of(t))
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter (and cannot be written outside one)
+        return -1
+
+
+_PRESENT, _FILE = 1 << 63, 1 << 61  # /proc/pid/pagemap: page present; file-backed (or shared anonymous)
+
+
+def _file_backed(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` less the pages that are present but no longer backed by their file: written, hence private (a
+    copy-on-write of the private map). Unchanged where ``/proc/self/pagemap`` cannot be read."""
+    if not ranges:
+        return ranges
+    page = mmap.PAGESIZE
+    kept: list[tuple[int, int]] = []
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            for start, length in ranges:
+                pagemap.seek(start // page * 8)
+                entries = np.frombuffer(pagemap.read(length // page * 8), dtype=np.uint64)
+                private = (entries & np.uint64(_PRESENT | _FILE)) == np.uint64(_PRESENT)
+                if not private.any():
+                    kept.append((start, length))
+                    continue
+                edges = np.flatnonzero(np.diff(np.concatenate(([True], private, [True])).astype(np.int8)))
+                for first, last in zip(edges[::2], edges[1::2]):  # runs of pages still backed by the file
+                    kept.append((start + int(first) * page, int(last - first) * page))
+    except OSError:
+        return ranges
+    return kept
 
 
 def _pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -94,7 +177,7 @@ def _pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def pin_from_map(group: Group) -> None:
     """``group.pin()``, then the pages of the map it was copied from handed back: the host holds it once."""
-    pages = Pages(s.get() for s in group.slots)
+    pages = Pages((s.get() for s in group.slots), keep_written=False)  # the pinned copy holds any change
     group.pin()
     if group.host is not None:
         pages.release()
@@ -112,6 +195,19 @@ class Staging:
         self.slots: list[torch.Tensor] = []
         self.copied: list[object] = []  # per slot, the event of the last copy out of it
         self.turn = 0
+        self.users: set[int] = set()  # the hooks that read through it (by identity): the last one gives it back
+
+    def leave(self, user: object) -> None:
+        """``user`` reads no more through the ring; the last one out gives the slots back (page-locked memory)."""
+        self.users.discard(id(user))
+        if not self.users:
+            self.release()
+
+    def release(self) -> None:
+        """The slots given back, each once its last copy ran; the ring grows again at its next use."""
+        for slot, copied in zip(self.slots, self.copied):
+            self.queues.free_host(slot, copied)
+        self.slots, self.copied, self.turn = [], [], 0
 
     def need(self, nbytes: int) -> None:
         """A group of ``nbytes`` will pass through: the slots grow to it (up to ``STAGING_CHUNK``) before first use."""

@@ -147,8 +147,17 @@ class MovingHook(PlacementHook):
 
     def _staged(self, group: Group, buffer: torch.Tensor, copies, after, side: bool):
         staging = self.ledger.staging(self.device)
-        event = staging.copy(buffer, group.layout, [master for _, master in copies], after, group.name,
-                             self.from_files[id(group)])
+        masters = [master for _, master in copies]
+        pages = self.from_files[id(group)]
+        if pages.written(masters):  # written in place since (``fuse_lora``): its private pages are kept from now
+            pages = self.from_files[id(group)] = Pages(masters)
+        pages.check(self.component)  # the file changed under the map: a typed error, not its new bytes or SIGBUS
+        if after is None:
+            # the ring copies on the side queue, into a buffer from the compute queue's pool: memory that work
+            # already queued there (an activation just freed, an evicted component) may still use; so the copy
+            # waits for the compute queue's current point
+            after = self.queues.record()
+        event = staging.copy(buffer, group.layout, masters, after, group.name, pages)
         if not side:  # asked for on the compute queue, so ordered before every use: make it so
             self.queues.wait(event)
         return event
@@ -157,10 +166,17 @@ class MovingHook(PlacementHook):
         """These groups stay in their files (the disk tier): never pinned, read through the device's staging ring
         at each onload, their pages given back after; the dry run counts them on the disk."""
         staging = self.ledger.staging(self.device)
+        staging.users.add(id(self))
         for group in groups:
             self.from_files[id(group)] = Pages(s.get() for s in group.slots)
             staging.need(group.layout.nbytes)
         self.queues.on_disk(s.get() for group in groups for s in group.slots)
+
+    def leave_files(self) -> None:
+        """At detach: this hook reads no more through its device's staging ring (the last one gives it back)."""
+        if self.from_files:
+            self.from_files = {}
+            self.ledger.staging(self.device).leave(self)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         buffer = self.queues.alloc(nbytes)  # first: an allocation that fails (out of memory) is not counted

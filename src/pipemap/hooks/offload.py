@@ -87,6 +87,7 @@ class OffloadHook(MovingHook):
         if self.group.loaded:
             self.evict()
         self.group.unpin()  # after the last copy out of its pinned buffer ran
+        self.leave_files()
         return module
 
     def __repr__(self) -> str:

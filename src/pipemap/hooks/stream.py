@@ -304,6 +304,7 @@ class StreamHook(MovingHook):
         self.queues.synchronize()
         for group in [self.root, *self.blocks]:
             group.unpin()
+        self.leave_files()
         return module
 
     def __repr__(self) -> str:
