@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Callable
@@ -26,7 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
 from .hooks import HOOKS, MOVING, CallLock, Moved, PlacementHook, hook_component, hook_maker, unhook_component
 from .hooks.follow import follow as follow_component
-from .hooks.follow import forget, remember, settle
+from .hooks.follow import forget, remember, settle, unchanged
+from .hooks.resident import changed, quiet
 from .inventory import module_bytes, submodules
 from .plan import Placement, Plan
 from .quantized import movable, storage
@@ -76,8 +78,14 @@ def place(pipe, plan: Plan, *, check_transfers: bool = True,
     modules = _check(pipe, plan)
     if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
         ensure_safe_transfers(plan_devices(plan))  # every GPU it copies between: execution GPUs and shards too
+    with quiet():  # placing and hooking is no change of the models (``hooks.follow.unchanged``)
+        _place_all(pipe, plan, modules, hook_maker(plan, queues))
+    synchronize(plan_devices(plan))  # the placed weights ready for whatever stream calls first
+    _mark(pipe, plan)
+
+
+def _place_all(pipe, plan: Plan, modules: dict[str, torch.nn.Module], make_hook) -> None:
     moves: list[Move] = []
-    make_hook = hook_maker(plan, queues)
     for placement in plan.components:
         module = modules[placement.component]
         try:
@@ -85,12 +93,11 @@ def place(pipe, plan: Plan, *, check_transfers: bool = True,
             hook: Any = make_hook(placement)
             hook_component(module, hook)
             hook.owner = weakref.ref(pipe)  # reset of a from_pipe copy finds the pipeline to unmark
+            hook.follower = follower(pipe, placement.component)
             remember(module)  # what a later change (a LoRA loaded) is compared with
         except Exception as err:
             _undo(modules.values(), moves)
             raise DispatchError(placement.component, placement.device, err) from err
-    synchronize(plan_devices(plan))  # the placed weights ready for whatever stream calls first
-    _mark(pipe, plan)
 
 
 def reset(pipe) -> None:
@@ -321,8 +328,9 @@ def unguarded_class(pipe) -> type:
 def _guarded(cls: type) -> type:
     with _GUARDS_LOCK:
         if cls not in _GUARDS:
-            body = {"__call__": _taking_turns(cls.__call__), "_pipemap_unguarded": cls, "__module__": cls.__module__,
-                    "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, "__setattr__": _replacing(cls)}
+            body = {**_changing_methods(cls), "__call__": _taking_turns(cls.__call__), "_pipemap_unguarded": cls,
+                    "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+                    "__setattr__": _replacing(cls)}
             _GUARDS[cls] = type(cls.__name__, (cls,), body)
         return _GUARDS[cls]
 
@@ -334,15 +342,68 @@ def _taking_turns(call):
         if lock is None:  # a new pipeline of the class (``type(pipe)(...)``) that no dispatch marked
             return call(self, *args, **kwargs)
         with lock:
-            follow(self)  # a LoRA loaded, fused or switched since the last call: placed before this one
-            try:
-                return call(self, *args, **kwargs)
-            finally:  # what the models' own calls change (transformers' hooks, Wan's VAE caches) is no change
-                for module in _modules(self).values():
-                    if isinstance(getattr(module, "_hf_hook", None), PlacementHook):
-                        remember(module)
+            # a LoRA loaded, fused or switched since the last call: placed before this one. A change made during the
+            # call (from callback_on_step_end) is followed at the next call of the component (``follower``); what
+            # the models' own calls set on themselves (Wan's VAE caches) runs quiet and is no change
+            follow(self)
+            return call(self, *args, **kwargs)
 
     return taking_turns
+
+
+# the pipeline methods that change its models (diffusers' loader mixins, FreeU, fused projections): called from
+# another thread, they wait for the running call and apply whole after it; their own changes are marked (peft's
+# merged adapters are a list appended to, which no hook of torch sees)
+_CHANGING = ("load_", "unload_", "fuse_", "unfuse_", "set_", "enable_", "disable_", "delete_")
+
+
+def _changing_methods(cls: type) -> dict[str, Any]:
+    found = {}
+    for name in dir(cls):
+        if name.startswith(_CHANGING) and name not in _GUARDED:
+            method = inspect.getattr_static(cls, name, None)
+            if inspect.isfunction(method):
+                found[name] = _changing(method)
+    return found
+
+
+def _changing(method):
+    @functools.wraps(method)
+    def changing(self, *args, **kwargs):
+        lock = self.__dict__.get(CALL_LOCK)
+        if lock is None:
+            return method(self, *args, **kwargs)
+        with lock:
+            changed()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                changed()
+
+    return changing
+
+
+def follower(pipe, name: str) -> Callable[[torch.nn.Module], bool]:
+    """What the hook of ``pipe``'s component ``name`` runs at the start of each call: the model's changes since
+    followed (``hooks.follow.follow``) and the plan's sizes updated; True when it changed. Cheap when nothing
+    changed (``hooks.follow.unchanged``)."""
+    owner = weakref.ref(pipe)
+
+    def follow_call(module: torch.nn.Module) -> bool:
+        if unchanged(module):
+            return False
+        found = owner()
+        plan = planned(found) if found is not None else None
+        if plan is None or name not in plan.device_map:
+            return False
+        if not follow_component(module, plan.placement(name), _place):
+            return False
+        plan = _resized(plan, {name: module_bytes(module)})
+        found.__dict__["_pipemap_plan"] = plan
+        found.__dict__["hf_device_map"] = plan.device_map
+        return True
+
+    return follow_call
 
 
 def _replacing(cls: type):
@@ -457,10 +518,12 @@ def _hook_new(pipe, plan: Plan, placement: Placement, module: torch.nn.Module) -
     hook = HOOKS[placement.mode](placement, plan.execution_device, ledger)
     if placement.mode in MOVING:
         hook.lock = moving[0].lock if moving else CallLock()
-    _place(module, placement)
-    hook_component(module, hook)
-    hook.owner = weakref.ref(pipe)
-    remember(module)
+    with quiet():
+        _place(module, placement)
+        hook_component(module, hook)
+        hook.owner = weakref.ref(pipe)
+        hook.follower = follower(pipe, placement.component)
+        remember(module)
 
 
 def _adopt(pipe, plan: Plan, name: str, module: torch.nn.Module) -> Plan:
