@@ -288,6 +288,12 @@ def _locked(module: torch.nn.Module, forward, *args, **kwargs):
         try:
             with quiet():
                 return forward(*args, **kwargs)
+        except Exception:
+            raise  # torch runs the always-called forward hook: ``abort`` (``hook_component``)
+        except BaseException:  # Ctrl-C: torch runs no forward hook, so the call's onloads and copies end here
+            if hasattr(hook, "abort") and hook.inside == 1:
+                hook.abort(module)
+            raise
         finally:
             hook.inside -= 1
             if not hook.inside:
