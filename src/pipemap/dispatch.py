@@ -108,6 +108,7 @@ def reset(pipe) -> None:
     """
     check_pipeline(pipe, "reset")
     pipes = [pipe, *_owners(pipe)]  # a from_pipe copy shares the models of the pipeline dispatch placed
+    pipes += [c for p in list(pipes) for c in p.__dict__.get(_COPIES, ()) if all(c is not q for q in pipes)]
     for module in {id(m): m for p in pipes for m in _modules(p).values()}.values():
         settle(module)  # what was changed in place on the GPU (a fused LoRA) kept in the CPU masters
         unhook_component(module)
@@ -128,6 +129,7 @@ def _unmark(pipe) -> None:
         pipe.__dict__.pop(name, None)
     pipe.__dict__.pop("_pipemap_plan", None)
     pipe.__dict__.pop("hf_device_map", None)  # back to the class's None, as before dispatch
+    pipe.__dict__.pop(_COPIES, None)
     unguard_calls(pipe)
 
 
@@ -193,6 +195,10 @@ def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
         raise PipelineMappedError("dispatching a pipeline that pipemap already placed")
     modules = _modules(pipe)
     for name, module in modules.items():
+        if isinstance(getattr(module, "_hf_hook", None), PlacementHook):
+            raise PlanMismatchError(name, "pipemap placed it for another pipeline that shares it (a copy made with "
+                                    "from_pipe or from its components): pipemap.follow(pipe) places this one on "
+                                    "that plan; to plan anew, pipemap.reset(pipe) (both are reset) and dispatch")
         if getattr(module, "_hf_hook", None) is not None:
             raise PlanMismatchError(name, f"it already carries the hook {type(module._hf_hook).__name__} (from "
                                     "enable_model_cpu_offload or a device_map); call pipe.remove_all_hooks() first")
@@ -251,6 +257,7 @@ def _undo(modules, moves: list[Move]) -> None:
 
 
 def _mark(pipe, plan: Plan) -> None:
+    _watch_copies()
     pipe.hf_device_map = plan.device_map
     pipe.__dict__["_pipemap_plan"] = plan
     for name in _GUARDED:
@@ -258,6 +265,48 @@ def _mark(pipe, plan: Plan) -> None:
     pipe.__dict__["reset_device_map"] = functools.partial(reset, pipe)  # diffusers' own undo does ours
     pipe.__dict__["remove_all_hooks"] = functools.partial(reset, pipe)  # half removed would leave it half placed
     guard_calls(pipe)  # calls from several threads take turns: a call's state lives on the pipeline
+
+
+# ---- a from_pipe copy of a placed pipeline ---------------------------------------------------------------------
+
+_COPIES = "_pipemap_copies"  # the from_pipe copies of a placed pipeline: reset unmarks them too (weakly held)
+
+
+def _watch_copies() -> None:
+    """Wrap diffusers' ``DiffusionPipeline.from_pipe`` once per process: a copy of a placed pipeline shares its
+    models (and their hooks), and may bring new ones (``controlnet=cn``), which nothing would place."""
+    from diffusers import DiffusionPipeline
+
+    with _GUARDS_LOCK:
+        original = DiffusionPipeline.__dict__.get("from_pipe")
+        if not isinstance(original, classmethod) or getattr(original.__func__, "_pipemap", False):
+            return
+        made_by = original.__func__
+
+        @functools.wraps(made_by)
+        def from_pipe(cls, pipeline, **kwargs):
+            made = made_by(cls, pipeline, **kwargs)
+            if planned(pipeline) is not None and planned(made) is None:
+                place_copy(pipeline, made)
+            return made
+
+        from_pipe._pipemap = True  # type: ignore[attr-defined]
+        setattr(DiffusionPipeline, "from_pipe", classmethod(from_pipe))  # noqa: B010 - a classmethod put back
+
+
+def place_copy(pipe, made) -> None:
+    """Place ``made``, a ``from_pipe`` copy of the placed ``pipe``, on ``pipe``'s plan: the models they share stay
+    where they are (one hook, one place); a model only the copy has is planned in as ``follow`` places a new one
+    (resident where room is left); the copy's calls take turns and follow as the original's do. ``pipemap.reset``
+    of either resets both."""
+    plan = planned(pipe)
+    if plan is None:
+        return
+    modules = _modules(made)
+    shared = tuple(p for p in plan.components if modules.get(p.component) is getattr(pipe, p.component, None))
+    _mark(made, dataclasses.replace(plan, components=shared))
+    pipe.__dict__.setdefault(_COPIES, weakref.WeakSet()).add(made)
+    follow(made)
 
 
 def _refuse(operation: str):
@@ -442,6 +491,9 @@ def follow(pipe) -> None:
     """
     plan = planned(pipe)
     if plan is None:
+        owner = next(iter(_owners(pipe)), None)  # a copy sharing a placed pipeline's models (made by hand)
+        if owner is not None and planned(owner) is not None:
+            place_copy(owner, pipe)
         return
     placements = {p.component: p for p in plan.components}
     modules = _modules(pipe)
