@@ -355,6 +355,15 @@ def quiet() -> Iterator[None]:
         _local.quiet -= 1
 
 
+def quietly(work: Callable[[], object]) -> Callable[[], object]:
+    """``work`` run ``quiet`` on whatever thread runs it (a copy's part of a call, on a pool thread)."""
+    def run() -> object:
+        with quiet():
+            return work()
+
+    return run
+
+
 def watch_changes() -> None:
     """Install, once per process, what moves the change counter (see above)."""
     with _installed:
