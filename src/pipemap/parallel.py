@@ -64,7 +64,8 @@ def run_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_excepti
 def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False,
               memory: Admission | None = None) -> Iterator:
     """``run_many`` as a generator: each result as soon as it and those before it are done; ``calls`` is read
-    lazily (at most ``2 * workers`` ahead), so it may be an endless iterator, e.g. a request queue.
+    lazily on a thread of its own (at most ``2 * workers`` ahead), so it may be an endless iterator that blocks,
+    e.g. ``iter(queue.get, None)``: an answer never waits for the next request.
 
     >>> for out in pipemap.iter_many(pipe, ({"prompt": p} for p in prompts)):               # doctest: +SKIP
     ...     out.images[0].save(...)

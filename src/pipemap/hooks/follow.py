@@ -1,7 +1,8 @@
 """A placed component whose model changed after dispatch: LoRA loaded, switched, fused, unfused or deleted, an
 IP-Adapter's projections, fused QKV projections, FreeU, ``load_state_dict``.
 
-The model is compared with what it was when last placed (``Signature``: every tensor it holds, with its version
+Each call of a placed component first asks ``unchanged`` (cheap: ``Seen``); only when that cannot say, the model
+is compared with what it was when last placed (``Signature``: every tensor it holds, with its version
 counter, and its module tree; for a component with copies also the plain state of every module: peft's active
 adapters, scales and merged adapters, FreeU's factors, attention processors, which a copy has to share and a placed
 model keeps where it is). On a change:
@@ -188,7 +189,7 @@ def follow(module: torch.nn.Module, placement: Placement, place: Place) -> bool:
         return False
     with quiet():  # pipemap's own placing is no change of the model
         if seen is not None and signature(module) == seen.signature:
-            remember(module)  # something else changed (another model, a tensor's version put back): seen now
+            remember(module)  # the counter moved for another model, or a write left it as it was: seen now
             return False
         hook = getattr(module, "_hf_hook", None)
         if isinstance(hook, PlacementHook) and hook.rehooked_on_change:
