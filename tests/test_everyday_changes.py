@@ -231,3 +231,43 @@ def test_ctrl_c_mid_forward_gives_every_buffer_and_copy_back(fake_cuda, strategy
         gc.collect()
         assert dict(fake_cuda.allocated) == held
     pipemap.reset(pipe)
+
+
+def _text_encoder_lora(folder) -> str:
+    """A random LoRA of the tiny SDXL's first text encoder, saved as diffusers' training scripts save one."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = plain("sdxl")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        config = LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj", "v_proj"])
+        inject_adapter_in_model(config, pipe.text_encoder)
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(pipe.text_encoder))
+    type(pipe).save_lora_weights(str(folder), text_encoder_lora_layers=layers, safe_serialization=True)
+    return str(folder)
+
+
+def _encoded(pipe) -> tuple[torch.Tensor, ...]:
+    return tuple(t.cpu() for t in pipe.encode_prompt("a tiny cat", device=pipe._execution_device,
+                                                     num_images_per_prompt=1, do_classifier_free_guidance=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["balanced_low_memory", "balanced_ultra_low_memory"])
+def test_a_text_encoder_lora_then_encode_prompt_before_any_call(fake_cuda, tmp_path, strategy):
+    # prompt embeddings precomputed right after loading a LoRA: the encoder's own call follows the change (an
+    # offloaded or streamed encoder's new LoRA layers packed into its group), no pipeline call needed first
+    folder = _text_encoder_lora(tmp_path)
+    pipe = tiny.build("sdxl")
+    pipe.set_progress_bar_config(disable=True)
+    plan = two_gpu_plan(pipe, strategy)
+    assert plan.placement("text_encoder").mode in ("offload", "stream")
+    pipemap.dispatch(pipe, plan)
+    reference = plain("sdxl")
+    for each in (pipe, reference):
+        each.load_lora_weights(folder, adapter_name="te")
+    for got, want in zip(_encoded(pipe), _encoded(reference), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    pipemap.reset(pipe)
