@@ -143,9 +143,11 @@ class _Feeder:
         self._room.release()  # an answer handed over: room for one more request
 
     def stop(self) -> None:
-        """The reader is gone: read no more (a thread blocked in the source ends at its next item)."""
+        """The reader is gone: read no more. A source that does not block (serve's) is done with at once, so what
+        it took is in its taker's hands before this returns; one blocked (a queue) ends at its next item."""
         self._stopped.set()
         self._room.release()
+        self._thread.join(timeout=1.0)
 
 
 _END = object()
