@@ -285,9 +285,9 @@ def _locked(module: torch.nn.Module, forward, *args, **kwargs):
         if _followed(module, hook):  # a new hook placed the changed model: its own forward runs the call
             return module.forward(*args, **kwargs)
         hook.inside += 1
+        _hush(1)
         try:
-            with quiet():
-                return forward(*args, **kwargs)
+            return forward(*args, **kwargs)
         except Exception:
             raise  # torch runs the always-called forward hook: ``abort`` (``hook_component``)
         except BaseException:  # Ctrl-C: torch runs no forward hook, so the call's onloads and copies end here
@@ -295,6 +295,7 @@ def _locked(module: torch.nn.Module, forward, *args, **kwargs):
                 hook.abort(module)
             raise
         finally:
+            _hush(-1)
             hook.inside -= 1
             if not hook.inside:
                 hook.written.clear()  # what a call that raised left behind
@@ -348,11 +349,15 @@ def changed() -> None:
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Changes made by this thread inside the block do not move the counter (a component's own call, a placing)."""
-    _local.quiet = getattr(_local, "quiet", 0) + 1
+    _hush(1)
     try:
         yield
     finally:
-        _local.quiet -= 1
+        _hush(-1)
+
+
+def _hush(step: int) -> None:
+    _local.quiet = getattr(_local, "quiet", 0) + step
 
 
 def quietly(work: Callable[[], object]) -> Callable[[], object]:
@@ -403,3 +408,8 @@ def outside_graphs(cls: type) -> None:
 
 
 outside_graphs(PlacementHook)
+# the bookkeeping of each call, eager between graphs as the hooks' is: traced, a compiled ``module.compile()`` would
+# guard on the change counter and every tensor's version (a recompile at each call)
+_followed = torch.compiler.disable(_followed, recursive=True)
+_settled = torch.compiler.disable(_settled, recursive=True)
+_hush = torch.compiler.disable(_hush, recursive=True)
