@@ -67,7 +67,7 @@ def strays(pipe) -> list[str]:
     for name, module in models_of(pipe).items():
         p = plan.placement(name)
         hook = module._hf_hook
-        if module.__dict__.get("_pipemap_seen") != signature(module):
+        if getattr(module.__dict__.get("_pipemap_seen"), "signature", None) != signature(module):
             found.append(f"{name}: changed since pipemap last placed it")
         tensors = {id(t): (path, t) for path, t in _tensors(module)}
         if isinstance(hook, MovingHook):

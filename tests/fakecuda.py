@@ -711,6 +711,8 @@ class HostMode(TorchFunctionMode):
         if func in _HOST:
             return _HOST[func](self.fake, func, *args, **kwargs)
         device = kwargs.get("device")
+        if func is torch._C._nn._parse_to:  # Module.to's parsing, no factory: `device=` kept (issue 39)
+            return func(*args, **kwargs)
         if device is not None and torch.device(device).type == "cuda":
             index = self.fake.index(device)
             out = func(*args, **{**kwargs, "device": "cpu"})

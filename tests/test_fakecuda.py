@@ -212,3 +212,40 @@ def test_a_corrupting_peer_pair_copies_zeros_between_those_gpus_only(fake_cuda):
     assert fakecuda.host(x.cpu().to("cuda:1")).eq(5).all()  # through the host: right
     assert fakecuda.host(x.to("cuda:1").to("cuda:0")).eq(0).all()
     assert fakecuda.host(torch.full((8,), 5.0, device="cuda:1").to("cuda:0")).eq(5).all()  # the other way: right
+
+
+# every form of `.to` diffusers and transformers write (load_lora_weights: `text_encoder.to(device=..., dtype=...)`,
+# pipelines: `.to(device)`, `.to(device=device, dtype=dtype)`, `.to(dtype)`), on a module and on a tensor: each lands
+# where the real CUDA puts it (issue 39: a `device=` keyword was taken for a factory's and put the module on the CPU)
+_TO_FORMS = {
+    "positional string": (("cuda:1",), {}),
+    "positional device": ((torch.device("cuda:1"),), {}),
+    "device keyword": ((), {"device": torch.device("cuda:1")}),
+    "device keyword string": ((), {"device": "cuda:1"}),
+    "device and dtype keywords": ((), {"device": torch.device("cuda:1"), "dtype": torch.float64}),
+    "device and dtype positional": (("cuda:1", torch.float64), {}),
+    "device positional, dtype keyword": ((torch.device("cuda:1"),), {"dtype": torch.float64}),
+    "non_blocking": (("cuda:1",), {"non_blocking": True}),
+}
+
+
+@pytest.mark.parametrize("form", list(_TO_FORMS))
+def test_every_to_form_lands_where_cuda_puts_it(fake_cuda, form):
+    args, kwargs = _TO_FORMS[form]
+    dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), torch.float32))
+    layer = torch.nn.Linear(2, 2).to("cuda:0")
+    assert layer.to(*args, **kwargs) is layer
+    assert (layer.weight.device, layer.weight.dtype) == (torch.device("cuda:1"), dtype)
+    assert fakecuda.on_device(layer.weight)
+    tensor = torch.ones(2).to(*args, **kwargs)
+    assert (tensor.device, tensor.dtype) == (torch.device("cuda:1"), dtype) and fakecuda.on_device(tensor)
+
+
+def test_a_to_naming_a_dtype_or_a_tensor_keeps_or_follows_the_device(fake_cuda):
+    layer = torch.nn.Linear(2, 2).to(device="cuda:1")
+    layer.to(torch.float64)  # a dtype alone: stays on its GPU
+    assert (layer.weight.device, layer.weight.dtype) == (torch.device("cuda:1"), torch.float64)
+    like = torch.ones(1, device="cuda:0", dtype=torch.float16)
+    assert torch.ones(2).to(like).device == torch.device("cuda:0")
+    layer.to(device=torch.device("cpu"))
+    assert layer.weight.device == torch.device("cpu") and not fakecuda.on_device(layer.weight)

@@ -184,3 +184,36 @@ def test_run_many_keeps_the_copies_of_an_unchanged_model_across_batches(mode):
         copies.add(id(pipe.transformer._hf_hook.replicas[0]))
     assert len(copies) == 1
     pipemap.reset(pipe)
+
+
+@pytest.mark.slow
+def test_iter_many_over_a_blocking_queue_answers_each_request_before_the_next_is_sent(staged):
+    # a client that waits for its answer before sending its next request (issue 39: the answer came only once
+    # 2 * workers + 1 requests were in); the source is read on a thread of its own, so each answer comes when done
+    import queue
+
+    requests: queue.Queue = queue.Queue()
+    answers = pipemap.iter_many(staged, iter(requests.get, None), workers=2)
+    want = _images(staged(**call) for call in _calls(2))
+    for call, expected in zip(_calls(2), want, strict=True):
+        requests.put(call)
+        torch.testing.assert_close(_images([next(answers)])[0], expected, atol=0, rtol=0)
+    requests.put(None)
+    assert next(answers, None) is None
+
+
+def test_iter_many_raises_a_bad_call_in_its_turn_and_stops_reading_when_closed(staged):
+    read = []
+
+    def calls():
+        for i, call in enumerate(_calls(3)):
+            read.append(i)
+            yield call if i != 1 else "a cat"
+
+    answers = pipemap.iter_many(staged, calls(), workers=1)
+    assert next(answers).images.shape == (1, 32, 32, 3)  # the good one before it first
+    with pytest.raises(pipemap.RunManyCallError) as err:
+        next(answers)
+    assert err.value.argument == "calls[1]"
+    answers.close()
+    assert read == [0, 1]

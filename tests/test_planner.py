@@ -576,3 +576,31 @@ def test_a_split_that_runs_out_of_room_names_the_largest_room_it_had():
     with pytest.raises(pipemap.DoesNotFitError) as caught:
         plan(Inventory("test", "TestPipeline", (vae,)), "cuda:0=24,cuda:1=24,cpu=1000", strategy="balanced_split")
     assert (caught.value.bytes, caught.value.largest_room) == (45, 24)
+
+
+@pytest.mark.parametrize(("heads", "gpus", "copies"), [(24, 2, 2), (3, 2, 0), (12, 8, 4), (6, 8, 2), (0, 2, 2)])
+def test_a_sequence_split_is_planned_only_on_gpus_that_divide_the_heads(heads, gpus, copies):
+    # Ulysses attention gives each GPU a share of the heads (issue 39: 3 heads were split across 2 GPUs and the load
+    # failed naming "parallel" to a user who asked for "auto"); 0: heads unknown, planned as before. A pipeline
+    # class of no diffusers' leaves the sequence split the only way to copy the transformer
+    inv = replica_inventory("MyOwnPipeline")
+    parts = tuple(replace(c, class_name="FluxTransformer2DModel", heads=heads) if c.name == "transformer" else c
+                  for c in inv.components)
+    inv = replace(inv, components=parts)
+    for strategy in ("parallel", "auto"):
+        found = plan(inv, f"{gpus}x16GiB,cpu=64GiB", strategy=strategy).placement("transformer")
+        assert (found.mode, len(found.replicas) + 1) == ("sequence", copies) if copies else found.mode != "sequence"
+    if not copies:
+        notes = plan(inv, f"{gpus}x16GiB,cpu=64GiB", strategy="parallel").notes
+        assert any("attention heads do not divide" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_a_transformer_inventoried_from_its_config_carries_its_heads(tmp_path):
+    import families
+
+    pipe, _ = families.build("qwen_image")
+    pipe.save_pretrained(tmp_path)
+    heads = pipe.transformer.config.num_attention_heads
+    assert {c.name: c.heads for c in pipemap.inspect(str(tmp_path)).models}["transformer"] == heads
+    assert {c.name: c.heads for c in pipemap.inspect(pipe).models}["transformer"] == heads

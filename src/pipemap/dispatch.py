@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Callable
@@ -26,7 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
 from .hooks import HOOKS, MOVING, CallLock, Moved, PlacementHook, hook_component, hook_maker, unhook_component
 from .hooks.follow import follow as follow_component
-from .hooks.follow import forget, remember, settle
+from .hooks.follow import forget, remember, settle, unchanged
+from .hooks.resident import changed, quiet
 from .inventory import module_bytes, submodules
 from .plan import Placement, Plan
 from .quantized import movable, storage
@@ -76,8 +78,14 @@ def place(pipe, plan: Plan, *, check_transfers: bool = True,
     modules = _check(pipe, plan)
     if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
         ensure_safe_transfers(plan_devices(plan))  # every GPU it copies between: execution GPUs and shards too
+    with quiet():  # placing and hooking is no change of the models (``hooks.follow.unchanged``)
+        _place_all(pipe, plan, modules, hook_maker(plan, queues))
+    synchronize(plan_devices(plan))  # the placed weights ready for whatever stream calls first
+    _mark(pipe, plan)
+
+
+def _place_all(pipe, plan: Plan, modules: dict[str, torch.nn.Module], make_hook) -> None:
     moves: list[Move] = []
-    make_hook = hook_maker(plan, queues)
     for placement in plan.components:
         module = modules[placement.component]
         try:
@@ -85,12 +93,11 @@ def place(pipe, plan: Plan, *, check_transfers: bool = True,
             hook: Any = make_hook(placement)
             hook_component(module, hook)
             hook.owner = weakref.ref(pipe)  # reset of a from_pipe copy finds the pipeline to unmark
+            hook.follower = follower(pipe, placement.component)
             remember(module)  # what a later change (a LoRA loaded) is compared with
         except Exception as err:
             _undo(modules.values(), moves)
             raise DispatchError(placement.component, placement.device, err) from err
-    synchronize(plan_devices(plan))  # the placed weights ready for whatever stream calls first
-    _mark(pipe, plan)
 
 
 def reset(pipe) -> None:
@@ -101,6 +108,7 @@ def reset(pipe) -> None:
     """
     check_pipeline(pipe, "reset")
     pipes = [pipe, *_owners(pipe)]  # a from_pipe copy shares the models of the pipeline dispatch placed
+    pipes += [c for p in list(pipes) for c in p.__dict__.get(_COPIES, ()) if all(c is not q for q in pipes)]
     for module in {id(m): m for p in pipes for m in _modules(p).values()}.values():
         settle(module)  # what was changed in place on the GPU (a fused LoRA) kept in the CPU masters
         unhook_component(module)
@@ -121,6 +129,7 @@ def _unmark(pipe) -> None:
         pipe.__dict__.pop(name, None)
     pipe.__dict__.pop("_pipemap_plan", None)
     pipe.__dict__.pop("hf_device_map", None)  # back to the class's None, as before dispatch
+    pipe.__dict__.pop(_COPIES, None)
     unguard_calls(pipe)
 
 
@@ -186,6 +195,10 @@ def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
         raise PipelineMappedError("dispatching a pipeline that pipemap already placed")
     modules = _modules(pipe)
     for name, module in modules.items():
+        if isinstance(getattr(module, "_hf_hook", None), PlacementHook):
+            raise PlanMismatchError(name, "pipemap placed it for another pipeline that shares it (a copy made with "
+                                    "from_pipe or from its components): pipemap.follow(pipe) places this one on "
+                                    "that plan; to plan anew, pipemap.reset(pipe) (both are reset) and dispatch")
         if getattr(module, "_hf_hook", None) is not None:
             raise PlanMismatchError(name, f"it already carries the hook {type(module._hf_hook).__name__} (from "
                                     "enable_model_cpu_offload or a device_map); call pipe.remove_all_hooks() first")
@@ -244,6 +257,7 @@ def _undo(modules, moves: list[Move]) -> None:
 
 
 def _mark(pipe, plan: Plan) -> None:
+    _watch_copies()
     pipe.hf_device_map = plan.device_map
     pipe.__dict__["_pipemap_plan"] = plan
     for name in _GUARDED:
@@ -251,6 +265,48 @@ def _mark(pipe, plan: Plan) -> None:
     pipe.__dict__["reset_device_map"] = functools.partial(reset, pipe)  # diffusers' own undo does ours
     pipe.__dict__["remove_all_hooks"] = functools.partial(reset, pipe)  # half removed would leave it half placed
     guard_calls(pipe)  # calls from several threads take turns: a call's state lives on the pipeline
+
+
+# ---- a from_pipe copy of a placed pipeline ---------------------------------------------------------------------
+
+_COPIES = "_pipemap_copies"  # the from_pipe copies of a placed pipeline: reset unmarks them too (weakly held)
+
+
+def _watch_copies() -> None:
+    """Wrap diffusers' ``DiffusionPipeline.from_pipe`` once per process: a copy of a placed pipeline shares its
+    models (and their hooks), and may bring new ones (``controlnet=cn``), which nothing would place."""
+    from diffusers import DiffusionPipeline
+
+    with _GUARDS_LOCK:
+        original = DiffusionPipeline.__dict__.get("from_pipe")
+        if not isinstance(original, classmethod) or getattr(original.__func__, "_pipemap", False):
+            return
+        made_by = original.__func__
+
+        @functools.wraps(made_by)
+        def from_pipe(cls, pipeline, **kwargs):
+            made = made_by(cls, pipeline, **kwargs)
+            if planned(pipeline) is not None and planned(made) is None:
+                place_copy(pipeline, made)
+            return made
+
+        from_pipe._pipemap = True  # type: ignore[attr-defined]
+        setattr(DiffusionPipeline, "from_pipe", classmethod(from_pipe))  # noqa: B010 - a classmethod put back
+
+
+def place_copy(pipe, made) -> None:
+    """Place ``made``, a ``from_pipe`` copy of the placed ``pipe``, on ``pipe``'s plan: the models they share stay
+    where they are (one hook, one place); a model only the copy has is planned in as ``follow`` places a new one
+    (resident where room is left); the copy's calls take turns and follow as the original's do. ``pipemap.reset``
+    of either resets both."""
+    plan = planned(pipe)
+    if plan is None:
+        return
+    modules = _modules(made)
+    shared = tuple(p for p in plan.components if modules.get(p.component) is getattr(pipe, p.component, None))
+    _mark(made, dataclasses.replace(plan, components=shared))
+    pipe.__dict__.setdefault(_COPIES, weakref.WeakSet()).add(made)
+    follow(made)
 
 
 def _refuse(operation: str):
@@ -321,8 +377,10 @@ def unguarded_class(pipe) -> type:
 def _guarded(cls: type) -> type:
     with _GUARDS_LOCK:
         if cls not in _GUARDS:
-            body = {"__call__": _taking_turns(cls.__call__), "_pipemap_unguarded": cls, "__module__": cls.__module__,
-                    "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, "__setattr__": _replacing(cls)}
+            body = {**_changing_methods(cls), "__call__": _taking_turns(cls.__call__), "_pipemap_unguarded": cls,
+                    "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+                    "__setattr__": _replacing(cls), "__deepcopy__": _refused_copy("copy.deepcopy(pipe)"),
+                    "__reduce_ex__": _refused_copy("pickling the pipeline")}
             _GUARDS[cls] = type(cls.__name__, (cls,), body)
         return _GUARDS[cls]
 
@@ -334,15 +392,77 @@ def _taking_turns(call):
         if lock is None:  # a new pipeline of the class (``type(pipe)(...)``) that no dispatch marked
             return call(self, *args, **kwargs)
         with lock:
-            follow(self)  # a LoRA loaded, fused or switched since the last call: placed before this one
-            try:
-                return call(self, *args, **kwargs)
-            finally:  # what the models' own calls change (transformers' hooks, Wan's VAE caches) is no change
-                for module in _modules(self).values():
-                    if isinstance(getattr(module, "_hf_hook", None), PlacementHook):
-                        remember(module)
+            # a LoRA loaded, fused or switched since the last call: placed before this one. A change made during the
+            # call (from callback_on_step_end) is followed at the next call of the component (``follower``); what
+            # the models' own calls set on themselves (Wan's VAE caches) runs quiet and is no change
+            follow(self)
+            return call(self, *args, **kwargs)
 
     return taking_turns
+
+
+# the pipeline methods that change its models (diffusers' loader mixins, FreeU, fused projections): called from
+# another thread, they wait for the running call and apply whole after it; their own changes are marked (peft's
+# merged adapters are a list appended to, which no hook of torch sees)
+_CHANGING = ("load_", "unload_", "fuse_", "unfuse_", "set_", "enable_", "disable_", "delete_")
+
+
+def _changing_methods(cls: type) -> dict[str, Any]:
+    found = {}
+    for name in dir(cls):
+        if name.startswith(_CHANGING) and name not in _GUARDED:
+            method = inspect.getattr_static(cls, name, None)
+            if inspect.isfunction(method):
+                found[name] = _changing(method)
+    return found
+
+
+def _changing(method):
+    @functools.wraps(method)
+    def changing(self, *args, **kwargs):
+        lock = self.__dict__.get(CALL_LOCK)
+        if lock is None:
+            return method(self, *args, **kwargs)
+        with lock:
+            changed()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                changed()
+
+    return changing
+
+
+def follower(pipe, name: str) -> Callable[[torch.nn.Module], bool]:
+    """What the hook of ``pipe``'s component ``name`` runs at the start of each call: the model's changes since
+    followed (``hooks.follow.follow``) and the plan's sizes updated; True when it changed. Cheap when nothing
+    changed (``hooks.follow.unchanged``)."""
+    owner = weakref.ref(pipe)
+
+    def follow_call(module: torch.nn.Module) -> bool:
+        if unchanged(module):
+            return False
+        found = owner()
+        plan = planned(found) if found is not None else None
+        if plan is None or name not in plan.device_map:
+            return False
+        if not follow_component(module, plan.placement(name), _place):
+            return False
+        plan = _resized(plan, {name: module_bytes(module)})
+        found.__dict__["_pipemap_plan"] = plan
+        found.__dict__["hf_device_map"] = plan.device_map
+        return True
+
+    return follow_call
+
+
+def _refused_copy(operation: str):
+    # a copy would hold the hooks, their locks, threads and CUDA copies of the placed models: refused by name (the
+    # guarded class is no importable class, and a lock no picklable object, so either would fail with a raw error)
+    def refuse(self, *args):
+        raise PipelineMappedError(operation)
+
+    return refuse
 
 
 def _replacing(cls: type):
@@ -371,6 +491,9 @@ def follow(pipe) -> None:
     """
     plan = planned(pipe)
     if plan is None:
+        owner = next(iter(_owners(pipe)), None)  # a copy sharing a placed pipeline's models (made by hand)
+        if owner is not None and planned(owner) is not None:
+            place_copy(owner, pipe)
         return
     placements = {p.component: p for p in plan.components}
     modules = _modules(pipe)
@@ -457,10 +580,12 @@ def _hook_new(pipe, plan: Plan, placement: Placement, module: torch.nn.Module) -
     hook = HOOKS[placement.mode](placement, plan.execution_device, ledger)
     if placement.mode in MOVING:
         hook.lock = moving[0].lock if moving else CallLock()
-    _place(module, placement)
-    hook_component(module, hook)
-    hook.owner = weakref.ref(pipe)
-    remember(module)
+    with quiet():
+        _place(module, placement)
+        hook_component(module, hook)
+        hook.owner = weakref.ref(pipe)
+        hook.follower = follower(pipe, placement.component)
+        remember(module)
 
 
 def _adopt(pipe, plan: Plan, name: str, module: torch.nn.Module) -> Plan:

@@ -74,6 +74,9 @@ class Component:
     # loaded pipeline's maps): only when every tensor is stored at the dtype it will have, so loading maps it and
     # converts nothing. Empty: its host copy must be RAM (``tiers``)
     files: tuple[str, ...] = ()
+    # a transformer's attention heads (its config's ``num_attention_heads``; 0: unknown): a sequence split gives
+    # each GPU a share of them, so it is planned only on GPU counts that divide them
+    heads: int = 0
 
     def __post_init__(self) -> None:
         if not self.calls_per_image:
@@ -213,7 +216,13 @@ def _weighted_component(folder: Path, name: str, library: str, class_name: str, 
     mappable = library in _WEIGHTED_LIBRARIES and all(sizes[k] == _stored_bytes(m) for k, m in headers.items())
     return Component(name, library, class_name, sum(sizes.values()), True, in_flight=finest_in_flight(tree),
                      blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, at.itemsize),
-                     files=tuple(f"{name}/{f.name}" for f in files) if mappable else ())
+                     files=tuple(f"{name}/{f.name}" for f in files) if mappable else (),
+                     heads=_heads(_config(folder / name)))
+
+
+def _heads(config: Any) -> int:
+    heads = config.get("num_attention_heads") if isinstance(config, Mapping) else None
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else 0
 
 
 def check_entry(folder: Path, name: str, library: object, class_name: object) -> None:
@@ -685,7 +694,7 @@ def live_component(name: str, module: torch.nn.Module, dtype: torch.dtype | None
     itemsize = dtype.itemsize if dtype is not None else next((p.element_size() for p in module.parameters()), 4)
     return Component(name, library, class_name, sum(sizes.values()), True, in_flight=finest_in_flight(tree),
                      blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, itemsize),
-                     files=mapped_files(module, dtype))
+                     files=mapped_files(module, dtype), heads=_heads(getattr(module, "config", None)))
 
 
 def mapped_files(module: torch.nn.Module, dtype: torch.dtype | None = None) -> tuple[str, ...]:

@@ -21,9 +21,7 @@ of the denoiser sharing each call, is in hooks: a batch split (``hooks/replica.p
 
 from __future__ import annotations
 
-import collections
 import copy
-import itertools
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -67,7 +65,8 @@ def run_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_excepti
 def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False,
               memory: Admission | None = None) -> Iterator:
     """``run_many`` as a generator: each result as soon as it and those before it are done; ``calls`` is read
-    lazily (at most ``2 * workers`` ahead), so it may be an endless iterator, e.g. a request queue.
+    lazily on a thread of its own (at most ``2 * workers`` ahead), so it may be an endless iterator that blocks,
+    e.g. ``iter(queue.get, None)``: an answer never waits for the next request.
 
     >>> for out in pipemap.iter_many(pipe, ({"prompt": p} for p in prompts)):               # doctest: +SKIP
     ...     out.images[0].save(...)
@@ -81,30 +80,25 @@ def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_except
 
 def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bool,
              memory: Admission | None) -> Iterator:
+    """Each request's outcome in order, each yielded as soon as it is done: ``calls`` is read on a thread of its own
+    (``_Feeder``), so a source that blocks (a request queue whose client waits for its answer before sending the
+    next) never holds back an answer already computed."""
     twins: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(workers):
         twins.put(twin(pipe))
-    numbered = enumerate(calls)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="pipemap-run_many")
-    pending: collections.deque[Future] = collections.deque()
-
-    def submit(item) -> None:
-        index, call = item
-        if not isinstance(call, Mapping):
-            raise RunManyCallError(f"calls[{index}]", call, "each call is a dict of the pipeline's keyword arguments, "
-                                   "e.g. {'prompt': 'a cat', 'generator': torch.Generator().manual_seed(0)}")
-        pending.append(pool.submit(_run_one, twins, index, dict(call), memory))
-
+    feeder = _Feeder(calls, lambda index, call: pool.submit(_run_one, twins, index, call, memory), 2 * workers)
     try:
-        for item in itertools.islice(numbered, 2 * workers):
-            submit(item)
-        while pending:
-            future = pending.popleft()
-            following = next(numbered, None)  # keep the pool fed before waiting on the oldest request
-            if following is not None:
-                submit(following)
-            yield _outcome(future, return_exceptions)
+        while True:
+            future = feeder.next()
+            if future is None:
+                return
+            try:
+                yield _outcome(future, return_exceptions)
+            finally:
+                feeder.done()
     finally:
+        feeder.stop()
         pool.shutdown(wait=True, cancel_futures=True)
         _remember(pipe)
 
@@ -115,6 +109,58 @@ def _remember(pipe) -> None:
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module) and isinstance(getattr(module, "_hf_hook", None), PlacementHook):
             remember(module)
+
+
+class _Feeder:
+    """Reads ``calls`` on a daemon thread, at most ``ahead`` requests in flight, submitting each; ``next`` gives
+    the futures in order (None at the end; the source's own error raised in its place)."""
+
+    def __init__(self, calls: Iterable[Mapping], submit, ahead: int):
+        self._submit, self._room = submit, threading.Semaphore(ahead)
+        self._futures: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._feed, args=(iter(calls),), daemon=True,
+                                        name="pipemap-iter_many-feed")
+        self._thread.start()
+
+    def _feed(self, calls: Iterator[Mapping]) -> None:
+        index = 0
+        try:
+            while True:
+                self._room.acquire()
+                if self._stopped.is_set():
+                    return
+                call = next(calls, _END)
+                if call is _END or self._stopped.is_set():
+                    break
+                if not isinstance(call, Mapping):
+                    raise RunManyCallError(f"calls[{index}]", call, "each call is a dict of the pipeline's keyword "
+                                           "arguments, e.g. {'prompt': 'a cat', 'generator': "
+                                           "torch.Generator().manual_seed(0)}")
+                self._futures.put(self._submit(index, dict(call)))
+                index += 1
+        except BaseException as err:  # the source's error (or a bad call): raised to the reader in its turn
+            self._futures.put(err)
+        self._futures.put(None)
+
+    def next(self) -> Future | None:
+        item = self._futures.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def done(self) -> None:
+        self._room.release()  # an answer handed over: room for one more request
+
+    def stop(self) -> None:
+        """The reader is gone: read no more. A source that does not block (serve's) is done with at once, so what
+        it took is in its taker's hands before this returns; one blocked (a queue) ends at its next item."""
+        self._stopped.set()
+        self._room.release()
+        self._thread.join(timeout=1.0)
+
+
+_END = object()
 
 
 def _run_one(twins: queue.SimpleQueue, index: int, call: dict, memory: Admission | None):

@@ -52,6 +52,7 @@ class Request:
     trees: tuple[tuple[str, Block | None], ...] = ()  # module trees: a streamed component's pieces and residency
     # (denoiser, mode) strategy "parallel" may copy it for, the fastest first (``replication.parallel_modes``)
     parallel: tuple[tuple[str, str], ...] = ()
+    heads: int = 0  # the denoiser's attention heads (0: unknown): a sequence split runs on GPU counts dividing them
 
 
 class Place(NamedTuple):
@@ -267,19 +268,20 @@ def _parallel(request: Request) -> dict[str, str | Place]:
     then runs across the copies as its mode says (``replication``). Balanced where no two GPUs can (``notes`` say
     why)."""
     for name, mode in request.parallel:
-        for count in _copy_counts(mode, len(request.rooms)) if name in dict(request.components) else ():
+        for count in _copy_counts(mode, len(request.rooms), request.heads) if name in dict(request.components) else ():
             placed = _replicated(request, name, count, mode)
             if placed is not None:
                 return placed
     return _balanced(request)
 
 
-def _copy_counts(mode: str, gpus: int) -> list[int]:
-    """How many GPUs a mode may run the denoiser on, the most first."""
+def _copy_counts(mode: str, gpus: int, heads: int = 0) -> list[int]:
+    """How many GPUs a mode may run the denoiser on, the most first; a sequence split only where its ``heads``
+    divide among them (unknown: 0)."""
     if mode == "guidance":
         return [2] if gpus >= 2 else []
     if mode == "sequence":
-        return [n for n in replication.SEQUENCE_GPUS if n <= gpus]
+        return [n for n in replication.SEQUENCE_GPUS if n <= gpus and (not heads or heads % n == 0)]
     return list(range(gpus, 1, -1))
 
 
@@ -379,7 +381,8 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         blocks = tuple((c.name, c.blocks) for c in inventory.models)
         trees = tuple((c.name, c.tree) for c in inventory.models)
         parallel = replication.parallel_modes(inventory, hw.performance) if name == "parallel" else ()
-        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks, trees, parallel))
+        heads = replication.denoiser_heads(inventory)
+        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks, trees, parallel, heads))
         notes += replication.plan_notes(inventory, placed) if name == "parallel" else []
     device_map = {**fixed, **placed}
     label = name if not fixed else ("map" if not rest else f"map+{name}")

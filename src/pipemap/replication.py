@@ -99,6 +99,12 @@ def _denoiser(inventory: Inventory) -> str | None:
     return next((n for n in DENOISERS if n in names), None)
 
 
+def denoiser_heads(inventory: Inventory) -> int:
+    """The denoiser's attention heads (0: unknown, or no denoiser)."""
+    denoiser = _denoiser(inventory)
+    return next((c.heads for c in inventory.models if c.name == denoiser), 0)
+
+
 def replicable(inventory: Inventory) -> tuple[str, ...]:
     """The denoiser, when its calls carry a batch that replicas can split; else nothing."""
     denoiser = _denoiser(inventory)
@@ -115,7 +121,10 @@ def plan_notes(inventory: Inventory, placed: Mapping[str, Any]) -> list[str]:
     if copies:
         return [_what_runs_where(denoiser, place.mode, place.device, copies)]
     component = next(c for c in inventory.models if c.name == denoiser)
-    if _applicable(inventory, component):
+    if _applicable(inventory, component) == ["sequence"] and component.heads % 2:
+        why = (f"its {component.heads} attention heads do not divide among the GPUs (a sequence split gives each GPU "
+               "a share of them)")
+    elif _applicable(inventory, component):
         why = f"no two GPUs hold a copy of the {denoiser} ({format_bytes(component.bytes)}) beside the other components"
     else:
         why = (f"{inventory.pipeline_class} is not a diffusers pipeline class, so how it calls its {denoiser} is "

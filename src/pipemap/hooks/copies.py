@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .replica import CallerState, _run_replica, replica
-from .resident import PlacementHook
+from .resident import PlacementHook, quietly
 
 
 class CopiesHook(PlacementHook):
@@ -73,7 +73,7 @@ class CopiesHook(PlacementHook):
             return done
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max(1, len(self.replicas)), thread_name_prefix=f"pipemap-{self.component}")
-        return self._pool.submit(work)
+        return self._pool.submit(quietly(work))  # what a copy's call sets on itself is no change (``resident``)
 
     def __getstate__(self):  # a deep copy (the dry run's fake copy of a module) leaves the copies and threads behind
         return {**self.__dict__, "replicas": [], "_pool": None}

@@ -1,7 +1,8 @@
 """A placed component whose model changed after dispatch: LoRA loaded, switched, fused, unfused or deleted, an
 IP-Adapter's projections, fused QKV projections, FreeU, ``load_state_dict``.
 
-The model is compared with what it was when last placed (``Signature``: every tensor it holds, with its version
+Each call of a placed component first asks ``unchanged`` (cheap: ``Seen``); only when that cannot say, the model
+is compared with what it was when last placed (``Signature``: every tensor it holds, with its version
 counter, and its module tree; for a component with copies also the plain state of every module: peft's active
 adapters, scales and merged adapters, FreeU's factors, attention processors, which a copy has to share and a placed
 model keeps where it is). On a change:
@@ -30,7 +31,7 @@ from ..inventory import submodules
 from ..plan import Placement
 from ..quantized import restored, storage
 from ..transfer import move_tensor
-from .resident import PlacementHook, hook_component, unhook_component
+from .resident import PlacementHook, epoch, hook_component, quiet, unhook_component, watch_changes
 
 if TYPE_CHECKING:
     from .packing import Group
@@ -123,9 +124,52 @@ def groups(hook: Any) -> list[Group]:
     return hook.moved_groups() if isinstance(hook, PlacementHook) else []
 
 
+class Seen:
+    """A component as last placed: its ``Signature``, and what the cheap check at each call reads (``unchanged``):
+    the change counter then (``resident.epoch``) and the sum of its tensors' version counters (each only grows, so
+    an in-place write into any of them, ``load_state_dict`` or ``weight.mul_(2)``, moves the sum)."""
+
+    __slots__ = ("signature", "epoch", "tensors", "versions")
+
+    def __init__(self, module: torch.nn.Module):
+        self.signature = signature(module)
+        self.epoch = epoch()
+        self.tensors = _tensors(module)  # as their masters, like the signature: onloading changes nothing
+        self.versions = _versions(self.tensors)
+
+    def unchanged(self) -> bool:
+        return self.epoch == epoch() and _versions(self.tensors) == self.versions
+
+    def settle(self) -> None:
+        """What a call of the model wrote into its own tensors is no change (the signature's versions are not
+        compared again unless the counter moves; then the whole signature is)."""
+        self.versions = _versions(self.tensors)
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    masters = _masters(getattr(module, "_hf_hook", None))
+    found = []
+    for sub in submodules(module):
+        for store in (sub._parameters, sub._buffers):
+            found += [masters.get(id(t), t) for t in store.values() if t is not None]
+    return found
+
+
+def _versions(tensors: list[torch.Tensor]) -> int:
+    return sum([t._version for t in tensors])
+
+
 def remember(module: torch.nn.Module) -> None:
     """Record ``module`` as placed now (after ``dispatch`` hooked it, or after a follow)."""
-    module.__dict__["_pipemap_seen"] = signature(module)
+    watch_changes()
+    module.__dict__["_pipemap_seen"] = Seen(module)
+
+
+def unchanged(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is surely as last placed: nothing changed any module since (outside placed calls) and no
+    tensor of it was written in place. Cheap (a sum of version counters); False means "compare its signature"."""
+    seen = module.__dict__.get("_pipemap_seen")
+    return seen is not None and seen.unchanged()
 
 
 def _with_state(module: torch.nn.Module) -> bool:
@@ -142,14 +186,18 @@ def forget(module: torch.nn.Module) -> None:
 def follow(module: torch.nn.Module, placement: Placement, place: Place) -> bool:
     """Bring a placed component's hook and tensors in line with its model as it is now; True if it had changed."""
     seen = module.__dict__.get("_pipemap_seen")
-    if seen is not None and signature(module) == seen:
+    if seen is not None and seen.unchanged():
         return False
-    hook = getattr(module, "_hf_hook", None)
-    if isinstance(hook, PlacementHook) and hook.rehooked_on_change:
-        rehook(module, hook, placement, place)
-    else:
-        place(module, placement)
-    remember(module)
+    with quiet():  # pipemap's own placing is no change of the model
+        if seen is not None and signature(module) == seen.signature:
+            remember(module)  # the counter moved for another model, or a write left it as it was: seen now
+            return False
+        hook = getattr(module, "_hf_hook", None)
+        if isinstance(hook, PlacementHook) and hook.rehooked_on_change:
+            rehook(module, hook, placement, place)
+        else:
+            place(module, placement)
+        remember(module)
     return True
 
 
@@ -159,6 +207,7 @@ def rehook(module: torch.nn.Module, hook: PlacementHook, placement: Placement, p
     settle(module)
     fresh = type(hook).for_placement(placement, str(hook.execution_device), getattr(hook, "ledger", None))
     fresh.lock, fresh.moved = hook.lock, hook.moved  # one lock with the hooks it takes turns with; counts go on
+    fresh.follower = hook.follower
     unhook_component(module)
     place(module, placement)
     hook_component(module, fresh)

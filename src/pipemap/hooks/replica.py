@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..transfer import move, move_tensor
-from .resident import PlacementHook, outside_graphs
+from .resident import PlacementHook, outside_graphs, quietly
 
 
 class ReplicaHook(PlacementHook):
@@ -90,7 +90,7 @@ class ReplicaHook(PlacementHook):
         return PlacementHook.post_forward(self, module, output)
 
     def _start(self, module: torch.nn.Module, device: torch.device, chunk, state: CallerState) -> Future:
-        run = functools.partial(_run_replica, module, device, self.device, chunk, state)
+        run = quietly(functools.partial(_run_replica, module, device, self.device, chunk, state))  # its own call
         if device.type == "meta":
             done: Future = Future()
             done.set_result(run())

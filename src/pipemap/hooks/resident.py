@@ -8,8 +8,11 @@ through ``apply_forward_hook``, with the component's call lock) and removing eve
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +61,9 @@ class PlacementHook(ModelHook):
     """
 
     rehooked_on_change = False  # a changed model gets a new hook (``follow.rehook``), not just its tensors placed
+    # set by dispatch: at the start of each call, brings the component in line with its model if it changed since
+    # (``dispatch.follow_call``); True when it followed a change (the hook may have been replaced)
+    follower: Callable[[torch.nn.Module], bool] | None = None
     keeps_copies = False  # its calls run on copies of the model too: a change of plain state alone is followed
     moves_weights = False  # it onloads weights through a ``moving.Ledger`` (its ``ledger``)
 
@@ -250,17 +256,24 @@ def _wrap_method(module, function, hook: ModelHook):
         def call(hook):  # under the component's lock: another thread's call of this component waits (run_many)
             if hook.inside:
                 return raw(*args, **kwargs)
+            if _followed(module, hook):  # rehooked: the new hook's wrapper runs the call
+                return getattr(module, function.__name__)(*args, **kwargs)
             hook.inside += 1
             try:
-                moved_args, moved_kwargs = hook.pre_forward(module, *args, **kwargs)
-                output = raw(*moved_args, **moved_kwargs)
+                with quiet():
+                    moved_args, moved_kwargs = hook.pre_forward(module, *args, **kwargs)
+                    output = raw(*moved_args, **moved_kwargs)
             except BaseException:
                 if hasattr(hook, "abort"):
                     hook.abort(module)
                 raise
             finally:
                 hook.inside -= 1
-            return hook.post_forward(module, output)
+            try:
+                with quiet():
+                    return hook.post_forward(module, output)
+            finally:
+                _settled(module)
 
         return component_call(module, call)
 
@@ -269,15 +282,117 @@ def _wrap_method(module, function, hook: ModelHook):
 
 def _locked(module: torch.nn.Module, forward, *args, **kwargs):
     def call(hook):
+        if _followed(module, hook):  # a new hook placed the changed model: its own forward runs the call
+            return module.forward(*args, **kwargs)
         hook.inside += 1
+        _hush(1)
         try:
             return forward(*args, **kwargs)
+        except Exception:
+            raise  # torch runs the always-called forward hook: ``abort`` (``hook_component``)
+        except BaseException:  # Ctrl-C: torch runs no forward hook, so the call's onloads and copies end here
+            if hasattr(hook, "abort") and hook.inside == 1:
+                hook.abort(module)
+            raise
         finally:
+            _hush(-1)
             hook.inside -= 1
             if not hook.inside:
                 hook.written.clear()  # what a call that raised left behind
+                _settled(module)
 
     return component_call(module, call)
+
+
+def _followed(module: torch.nn.Module, hook) -> bool:
+    """At the start of an outermost call: the model's changes since its last call followed (a LoRA or FreeU set
+    from ``callback_on_step_end`` between two steps); True when that replaced ``hook``."""
+    if hook.inside or hook.follower is None:
+        return False
+    return bool(hook.follower(module)) and module.__dict__.get("_hf_hook") is not hook
+
+
+def _settled(module: torch.nn.Module) -> None:
+    """After a call: what the model's own call wrote into its tensors is no change (``follow.Seen.settle``)."""
+    seen = module.__dict__.get("_pipemap_seen")
+    if seen is not None:
+        seen.settle()
+
+
+# ---- what changed since: a counter moved by every change to any module made outside a placed component's call ----
+# A placed component is checked at the start of each call (``follow.unchanged``); hashing its whole model there would
+# cost ~10 ms a call on a full SDXL UNet, so the check reads this counter and its tensors' version counters instead,
+# and hashes the model only when one of them moved. torch's module registration hooks see modules, parameters and
+# buffers set; torch.nn.Module.__setattr__ (wrapped once, on the first dispatch) sees plain attributes (peft's active
+# adapter and disable flag, FreeU's factors, an attention processor). The components' own calls (and pipemap's own
+# placing) run ``quiet``: what a model sets on itself while it runs (Wan's VAE caches) is no change.
+
+_counter = itertools.count(1)
+_epoch = 0
+_local = threading.local()
+_installed = threading.Lock()
+_watching: list[bool] = []
+
+
+def epoch() -> int:
+    """The change counter now: moves at each change to any module made outside a placed call."""
+    return _epoch
+
+
+def changed() -> None:
+    """Move the change counter (a change made where no hook of torch sees it: a pipeline's loader method)."""
+    global _epoch
+    if not getattr(_local, "quiet", 0):
+        _epoch = next(_counter)  # a fresh value, never one a check recorded: no lost update can hide a change
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Changes made by this thread inside the block do not move the counter (a component's own call, a placing)."""
+    _hush(1)
+    try:
+        yield
+    finally:
+        _hush(-1)
+
+
+def _hush(step: int) -> None:
+    _local.quiet = getattr(_local, "quiet", 0) + step
+
+
+def quietly(work: Callable[[], object]) -> Callable[[], object]:
+    """``work`` run ``quiet`` on whatever thread runs it (a copy's part of a call, on a pool thread)."""
+    def run() -> object:
+        with quiet():
+            return work()
+
+    return run
+
+
+def watch_changes() -> None:
+    """Install, once per process, what moves the change counter (see above)."""
+    with _installed:
+        if _watching:
+            return
+        registered = torch.nn.modules.module
+        registered.register_module_module_registration_hook(_on_registration)
+        registered.register_module_parameter_registration_hook(_on_registration)
+        registered.register_module_buffer_registration_hook(_on_registration)
+        torch.nn.Module.__setattr__ = _watched_setattr(torch.nn.Module.__setattr__)  # type: ignore[method-assign]
+        _watching.append(True)
+
+
+def _on_registration(module, name, value) -> None:
+    changed()
+
+
+def _watched_setattr(setattr_of):
+    @functools.wraps(setattr_of)
+    def __setattr__(self, name: str, value) -> None:
+        setattr_of(self, name, value)
+        changed()
+
+    return __setattr__
 
 
 def outside_graphs(cls: type) -> None:
@@ -293,3 +408,8 @@ def outside_graphs(cls: type) -> None:
 
 
 outside_graphs(PlacementHook)
+# the bookkeeping of each call, eager between graphs as the hooks' is: traced, a compiled ``module.compile()`` would
+# guard on the change counter and every tensor's version (a recompile at each call)
+_followed = torch.compiler.disable(_followed, recursive=True)
+_settled = torch.compiler.disable(_settled, recursive=True)
+_hush = torch.compiler.disable(_hush, recursive=True)

@@ -130,7 +130,7 @@ def check_splittable(component: str, module: torch.nn.Module, ranks: int) -> Non
         if _AttentionBackendRegistry._is_context_parallel_available(name):
             return
         reason = f"its attention backend {name.value!r} has no context-parallel path"
-    raise PlanMismatchError(component, f"{reason}; plan it with strategy 'parallel' on fewer GPUs, or 'balanced'")
+    raise PlanMismatchError(component, f"{reason}; re-plan it for fewer GPUs, or with strategy 'balanced'")
 
 
 def _processors(module: torch.nn.Module) -> list:
