@@ -40,6 +40,9 @@ from .errors import (
     UnknownDtypeError,
     UnknownStrategyError,
     VariantNotFoundError,
+    WorkerCallError,
+    WorkerDiedError,
+    WorkersOptionError,
 )
 from .units import format_bytes, parse_bytes
 
@@ -111,4 +114,5 @@ __all__ = [
     "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
     "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request",
     "simulate_many", "ManyReport", "CallTooLargeError", "HostMemoryError", "HostUse",
+    "WorkerCallError", "WorkerDiedError", "WorkersOptionError",
 ]

@@ -103,6 +103,9 @@ def reset(pipe) -> None:
     pipes = [pipe, *_owners(pipe)]  # a from_pipe copy shares the models of the pipeline dispatch placed
     for module in {id(m): m for p in pipes for m in _modules(p).values()}.values():
         settle(module)  # what was changed in place on the GPU (a fused LoRA) kept in the CPU masters
+        release = getattr(getattr(module, "_hf_hook", None), "release", None)
+        if release is not None:  # worker processes (hooks/workers.py) stop here; a rehook keeps them
+            release(module)
         unhook_component(module)
         place_module(module, "cpu")
         forget(module)
