@@ -25,7 +25,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..transfer import move, move_tensor
 from .resident import PlacementHook, outside_graphs
-from .workers import workers_mode
 
 
 class ReplicaHook(PlacementHook):
@@ -49,13 +48,7 @@ class ReplicaHook(PlacementHook):
 
     @classmethod
     def for_placement(cls, p, execution_device: str, ledger) -> ReplicaHook:
-        """The hook of a replicated placement (``hooks.HOOKS``): copies on ``p.replicas``; in worker processes with
-        ``PIPEMAP_WORKERS=process`` (``workers.py``), except on the dry run's stand-ins."""
-        if cls is ReplicaHook and workers_mode() == "process" and "meta" not in {
-                torch.device(d).type for d in (p.device, *p.replicas)}:
-            from .replica_workers import ProcessReplicaHook  # here: only a plan run on workers loads that code
-
-            return ProcessReplicaHook(p.component, p.device, execution_device, p.replicas)
+        """The hook of a replicated placement (``hooks.HOOKS``): copies on ``p.replicas``."""
         return cls(p.component, p.device, execution_device, p.replicas)
 
     def init_hook(self, module):

@@ -17,7 +17,7 @@ import torch
 from ..errors import PipemapError
 from .replica import ReplicaHook, join_batch, replica, split_batch
 from .resident import PlacementHook, outside_graphs
-from .workers import Call, Source, Workers, caller_state, stop_workers, workers_for
+from .workers import Call, Source, Workers, caller_state, on_standins, stop_workers, workers_for
 
 _HOOK_STORES = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_forward_pre_hooks_with_kwargs",
                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
@@ -30,6 +30,13 @@ class ProcessReplicaHook(ReplicaHook):
         super().__init__(component, device, execution_device, replicas)
         self.workers: Workers | None = None
         self._calls: list[Call | None] = []  # per call in progress: what the workers were sent (None: nothing)
+
+    @classmethod
+    def for_placement(cls, p, execution_device: str, ledger) -> ReplicaHook:
+        """The hook of a replicated placement on workers; the threads' hook on the dry run's stand-ins."""
+        if on_standins(p):
+            return ReplicaHook(p.component, p.device, execution_device, p.replicas)
+        return cls(p.component, p.device, execution_device, p.replicas)
 
     def init_hook(self, module):
         self.workers = workers_for(module, self.component, self.device, self.replica_devices)

@@ -82,6 +82,12 @@ def timeout_s() -> float:
     return value
 
 
+def on_standins(placement) -> bool:
+    """Whether a placement is on the dry run's stand-in devices, where the ranks stay threads (its checking modes are
+    thread-local, and a stand-in holds no real weights to load)."""
+    return any(torch.device(d).type == "meta" for d in (placement.device, *placement.replicas))
+
+
 # ---- what a worker loads first ---------------------------------------------------------------------------------
 
 
@@ -304,7 +310,7 @@ class _Rank:
     pid: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # one call is itself only (``Workers.outstanding``)
 class Call:
     """A call sent to the workers, its outputs not yet received."""
 
@@ -323,6 +329,7 @@ class Workers:
         self.ranks: list[_Rank] = []
         self.group: Any = None  # a gloo or NCCL group (torch types them apart from ProcessGroup)
         self.store: dist.TCPStore | None = None
+        self.outstanding: list[Call] = []  # calls sent whose outputs were not received yet, oldest first
         self.served: list[int] = []  # the pid of the process that computed each output received (tests read it)
         self.sent: list[int] = []  # per worker synced last: how many tensors it was sent (the others it kept)
 
@@ -372,6 +379,7 @@ class Workers:
             with contextlib.suppress(OSError):
                 r.pipe.close()
         self.group = self.store = None
+        self.outstanding = []
 
     # -- the workers' copies --
 
@@ -396,8 +404,12 @@ class Workers:
     # -- calls --
 
     def send(self, parts: list[tuple[tuple, dict]], state: tuple) -> Call:
-        """Start one call per worker: ``parts[i]`` (args, kwargs) to rank i + 1, under the caller's ``state``."""
+        """Start one call per worker: ``parts[i]`` (args, kwargs) to rank i + 1, under the caller's ``state``. A
+        call whose outputs nobody asked for (a guidance branch started ahead and missed) is received first."""
+        while self.outstanding:
+            self.receive(self.outstanding[0])
         call = Call(self.ranks[:len(parts)])
+        self.outstanding.append(call)
         for r, part in zip(call.ranks, parts):
             data, tensors = packed(part)
             self._post(r, ("call", data, metas(tensors), state), "call")
@@ -407,6 +419,9 @@ class Workers:
 
     def receive(self, call: Call) -> list:
         """Each worker's output of ``call``, in rank order, on the home device."""
+        if call not in self.outstanding:
+            raise RuntimeError("this call's outputs were received already, or its workers stopped since")
+        self.outstanding.remove(call)
         try:
             self._finish(call.works, None, "call")
             return [self._output(r) for r in call.ranks]
