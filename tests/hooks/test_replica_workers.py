@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -23,6 +25,7 @@ from pipemap.hooks.workers import ENV
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 TWO_GPUS = "2x8MiB,cpu=1GiB"  # tiny sd: unet 3.0 MiB, vae 2.5; sdxl: unet 3.2: each GPU holds a copy of the unet
 BOUND_S = 120  # the issue's bound on any wait for a dead worker
+SOURCE = os.path.dirname(os.path.dirname(pipemap.__file__))  # this checkout's pipemap, for a child interpreter
 
 
 @pytest.fixture
@@ -130,3 +133,35 @@ def test_a_worker_killed_between_calls_is_replaced_and_one_killed_during_a_call_
     while _workers_alive([third]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _workers_alive([third]) == []
+
+
+_CALLER = """
+import os, sys, time
+os.environ["PIPEMAP_WORKERS"] = "process"
+import pipemap
+from pipemap import tiny
+pipe = tiny.build("sd")
+plan = pipemap.plan(pipe, hardware="2x8MiB,cpu=1GiB", strategy="parallel", headroom=0.0)
+pipemap.dispatch(pipe, plan.remap({"cuda:0": "cpu", "cuda:1": "cpu"}))
+print("workers", *pipe.unet._hf_hook.pids(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_workers_exit_when_the_caller_s_process_dies():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SOURCE}
+    caller = subprocess.Popen([sys.executable, "-c", _CALLER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, env=env)
+    try:
+        line = caller.stdout.readline() if caller.stdout else ""
+        assert line.startswith("workers "), line
+        (pid,) = [int(p) for p in line.split()[1:]]
+        assert _workers_alive([pid]) == [pid]
+    finally:
+        caller.kill()  # no atexit, no finalizer: the worker must see its parent gone by itself
+        caller.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _workers_alive([pid]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _workers_alive([pid]) == []
