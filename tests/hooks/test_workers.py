@@ -62,3 +62,21 @@ def test_a_structure_travels_without_its_tensors_which_are_sent_or_kept_by_name(
     torch.testing.assert_close(back["module"][0].bias, module[0].bias.detach(), atol=0, rtol=0)
     assert isinstance(back["module"][0].bias, torch.nn.Parameter) and not back["module"][0].bias.requires_grad
     torch.testing.assert_close(back["extra"], extra, atol=0, rtol=0)
+
+
+def test_a_worker_loads_from_the_folder_a_model_came_from_and_nothing_for_one_built_in_code(tmp_path):
+    from diffusers import AutoencoderKL
+
+    from pipemap.hooks.workers import Source
+
+    built = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=2)
+    assert Source.of(built) == Source("diffusers.models.autoencoders.autoencoder_kl", "AutoencoderKL", None,
+                                      torch.float32)
+    built.save_pretrained(tmp_path / "vae")
+    loaded = AutoencoderKL.from_pretrained(tmp_path / "vae", torch_dtype=torch.float16)
+    source = Source.of(loaded)
+    assert (source.folder, source.dtype) == (str(tmp_path / "vae"), torch.float16)
+    again = source.load(torch.device("cpu"))  # what the worker does first
+    assert again is not None and not again.training
+    digests = [{n: digest(t) for n, t in m.state_dict().items()} for m in (again, loaded)]
+    assert digests[0] == digests[1]

@@ -123,8 +123,9 @@ def _folder(module: torch.nn.Module) -> str | None:
     """The folder ``from_pretrained`` read ``module`` from (its config's ``_name_or_path``), if it is still one."""
     config = getattr(module, "config", None)
     path = config.get("_name_or_path") if isinstance(config, dict) else None
-    if not isinstance(path, str) or not os.path.isfile(os.path.join(path, "config.json")):
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(os.path.join(path, "config.json")):
         return None
+    path = os.fspath(path)
     if not hasattr(type(module), "from_pretrained"):
         return None
     return path
@@ -539,9 +540,8 @@ def serve(rank: int, size: int, port: int, device_name: str, parent: int, pipe, 
         torch.cuda.set_device(device)
     try:
         module = source.load(device)
-    except BaseException:
-        pipe.send(("error", traceback.format_exc()))
-        return
+    except Exception:  # files it cannot read alone (a variant's names, say): every tensor is then sent
+        module = None
     pipe.send(("ready", os.getpid()))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=seconds))
     group = _group(store, rank, size, device, seconds)

@@ -1,0 +1,96 @@
+"""Host time of strategy "parallel"'s replicated denoiser (batch halves) with its second rank a worker process
+(``PIPEMAP_WORKERS=process``, ``hooks/workers.py``) against the same plan with the rank a thread of the caller's
+process (today's default) and against the plain pipeline, on the CPU: a plan for two GPUs remapped onto the CPU
+(``cuda:0`` and ``cuda:1`` both ``cpu``), the tiny SD pipeline and a mid-size one (channels x ``--scale``), built in
+code. Per pipeline call: wall time and the caller's process CPU time (what the host pays in rank 0), medians.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/workers.py [--repeats 7] [--scale 8] [--steps 4]
+
+Prints a table and appends it to bench/RESULTS.md. On the CPU the ranks also compute on the host, so these figures
+are host time including compute; a GPU run (bench/gpu_check.sh) separates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import pipemap
+from pipemap import tiny
+
+HERE = Path(__file__).resolve().parent
+ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
+
+
+def timed(pipe, call: dict, repeats: int) -> tuple[float, float]:
+    """Median wall and process CPU seconds of one pipeline call (a first, warm-up call not counted)."""
+    pipe(**dict(call, generator=torch.Generator().manual_seed(0)))
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        pipe(**dict(call, generator=torch.Generator().manual_seed(0)))
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def measure(scale: int, steps: int, repeats: int) -> dict[str, tuple[float, float]]:
+    found = {}
+    for mode in ("plain", "thread", "process"):
+        pipe = tiny.build("sd", scale=scale)
+        pipe.set_progress_bar_config(disable=True)
+        call = dict(tiny.default_call(pipe, "sd"), num_inference_steps=steps)
+        if mode != "plain":
+            os.environ["PIPEMAP_WORKERS"] = mode
+            plan = pipemap.plan(pipe, hardware="2x4GiB,cpu=16GiB", strategy="parallel", headroom=0.0)
+            assert plan.placement("unet").mode == "replicated", plan.placement("unet")
+            pipemap.dispatch(pipe, plan.remap(ON_CPU))
+        found[mode] = timed(pipe, call, repeats)
+        if mode != "plain":
+            pipemap.reset(pipe)
+    os.environ.pop("PIPEMAP_WORKERS", None)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--scale", type=int, default=8, help="channel multiplier of the mid-size pipeline")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    rows = ["| pipeline | ranks | wall per call (s) | caller CPU per call (s) | wall / plain | caller CPU / plain |",
+            "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for scale in (1, args.scale):
+        found = measure(scale, args.steps, args.repeats)
+        plain_wall, plain_cpu = found["plain"]
+        for mode, (wall, cpu) in found.items():
+            rows.append(f"| sd x{scale} | {mode} | {wall:.3f} | {cpu:.3f} | {wall / plain_wall:.2f} | "
+                        f"{cpu / plain_cpu:.2f} |")
+    table = "\n".join(rows)
+    print(table)
+    if args.no_record:
+        return
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"\n## {now} — `bench/workers.py --repeats {args.repeats} --scale {args.scale} --steps {args.steps}`\n\n"
+              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n"
+              f"- versions: torch {torch.__version__}, git {commit}\n"
+              "- replicated unet (strategy parallel, 2 GPUs remapped onto the CPU), batch of 2 (CFG) cut in halves; "
+              "process: the second half on a worker process (gloo), thread: on a thread of the caller\n\n")
+    with open(HERE / "RESULTS.md", "a", encoding="utf-8") as results:
+        results.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
