@@ -2,7 +2,8 @@
 (``PIPEMAP_WORKERS=process``, ``hooks/workers.py``) against the same plan with the rank a thread of the caller's
 process (today's default) and against the plain pipeline, on the CPU: a plan for two GPUs remapped onto the CPU
 (``cuda:0`` and ``cuda:1`` both ``cpu``), the tiny SD pipeline and a mid-size one (channels x ``--scale``), built in
-code. Per pipeline call: wall time and the caller's process CPU time (what the host pays in rank 0), medians.
+code. Per pipeline call, medians: wall time, the caller's process CPU time (rank 0: with threads it includes the
+other rank's compute, with processes only its own half), and the CPU time of all ranks (caller and workers).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/workers.py [--repeats 7] [--scale 8] [--steps 4]
 
@@ -21,6 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 import pipemap
@@ -30,19 +32,27 @@ HERE = Path(__file__).resolve().parent
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 
 
-def timed(pipe, call: dict, repeats: int) -> tuple[float, float]:
-    """Median wall and process CPU seconds of one pipeline call (a first, warm-up call not counted)."""
+def _cpu(workers: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in workers)
+
+
+def timed(pipe, call: dict, repeats: int) -> tuple[float, float, float]:
+    """Median wall seconds of one pipeline call, CPU seconds of the caller's process, and CPU seconds of all ranks
+    (the caller and its worker processes); a first, warm-up call not counted."""
     pipe(**dict(call, generator=torch.Generator().manual_seed(0)))
-    walls, cpus = [], []
+    hook = getattr(pipe.unet, "_hf_hook", None)
+    workers = [psutil.Process(pid) for pid in getattr(hook, "pids", list)()]
+    walls, cpus, alls = [], [], []
     for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, every = time.perf_counter(), time.process_time(), _cpu(workers)
         pipe(**dict(call, generator=torch.Generator().manual_seed(0)))
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    return statistics.median(walls), statistics.median(cpus)
+        alls.append(cpus[-1] + _cpu(workers) - every)
+    return statistics.median(walls), statistics.median(cpus), statistics.median(alls)
 
 
-def measure(scale: int, steps: int, repeats: int) -> dict[str, tuple[float, float]]:
+def measure(scale: int, steps: int, repeats: int) -> dict[str, tuple[float, float, float]]:
     found = {}
     for mode in ("plain", "thread", "process"):
         pipe = tiny.build("sd", scale=scale)
@@ -67,14 +77,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
-    rows = ["| pipeline | ranks | wall per call (s) | caller CPU per call (s) | wall / plain | caller CPU / plain |",
-            "| --- | --- | ---: | ---: | ---: | ---: |"]
+    rows = ["| pipeline | ranks | wall per call (s) | caller CPU (s) | all ranks' CPU (s) | wall / plain | "
+            "caller CPU / plain | all CPU / plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for scale in (1, args.scale):
         found = measure(scale, args.steps, args.repeats)
-        plain_wall, plain_cpu = found["plain"]
-        for mode, (wall, cpu) in found.items():
-            rows.append(f"| sd x{scale} | {mode} | {wall:.3f} | {cpu:.3f} | {wall / plain_wall:.2f} | "
-                        f"{cpu / plain_cpu:.2f} |")
+        plain_wall, plain_cpu, _ = found["plain"]
+        for mode, (wall, cpu, every) in found.items():
+            rows.append(f"| sd x{scale} | {mode} | {wall:.3f} | {cpu:.3f} | {every:.3f} | {wall / plain_wall:.2f} | "
+                        f"{cpu / plain_cpu:.2f} | {every / plain_cpu:.2f} |")
     table = "\n".join(rows)
     print(table)
     if args.no_record:

@@ -58,6 +58,7 @@ _HOOK_CLASSES = {
 _ON_WORKERS = {
     "replicated": ("replica_workers", "ProcessReplicaHook"),
     "guidance": ("guidance_workers", "ProcessGuidanceHook"),
+    "sequence": ("sequence_workers", "ProcessSequenceHook"),
 }
 # other names of the wing re-exported here, imported on first read like the hooks
 _LAZY = {"Ledger": "moving"} | {cls: module for module, cls in _HOOK_CLASSES.values()}

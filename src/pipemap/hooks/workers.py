@@ -26,8 +26,9 @@ worker's call raises ``WorkerCallError`` with its traceback. Workers stop when t
 (``stop_workers``, called by ``dispatch.reset``), when the component is garbage-collected, at the interpreter's exit
 (``atexit``), and by themselves when rank 0's process dies (the pipe closes; a watchdog compares the parent's pid).
 
-Opt-in for now: ``PIPEMAP_WORKERS=process`` runs the replicated mode (``replica.ReplicaHook``) on workers; the
-default stays the threads until guidance branches and the sequence split run on them too.
+Opt-in for now: with ``PIPEMAP_WORKERS=process``, ``hooks.HOOKS`` gives the replicated mode, guidance branches and
+the sequence split their worker variants (``replica_workers.py``, ``guidance_workers.py``, ``sequence_workers.py``);
+the default stays the threads until the workers have been measured on GPUs.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -231,15 +232,35 @@ def metas(tensors: list[torch.Tensor]) -> list[Meta]:
 # ---- the process group -------------------------------------------------------------------------------------------
 
 
-def _group(store: dist.Store, rank: int, size: int, device: torch.device, seconds: float) -> Any:
+_C10D: Any = torch._C._distributed_c10d  # the registry of groups by name, which torch's functional collectives read
+_NAMES = itertools.count()
+
+
+def _group(store: dist.Store, rank: int, size: int, device: torch.device, seconds: float, name: str) -> Any:
     """A process group of its own (no default group: the user's torch.distributed stays untouched): NCCL on CUDA,
-    gloo elsewhere."""
+    gloo elsewhere, registered under ``name`` so that torch's functional collectives (a sequence split's Ulysses
+    attention) find it; ``_forget`` unregisters it."""
     timeout = datetime.timedelta(seconds=seconds)
+    prefix = dist.PrefixStore("pipemap", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(dist.PrefixStore("pipemap", store), rank, size, options)
-    return dist.ProcessGroupGloo(dist.PrefixStore("pipemap", store), rank, size, timeout)
+        backend: Any = dist.ProcessGroupNCCL(prefix, rank, size, options)
+        kind = dist.ProcessGroup.BackendType.NCCL
+    else:
+        backend = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+        kind = dist.ProcessGroup.BackendType.GLOO
+    group = dist.ProcessGroup(prefix, rank, size)
+    group._set_default_backend(kind)
+    group._register_backend(torch.device(device.type), kind, backend)
+    group._set_group_name(cast(Any, name))  # torch types it GroupName: a str
+    _C10D._register_process_group(name, group)
+    return group
+
+
+def _forget(group: Any) -> None:
+    with contextlib.suppress(Exception):
+        _C10D._unregister_process_group(group.group_name)
 
 
 def _send(group: Any, tensors: list[torch.Tensor], peer: int, device: torch.device) -> list:
@@ -311,6 +332,14 @@ class _Rank:
     pid: int = 0
 
 
+@dataclass(frozen=True)
+class Raised:
+    """An exception a worker's call raised that its caller expects (``Workers.send(expected=...)``)."""
+
+    kind: str
+    message: str
+
+
 @dataclass(eq=False)  # one call is itself only (``Workers.outstanding``)
 class Call:
     """A call sent to the workers, its outputs not yet received."""
@@ -347,6 +376,7 @@ class Workers:
         self.close()
         seconds = timeout_s()
         port, size = _free_port(), 1 + len(self.devices)
+        name = f"pipemap-{self.component}-{os.getpid()}-{next(_NAMES)}"
         self.store = dist.TCPStore("127.0.0.1", port, size, is_master=True,
                                    timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
@@ -354,14 +384,15 @@ class Workers:
             for rank, device in enumerate(self.devices, start=1):
                 ours, theirs = context.Pipe()
                 process = context.Process(target=serve, name=f"pipemap-{self.component}-rank{rank}", daemon=True,
-                                          args=(rank, size, port, str(device), os.getpid(), theirs, source, seconds))
+                                          args=(rank, size, port, str(device), os.getpid(), theirs, source, seconds,
+                                                name))
                 with _without_main():
                     process.start()
                 theirs.close()
-                self.ranks.append(_Rank(rank, device, process, ours))
+                self.ranks.append(_Rank(rank, device, process, ours, process.pid or 0))
             for r in self.ranks:  # each has loaded its copy from the folder: only now join the group
                 r.pid = self._receive(r, "start")
-            self.group = _group(self.store, 0, size, self.home, seconds)
+            self.group = _group(self.store, 0, size, self.home, seconds, name)
         except BaseException:
             self.close()
             raise
@@ -379,6 +410,8 @@ class Workers:
                 r.process.join(timeout=5)
             with contextlib.suppress(OSError):
                 r.pipe.close()
+        if self.group is not None:
+            _forget(self.group)
         self.group = self.store = None
         self.outstanding = []
 
@@ -404,16 +437,24 @@ class Workers:
 
     # -- calls --
 
-    def send(self, parts: list[tuple[tuple, dict]], state: tuple) -> Call:
+    def split(self) -> None:
+        """Make each worker's copy its rank of a sequence split over the group (``sequence.enable_split``)."""
+        for r in self.ranks:
+            self._ask(r, ("split", r.rank), "sync")
+
+    def send(self, parts: list[tuple[tuple, dict]], state: tuple, reply: bool = True,
+             expected: tuple[type, ...] = ()) -> Call:
         """Start one call per worker: ``parts[i]`` (args, kwargs) to rank i + 1, under the caller's ``state``. A
-        call whose outputs nobody asked for (a guidance branch started ahead and missed) is received first."""
+        call whose outputs nobody asked for (a guidance branch started ahead and missed) is received first.
+        ``reply=False``: the outputs stay in the workers (a sequence split's ranks each hold the gathered whole);
+        an exception of a class in ``expected`` comes back as a ``Raised`` output, the workers kept."""
         while self.outstanding:
             self.receive(self.outstanding[0])
         call = Call(self.ranks[:len(parts)])
         self.outstanding.append(call)
         for r, part in zip(call.ranks, parts):
             data, tensors = packed(part)
-            self._post(r, ("call", data, metas(tensors), state), "call")
+            self._post(r, ("call", data, metas(tensors), state, reply, expected), "call")
             call.works += self._guarded(functools.partial(_send, self._live_group(), tensors, r.rank, self.home),
                                         r, "call")
         return call
@@ -531,7 +572,7 @@ def stop_workers(module: torch.nn.Module) -> None:
 
 
 def serve(rank: int, size: int, port: int, device_name: str, parent: int, pipe, source: Source,
-          seconds: float) -> None:
+          seconds: float, name: str) -> None:
     """A worker process: load the copy, join the group, then answer rank 0's messages until told to stop or until
     rank 0's process is gone."""
     _watch(parent)
@@ -544,7 +585,7 @@ def serve(rank: int, size: int, port: int, device_name: str, parent: int, pipe, 
         module = None
     pipe.send(("ready", os.getpid()))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=seconds))
-    group = _group(store, rank, size, device, seconds)
+    group = _group(store, rank, size, device, seconds, name)
     worker = _Worker(group, device, module)
     while True:
         try:
@@ -588,8 +629,21 @@ class _Worker:
         elif kind == "module":
             self._module(*rest)
             pipe.send(("synced", os.getpid()))
+        elif kind == "split":
+            from .sequence import enable_split  # here: only a sequence split's worker loads the context-parallel code
+
+            if self.module is None:
+                raise RuntimeError("no copy of the component was sent to this worker")
+            enable_split(self.module, rest[0], self.group)
+            pipe.send(("split", os.getpid()))
         elif kind == "call":
-            output = self._call(*rest)
+            data, wanted, state, reply, expected = rest
+            try:
+                output = self._call(data, wanted, state)
+            except expected as err:  # the same on every rank (a sequence split's tokens that do not divide)
+                output = Raised(type(err).__name__, str(err))
+            if not reply and not isinstance(output, Raised):
+                output = None
             data, tensors = packed(output)
             # the header first: rank 0 allocates from it, then receives the tensors
             pipe.send(("output", (data, metas(tensors), os.getpid())))
