@@ -357,7 +357,7 @@ class Workers:
     def __init__(self, component: str, home: torch.device, devices: tuple[torch.device, ...]):
         self.component, self.home, self.devices = component, home, devices
         self.ranks: list[_Rank] = []
-        self.group: Any = None  # a gloo or NCCL group (torch types them apart from ProcessGroup)
+        self.group: Any = None  # a ProcessGroup with a gloo or NCCL backend (``_group``)
         self.store: dist.TCPStore | None = None
         self.outstanding: list[Call] = []  # calls sent whose outputs were not received yet, oldest first
         self.served: list[int] = []  # the pid of the process that computed each output received (tests read it)
