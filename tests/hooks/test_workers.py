@@ -1,7 +1,10 @@
 """The worker machinery (``hooks/workers.py``): its settings, the exact digest, tensors left out of a pickle and
-put back. The processes themselves run in ``test_replica_workers.py``."""
+put back, the first copy loaded from a folder; workers over a plain module (slow: it starts one). The hooks on
+workers run in ``test_replica_workers.py``, ``test_guidance_workers.py``, ``test_sequence_workers.py``."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -80,3 +83,28 @@ def test_a_worker_loads_from_the_folder_a_model_came_from_and_nothing_for_one_bu
     assert again is not None and not again.training
     digests = [{n: digest(t) for n, t in m.state_dict().items()} for m in (again, loaded)]
     assert digests[0] == digests[1]
+
+
+@pytest.mark.slow
+def test_workers_on_a_plain_module_compute_and_a_failing_call_raises_with_the_worker_s_traceback():
+    from pipemap.errors import WorkerCallError
+    from pipemap.hooks.workers import Source, Workers, caller_state
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    cpu = torch.device("cpu")
+    workers = Workers("m", cpu, (cpu,))
+    try:
+        workers.sync(module, Source.of(module))  # built in code: no folder, its two tensors sent
+        assert workers.sent == [2] and workers.running
+        x = torch.randn(4, 3)
+        with torch.no_grad():
+            (out,) = workers.receive(workers.send([((x,), {})], caller_state()))
+            torch.testing.assert_close(out, module(x), atol=0, rtol=0)
+        assert workers.served == workers.pids() and workers.pids()[0] != os.getpid()
+        with pytest.raises(WorkerCallError) as caught:  # a call the module refuses: its error, typed, comes back
+            workers.receive(workers.send([((torch.randn(4, 5),), {})], caller_state()))
+        assert "mat1 and mat2" in caught.value.remote_traceback and caught.value.phase == "call"
+        assert not workers.running  # stopped: the next sync starts new ones
+    finally:
+        workers.close()
