@@ -81,9 +81,21 @@ CASES = {
     E.WeightsFileChangedError: (("/m/x.safetensors", "unet", "9 bytes became 3"),
                                 {"path": "/m/x.safetensors", "component": "unet", "reason": "9 bytes became 3"},
                                 ["'unet'", "9 bytes became 3", "put the file back", "rename it over the old one"]),
+    E.WorkersOptionError: (("PIPEMAP_WORKERS", "ray", ("thread", "process")),
+                           {"variable": "PIPEMAP_WORKERS", "value": "ray", "accepted": ("thread", "process")},
+                           ["PIPEMAP_WORKERS='ray'", "one of thread, process"]),
+    E.WorkerDiedError: (("unet", "cuda:1", 42, "call", -9, None),
+                        {"component": "unet", "device": "cuda:1", "pid": 42, "phase": "call", "exitcode": -9,
+                         "timeout_s": None},
+                        ["pid 42", "exited with code -9", "next call starts new ones", "PIPEMAP_WORKERS=thread"]),
+    E.WorkerCallError: (("unet", "cuda:1", 42, "call", "Traceback...\nValueError: bad shape\n"),
+                        {"component": "unet", "device": "cuda:1", "pid": 42, "phase": "call",
+                         "remote_traceback": "Traceback...\nValueError: bad shape\n"},
+                        ["ValueError: bad shape", ".remote_traceback", "PIPEMAP_WORKERS=thread"]),
 }
 # errors in what pipemap was asked to do at run time, not in what the user gave
-RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError}
+RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError, E.WorkerDiedError,
+           E.WorkerCallError}
 
 
 def test_the_table_covers_every_error_of_the_module():
@@ -127,6 +139,10 @@ def test_long_values_are_shortened_in_the_message():
     error = E.ArgumentConflictError("strategy", {f"component_{i}": "cuda:0" for i in range(20)}, "device_map", "auto")
     text = str(error)
     assert "..." in text and len(text) < 300 and "device_map='auto'" in text
+
+
+def test_a_worker_silent_past_its_timeout_says_so():
+    assert "gave no answer within 120 s" in str(E.WorkerDiedError("unet", "cuda:1", 42, "call", None, 120.0))
 
 
 def test_unknown_device_error_without_devices_says_none():

@@ -86,3 +86,17 @@ def test_two_gpus_offload_and_stream_mixed(tiny_folders, reference_outputs):
     assert isinstance(pipe.text_encoder._hf_hook, stream.StreamHook)
     pipemap.reset(pipe)
     assert pipeline_state(pipe) == before
+
+
+@pytest.mark.parametrize(("mode", "threads", "processes"), [
+    ("replicated", "ReplicaHook", "ProcessReplicaHook"), ("guidance", "GuidanceHook", "ProcessGuidanceHook"),
+    ("sequence", "SequenceHook", "ProcessSequenceHook")])
+def test_pipemap_workers_process_gives_each_split_mode_its_worker_hook_but_threads_on_stand_ins(
+        monkeypatch, mode, threads, processes):
+    on_gpus = Placement("transformer", "cuda:0", 32, mode, replicas=("cuda:1",))
+    on_standins = Placement("transformer", "meta:0", 32, mode, replicas=("meta:1",))
+    monkeypatch.delenv("PIPEMAP_WORKERS", raising=False)
+    assert type(HOOKS[mode](on_gpus, "cuda:0", None)).__name__ == threads  # the default: threads
+    monkeypatch.setenv("PIPEMAP_WORKERS", "process")
+    assert type(HOOKS[mode](on_gpus, "cuda:0", None)).__name__ == processes  # made, not attached: nothing started
+    assert type(HOOKS[mode](on_standins, "meta:0", None)).__name__ == threads  # the dry run keeps its threads

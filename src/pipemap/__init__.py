@@ -41,6 +41,9 @@ from .errors import (
     UnknownStrategyError,
     VariantNotFoundError,
     WeightsFileChangedError,
+    WorkerCallError,
+    WorkerDiedError,
+    WorkersOptionError,
 )
 from .quiet import quiet_imports
 from .units import format_bytes, parse_bytes
@@ -115,4 +118,5 @@ __all__ = [
     "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
     "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request",
     "simulate_many", "ManyReport", "CallTooLargeError", "HostMemoryError", "HostUse", "WeightsFileChangedError",
+    "WorkerCallError", "WorkerDiedError", "WorkersOptionError",
 ]

@@ -111,6 +111,9 @@ def reset(pipe) -> None:
     pipes += [c for p in list(pipes) for c in p.__dict__.get(_COPIES, ()) if all(c is not q for q in pipes)]
     for module in {id(m): m for p in pipes for m in _modules(p).values()}.values():
         settle(module)  # what was changed in place on the GPU (a fused LoRA) kept in the CPU masters
+        release = getattr(getattr(module, "_hf_hook", None), "release", None)
+        if release is not None:  # worker processes (hooks/workers.py) stop here; a rehook keeps them
+            release(module)
         unhook_component(module)
         place_module(module, "cpu")
         forget(module)

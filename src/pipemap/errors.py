@@ -334,3 +334,45 @@ class WeightsFileChangedError(CheckpointError):
             self, f"{path!r}, which {component or 'a component'!r} is read from at each call, changed since it was "
             f"loaded ({change}): put the file back, or load the pipeline again (pipemap.reset(pipe), then load and "
             "dispatch); to save new weights, write them to a new file and rename it over the old one")
+
+
+# ---- hooks/workers.py: a process per device for a split denoiser -------------------------------------------------
+
+
+class WorkersOptionError(PipemapError, ValueError):
+    """An environment setting of the worker processes that cannot be read."""
+
+    def __init__(self, variable: str, value: object, accepted: tuple[str, ...]):
+        self.variable, self.value, self.accepted = variable, value, tuple(accepted)
+        super().__init__(f"{variable}={value!r} is not understood: set it to one of {', '.join(self.accepted)}")
+
+
+class WorkerDiedError(PipemapError, RuntimeError):
+    """A worker process of a split denoiser died (``exitcode``: its exit code, where known), or gave no answer within
+    ``timeout_s`` (None where it died), during ``phase`` (start, sync, call). Its component's workers are stopped;
+    the next call starts new ones."""
+
+    def __init__(self, component: str, device: str, pid: int, phase: str, exitcode: int | None,
+                 timeout_s: float | None):
+        self.component, self.device, self.pid, self.phase = component, device, pid, phase
+        self.exitcode, self.timeout_s = exitcode, timeout_s
+        why = f"gave no answer within {timeout_s:g} s" if timeout_s is not None else (
+            f"exited with code {exitcode}" if exitcode is not None else "closed its connection")
+        super().__init__(
+            f"the worker process (pid {pid}) running {component!r} on {device} {why} during its {phase}: its "
+            "workers were stopped and the next call starts new ones; if this repeats, look at the worker's device "
+            "(memory, driver), raise PIPEMAP_WORKER_TIMEOUT for slow calls, or set PIPEMAP_WORKERS=thread"
+        )
+
+
+class WorkerCallError(PipemapError, RuntimeError):
+    """An exception inside a worker process of a split denoiser; ``remote_traceback`` is the worker's traceback."""
+
+    def __init__(self, component: str, device: str, pid: int, phase: str, remote_traceback: str):
+        self.component, self.device, self.pid, self.phase = component, device, pid, phase
+        self.remote_traceback = remote_traceback
+        last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else "no traceback"
+        super().__init__(
+            f"the worker process (pid {pid}) running {component!r} on {device} failed during its {phase}: {last}. "
+            f"Its workers were stopped; fix the cause shown in .remote_traceback, or set PIPEMAP_WORKERS=thread"
+        )

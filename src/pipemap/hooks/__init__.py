@@ -54,6 +54,12 @@ _HOOK_CLASSES = {
     "guidance": ("guidance", "GuidanceHook"),
     "sequence": ("sequence", "SequenceHook"),
 }
+# mode -> (module, hook class) of the mode run on worker processes (``workers.py``), with ``PIPEMAP_WORKERS=process``
+_ON_WORKERS = {
+    "replicated": ("replica_workers", "ProcessReplicaHook"),
+    "guidance": ("guidance_workers", "ProcessGuidanceHook"),
+    "sequence": ("sequence_workers", "ProcessSequenceHook"),
+}
 # other names of the wing re-exported here, imported on first read like the hooks
 _LAZY = {"Ledger": "moving"} | {cls: module for module, cls in _HOOK_CLASSES.values()}
 
@@ -69,6 +75,9 @@ class _Hooks(Mapping):
     def __getitem__(self, mode: str) -> Callable[[Placement, str, Any], PlacementHook]:
         if mode not in _HOOK_CLASSES:
             raise KeyError(mode)
+        if mode in _ON_WORKERS and _on_workers():
+            module, name = _ON_WORKERS[mode]
+            return getattr(importlib.import_module(f".{module}", __name__), name).for_placement
         return _hook_class(_HOOK_CLASSES[mode][1]).for_placement  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[str]:
@@ -76,6 +85,13 @@ class _Hooks(Mapping):
 
     def __len__(self) -> int:
         return len(_HOOK_CLASSES)
+
+
+def _on_workers() -> bool:
+    """Whether split denoisers run their other ranks in worker processes (``PIPEMAP_WORKERS=process``)."""
+    from .workers import workers_mode  # here: only a plan with copies of its denoiser reads it
+
+    return workers_mode() == "process"
 
 
 HOOKS: Mapping[str, Callable[[Placement, str, Any], PlacementHook]] = _Hooks()

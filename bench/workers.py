@@ -1,0 +1,130 @@
+"""Host time of strategy "parallel"'s replicated denoiser (batch halves) with its second rank a worker process
+(``PIPEMAP_WORKERS=process``, ``hooks/workers.py``) against the same plan with the rank a thread of the caller's
+process (today's default) and against the plain pipeline, on the CPU: a plan for two GPUs remapped onto the CPU
+(``cuda:0`` and ``cuda:1`` both ``cpu``); the replicated unet of the tiny SD pipeline and of a mid-size one (channels
+x ``--scale``), the tiny Flux's transformer split by tokens, and its guidance branches (true CFG), built in code.
+Per pipeline call, medians: wall time, the caller's process CPU time (rank 0: with threads it includes the other
+rank's compute, with processes only its own share), and the CPU time of all ranks (caller and workers).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/workers.py [--repeats 7] [--scale 8] [--steps 4]
+
+Prints a table and appends it to bench/RESULTS.md. On the CPU the ranks also compute on the host, so these figures
+are host time including compute; a GPU run (bench/gpu_check.sh) separates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+import pipemap
+from pipemap import tiny
+
+HERE = Path(__file__).resolve().parent
+ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
+
+
+def _cpu(workers: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in workers)
+
+
+def timed(pipe, call: dict, repeats: int, component: str) -> tuple[float, float, float]:
+    """Median wall seconds of one pipeline call, CPU seconds of the caller's process, and CPU seconds of all ranks
+    (the caller and its worker processes); a first, warm-up call not counted."""
+    pipe(**dict(call, generator=torch.Generator().manual_seed(0)))
+    hook = getattr(getattr(pipe, component), "_hf_hook", None)
+    workers = [psutil.Process(pid) for pid in getattr(hook, "pids", list)()]
+    walls, cpus, alls = [], [], []
+    for _ in range(repeats):
+        wall, cpu, every = time.perf_counter(), time.process_time(), _cpu(workers)
+        pipe(**dict(call, generator=torch.Generator().manual_seed(0)))
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+        alls.append(cpus[-1] + _cpu(workers) - every)
+    return statistics.median(walls), statistics.median(cpus), statistics.median(alls)
+
+
+def with_copy(pipe, mode: str, component: str) -> pipemap.Plan:
+    """Every component on cuda:0, ``component`` with a copy on cuda:1 in ``mode`` (as tests/helpers.py does)."""
+    models = [n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)]
+    plan = pipemap.plan(pipe, hardware="2x4GiB,cpu=16GiB", strategy=dict.fromkeys(models, "cuda:0"), headroom=0.0)
+    size = plan.placement(component).bytes
+    parts = tuple(dataclasses.replace(p, mode=mode, replicas=("cuda:1",)) if p.component == component else p
+                  for p in plan.components)
+    devices = tuple(dataclasses.replace(d, used=d.used + size) if d.device == "cuda:1" else d for d in plan.devices)
+    return dataclasses.replace(plan, strategy="parallel", components=parts, devices=devices)
+
+
+def case(kind: str, scale: int, steps: int):
+    """The pipeline, its call, the component split and its mode."""
+    pipe = tiny.build("flux" if kind != "sd" else "sd", scale=scale)
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(tiny.default_call(pipe, "flux" if kind != "sd" else "sd"), num_inference_steps=steps)
+    if kind == "sd":
+        return pipe, call, "unet", "replicated"
+    if kind == "flux-true-cfg":  # two transformer calls a step: guidance branches
+        return pipe, dict(call, negative_prompt="blurry", true_cfg_scale=2.0), "transformer", "guidance"
+    return pipe, call, "transformer", "sequence"
+
+
+def measure(kind: str, scale: int, steps: int, repeats: int) -> dict[str, tuple[float, float, float]]:
+    found = {}
+    for ranks in ("plain", "thread", "process"):
+        pipe, call, component, mode = case(kind, scale, steps)
+        if ranks != "plain":
+            os.environ["PIPEMAP_WORKERS"] = ranks
+            pipemap.dispatch(pipe, with_copy(pipe, mode, component).remap(ON_CPU))
+        found[ranks] = timed(pipe, call, repeats, component)
+        if ranks != "plain":
+            pipemap.reset(pipe)
+    os.environ.pop("PIPEMAP_WORKERS", None)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--scale", type=int, default=8, help="channel multiplier of the mid-size pipeline")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    rows = ["| pipeline | ranks | wall per call (s) | caller CPU (s) | all ranks' CPU (s) | wall / plain | "
+            "caller CPU / plain | all CPU / plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    cases = [("sd", 1, "replicated"), ("sd", args.scale, "replicated"), ("flux", 1, "sequence"),
+             ("flux-true-cfg", 1, "guidance")]
+    for kind, scale, mode in cases:
+        found = measure(kind, scale, args.steps, args.repeats)
+        plain_wall, plain_cpu, _ = found["plain"]
+        for ranks, (wall, cpu, every) in found.items():
+            rows.append(f"| {kind} x{scale}, {mode} | {ranks} | {wall:.3f} | {cpu:.3f} | {every:.3f} | "
+                        f"{wall / plain_wall:.2f} | {cpu / plain_cpu:.2f} | {every / plain_cpu:.2f} |")
+    table = "\n".join(rows)
+    print(table)
+    if args.no_record:
+        return
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"\n## {now} — `bench/workers.py --repeats {args.repeats} --scale {args.scale} --steps {args.steps}`\n\n"
+              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n"
+              f"- versions: torch {torch.__version__}, git {commit}\n"
+              "- strategy parallel's three modes on 2 GPUs remapped onto the CPU (sd: the CFG batch cut in halves; "
+              "flux: tokens split; flux with true CFG: each step's second branch started ahead); process: the second "
+              "rank a worker process (gloo), thread: a thread of the caller\n\n")
+    with open(HERE / "RESULTS.md", "a", encoding="utf-8") as results:
+        results.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()

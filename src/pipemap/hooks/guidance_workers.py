@@ -1,0 +1,105 @@
+"""Guidance branches at once in a worker process (mode ``"guidance"`` with ``PIPEMAP_WORKERS=process``): each
+step's second call predicted and started ahead exactly as ``guidance.GuidanceHook`` does it, but sent to the worker
+process of the copy's device (``workers.py``), which runs it on its own copy while this process runs the first
+branch; used only when the call that arrives has exactly its inputs (the exact-match speculation kept: the pipeline's
+own code still makes the two calls one after the other, so only a call started ahead overlaps them).
+
+A missed call's output is received and dropped before the next call is sent (``Workers.send``). The negative
+prompt's embeddings go to the worker at every step (the threads' hook keeps them on the copy's GPU between steps).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch.utils._pytree import tree_unflatten
+
+from ..errors import PipemapError
+from .guidance import GuidanceHook, Inputs
+from .replica_workers import plain_copy
+from .resident import outside_graphs
+from .workers import Call, Source, Workers, caller_state, on_standins, stop_workers, workers_for
+
+
+class ProcessGuidanceHook(GuidanceHook):
+    """``GuidanceHook`` whose copy is a worker process on ``replicas[0]``."""
+
+    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
+        super().__init__(component, device, execution_device, replicas)
+        self.workers: Workers | None = None
+        self._module: Any = None  # a weak reference to the component: new workers are given it after a death
+
+    @classmethod
+    def for_placement(cls, p, execution_device: str, ledger) -> GuidanceHook:
+        """The hook of a guidance placement on a worker; the threads' hook on the dry run's stand-ins."""
+        if on_standins(p):
+            return GuidanceHook(p.component, p.device, execution_device, p.replicas)
+        return cls(p.component, p.device, execution_device, p.replicas)
+
+    def init_hook(self, module):
+        self._module = weakref.ref(module)
+        self.workers = workers_for(module, self.component, self.device, self.replica_devices)
+        self.workers.sync(plain_copy(module), Source.of(module))
+        self.own_forward = module._old_forward  # accelerate set it before calling init_hook
+        module._old_forward = self.run
+        return module
+
+    def detach_hook(self, module):  # the workers stay: a new hook over the module (a followed change) reuses them
+        module = super().detach_hook(module)
+        self.workers = self._module = None
+        return module
+
+    def release(self, module) -> None:
+        """Stop this component's worker process (``dispatch.reset``)."""
+        stop_workers(module)
+
+    def pids(self) -> list[int]:
+        """The process ids of the workers running now."""
+        return self.workers.pids() if self.workers is not None and self.workers.running else []
+
+    def _start(self, upcoming: Inputs) -> Any:  # a Future's part: ``result()``
+        inputs = tree_unflatten(list(upcoming.leaves), upcoming.spec)
+        try:
+            workers = self._running()
+            return Ahead(workers, workers.send([inputs], caller_state()))
+        except PipemapError as err:  # the worker gone (stopped): this branch runs here, the next call starts anew
+            return Failed(err)
+
+    def _running(self) -> Workers:
+        module = self._module() if self._module is not None else None
+        if self.workers is None or module is None:
+            raise RuntimeError(f"{self!r} is not attached to its component")
+        if not self.workers.running:
+            self.workers.sync(plain_copy(module), Source.of(module))
+        return self.workers
+
+    def __getstate__(self):  # a deep copy (the dry run's fake module) leaves the worker behind
+        return {**super().__getstate__(), "workers": None, "_module": None}
+
+    def __repr__(self) -> str:
+        return f"ProcessGuidanceHook({self.component!r}, device={self.device}, worker={self.replica_devices[0]})"
+
+
+class Ahead:
+    """A call started ahead on the worker: its output received when asked for (a hit), else dropped by the next
+    send (a miss). Its failure (a dead worker) raises where the result is asked for, so the call runs here."""
+
+    def __init__(self, workers: Workers, call: Call):
+        self.workers, self.call = workers, call
+
+    def result(self):
+        return self.workers.receive(self.call)[0]
+
+
+class Failed:
+    """A call that could not be started ahead: a miss, its error kept for whoever asks."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def result(self):
+        raise self.error
+
+
+outside_graphs(ProcessGuidanceHook)

@@ -1,0 +1,118 @@
+"""Denoiser replicas in worker processes (mode ``"replicated"`` with ``PIPEMAP_WORKERS=process``): each call's
+batch cut as ``replica.ReplicaHook`` cuts it, the first part run here on the home copy, each other part sent to the
+worker process of its device (``workers.py``), which runs it on its own copy and sends the output back.
+
+The hook keeps no copy in this process. Its workers outlive a new hook over the same module (a change followed:
+``sync`` then sends only the tensors that changed) and stop at ``release`` (``dispatch.reset``), when the module is
+collected, or at exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+
+from ..errors import PipemapError
+from .replica import ReplicaHook, join_batch, replica, split_batch
+from .resident import PlacementHook, outside_graphs
+from .workers import Call, Source, Workers, caller_state, on_standins, stop_workers, workers_for
+
+_HOOK_STORES = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_forward_pre_hooks_with_kwargs",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+class ProcessReplicaHook(ReplicaHook):
+    """``ReplicaHook`` whose copies are worker processes, one per device of ``replicas``."""
+
+    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
+        super().__init__(component, device, execution_device, replicas)
+        self.workers: Workers | None = None
+        self._calls: list[Call | None] = []  # per call in progress: what the workers were sent (None: nothing)
+
+    @classmethod
+    def for_placement(cls, p, execution_device: str, ledger) -> ReplicaHook:
+        """The hook of a replicated placement on workers; the threads' hook on the dry run's stand-ins."""
+        if on_standins(p):
+            return ReplicaHook(p.component, p.device, execution_device, p.replicas)
+        return cls(p.component, p.device, execution_device, p.replicas)
+
+    def init_hook(self, module):
+        self.workers = workers_for(module, self.component, self.device, self.replica_devices)
+        self.workers.sync(plain_copy(module), Source.of(module))
+        return module
+
+    def detach_hook(self, module):  # the workers stay: a new hook over the module (a followed change) reuses them
+        self.workers, self._calls = None, []
+        return module
+
+    def release(self, module) -> None:
+        """Stop this component's worker processes (``dispatch.reset``)."""
+        stop_workers(module)
+
+    def pids(self) -> list[int]:
+        """The process ids of the workers running now."""
+        return self.workers.pids() if self.workers is not None and self.workers.running else []
+
+    def pre_forward(self, module, *args, **kwargs):
+        args, kwargs = PlacementHook.pre_forward(self, module, *args, **kwargs)
+        chunks = split_batch(args, kwargs, 1 + len(self.replica_devices))
+        if len(chunks) < 2:
+            self._calls.append(None)
+            return chunks[0]
+        workers = self._running(module)
+        self._calls.append(workers.send(chunks[1:], caller_state()))
+        return chunks[0]
+
+    def post_forward(self, module, output):
+        call = self._calls.pop()
+        if call is None or self.workers is None:
+            return PlacementHook.post_forward(self, module, output)
+        self._joining = True
+        try:
+            parts = [output, *self.workers.receive(call)]
+        finally:
+            self._joining = False
+        return PlacementHook.post_forward(self, module, join_batch(parts))
+
+    def abort(self, module) -> None:
+        """The home part failed: receive (and drop) this call's other parts, so the workers are ready for the
+        next call."""
+        if not self._calls or self._joining:
+            return
+        call = self._calls.pop()
+        if call is not None and self.workers is not None:
+            with contextlib.suppress(PipemapError):  # the home part's own error is the one raised
+                self.workers.receive(call)
+
+    def _running(self, module) -> Workers:
+        """The workers, started anew (and given the module) where one died since the last call."""
+        if self.workers is None:
+            self.workers = workers_for(module, self.component, self.device, self.replica_devices)
+        if not self.workers.running:
+            self.workers.sync(plain_copy(module), Source.of(module))
+        return self.workers
+
+    def __getstate__(self):  # a deep copy (the dry run's fake module) leaves the workers behind
+        return {**super().__getstate__(), "workers": None, "_calls": []}
+
+    def __repr__(self) -> str:
+        copies = ", ".join(str(d) for d in self.replica_devices)
+        return f"ProcessReplicaHook({self.component!r}, device={self.device}, workers=[{copies}])"
+
+
+def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` without pipemap's, accelerate's or a user's hooks, sharing its tensors: what a worker's copy is
+    made from (the hooks of this process stay here)."""
+    home = next(itertools.chain(module.parameters(), module.buffers())).device
+    plain = replica(module, home)
+    for sub in plain.modules():
+        for store in _HOOK_STORES:
+            if store in sub.__dict__:
+                sub.__dict__[store] = type(sub.__dict__[store])()
+        sub.__dict__.pop("_pipemap_seen", None)
+    return plain
+
+
+outside_graphs(ProcessReplicaHook)

@@ -1,0 +1,106 @@
+"""One call's tokens split across worker processes (mode ``"sequence"`` with ``PIPEMAP_WORKERS=process``): rank 0
+is a copy on the transformer's own GPU in this process (sharing its weights), each other rank the worker process of
+its device (``workers.py``), all of them ranks of one real ``torch.distributed`` group (gloo on the CPU, NCCL on
+GPUs). Each rank's copy is made a rank of diffusers' context parallelism exactly as ``sequence.SequenceHook`` makes
+its thread ranks (``enable_split``: the ``_cp_plan``'s cuts and gathers, Ulysses attention), over that group.
+
+At each call the inputs go whole to every worker (each cuts its own share, as diffusers' ranks do), every rank runs
+at once, their attention exchanging over the group; the gathered output is rank 0's, and the workers keep theirs (no
+copy back). A call whose tokens do not divide among the ranks raises ``Unsplittable`` on every rank at the same
+layer, before any exchange: it then runs whole here.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from .replica_workers import plain_copy
+from .resident import outside_graphs
+from .sequence import SequenceHook, Unsplittable, check_splittable, enable_split
+from .workers import Raised, Source, Workers, caller_state, on_standins, stop_workers, workers_for
+
+
+class ProcessSequenceHook(SequenceHook):
+    """``SequenceHook`` whose other ranks are worker processes, one per device of ``replicas``."""
+
+    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
+        super().__init__(component, device, execution_device, replicas)
+        self.workers: Workers | None = None
+        self._module: Any = None  # a weak reference to the component: new workers are given it after a death
+
+    @classmethod
+    def for_placement(cls, p, execution_device: str, ledger) -> SequenceHook:
+        """The hook of a sequence placement on workers; the threads' hook on the dry run's stand-ins."""
+        if on_standins(p):
+            return SequenceHook(p.component, p.device, execution_device, p.replicas)
+        return cls(p.component, p.device, execution_device, p.replicas)
+
+    def init_hook(self, module):
+        check_splittable(self.component, module, 1 + len(self.replica_devices))
+        self._module = weakref.ref(module)
+        self.workers = workers_for(module, self.component, self.device, self.replica_devices)
+        self._ranks(module)
+        self.own_forward = module._old_forward  # accelerate set it before calling init_hook
+        module._old_forward = self.run
+        return module
+
+    def detach_hook(self, module):  # the workers stay: a new hook over the module (a followed change) reuses them
+        if self.own_forward is not None:
+            module._old_forward = self.own_forward
+        self.own_forward, self.workers, self._module, self.ranks = None, None, None, []
+        return module
+
+    def release(self, module) -> None:
+        """Stop this component's worker processes (``dispatch.reset``)."""
+        stop_workers(module)
+
+    def pids(self) -> list[int]:
+        """The process ids of the workers running now."""
+        return self.workers.pids() if self.workers is not None and self.workers.running else []
+
+    def run(self, *args, **kwargs):
+        workers = self._running()
+        call = workers.send([(args, kwargs)] * len(self.replica_devices), caller_state(), reply=False,
+                            expected=(Unsplittable,))
+        try:
+            output = self.ranks[0](*args, **kwargs)
+        except Unsplittable:
+            answers = workers.receive(call)  # every rank met it at the same layer, before any exchange
+            if not all(isinstance(a, Raised) for a in answers):
+                workers.close()
+                raise
+            self.whole += 1
+            return self.forward_own(*args, **kwargs)
+        except BaseException:
+            workers.close()  # ranks left inside an exchange: new workers at the next call
+            raise
+        workers.receive(call)
+        return output
+
+    def _ranks(self, module) -> None:
+        """Workers given the module and made ranks 1..; rank 0 a copy here sharing the module's weights."""
+        assert self.workers is not None  # set by init_hook
+        self.workers.sync(plain_copy(module), Source.of(module))
+        self.workers.split()
+        home = plain_copy(module)  # new workers, a new group: rank 0 made anew over it too
+        enable_split(home, 0, self.workers.group)
+        self.ranks = [home]
+
+    def _running(self) -> Workers:
+        module = self._module() if self._module is not None else None
+        if self.workers is None or module is None:
+            raise RuntimeError(f"{self!r} is not attached to its component")
+        if not self.workers.running:
+            self._ranks(module)
+        return self.workers
+
+    def __getstate__(self):  # a deep copy (the dry run's fake module) leaves the workers behind
+        return {**super().__getstate__(), "workers": None, "_module": None}
+
+    def __repr__(self) -> str:
+        copies = ", ".join(str(d) for d in self.replica_devices)
+        return f"ProcessSequenceHook({self.component!r}, device={self.device}, workers=[{copies}])"
+
+
+outside_graphs(ProcessSequenceHook)

@@ -1,0 +1,686 @@
+"""A process per device for a split denoiser: the caller's process is rank 0 and keeps the pipeline (its ``__call__``
+unchanged, no launcher); each other device a split denoiser uses gets a worker process of its own (started with
+``spawn``), rank 1, 2, ... of a ``torch.distributed`` process group with rank 0 (NCCL between GPUs, gloo on the
+CPU), which holds its own copy of the component and runs the calls rank 0 sends it.
+
+Why processes: the ranks as threads of the caller's process (``replica.py``, ``copies.py``) share its GIL and each
+other's CUDA streams (issue 34). Here each rank launches its own kernels on its own streams, and the only traffic is
+the call's inputs going out and its outputs coming back.
+
+What travels, and how:
+
+- a small header through a pipe per worker (``multiprocessing.Pipe``): what to do and the call's structure,
+  pickled with every tensor left out (``_Pickler``: a tensor is pickled as its place in the list of tensors sent);
+- the tensors through the process group, point to point (``send``/``recv``), each rank on its own device;
+- the worker's copy of the component: first loaded by the worker from the pipeline folder's safetensors files
+  (``from_pretrained`` of the component's class, where the component came from a folder), then brought in line with
+  rank 0's model (``Workers.sync``): the module's structure pickled without its tensors, each tensor named by where
+  it sits, and a tensor sent only where the worker's own differs (an exact digest of its bytes, ``digest``). So a
+  pipeline built in code gets every tensor sent once, one loaded from a folder none, and a LoRA loaded after
+  placing only the tensors it changed, plus its layers' structure. No weight is ever pickled.
+
+Waits are bounded: rank 0 polls each pipe with the worker's liveness checked (``_receive``) and a deadline
+(``PIPEMAP_WORKER_TIMEOUT``, seconds, default 120); the group's own timeout is the same. A worker that dies raises
+``WorkerDiedError`` (the workers of that component are stopped; the next call starts new ones); an exception in a
+worker's call raises ``WorkerCallError`` with its traceback. Workers stop when the component is reset
+(``stop_workers``, called by ``dispatch.reset``), when the component is garbage-collected, at the interpreter's exit
+(``atexit``), and by themselves when rank 0's process dies (the pipe closes; a watchdog compares the parent's pid).
+
+Opt-in for now: with ``PIPEMAP_WORKERS=process``, ``hooks.HOOKS`` gives the replicated mode, guidance branches and
+the sequence split their worker variants (``replica_workers.py``, ``guidance_workers.py``, ``sequence_workers.py``);
+the default stays the threads until the workers have been measured on GPUs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import functools
+import io
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.spawn
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from ..errors import WorkerCallError, WorkerDiedError, WorkersOptionError
+
+ENV = "PIPEMAP_WORKERS"
+TIMEOUT_ENV = "PIPEMAP_WORKER_TIMEOUT"
+MODES = ("thread", "process")
+_POLL_S = 0.05  # how often a wait on a pipe looks at the worker's liveness
+
+
+def workers_mode() -> str:
+    """How a split denoiser's other ranks run: ``"thread"`` (the default) or ``"process"`` (``PIPEMAP_WORKERS``)."""
+    mode = os.environ.get(ENV, "thread").strip().lower() or "thread"
+    if mode not in MODES:
+        raise WorkersOptionError(ENV, mode, MODES)
+    return mode
+
+
+def timeout_s() -> float:
+    """The longest any wait on a worker lasts (``PIPEMAP_WORKER_TIMEOUT``, seconds)."""
+    text = os.environ.get(TIMEOUT_ENV, "120")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise WorkersOptionError(TIMEOUT_ENV, text, ("a number of seconds above 0, e.g. 120",))
+    return value
+
+
+def on_standins(placement) -> bool:
+    """Whether a placement is on the dry run's stand-in devices, where the ranks stay threads (its checking modes are
+    thread-local, and a stand-in holds no real weights to load)."""
+    return any(torch.device(d).type == "meta" for d in (placement.device, *placement.replicas))
+
+
+# ---- what a worker loads first ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a worker loads its first copy from: the component's class and the folder of its safetensors files
+    (None: the component came from no folder; every tensor is then sent)."""
+
+    module: str
+    name: str
+    folder: str | None
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> Source:
+        kind = type(module)
+        folder = _folder(module)
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        return cls(kind.__module__, kind.__qualname__, folder, dtype)
+
+    def load(self, device: torch.device) -> torch.nn.Module | None:
+        if self.folder is None:
+            return None
+        kind = _import(self.module, self.name)
+        options: dict[str, Any] = {"torch_dtype": self.dtype}
+        if device.type == "cuda":
+            options["device_map"] = str(device)
+        module = kind.from_pretrained(self.folder, **options)
+        return module.to(device).eval().requires_grad_(False)
+
+
+def _folder(module: torch.nn.Module) -> str | None:
+    """The folder ``from_pretrained`` read ``module`` from (its config's ``_name_or_path``), if it is still one."""
+    config = getattr(module, "config", None)
+    path = config.get("_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    path = os.fspath(path)
+    if not hasattr(type(module), "from_pretrained"):
+        return None
+    return path
+
+
+def _import(module: str, name: str) -> Any:
+    value: Any = __import__(module, fromlist=[name.split(".")[0]])
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# ---- the exact digest of a tensor's bytes ------------------------------------------------------------------------
+
+_CHUNK = 1 << 24
+
+
+def digest(tensor: torch.Tensor) -> tuple[int, int]:
+    """Two integer sums over the tensor's bytes read as integers, the second weighted by position: exact and alike on
+    every device (no floating-point rounding), so a worker and rank 0 compare their copies without moving them."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return (0, 0)
+    width = flat.element_size()
+    view = flat.view(torch.uint8).view({8: torch.int64, 4: torch.int32, 2: torch.int16}.get(width, torch.uint8))
+    plain = weighted = 0
+    for start in range(0, view.numel(), _CHUNK):
+        part = view[start:start + _CHUNK].to(torch.int64)
+        weights = (torch.arange(start, start + part.numel(), device=part.device) % 65521) + 1
+        plain += int(part.sum())
+        weighted += int((part * weights).sum())
+    return (plain, weighted)
+
+
+def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by its dotted name (a shared tensor under its first name)."""
+    found: dict[str, torch.Tensor] = {}
+    for name, tensor in itertools.chain(module.named_parameters(remove_duplicate=False),
+                                        module.named_buffers(remove_duplicate=False)):
+        found.setdefault(name, tensor)
+    return found
+
+
+@dataclass(frozen=True)
+class Meta:
+    """A tensor on the wire: what the receiver allocates before the tensor arrives."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parameter: bool = False
+
+
+# ---- pickling with the tensors left out --------------------------------------------------------------------------
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a structure with each tensor replaced by a reference: ``("keep", name)`` where the receiver already
+    holds that tensor (``keep``: id -> name), else ``("sent", i)``, the tensor appended to ``sent``."""
+
+    def __init__(self, file, keep: dict[int, str] | None = None):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.keep = keep or {}
+        self.sent: list[torch.Tensor] = []
+
+    def persistent_id(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if id(obj) in self.keep:
+            return ("keep", self.keep[id(obj)], isinstance(obj, torch.nn.Parameter))
+        self.sent.append(obj.detach())
+        return ("sent", len(self.sent) - 1, isinstance(obj, torch.nn.Parameter))
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, received: list[torch.Tensor], kept: dict[str, torch.Tensor] | None = None):
+        super().__init__(file)
+        self.received, self.kept = received, kept or {}
+
+    def persistent_load(self, pid):
+        kind, key, parameter = pid
+        tensor = self.kept[key] if kind == "keep" else self.received[key]
+        if parameter and not isinstance(tensor, torch.nn.Parameter):
+            return torch.nn.Parameter(tensor, requires_grad=False)
+        return tensor
+
+
+def packed(value, keep: dict[int, str] | None = None) -> tuple[bytes, list[torch.Tensor]]:
+    """``value`` pickled without its tensors, and the tensors to send after it."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer, keep)
+    pickler.dump(value)
+    return buffer.getvalue(), pickler.sent
+
+
+def unpacked(data: bytes, received: list[torch.Tensor], kept: dict[str, torch.Tensor] | None = None):
+    return _Unpickler(io.BytesIO(data), received, kept).load()
+
+
+def metas(tensors: list[torch.Tensor]) -> list[Meta]:
+    return [Meta(tuple(t.shape), t.dtype) for t in tensors]
+
+
+# ---- the process group -------------------------------------------------------------------------------------------
+
+
+_C10D: Any = torch._C._distributed_c10d  # the registry of groups by name, which torch's functional collectives read
+_NAMES = itertools.count()
+
+
+def _group(store: dist.Store, rank: int, size: int, device: torch.device, seconds: float, name: str) -> Any:
+    """A process group of its own (no default group: the user's torch.distributed stays untouched): NCCL on CUDA,
+    gloo elsewhere, registered under ``name`` so that torch's functional collectives (a sequence split's Ulysses
+    attention) find it; ``_forget`` unregisters it."""
+    timeout = datetime.timedelta(seconds=seconds)
+    prefix = dist.PrefixStore("pipemap", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend: Any = dist.ProcessGroupNCCL(prefix, rank, size, options)
+        kind = dist.ProcessGroup.BackendType.NCCL
+    else:
+        backend = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+        kind = dist.ProcessGroup.BackendType.GLOO
+    group = dist.ProcessGroup(prefix, rank, size)
+    group._set_default_backend(kind)
+    group._register_backend(torch.device(device.type), kind, backend)
+    group._set_group_name(cast(Any, name))  # torch types it GroupName: a str
+    _C10D._register_process_group(name, group)
+    return group
+
+
+def _forget(group: Any) -> None:
+    with contextlib.suppress(Exception):
+        _C10D._unregister_process_group(group.group_name)
+
+
+def _send(group: Any, tensors: list[torch.Tensor], peer: int, device: torch.device) -> list:
+    """Start sending ``tensors`` to ``peer`` (each moved to this rank's ``device`` first); the works to wait on."""
+    works = []
+    for tag, tensor in enumerate(tensors):
+        if tensor.numel() == 0:
+            continue
+        works.append((group.send([tensor.to(device).contiguous()], peer, tag), tensor))
+    return works
+
+
+def _receive_tensors(group: Any, wanted: list[Meta], peer: int, device: torch.device
+                     ) -> list[torch.Tensor]:
+    tensors = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in wanted]
+    works = [group.recv([t], peer, tag) for tag, t in enumerate(tensors) if t.numel()]
+    for work in works:
+        work.wait()
+    return tensors
+
+
+def _alive(r: _Rank) -> bool:
+    """Whether worker ``r`` still runs: its sentinel (a pipe end the child holds) is closed once it exits, even
+    where someone else reaped it (``Process.is_alive`` would then say it lives)."""
+    return not multiprocessing.connection.wait([r.process.sentinel], timeout=0)
+
+
+_SPAWNING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_main():
+    """``spawn`` without the caller's main script: by default a spawned child first runs the parent's ``__main__``
+    file again (the reason scripts need ``if __name__ == "__main__":``), so ``pipe(prompt)`` at the top of a script
+    would run again in each worker. A worker needs none of it: its target is a function of this module."""
+    prepare = multiprocessing.spawn.get_preparation_data
+
+    def without(name):
+        data = prepare(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    with _SPAWNING:
+        multiprocessing.spawn.get_preparation_data = without
+        try:
+            yield
+        finally:
+            multiprocessing.spawn.get_preparation_data = prepare
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- rank 0's end ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Rank:
+    """One worker as rank 0 sees it."""
+
+    rank: int
+    device: torch.device
+    process: Any
+    pipe: Any
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Raised:
+    """An exception a worker's call raised that its caller expects (``Workers.send(expected=...)``)."""
+
+    kind: str
+    message: str
+
+
+@dataclass(eq=False)  # one call is itself only (``Workers.outstanding``)
+class Call:
+    """A call sent to the workers, its outputs not yet received."""
+
+    ranks: list[_Rank]
+    works: list = field(default_factory=list)
+
+
+class Workers:
+    """The worker processes of one component: one per device of ``devices``, ranks 1.. of a group with this
+    process. ``start`` launches them, ``sync`` brings their copies in line with the component, ``send``/``receive``
+    run a call, ``close`` stops them all; a failure anywhere stops them all too (``WorkerDiedError``), and the next
+    ``sync`` starts new ones."""
+
+    def __init__(self, component: str, home: torch.device, devices: tuple[torch.device, ...]):
+        self.component, self.home, self.devices = component, home, devices
+        self.ranks: list[_Rank] = []
+        self.group: Any = None  # a ProcessGroup with a gloo or NCCL backend (``_group``)
+        self.store: dist.TCPStore | None = None
+        self.outstanding: list[Call] = []  # calls sent whose outputs were not received yet, oldest first
+        self.served: list[int] = []  # the pid of the process that computed each output received (tests read it)
+        self.sent: list[int] = []  # per worker synced last: how many tensors it was sent (the others it kept)
+
+    @property
+    def running(self) -> bool:
+        return bool(self.ranks) and all(_alive(r) for r in self.ranks)
+
+    def pids(self) -> list[int]:
+        return [r.pid for r in self.ranks]
+
+    # -- lifetime --
+
+    def start(self, source: Source) -> None:
+        self.close()
+        seconds = timeout_s()
+        port, size = _free_port(), 1 + len(self.devices)
+        name = f"pipemap-{self.component}-{os.getpid()}-{next(_NAMES)}"
+        self.store = dist.TCPStore("127.0.0.1", port, size, is_master=True,
+                                   timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
+        context = multiprocessing.get_context("spawn")
+        try:
+            for rank, device in enumerate(self.devices, start=1):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=serve, name=f"pipemap-{self.component}-rank{rank}", daemon=True,
+                                          args=(rank, size, port, str(device), os.getpid(), theirs, source, seconds,
+                                                name))
+                with _without_main():
+                    process.start()
+                theirs.close()
+                self.ranks.append(_Rank(rank, device, process, ours, process.pid or 0))
+            for r in self.ranks:  # each has loaded its copy from the folder: only now join the group
+                r.pid = self._receive(r, "start")
+            self.group = _group(self.store, 0, size, self.home, seconds, name)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop every worker (asked first, then killed) and free the group and its port."""
+        ranks, self.ranks = self.ranks, []
+        for r in ranks:
+            with contextlib.suppress(OSError, ValueError):
+                r.pipe.send(("stop",))
+        for r in ranks:
+            r.process.join(timeout=5)
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join(timeout=5)
+            with contextlib.suppress(OSError):
+                r.pipe.close()
+        if self.group is not None:
+            _forget(self.group)
+        self.group = self.store = None
+        self.outstanding = []
+
+    # -- the workers' copies --
+
+    def sync(self, plain: torch.nn.Module, source: Source) -> None:
+        """Each worker's copy made equal to ``plain`` (the component with no hooks; workers started from ``source``
+        where none runs): its structure pickled, each tensor the worker already holds alike kept there, the others
+        sent."""
+        if not self.running:
+            self.start(source)
+        names = _named_tensors(plain)
+        self.sent = []
+        for r in self.ranks:
+            theirs = self._ask(r, ("digests",), "sync")
+            keep = {id(t): n for n, t in names.items()
+                    if theirs.get(n) == (tuple(t.shape), t.dtype, digest(t))}
+            data, sent = packed(plain, keep)
+            self.sent.append(len(sent))
+            r.pipe.send(("module", data, metas(sent)))
+            self._finish(_send(self._live_group(), sent, r.rank, self.home), r, "sync")
+            self._receive(r, "sync")
+
+    # -- calls --
+
+    def split(self) -> None:
+        """Make each worker's copy its rank of a sequence split over the group (``sequence.enable_split``)."""
+        for r in self.ranks:
+            self._ask(r, ("split", r.rank), "sync")
+
+    def send(self, parts: list[tuple[tuple, dict]], state: tuple, reply: bool = True,
+             expected: tuple[type, ...] = ()) -> Call:
+        """Start one call per worker: ``parts[i]`` (args, kwargs) to rank i + 1, under the caller's ``state``. A
+        call whose outputs nobody asked for (a guidance branch started ahead and missed) is received first.
+        ``reply=False``: the outputs stay in the workers (a sequence split's ranks each hold the gathered whole);
+        an exception of a class in ``expected`` comes back as a ``Raised`` output, the workers kept."""
+        while self.outstanding:
+            self.receive(self.outstanding[0])
+        call = Call(self.ranks[:len(parts)])
+        self.outstanding.append(call)
+        for r, part in zip(call.ranks, parts):
+            data, tensors = packed(part)
+            self._post(r, ("call", data, metas(tensors), state, reply, expected), "call")
+            call.works += self._guarded(functools.partial(_send, self._live_group(), tensors, r.rank, self.home),
+                                        r, "call")
+        return call
+
+    def receive(self, call: Call) -> list:
+        """Each worker's output of ``call``, in rank order, on the home device."""
+        if call not in self.outstanding:
+            raise RuntimeError("this call's outputs were received already, or its workers stopped since")
+        self.outstanding.remove(call)
+        try:
+            self._finish(call.works, None, "call")
+            return [self._output(r) for r in call.ranks]
+        except BaseException:
+            self.close()
+            raise
+
+    def _output(self, r: _Rank):
+        data, wanted, pid = self._receive(r, "call")
+        self.served.append(pid)
+        tensors = self._guarded(functools.partial(_receive_tensors, self._live_group(), wanted, r.rank, self.home),
+                                r, "call")
+        return unpacked(data, tensors)
+
+    # -- waiting, bounded --
+
+    def _live_group(self) -> Any:
+        assert self.group is not None  # set by start, before any call or sync
+        return self.group
+
+    def _ask(self, r: _Rank, message: tuple, phase: str):
+        self._post(r, message, phase)
+        return self._receive(r, phase)
+
+    def _post(self, r: _Rank, message: tuple, phase: str) -> None:
+        try:
+            r.pipe.send(message)
+        except (OSError, ValueError) as err:
+            raise self._died(r, phase) from err
+
+    def _receive(self, r: _Rank, phase: str):
+        """The worker's next answer: waited for while it lives, for at most the timeout."""
+        deadline = time.monotonic() + timeout_s()
+        while not r.pipe.poll(_POLL_S):
+            if not _alive(r):
+                raise self._died(r, phase)
+            if time.monotonic() > deadline:
+                raise self._died(r, phase, timed_out=True)
+        try:
+            kind, *rest = r.pipe.recv()
+        except (EOFError, OSError) as err:
+            raise self._died(r, phase) from err
+        if kind == "error":
+            self.close()
+            raise WorkerCallError(self.component, str(r.device), r.pid, phase, rest[0])
+        return rest[0]
+
+    def _finish(self, works: list, r: _Rank | None, phase: str) -> None:
+        for work, _tensor in works:
+            self._guarded(work.wait, r, phase)
+
+    def _guarded(self, run, r: _Rank | None, phase: str):
+        try:
+            return run()
+        except WorkerDiedError:
+            raise
+        except RuntimeError as err:  # the group's own error: a peer gone, a timeout
+            raise self._died(r or self.ranks[0], phase) from err
+
+    def _died(self, r: _Rank, phase: str, timed_out: bool = False) -> WorkerDiedError:
+        """The error for worker ``r`` gone (or silent past the timeout); every worker of the component stopped."""
+        r.process.join(timeout=1.0)  # a worker whose pipe broke is exiting: its exit code, where it has one now
+        error = WorkerDiedError(self.component, str(r.device), r.pid, phase, r.process.exitcode,
+                                timeout_s() if timed_out else None)
+        self.close()
+        return error
+
+
+# ---- the workers of each component, and their end ----------------------------------------------------------------
+
+_ALL: weakref.WeakKeyDictionary[torch.nn.Module, Workers] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def workers_for(module: torch.nn.Module, component: str, home: torch.device,
+                devices: tuple[torch.device, ...]) -> Workers:
+    """The workers of ``module`` (made now, none started, if it has none or they serve other devices): they
+    outlive a new hook over the module (a followed change keeps them, ``sync`` sends what changed) and stop with
+    ``stop_workers`` or when the module is collected."""
+    with _LOCK:
+        found = _ALL.get(module)
+        if found is not None and (found.home, found.devices) == (home, devices):
+            return found
+        if found is not None:
+            found.close()
+        made = _ALL[module] = Workers(component, home, devices)
+        weakref.finalize(module, made.close)
+        return made
+
+
+@atexit.register
+def _stop_all() -> None:
+    for workers in list(_ALL.values()):
+        workers.close()
+
+
+def stop_workers(module: torch.nn.Module) -> None:
+    """Stop the worker processes of ``module``, if any (``dispatch.reset``)."""
+    with _LOCK:
+        found = _ALL.pop(module, None)
+    if found is not None:
+        found.close()
+
+
+# ---- a worker's end ----------------------------------------------------------------------------------------------
+
+
+def serve(rank: int, size: int, port: int, device_name: str, parent: int, pipe, source: Source,
+          seconds: float, name: str) -> None:
+    """A worker process: load the copy, join the group, then answer rank 0's messages until told to stop or until
+    rank 0's process is gone."""
+    _watch(parent)
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        module = source.load(device)
+    except Exception:  # files it cannot read alone (a variant's names, say): every tensor is then sent
+        module = None
+    pipe.send(("ready", os.getpid()))
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=seconds))
+    group = _group(store, rank, size, device, seconds, name)
+    worker = _Worker(group, device, module)
+    while True:
+        try:
+            message = pipe.recv()
+        except (EOFError, OSError):
+            return  # rank 0 is gone
+        if message[0] == "stop":
+            return
+        try:
+            worker.handle(message, pipe)
+        except Exception:
+            pipe.send(("error", traceback.format_exc()))
+
+
+def _watch(parent: int) -> None:
+    """Exit this process when rank 0's process is gone, whatever this one is waiting on."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="pipemap-watchdog", daemon=True).start()
+
+
+@dataclass
+class _Worker:
+    """A worker's state: its group, its device, its copy of the component."""
+
+    group: Any
+    device: torch.device
+    module: torch.nn.Module | None
+
+    def handle(self, message: tuple, pipe) -> None:
+        """Answer one message of rank 0 through ``pipe`` (an output's tensors through the group, after it)."""
+        kind, *rest = message
+        if kind == "digests":
+            held = _named_tensors(self.module) if self.module is not None else {}
+            pipe.send(("digests", {n: (tuple(t.shape), t.dtype, digest(t)) for n, t in held.items()}))
+        elif kind == "module":
+            self._module(*rest)
+            pipe.send(("synced", os.getpid()))
+        elif kind == "split":
+            from .sequence import enable_split  # here: only a sequence split's worker loads the context-parallel code
+
+            if self.module is None:
+                raise RuntimeError("no copy of the component was sent to this worker")
+            enable_split(self.module, rest[0], self.group)
+            pipe.send(("split", os.getpid()))
+        elif kind == "call":
+            data, wanted, state, reply, expected = rest
+            try:
+                output = self._call(data, wanted, state)
+            except expected as err:  # the same on every rank (a sequence split's tokens that do not divide)
+                output = Raised(type(err).__name__, str(err))
+            if not reply and not isinstance(output, Raised):
+                output = None
+            data, tensors = packed(output)
+            # the header first: rank 0 allocates from it, then receives the tensors
+            pipe.send(("output", (data, metas(tensors), os.getpid())))
+            for work, _tensor in _send(self.group, tensors, 0, self.device):
+                work.wait()
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+    def _module(self, data: bytes, wanted: list[Meta]) -> None:
+        received = _receive_tensors(self.group, wanted, 0, self.device)
+        kept = _named_tensors(self.module) if self.module is not None else {}
+        self.module = unpacked(data, received, kept).to(self.device).eval()
+
+    def _call(self, data: bytes, wanted: list[Meta], state: tuple):
+        args, kwargs = unpacked(data, _receive_tensors(self.group, wanted, 0, self.device))
+        if self.module is None:
+            raise RuntimeError("no copy of the component was sent to this worker")
+        with entered(state, self.device):
+            return self.module(*args, **kwargs)
+
+
+def caller_state() -> tuple:
+    """What of the caller's per-thread state a worker's call runs under: grad and inference mode, autocast."""
+    autocast = tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+                     if torch.is_autocast_enabled(kind))
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+
+
+@contextlib.contextmanager
+def entered(state: tuple, device: torch.device):
+    grad, inference, autocast = state
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(grad))
+        if inference:
+            stack.enter_context(torch.inference_mode())
+        for kind, dtype in autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+        yield

@@ -1,0 +1,61 @@
+"""Guidance branches at once in a worker process (``hooks/guidance_workers.py``): the second branch of each step
+started ahead on a worker process, remapped onto the CPU; outputs equal the plain pipeline's. Slow: each test starts
+a worker (a spawned interpreter importing torch and diffusers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+import families
+import pipemap
+from families import fresh, output
+from helpers import with_copy
+from pipemap.hooks.guidance_workers import ProcessGuidanceHook
+from pipemap.hooks.workers import ENV
+
+ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
+STEPS = 3
+
+
+def _gone(pid: int, within_s: float = 10) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_qwen_image_s_second_branch_runs_on_a_worker_equals_plain_and_a_dead_worker_costs_only_a_miss(monkeypatch):
+    monkeypatch.setenv(ENV, "process")
+    pipe, call = families.true_cfg("qwen_image", STEPS)
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    assert isinstance(hook, ProcessGuidanceHook) and hook.replicas == [] and hook.workers is not None
+    (pid,) = hook.pids()
+    assert pid != os.getpid()
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)
+    assert (hook.hits, hook.misses) == (STEPS - 1, 0)  # the first step has no step before it to predict from
+    assert hook.workers.served == [pid] * (STEPS - 1)  # each later step's second branch computed by the worker
+
+    def kill_once(module, args):  # a step's first branch runs here while its second was sent: kill the worker
+        if hook.hits + hook.misses == 1:
+            handle.remove()
+            os.kill(pid, signal.SIGKILL)
+
+    handle = pipe.transformer.register_forward_pre_hook(kill_once)
+    hook.hits = hook.misses = 0
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)  # the branch ran here
+    assert hook.misses >= 1 and _gone(pid)
+    (second,) = hook.pids()  # a later step started a new worker
+    assert second != pid
+    pipemap.reset(pipe)
+    assert _gone(second) and not hasattr(pipe.transformer, "_hf_hook")

@@ -1,0 +1,110 @@
+"""The worker machinery (``hooks/workers.py``): its settings, the exact digest, tensors left out of a pickle and
+put back, the first copy loaded from a folder; workers over a plain module (slow: it starts one). The hooks on
+workers run in ``test_replica_workers.py``, ``test_guidance_workers.py``, ``test_sequence_workers.py``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipemap.errors import PipemapError, WorkersOptionError
+from pipemap.hooks.workers import ENV, TIMEOUT_ENV, Meta, digest, metas, packed, timeout_s, unpacked, workers_mode
+
+
+def test_workers_mode_defaults_to_threads_and_refuses_other_words(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert workers_mode() == "thread"
+    monkeypatch.setenv(ENV, " Process ")
+    assert workers_mode() == "process"
+    monkeypatch.setenv(ENV, "ray")
+    with pytest.raises(WorkersOptionError) as caught:
+        workers_mode()
+    assert isinstance(caught.value, PipemapError) and isinstance(caught.value, ValueError)
+    assert (caught.value.variable, caught.value.value, caught.value.accepted) == (ENV, "ray", ("thread", "process"))
+
+
+def test_the_timeout_is_read_in_seconds_and_must_be_positive(monkeypatch):
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert timeout_s() == 120.0
+    monkeypatch.setenv(TIMEOUT_ENV, "2.5")
+    assert timeout_s() == 2.5
+    for bad in ("0", "soon"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(WorkersOptionError, match=TIMEOUT_ENV):
+            timeout_s()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
+def test_the_digest_is_exact_and_sees_a_swap_of_two_elements(dtype):
+    torch.manual_seed(0)
+    values = torch.randn(7, 5) * 10
+    tensor = values > 0 if dtype == torch.bool else values.to(dtype)
+    assert digest(tensor) == digest(tensor.clone()) == digest(tensor.t().contiguous().t())  # layout does not count
+    swapped = tensor.clone().reshape(-1)
+    i, j = next((i, j) for i in range(swapped.numel()) for j in range(i + 1, swapped.numel())
+                if swapped[i] != swapped[j])
+    swapped[i], swapped[j] = tensor.reshape(-1)[j], tensor.reshape(-1)[i]
+    assert digest(swapped.reshape(7, 5)) != digest(tensor)  # the same bytes elsewhere: the weighted sum differs
+    changed = tensor.clone().reshape(-1)
+    changed[i] = changed[j]  # one element changed
+    assert digest(changed) != digest(tensor.reshape(-1))
+    assert digest(torch.empty(0, dtype=dtype)) == (0, 0)
+
+
+def test_a_structure_travels_without_its_tensors_which_are_sent_or_kept_by_name():
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())
+    extra = torch.arange(4.0)
+    data, sent = packed({"module": module, "extra": extra, "n": 3}, keep={id(module[0].weight): "0.weight"})
+    assert len(data) < 2000 and [t.shape for t in sent] == [torch.Size([2]), torch.Size([4])]  # bias and extra
+    assert metas(sent) == [Meta((2,), torch.float32), Meta((4,), torch.float32)]
+    mine = torch.nn.Parameter(torch.ones(2, 3), requires_grad=False)  # the receiver's own weight, kept by name
+    back = unpacked(data, [t.clone() for t in sent], {"0.weight": mine})
+    assert back["n"] == 3 and back["module"][0].weight is mine
+    torch.testing.assert_close(back["module"][0].bias, module[0].bias.detach(), atol=0, rtol=0)
+    assert isinstance(back["module"][0].bias, torch.nn.Parameter) and not back["module"][0].bias.requires_grad
+    torch.testing.assert_close(back["extra"], extra, atol=0, rtol=0)
+
+
+def test_a_worker_loads_from_the_folder_a_model_came_from_and_nothing_for_one_built_in_code(tmp_path):
+    from diffusers import AutoencoderKL
+
+    from pipemap.hooks.workers import Source
+
+    built = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=2)
+    assert Source.of(built) == Source("diffusers.models.autoencoders.autoencoder_kl", "AutoencoderKL", None,
+                                      torch.float32)
+    built.save_pretrained(tmp_path / "vae")
+    loaded = AutoencoderKL.from_pretrained(tmp_path / "vae", torch_dtype=torch.float16)
+    source = Source.of(loaded)
+    assert (source.folder, source.dtype) == (str(tmp_path / "vae"), torch.float16)
+    again = source.load(torch.device("cpu"))  # what the worker does first
+    assert again is not None and not again.training
+    digests = [{n: digest(t) for n, t in m.state_dict().items()} for m in (again, loaded)]
+    assert digests[0] == digests[1]
+
+
+@pytest.mark.slow
+def test_workers_on_a_plain_module_compute_and_a_failing_call_raises_with_the_worker_s_traceback():
+    from pipemap.errors import WorkerCallError
+    from pipemap.hooks.workers import Source, Workers, caller_state
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    cpu = torch.device("cpu")
+    workers = Workers("m", cpu, (cpu,))
+    try:
+        workers.sync(module, Source.of(module))  # built in code: no folder, its two tensors sent
+        assert workers.sent == [2] and workers.running
+        x = torch.randn(4, 3)
+        with torch.no_grad():
+            (out,) = workers.receive(workers.send([((x,), {})], caller_state()))
+            torch.testing.assert_close(out, module(x), atol=0, rtol=0)
+        assert workers.served == workers.pids() and workers.pids()[0] != os.getpid()
+        with pytest.raises(WorkerCallError) as caught:  # a call the module refuses: its error, typed, comes back
+            workers.receive(workers.send([((torch.randn(4, 5),), {})], caller_state()))
+        assert "mat1 and mat2" in caught.value.remote_traceback and caught.value.phase == "call"
+        assert not workers.running  # stopped: the next sync starts new ones
+    finally:
+        workers.close()
