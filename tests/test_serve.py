@@ -50,7 +50,8 @@ def test_the_package_names_alone_load_and_serve_a_pipeline(tiny_folders):
 
     service = Service.load(Options(tiny_folders["sd"], hardware="2x5MiB,cpu=1GiB", headroom=0.0))
     assert set(service.plan.device_map.values()) == {"cuda:0", "cuda:1"}  # run on the CPU here
-    with TestClient(create_app(service)) as client:  # the app's lifespan starts the worker and stops it
+    # the app's lifespan starts the worker and stops it; a local name as Host (a server on loopback refuses others)
+    with TestClient(create_app(service), base_url="http://localhost") as client:
         answer = client.post("/v1/images/generations", json={"prompt": "a cat", "size": "32x32",
                                                               "num_inference_steps": 1, "seed": 3})
         assert answer.status_code == 200 and answer.json()["seed"] == 3 and len(answer.json()["data"]) == 1

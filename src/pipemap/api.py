@@ -308,13 +308,19 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
     return admission
 
 
+def call_needs(source, plan: Plan, call: dict):
+    """What one call of ``source`` (a folder, a catalog name or a pipeline) needs on each device of ``plan``: the
+    dry run's figures the memory ledger admits requests by (``dryrun.many.needs_of``)."""
+    from .dryrun.many import needs_of
+
+    return needs_of(source, plan, call)
+
+
 def _measure(source, pipe, running: Plan):
     """The ledger's measure: a dry run of ``source``, else of what ``_dry_run_source`` finds now (a copy taken at
     once, before later changes to the pipeline). A pipeline with nothing to dry-run from (streamed, built in code)
     raises at each measure instead, and the ledger runs its requests alone, with a warning, rather than
     ``run_many`` refusing them."""
-    from .dryrun.many import needs_of
-
     failure: PipelineMappedError | None = None
     if source is None:
         try:
@@ -325,7 +331,7 @@ def _measure(source, pipe, running: Plan):
     def measure(plan: Plan, call: dict):
         if failure is not None:
             raise failure
-        return needs_of(source, plan, call)
+        return call_needs(source, plan, call)
 
     return measure
 

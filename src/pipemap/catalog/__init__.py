@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..counts import Counts
 from ..errors import NotAPipelineError
+from ..quiet import quiet_diffusers
 from ..units import format_bytes
 
 if TYPE_CHECKING:
@@ -125,7 +126,6 @@ def _skeleton(name: str, component: str) -> torch.nn.Module:
     from accelerate import init_empty_weights
     from transformers import PreTrainedModel
 
-    from ..quiet import quiet_diffusers
 
     found = entries()[name]
     library, class_name = found.model_index[component]

@@ -25,6 +25,7 @@ from typing import cast
 import accelerate
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from tqdm import tqdm
 
 from .. import catalog
 from ..counts import Counts, shape_of
@@ -234,7 +235,6 @@ def _progress(label: str | None, phases: PhaseTracker, steps: int):
     if label is None:
         yield
         return
-    from tqdm import tqdm
 
     bar = tqdm(total=steps, desc=label, unit="step", delay=3, leave=False, file=sys.stderr, disable=None)
 

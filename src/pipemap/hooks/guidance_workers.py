@@ -16,6 +16,7 @@ from typing import Any
 from torch.utils._pytree import tree_unflatten
 
 from ..errors import PipemapError
+from .follow import signature
 from .guidance import GuidanceHook, Inputs
 from .replica_workers import plain_copy
 from .resident import outside_graphs
@@ -38,6 +39,7 @@ class ProcessGuidanceHook(GuidanceHook):
         return cls(p.component, p.device, execution_device, p.replicas)
 
     def init_hook(self, module):
+        self._home, self._made = module, signature(module, state=True)  # what ``copy_is_current`` compares with
         self._module = weakref.ref(module)
         self.workers = workers_for(module, self.component, self.device, self.replica_devices)
         self.workers.sync(plain_copy(module), Source.of(module))

@@ -164,7 +164,11 @@ class MovingHook(PlacementHook):
 
     def read_from_files(self, groups) -> None:
         """These groups stay in their files (the disk tier): never pinned, read through the device's staging ring
-        at each onload, their pages given back after; the dry run counts them on the disk."""
+        at each onload, their pages given back after; the dry run counts them on the disk. A hook with none is no
+        user of the ring (it would hold the ring's page-locked slots past the last reader's detach)."""
+        groups = list(groups)
+        if not groups:
+            return
         staging = self.ledger.staging(self.device)
         staging.users.add(id(self))
         for group in groups:

@@ -17,9 +17,8 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 from .. import catalog
 from ..admission import Admission
-from ..api import Request, load, memory_for, runnable
+from ..api import Request, call_needs, load, memory_for, runnable
 from ..cost import bytes_moved
-from ..dryrun.many import needs_of
 from ..errors import CallTooLargeError, NotAPipelineError, format_bytes
 from ..inventory import inventory_of
 from ..parallel import iter_many
@@ -95,7 +94,7 @@ def sizes_for(plan: Plan, folder: Path) -> Admission:
     """What checks a request's activations against the room a plan with no GPU leaves in the host's memory: the
     same dry run per call shape as a GPU plan's ledger (``api.memory_for``), used only to refuse calls too large
     (the CPU runs them without admission)."""
-    return Admission(plan, lambda asked, call: needs_of(str(folder), asked, call))
+    return Admission(plan, lambda asked, call: call_needs(str(folder), asked, call))
 
 
 # a request this many times over a device's room, by a linear scaling of a smaller shape's measured peak, is refused
