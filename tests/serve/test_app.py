@@ -149,23 +149,29 @@ def test_liveness_and_readiness(named):
     assert session.get("/health/ready").json() == {"ready": True, "reason": None, "queue_depth": 0, "running": 0}
 
 
-def test_a_sticky_device_error_makes_the_service_unready_and_refuse_work(service):
-    from pipemap.serve import Background
-
-    own = Service(service.pipe, service.plan, service.running_plan, timeout=60.0)
-    failures = [RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
-                             "asynchronously reported")]
+def _asked_failing_once(service, session, error: Exception):
+    """One request whose VAE decode raises ``error`` (a pre-hook, removed after)."""
+    failures = [error]
 
     def fail_once(*_):
         if failures:
             raise failures.pop()
 
+    handle = service.pipe.vae.decoder.register_forward_pre_hook(fail_once)
+    try:
+        return ask(session, prompt="a cat", seed=1, num_inference_steps=1)
+    finally:
+        handle.remove()
+
+
+def test_a_sticky_device_error_makes_the_service_unready_and_refuse_work(service):
+    from pipemap.serve import Background
+
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=60.0)
+    sticky = RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
+                          "asynchronously reported")
     with Background(own) as url, httpx.Client(base_url=url, timeout=60) as session:
-        handle = service.pipe.vae.decoder.register_forward_pre_hook(fail_once)
-        try:
-            failed = ask(session, prompt="a cat", seed=1, num_inference_steps=1)
-        finally:
-            handle.remove()
+        failed = _asked_failing_once(service, session, sticky)
         assert failed.status_code == 500 and failed.json()["error"]["code"] == "device_error"
         ready = session.get("/health/ready")
         assert ready.status_code == 503 and ready.json()["ready"] is False
@@ -180,17 +186,7 @@ def test_a_plain_pipeline_error_leaves_the_service_ready(service):
     from pipemap.serve import Background
 
     own = Service(service.pipe, service.plan, service.running_plan, timeout=60.0)
-    failures = [RuntimeError("injected: shapes do not match")]
-
-    def fail_once(*_):
-        if failures:
-            raise failures.pop()
-
     with Background(own) as url, httpx.Client(base_url=url, timeout=60) as session:
-        handle = service.pipe.vae.decoder.register_forward_pre_hook(fail_once)
-        try:
-            assert ask(session, prompt="a cat", seed=1, num_inference_steps=1).json()["error"]["code"] == \
-                "pipeline_error"
-        finally:
-            handle.remove()
+        failed = _asked_failing_once(service, session, RuntimeError("injected: shapes do not match"))
+        assert failed.json()["error"]["code"] == "pipeline_error"
         assert session.get("/health/ready").status_code == 200 and own.broken is None

@@ -20,23 +20,18 @@ from .follow import signature
 from .guidance import GuidanceHook, Inputs
 from .replica_workers import plain_copy
 from .resident import outside_graphs
-from .workers import Call, Source, Workers, caller_state, on_standins, stop_workers, workers_for
+from .workers import Call, OnWorkers, Source, Workers, caller_state, workers_for
 
 
-class ProcessGuidanceHook(GuidanceHook):
+class ProcessGuidanceHook(OnWorkers, GuidanceHook):
     """``GuidanceHook`` whose copy is a worker process on ``replicas[0]``."""
+
+    thread_hook = GuidanceHook
 
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
         super().__init__(component, device, execution_device, replicas)
         self.workers: Workers | None = None
         self._module: Any = None  # a weak reference to the component: new workers are given it after a death
-
-    @classmethod
-    def for_placement(cls, p, execution_device: str, ledger) -> GuidanceHook:
-        """The hook of a guidance placement on a worker; the threads' hook on the dry run's stand-ins."""
-        if on_standins(p):
-            return GuidanceHook(p.component, p.device, execution_device, p.replicas)
-        return cls(p.component, p.device, execution_device, p.replicas)
 
     def init_hook(self, module):
         self._home, self._made = module, signature(module, state=True)  # what ``copy_is_current`` compares with
@@ -51,14 +46,6 @@ class ProcessGuidanceHook(GuidanceHook):
         module = super().detach_hook(module)
         self.workers = self._module = None
         return module
-
-    def release(self, module) -> None:
-        """Stop this component's worker process (``dispatch.reset``)."""
-        stop_workers(module)
-
-    def pids(self) -> list[int]:
-        """The process ids of the workers running now."""
-        return self.workers.pids() if self.workers is not None and self.workers.running else []
 
     def _start(self, upcoming: Inputs) -> Any:  # a Future's part: ``result()``
         inputs = tree_unflatten(list(upcoming.leaves), upcoming.spec)

@@ -17,26 +17,21 @@ import torch
 from ..errors import PipemapError
 from .replica import ReplicaHook, join_batch, replica, split_batch
 from .resident import PlacementHook, outside_graphs
-from .workers import Call, Source, Workers, caller_state, on_standins, stop_workers, workers_for
+from .workers import Call, OnWorkers, Source, Workers, caller_state, workers_for
 
 _HOOK_STORES = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_forward_pre_hooks_with_kwargs",
                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-class ProcessReplicaHook(ReplicaHook):
+class ProcessReplicaHook(OnWorkers, ReplicaHook):
     """``ReplicaHook`` whose copies are worker processes, one per device of ``replicas``."""
+
+    thread_hook = ReplicaHook
 
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
         super().__init__(component, device, execution_device, replicas)
         self.workers: Workers | None = None
         self._calls: list[Call | None] = []  # per call in progress: what the workers were sent (None: nothing)
-
-    @classmethod
-    def for_placement(cls, p, execution_device: str, ledger) -> ReplicaHook:
-        """The hook of a replicated placement on workers; the threads' hook on the dry run's stand-ins."""
-        if on_standins(p):
-            return ReplicaHook(p.component, p.device, execution_device, p.replicas)
-        return cls(p.component, p.device, execution_device, p.replicas)
 
     def init_hook(self, module):
         self.workers = workers_for(module, self.component, self.device, self.replica_devices)
@@ -46,14 +41,6 @@ class ProcessReplicaHook(ReplicaHook):
     def detach_hook(self, module):  # the workers stay: a new hook over the module (a followed change) reuses them
         self.workers, self._calls = None, []
         return module
-
-    def release(self, module) -> None:
-        """Stop this component's worker processes (``dispatch.reset``)."""
-        stop_workers(module)
-
-    def pids(self) -> list[int]:
-        """The process ids of the workers running now."""
-        return self.workers.pids() if self.workers is not None and self.workers.running else []
 
     def pre_forward(self, module, *args, **kwargs):
         args, kwargs = PlacementHook.pre_forward(self, module, *args, **kwargs)

@@ -18,23 +18,18 @@ from typing import Any
 from .replica_workers import plain_copy
 from .resident import outside_graphs
 from .sequence import SequenceHook, Unsplittable, check_splittable, enable_split
-from .workers import Raised, Source, Workers, caller_state, on_standins, stop_workers, workers_for
+from .workers import OnWorkers, Raised, Source, Workers, caller_state, workers_for
 
 
-class ProcessSequenceHook(SequenceHook):
+class ProcessSequenceHook(OnWorkers, SequenceHook):
     """``SequenceHook`` whose other ranks are worker processes, one per device of ``replicas``."""
+
+    thread_hook = SequenceHook
 
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
         super().__init__(component, device, execution_device, replicas)
         self.workers: Workers | None = None
         self._module: Any = None  # a weak reference to the component: new workers are given it after a death
-
-    @classmethod
-    def for_placement(cls, p, execution_device: str, ledger) -> SequenceHook:
-        """The hook of a sequence placement on workers; the threads' hook on the dry run's stand-ins."""
-        if on_standins(p):
-            return SequenceHook(p.component, p.device, execution_device, p.replicas)
-        return cls(p.component, p.device, execution_device, p.replicas)
 
     def init_hook(self, module):
         check_splittable(self.component, module, 1 + len(self.replica_devices))
@@ -50,14 +45,6 @@ class ProcessSequenceHook(SequenceHook):
             module._old_forward = self.own_forward
         self.own_forward, self.workers, self._module, self.ranks = None, None, None, []
         return module
-
-    def release(self, module) -> None:
-        """Stop this component's worker processes (``dispatch.reset``)."""
-        stop_workers(module)
-
-    def pids(self) -> list[int]:
-        """The process ids of the workers running now."""
-        return self.workers.pids() if self.workers is not None and self.workers.running else []
 
     def run(self, *args, **kwargs):
         workers = self._running()

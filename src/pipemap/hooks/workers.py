@@ -568,6 +568,29 @@ def stop_workers(module: torch.nn.Module) -> None:
         found.close()
 
 
+class OnWorkers:
+    """What the hooks whose copies are worker processes share (first in their bases, before the thread hook they
+    derive from, ``thread_hook``): the thread hook on the dry run's stand-ins, the workers stopped at reset, their
+    process ids."""
+
+    thread_hook: type
+    workers: Workers | None
+
+    @classmethod
+    def for_placement(cls, p, execution_device: str, ledger):
+        """The hook of this mode's placement on workers; the threads' hook on the dry run's stand-ins."""
+        hook = cls.thread_hook if on_standins(p) else cls
+        return hook(p.component, p.device, execution_device, p.replicas)
+
+    def release(self, module) -> None:
+        """Stop this component's worker processes (``dispatch.reset``)."""
+        stop_workers(module)
+
+    def pids(self) -> list[int]:
+        """The process ids of the workers running now."""
+        return self.workers.pids() if self.workers is not None and self.workers.running else []
+
+
 # ---- a worker's end ----------------------------------------------------------------------------------------------
 
 
