@@ -86,6 +86,7 @@ def test_run_many_overlaps_stages_of_different_requests(staged):
     assert [o.images.shape for o in outputs] == [(1, 32, 32, 3)] * 3
 
 
+@pytest.mark.slow  # over 1 s on 2 cores: out of the quick subset
 def test_threads_calling_a_mapped_pipeline_take_turns(staged):
     """A second thread's call waits for the first to finish, so neither sees the other's scheduler state."""
     calls = _calls(2)

@@ -67,6 +67,7 @@ def _browser():
     return webdriver.Chrome(service=Driver(driver), options=options)
 
 
+@pytest.mark.slow  # over 1 s on 2 cores: out of the quick subset
 def test_a_browser_sees_the_picture_submits_a_prompt_and_gets_an_image(served):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait

@@ -173,6 +173,7 @@ def test_a_full_queue_answers_429_with_retry_after(service, client):
     assert code(client, 429) == before + 1
 
 
+@pytest.mark.slow  # over 1 s on 2 cores: out of the quick subset
 def test_a_timeout_answers_504_drops_the_work_and_the_next_request_succeeds(service, client):
     before = counted(client)
     calls = []
