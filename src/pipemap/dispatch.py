@@ -382,8 +382,10 @@ def _guarded(cls: type) -> type:
         if cls not in _GUARDS:
             body = {**_changing_methods(cls), "__call__": _taking_turns(cls.__call__), "_pipemap_unguarded": cls,
                     "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-                    "__setattr__": _replacing(cls), "__deepcopy__": _refused_copy("copy.deepcopy(pipe)"),
-                    "__reduce_ex__": _refused_copy("pickling the pipeline")}
+                    # a copy would hold the hooks, their locks, threads and device copies of the placed models:
+                    # refused by name (the guarded class is not importable and a lock not picklable: raw errors)
+                    "__setattr__": _replacing(cls), "__deepcopy__": _refuse("copy.deepcopy(pipe)"),
+                    "__reduce_ex__": _refuse("pickling the pipeline")}
             _GUARDS[cls] = type(cls.__name__, (cls,), body)
         return _GUARDS[cls]
 
@@ -457,15 +459,6 @@ def follower(pipe, name: str) -> Callable[[torch.nn.Module], bool]:
         return True
 
     return follow_call
-
-
-def _refused_copy(operation: str):
-    # a copy would hold the hooks, their locks, threads and CUDA copies of the placed models: refused by name (the
-    # guarded class is no importable class, and a lock no picklable object, so either would fail with a raw error)
-    def refuse(self, *args):
-        raise PipelineMappedError(operation)
-
-    return refuse
 
 
 def _replacing(cls: type):
