@@ -73,7 +73,7 @@ def fake_cuda(monkeypatch, tmp_path):
     copy and read is checked for ordering, and the test fails on any race it leaves (set ``expect_races`` to look
     at them yourself). ``fake_cuda.gpus`` may be raised before anything is placed."""
     import fakecuda
-    from pipemap import transfer
+    from pipemap.runtime import transfer
 
     monkeypatch.setenv("PIPEMAP_CACHE_DIR", str(tmp_path / "cache"))  # the transfer check's cache: not the user's
     transfer.clear_transfer_cache()

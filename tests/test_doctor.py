@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from pipemap import doctor, transfer
-from pipemap.transfer import TransferKey, TransferReport
+from pipemap import doctor
+from pipemap.runtime import transfer
+from pipemap.runtime.transfer import TransferKey, TransferReport
 
 
 @pytest.fixture(autouse=True)

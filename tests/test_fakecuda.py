@@ -181,7 +181,7 @@ def test_pinned_host_blocks_stay_locked_in_the_cache_until_emptied(fake_cuda):
 
 
 def test_out_of_memory_says_the_gpu_as_cuda_does(fake_cuda):
-    from pipemap.admission import _GPU, _TRIED
+    from pipemap.runtime.admission import _GPU, _TRIED
 
     fake_cuda.limit[1] = 2**20
     with pytest.raises(torch.OutOfMemoryError) as err:

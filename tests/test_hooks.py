@@ -8,9 +8,10 @@ import torch
 
 import pipemap
 from helpers import pipeline_state, plain_pipeline, run
-from pipemap import hooks, streams
+from pipemap import hooks
 from pipemap.hooks import HOOKS, MOVING, Ledger, hook_maker, stream
 from pipemap.plan import MODES, DeviceUse, Placement, Plan
+from pipemap.runtime import streams
 
 # one placement of each mode, all on the CPU
 PLACEMENTS = {

@@ -18,16 +18,18 @@ from pipemap.cli import STRATEGY_NAMES, TINY_KINDS, main
 from pipemap.planner import AUTO, STRATEGIES
 
 PACKAGE = Path(pipemap.__file__).parent
-# The wings, lowest first: a module imports only modules of its own layer or a lower one (ARCHITECTURE.md).
-LAYERS = {
-    "values": ("errors", "units", "devices", "quiet", "ram", "hardware", "granularity", "quantized", "inventory",
-               "picture", "plan", "counts"),
-    "planning": ("replication", "tiers", "cost", "planner", "catalog"),
-    "runtime": ("transfer", "streams", "admission", "hooks", "dispatch", "relief", "loading", "parallel", "traffic"),
-    "dry run": ("dryrun",),
-    "api": ("api",),
-    "tools": ("cli", "demo", "doctor", "serve", "tiny", "__main__"),
-}
+ARCHITECTURE = PACKAGE.parents[1] / "ARCHITECTURE.md"
+
+
+def layers_of(text: str) -> dict[str, tuple[str, ...]]:
+    """``{layer: (wing, ...)}``, lowest first, from the layer table of ARCHITECTURE.md: the one statement of the
+    layers (a wing is a top-level module or folder of the package; a module imports only its own layer or lower)."""
+    rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ") and "`" in line.split("|")[2]]
+    return {layer.strip(): tuple(w.strip("`/") for w in wings.split() if w.startswith("`")) for layer, wings in rows
+            if layer.strip() in ("values", "planning", "runtime", "dry run", "api", "tools")}
+
+
+LAYERS = layers_of(ARCHITECTURE.read_text())
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 
 
@@ -46,8 +48,9 @@ def test_import_pipemap_pulls_in_no_heavy_library():
 # memory ledger's relief, the hooks of other modes (and the moving code they share), rich. Not torchao nor peft:
 # transformers and diffusers import those themselves in a plain from_pretrained (pipemap names neither)
 NOT_FOR_A_RESIDENT_LOAD = (
-    "pipemap.serve", "pipemap.dryrun", "pipemap.catalog", "pipemap.parallel", "pipemap.relief", "pipemap.traffic",
-    "pipemap.doctor", "pipemap.cli", "pipemap.hooks.stream", "pipemap.hooks.offload", "pipemap.hooks.moving",
+    "pipemap.serve", "pipemap.dryrun", "pipemap.catalog", "pipemap.runtime.parallel", "pipemap.runtime.relief",
+    "pipemap.runtime.traffic", "pipemap.doctor", "pipemap.cli", "pipemap.hooks.stream", "pipemap.hooks.offload",
+    "pipemap.hooks.moving",
     "pipemap.hooks.mapped", "pipemap.hooks.packing", "pipemap.hooks.split", "pipemap.hooks.replica",
     "pipemap.hooks.copies", "pipemap.hooks.guidance", "pipemap.hooks.sequence", "pipemap.hooks.exchange",
     "pipemap.hooks.workers", "pipemap.hooks.replica_workers", "pipemap.hooks.guidance_workers",
@@ -128,6 +131,18 @@ def _wing(module: str) -> str:
 
 def test_every_module_has_its_layer():
     assert {_wing(m) for m in package_modules()} - set(RANK) == set()
+
+
+def test_the_value_layer_is_the_one_mypy_checks_strictly():
+    # pyproject.toml's strict override names the value wings (a folder as ``wing.*``): no third list of layers
+    text = (PACKAGE.parents[1] / "pyproject.toml").read_text()
+    listed = text[text.index("[[tool.mypy.overrides]]"):].split("module = [")[1].split("]")[0]
+    strict = {name.split(".")[1] for name in listed.replace('"', " ").replace(",", " ").split()}
+    assert strict == set(LAYERS["values"])
+
+
+def test_at_most_24_modules_at_the_top_level():
+    assert len([p for p in PACKAGE.glob("*.py")]) <= 24
 
 
 def test_imports_go_down_the_layers_never_up():

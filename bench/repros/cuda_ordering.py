@@ -23,9 +23,9 @@ import fakecuda
 
 fake = fakecuda.install()
 
-from pipemap import streams  # noqa: E402
 from pipemap.hooks import HOOKS, Ledger, hook_component, stream, unhook_component  # noqa: E402
 from pipemap.plan import Placement  # noqa: E402
+from pipemap.runtime import streams  # noqa: E402
 
 
 class Net(torch.nn.Module):

@@ -7,7 +7,7 @@ Run from the project root: PYTHONPATH=src:tests .venv/bin/python bench/repros/pl
 from __future__ import annotations
 
 import pipemap
-from pipemap.transfer import plan_devices
+from pipemap.runtime.transfer import plan_devices
 
 plan = pipemap.plan("stable-diffusion-xl-base-1.0", hardware="4x80GiB,cpu=64GiB", strategy="parallel")
 unet = plan.placement("unet")

@@ -59,12 +59,12 @@ _LAZY = {
     "dispatch": "dispatch", "reset": "dispatch", "stats": "dispatch", "replace": "dispatch", "follow": "dispatch",
     "normalize_device": "devices", "Device": "hardware", "Hardware": "hardware",
     "Component": "inventory", "Inventory": "inventory",
-    "current_request": "parallel",
+    "current_request": "runtime.parallel",
     "DeviceUse": "plan", "HostUse": "plan", "Placement": "plan", "Plan": "plan",
     "STRATEGIES": "planner",
     "Failure": "dryrun.report", "SimulationReport": "dryrun.report", "ManyReport": "dryrun.many",
-    "PipemapWarning": "transfer", "TransferReport": "transfer", "UnsafeTransferWarning": "transfer",
-    "check_transfers": "transfer",
+    "PipemapWarning": "runtime.transfer", "TransferReport": "runtime.transfer",
+    "UnsafeTransferWarning": "runtime.transfer", "check_transfers": "runtime.transfer",
 }
 
 
@@ -101,10 +101,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .dryrun.report import Failure, SimulationReport
     from .hardware import Device, Hardware
     from .inventory import Component, Inventory
-    from .parallel import current_request
     from .plan import DeviceUse, HostUse, Placement, Plan
     from .planner import STRATEGIES
-    from .transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
+    from .runtime.parallel import current_request
+    from .runtime.transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
 
 __all__ = [
     "ArgumentConflictError", "ArgumentTypeError", "CallArgumentError", "CheckpointError", "Component", "Device",

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .admission import Admission, cuda_peaks
 from .cost import launch_bound, predict, workload_for
 from .devices import is_accelerator, real_device
 from .dispatch import planned
@@ -35,19 +34,20 @@ from .errors import (
 )
 from .hardware import Hardware
 from .inventory import Inventory, check_weights_present, inventory_of, read_model_index, resolve_dtype
-from .loading import check_passed, check_plan_fits, check_plan_models, load_onto, with_passed
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
+from .runtime.admission import Admission, cuda_peaks
+from .runtime.loading import check_passed, check_plan_fits, check_plan_models, load_onto, with_passed
 from .units import format_bytes, parse_bytes
 
 # The dry run, the catalog, the cost model, the memory ledger and run_many are imported by the verbs that use them,
 # not here: ``pipemap.load``'s first call in a process then imports only what loading and placing need (issue 28).
 if TYPE_CHECKING:
-    from .admission import Admission
     from .cost import Cost, Workload
     from .counts import Counts
     from .dryrun.many import ManyReport
     from .dryrun.report import SimulationReport
+    from .runtime.admission import Admission
 
 MEASURE = "measure"  # the headroom a dry run measures
 
@@ -298,7 +298,7 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
     found = pipe.__dict__.get(_ADMISSION)
     if found is not None and found.running is running and found.asked == plan:
         return found
-    from .relief import relieve
+    from .runtime.relief import relieve
 
     admission = Admission(counted, _measure(source, pipe, running), running=running,
                           relieve=functools.partial(relieve, pipe),
@@ -370,7 +370,7 @@ def iter_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False,
     >>> for out in pipemap.iter_many(pipe, ({"prompt": p} for p in prompts)):               # doctest: +SKIP
     ...     out.images[0].save(...)
     """
-    from . import parallel  # here: a pipeline only loaded never runs requests together
+    from .runtime import parallel  # here: a pipeline only loaded never runs requests together
 
     return parallel.iter_many(pipe, calls, workers, return_exceptions=return_exceptions,
                               memory=memory_for(pipe, plan))

@@ -32,8 +32,8 @@ from .hooks.resident import changed, quiet
 from .inventory import module_bytes, submodules
 from .plan import Placement, Plan
 from .quantized import movable, storage
-from .streams import Queues, queues_for
-from .transfer import ensure_safe_transfers, move_tensor, plan_devices, synchronize
+from .runtime.streams import Queues, queues_for
+from .runtime.transfer import ensure_safe_transfers, move_tensor, plan_devices, synchronize
 
 _GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload",
             "reset_device_map", "remove_all_hooks")

@@ -18,7 +18,7 @@ import torch
 from . import __version__
 from .hardware import disk_cache_path, measured_disk_bandwidth
 from .ram import ram
-from .transfer import FIXED_DRIVER, Copy, TransferReport, cache_path, check_transfers, driver_version
+from .runtime.transfer import FIXED_DRIVER, Copy, TransferReport, cache_path, check_transfers, driver_version
 from .units import format_bytes
 
 DISK_PROBE = 128 * 2**20  # bytes written, dropped from the page cache, and read back to time the disk

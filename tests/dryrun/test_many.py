@@ -8,8 +8,8 @@ import pytest
 
 import pipemap
 from pipemap import tiny
-from pipemap.admission import MemoryLedger
 from pipemap.dryrun.many import Segment, measure, needs_from
+from pipemap.runtime.admission import MemoryLedger
 
 # tiny SD at 32x32: the unet (3.0 MiB) and text encoder (0.2) on cuda:0, whose 3.8 MiB of room beside them holds the
 # unet's activations (1.6 MiB a call, 3.2 for two images) for two requests; the vae (2.5) on cuda:1, whose 2.5 MiB

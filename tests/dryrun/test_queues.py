@@ -12,7 +12,7 @@ import pipemap
 from pipemap.dryrun.queues import StandinQueues
 from pipemap.dryrun.trackers import StorageTracker
 from pipemap.planner import forcing_hardware
-from pipemap.streams import ModelQueues
+from pipemap.runtime.streams import ModelQueues
 
 DEVICE = torch.device("meta:1")
 

@@ -22,7 +22,7 @@ from pipemap.hooks.offload import OffloadHook
 from pipemap.hooks.packing import Group, slots
 from pipemap.plan import Placement
 from pipemap.ram import file_maps
-from pipemap.streams import ModelQueues
+from pipemap.runtime.streams import ModelQueues
 
 
 def _rss_file() -> int:

@@ -9,11 +9,12 @@ import torch
 
 import pipemap
 from helpers import moving, pipeline_state, plain_pipeline, run
-from pipemap import streams, tiny
+from pipemap import tiny
 from pipemap.dispatch import onload_peaks
 from pipemap.hooks import Ledger
 from pipemap.hooks.moving import LruCache
 from pipemap.planner import forcing_hardware
+from pipemap.runtime import streams
 
 MODES = {"balanced_low_memory": "offload", "balanced_ultra_low_memory": "stream"}
 

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from pipemap import streams
 from pipemap.hooks import HOOKS, Ledger, hook_component, stream, unhook_component
 from pipemap.plan import Placement
+from pipemap.runtime import streams
 
 
 class Net(torch.nn.Module):

@@ -25,7 +25,7 @@ from ..hardware import Hardware
 from ..inventory import Inventory, inventory_of
 from ..plan import Plan
 from ..planner import budgets, plan_inventory
-from ..transfer import cache_path
+from ..runtime.transfer import cache_path
 from .run import count_work
 
 # bumped when the counter's rules change: older cached counts are not read (2: attention counted apart, boolean

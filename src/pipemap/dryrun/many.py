@@ -21,10 +21,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from ..admission import Lease, MemoryLedger, Needs, Ticket, call_shape, measured_call, too_large
 from ..errors import CallTooLargeError, SimulationFailedError
 from ..plan import Plan
 from ..quiet import quiet_diffusers, quiet_transformers
+from ..runtime.admission import Lease, MemoryLedger, Needs, Ticket, call_shape, measured_call, too_large
 from ..units import format_bytes
 from . import standin
 from .report import SimulationReport

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..streams import ModelQueues
+from ..runtime.streams import ModelQueues
 from .trackers import StorageTracker
 
 

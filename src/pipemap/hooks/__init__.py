@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..plan import Placement, Plan
-from ..streams import Queues, queues_for
+from ..runtime.streams import Queues, queues_for
 from .resident import CallLock, Moved, PlacementHook, hook_component, unhook_component
 
 if TYPE_CHECKING:

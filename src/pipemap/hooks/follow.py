@@ -30,7 +30,7 @@ import torch
 from ..inventory import submodules
 from ..plan import Placement
 from ..quantized import restored, storage
-from ..transfer import move_tensor
+from ..runtime.transfer import move_tensor
 from .resident import PlacementHook, epoch, hook_component, quiet, unhook_component, watch_changes
 
 if TYPE_CHECKING:

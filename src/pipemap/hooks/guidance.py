@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..transfer import move_tensor
+from ..runtime.transfer import move_tensor
 from .copies import CopiesHook, call_on
 from .follow import Signature, signature, unchanged
 from .replica import CallerState

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import WeightsFileChangedError
 from ..ram import address, file_maps
-from ..streams import Queues
+from ..runtime.streams import Queues
 from ..tiers import STAGING_CHUNK, STAGING_SLOTS
 from .packing import Group, Packing, nbytes_of
 

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from ..streams import Queues, queues_for
+from ..runtime.streams import Queues, queues_for
 from .mapped import Pages, Staging
 from .packing import Group
 from .resident import PlacementHook

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quantized import is_packed, rebuild_from, restored, storage, stored_bytes
-from ..transfer import move_tensor
+from ..runtime.transfer import move_tensor
 from ..units import aligned
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..transfer import move, move_tensor
+from ..runtime.transfer import move, move_tensor
 from .resident import PlacementHook, outside_graphs, quietly
 
 

@@ -10,7 +10,7 @@ import torch
 from accelerate.hooks import add_hook_to_module
 from torch.utils._pytree import tree_map
 
-from ..transfer import move, move_tensor
+from ..runtime.transfer import move, move_tensor
 from .resident import PlacementHook, copied_containers, outside_graphs, unhook_component
 
 

@@ -16,13 +16,13 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 from .. import catalog
-from ..admission import Admission
 from ..api import Request, call_needs, load, memory_for, runnable
 from ..cost import bytes_moved
 from ..errors import CallTooLargeError, NotAPipelineError, format_bytes
 from ..inventory import inventory_of
-from ..parallel import iter_many
 from ..plan import Plan
+from ..runtime.admission import Admission
+from ..runtime.parallel import iter_many
 from .access import Access
 from .home import home_page
 from .metrics import Metrics

@@ -20,7 +20,7 @@ import pytest
 import pipemap
 from pipemap import tiny
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "cpu.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "cpu.py"
 MIB = 2**20
 # beyond the plan's figure, what a plain diffusers load and call of the same pipeline needs besides its weights
 # (its activations and loading's own objects, measured in the same test), and this much for the hooks' own

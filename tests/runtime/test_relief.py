@@ -14,7 +14,7 @@ from pipemap import tiny
 from pipemap.api import memory_for
 from pipemap.dispatch import planned
 from pipemap.hooks import OffloadHook, PlacementHook
-from pipemap.relief import offloaded, replace_placements
+from pipemap.runtime.relief import offloaded, replace_placements
 
 ONE_GPU = "cuda:0=8MiB,cpu=1GiB"  # every component of the tiny SD on cuda:0
 
@@ -111,13 +111,13 @@ def test_a_move_that_fails_part_way_leaves_the_pipeline_as_it_was():
 
 
 def _failure(tried: int = 3 * 2**19):
-    from pipemap.admission import OutOfMemory
+    from pipemap.runtime.admission import OutOfMemory
 
     return OutOfMemory("unet", "cuda:0", tried, 0, "CUDA out of memory. Tried to allocate 1.50 MiB.")
 
 
 def test_only_what_fits_in_the_cpu_budget_moves_to_the_host():
-    from pipemap.relief import least_used, refused
+    from pipemap.runtime.relief import least_used, refused
 
     pipe = tiny.build("sd")
     # the tiny SD's vae is 2.5 MiB, its text encoder 223 KiB: a CPU budget of 1 MiB has room for the encoder only

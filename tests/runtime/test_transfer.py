@@ -13,8 +13,8 @@ import torch
 
 import pipemap
 from helpers import plain_pipeline, run
-from pipemap import transfer
-from pipemap.transfer import (
+from pipemap.runtime import transfer
+from pipemap.runtime.transfer import (
     TransferReport,
     UnsafeTransferWarning,
     check_transfers,
@@ -186,7 +186,7 @@ def test_ensure_skips_fewer_than_two_gpus():
     assert copies.calls == 0
 
 
-@pytest.mark.filterwarnings("ignore::pipemap.transfer.UnsafeTransferWarning")
+@pytest.mark.filterwarnings("ignore::pipemap.runtime.transfer.UnsafeTransferWarning")
 def test_move_tensor_stages_that_pair_and_copies_the_others_directly(staging_calls):
     stage_unsafe_pairs(check_transfers(DEVICES, copy=Copies()))  # the warning is tested above
     assert staged_pairs() == {BAD}
@@ -208,7 +208,7 @@ def test_staged_copy_keeps_values_dtype_and_device():
 
 
 @pytest.mark.slow  # over 2 s: out of the quick subset
-@pytest.mark.filterwarnings("ignore::pipemap.transfer.UnsafeTransferWarning")
+@pytest.mark.filterwarnings("ignore::pipemap.runtime.transfer.UnsafeTransferWarning")
 def test_pipeline_output_is_exact_with_a_staged_pair(tiny_folders, reference_outputs, staging_calls):
     """The unet is placed on stand-in ``cpu:1``: its weights and every input it gets go through staging."""
     ensure_safe_transfers(["cpu:1", "cpu:2"], copy=Copies(("cpu:1", "cpu:2")))

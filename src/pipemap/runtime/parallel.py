@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
+from ..dispatch import CALL_LOCK, follow, unguarded_class
+from ..errors import ForeignHookError, RunManyCallError
+from ..hooks import PlacementHook
+from ..hooks.follow import remember
 from .admission import Admission
-from .dispatch import CALL_LOCK, follow, unguarded_class
-from .errors import ForeignHookError, RunManyCallError
-from .hooks import PlacementHook
-from .hooks.follow import remember
 
 _local = threading.local()
 

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .dispatch import dispatch
-from .errors import ArgumentTypeError, PlanMismatchError, UnknownDeviceError
-from .inventory import Component, Inventory, component_class, live_component
-from .plan import Plan
-from .quiet import quiet_progress
+from ..dispatch import dispatch
+from ..errors import ArgumentTypeError, PlanMismatchError, UnknownDeviceError
+from ..inventory import Component, Inventory, component_class, live_component
+from ..plan import Plan
+from ..quiet import quiet_progress
 
 
 def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.dtype | None, variant: str | None,

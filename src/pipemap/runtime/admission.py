@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from .errors import CallTooLargeError
-from .plan import Plan
-from .units import format_bytes, parse_bytes
+from ..errors import CallTooLargeError
+from ..plan import Plan
+from ..units import format_bytes, parse_bytes
 
 # ---- what a call needs ----------------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""Bytes moved per image (``pipemap.traffic``): a pipemap plan beside diffusers' ``enable_model_cpu_offload`` on the
-same pipeline, on the CPU (GPU plans remapped)."""
+"""Bytes moved per image (``pipemap.runtime.traffic``): a pipemap plan beside diffusers'
+``enable_model_cpu_offload`` on the same pipeline, on the CPU (GPU plans remapped)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import pytest
 
 import pipemap
 from helpers import models_of, pipeline_state, plain_pipeline, run
-from pipemap import tiny, traffic
+from pipemap import tiny
 from pipemap.hooks import packing
 from pipemap.planner import forcing_hardware
-from pipemap.traffic import MovedBytes, total_bytes
+from pipemap.runtime import traffic
+from pipemap.runtime.traffic import MovedBytes, total_bytes
 
 OFFLOADING = ("balanced_low_memory", "balanced_ultra_low_memory")
 DENOISERS = ("unet", "controlnet")

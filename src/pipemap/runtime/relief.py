@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..dispatch import Move, place_module, stats
+from ..errors import DispatchError
+from ..hooks import HOOKS, CallLock, hook_component, unhook_component
+from ..hooks.moving import Ledger, MovingHook
+from ..plan import DeviceUse, Plan
+from ..units import format_bytes
 from .admission import OutOfMemory
-from .dispatch import Move, place_module, stats
-from .errors import DispatchError
-from .hooks import HOOKS, CallLock, hook_component, unhook_component
-from .hooks.moving import Ledger, MovingHook
-from .plan import DeviceUse, Plan
-from .units import format_bytes
 
 
 @dataclass(frozen=True)

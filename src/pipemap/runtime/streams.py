@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PipemapError
+from ..errors import PipemapError
 
 
 class UnwaitedCopyError(PipemapError, RuntimeError):

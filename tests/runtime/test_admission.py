@@ -1,5 +1,6 @@
 """admission: the ledger's rule on byte figures written in the test, threads admitted on it, call shapes, and the
-figures a call that ran alone corrects. No dry run here (tests/dryrun/test_many.py, tests/test_parallel_memory.py)."""
+figures a call that ran alone corrects. No dry run here (tests/dryrun/test_many.py,
+tests/runtime/test_parallel_memory.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 import pipemap
-from pipemap.admission import (
+from pipemap.plan import DeviceUse, Placement, Plan
+from pipemap.runtime.admission import (
     Admission,
     Gate,
     Lease,
@@ -22,7 +24,6 @@ from pipemap.admission import (
     measured_call,
     weights_ceiling,
 )
-from pipemap.plan import DeviceUse, Placement, Plan
 
 MB = 1_000_000
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .devices import normalize_device
-from .errors import UnknownDeviceError
+from ..devices import normalize_device
+from ..errors import UnknownDeviceError
 
 if TYPE_CHECKING:
     from rich.table import Table

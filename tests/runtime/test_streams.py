@@ -1,4 +1,4 @@
-"""The copy queues and their model (``pipemap.streams``): memory bounded whatever the host runs ahead, waits
+"""The copy queues and their model (``pipemap.runtime.streams``): memory bounded whatever the host runs ahead, waits
 checked, buffers not reused while in use, frees held until the copies into them are done."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pipemap
-from pipemap import streams
 from pipemap.dryrun.trackers import StorageTracker
 from pipemap.hooks import Ledger
+from pipemap.runtime import streams
 
 
 @pytest.fixture
