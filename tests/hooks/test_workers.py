@@ -108,3 +108,28 @@ def test_workers_on_a_plain_module_compute_and_a_failing_call_raises_with_the_wo
         assert not workers.running  # stopped: the next sync starts new ones
     finally:
         workers.close()
+
+
+def test_a_call_names_the_tensors_the_worker_holds_from_the_last_call_and_sends_the_rest():
+    from pipemap.hooks.workers import Inputs, received_inputs
+
+    inputs, held = Inputs(), {}
+    embeds, latents = torch.randn(2, 3), torch.randn(2, 4)
+    data, sent, names = inputs.packed(((latents,), {"encoder_hidden_states": embeds}))
+    assert len(sent) == 2 and len(names) == 2
+    (args, kwargs), held = received_inputs(data, [t.clone() for t in sent], names, held)
+    step = torch.randn(2, 4)  # the next step: new latents, the same embeddings
+    data, sent, names = inputs.packed(((step,), {"encoder_hidden_states": embeds}))
+    assert [t.shape for t in sent] == [torch.Size([2, 4])]  # the embeddings are named, not sent
+    (args, kwargs), held = received_inputs(data, [t.clone() for t in sent], names, held)
+    torch.testing.assert_close(args[0], step, atol=0, rtol=0)
+    torch.testing.assert_close(kwargs["encoder_hidden_states"], embeds, atol=0, rtol=0)
+    embeds.mul_(2)  # written in place: its version moved, so it is sent again (the latents, unchanged, are not)
+    data, sent, names = inputs.packed(((step,), {"encoder_hidden_states": embeds}))
+    assert [t.shape for t in sent] == [torch.Size([2, 3])]
+    (args, kwargs), held = received_inputs(data, [t.clone() for t in sent], names, held)
+    torch.testing.assert_close(kwargs["encoder_hidden_states"], embeds, atol=0, rtol=0)
+    with torch.inference_mode():  # an inference tensor keeps no version: always sent
+        frozen = torch.randn(2, 3)
+    inputs.packed(((step,), {"encoder_hidden_states": frozen}))
+    assert [t.shape for t in inputs.packed(((step,), {"encoder_hidden_states": frozen}))[1]] == [torch.Size([2, 3])]

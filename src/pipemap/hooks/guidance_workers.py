@@ -5,7 +5,8 @@ branch; used only when the call that arrives has exactly its inputs (the exact-m
 own code still makes the two calls one after the other, so only a call started ahead overlaps them).
 
 A missed call's output is received and dropped before the next call is sent (``Workers.send``). The negative
-prompt's embeddings go to the worker at every step (the threads' hook keeps them on the copy's GPU between steps).
+prompt's embeddings cross to the worker once per pipeline call: at later steps the same tensor, unchanged, is named
+and the worker uses the one it holds (``workers.Inputs``).
 """
 
 from __future__ import annotations

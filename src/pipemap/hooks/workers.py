@@ -190,13 +190,16 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.keep = keep or {}
         self.sent: list[torch.Tensor] = []
+        self.tensors: list[tuple[torch.Tensor, str | int]] = []  # each tensor met, as it was, and its name or index
 
     def persistent_id(self, obj):
         if not isinstance(obj, torch.Tensor):
             return None
         if id(obj) in self.keep:
+            self.tensors.append((obj, self.keep[id(obj)]))
             return ("keep", self.keep[id(obj)], isinstance(obj, torch.nn.Parameter))
         self.sent.append(obj.detach())
+        self.tensors.append((obj, len(self.sent) - 1))
         return ("sent", len(self.sent) - 1, isinstance(obj, torch.nn.Parameter))
 
 
@@ -204,10 +207,13 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, file, received: list[torch.Tensor], kept: dict[str, torch.Tensor] | None = None):
         super().__init__(file)
         self.received, self.kept = received, kept or {}
+        self.used: dict[str, torch.Tensor] = {}  # the kept tensors the structure named
 
     def persistent_load(self, pid):
         kind, key, parameter = pid
         tensor = self.kept[key] if kind == "keep" else self.received[key]
+        if kind == "keep":
+            self.used[key] = tensor
         if parameter and not isinstance(tensor, torch.nn.Parameter):
             return torch.nn.Parameter(tensor, requires_grad=False)
         return tensor
@@ -223,6 +229,48 @@ def packed(value, keep: dict[int, str] | None = None) -> tuple[bytes, list[torch
 
 def unpacked(data: bytes, received: list[torch.Tensor], kept: dict[str, torch.Tensor] | None = None):
     return _Unpickler(io.BytesIO(data), received, kept).load()
+
+
+class Inputs:
+    """The tensors of the last call sent to one worker, held here (so no other tensor can take an ``id`` while
+    they are compared) and there by name: a tensor of the next call that is the same object at the same version
+    (``Tensor._version``, moved by every in-place write) is named, not sent. A pipeline that calls its denoiser per
+    guidance branch passes the same prompt embeddings at every step: they cross once per call of the pipeline,
+    not once per step (issue 34)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[torch.Tensor, int, str]] = {}
+        self.serial = 0
+
+    def keep(self) -> dict[int, str]:
+        return {key: name for key, (t, version, name) in self.held.items() if version == _version(t) is not None}
+
+    def packed(self, value) -> tuple[bytes, list[torch.Tensor], list[str]]:
+        """``value`` pickled as ``packed`` does, the tensors to send, and the names the worker keeps them by."""
+        buffer = io.BytesIO()
+        pickler = _Pickler(buffer, self.keep())
+        pickler.dump(value)
+        self.serial += 1
+        names = [f"{self.serial}/{i}" for i in range(len(pickler.sent))]
+        self.held = {id(t): (t, _version(t), key if isinstance(key, str) else names[key]) for t, key in pickler.tensors}
+        return buffer.getvalue(), pickler.sent, names
+
+    def forget(self) -> None:
+        self.held = {}
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for an inference-mode tensor, which keeps none (so is always sent)."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def received_inputs(data: bytes, received: list[torch.Tensor], names: list[str], kept: dict[str, torch.Tensor]
+                    ) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A call's structure with its tensors put back (those named from ``kept``, the worker's last call's), and
+    what the worker holds for the next call: this call's tensors by name."""
+    unpickler = _Unpickler(io.BytesIO(data), received, kept)
+    value = unpickler.load()
+    return value, {**unpickler.used, **dict(zip(names, received))}
 
 
 def metas(tensors: list[torch.Tensor]) -> list[Meta]:
@@ -330,6 +378,7 @@ class _Rank:
     process: Any
     pipe: Any
     pid: int = 0
+    inputs: Inputs = field(default_factory=Inputs)  # its last call's tensors, which the next call may name
 
 
 @dataclass(frozen=True)
@@ -453,8 +502,8 @@ class Workers:
         call = Call(self.ranks[:len(parts)])
         self.outstanding.append(call)
         for r, part in zip(call.ranks, parts):
-            data, tensors = packed(part)
-            self._post(r, ("call", data, metas(tensors), state, reply, expected), "call")
+            data, tensors, names = r.inputs.packed(part)
+            self._post(r, ("call", data, metas(tensors), names, state, reply, expected), "call")
             call.works += self._guarded(functools.partial(_send, self._live_group(), tensors, r.rank, self.home),
                                         r, "call")
         return call
@@ -642,6 +691,7 @@ class _Worker:
     group: Any
     device: torch.device
     module: torch.nn.Module | None
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the last call's tensors, by the caller's names
 
     def handle(self, message: tuple, pipe) -> None:
         """Answer one message of rank 0 through ``pipe`` (an output's tensors through the group, after it)."""
@@ -660,9 +710,9 @@ class _Worker:
             enable_split(self.module, rest[0], self.group)
             pipe.send(("split", os.getpid()))
         elif kind == "call":
-            data, wanted, state, reply, expected = rest
+            data, wanted, names, state, reply, expected = rest
             try:
-                output = self._call(data, wanted, state)
+                output = self._call(data, wanted, names, state)
             except expected as err:  # the same on every rank (a sequence split's tokens that do not divide)
                 output = Raised(type(err).__name__, str(err))
             if not reply and not isinstance(output, Raised):
@@ -680,8 +730,9 @@ class _Worker:
         kept = _named_tensors(self.module) if self.module is not None else {}
         self.module = unpacked(data, received, kept).to(self.device).eval()
 
-    def _call(self, data: bytes, wanted: list[Meta], state: tuple):
-        args, kwargs = unpacked(data, _receive_tensors(self.group, wanted, 0, self.device))
+    def _call(self, data: bytes, wanted: list[Meta], names: list[str], state: tuple):
+        received = _receive_tensors(self.group, wanted, 0, self.device)
+        (args, kwargs), self.inputs = received_inputs(data, received, names, self.inputs)
         if self.module is None:
             raise RuntimeError("no copy of the component was sent to this worker")
         with entered(state, self.device):
