@@ -239,7 +239,7 @@ class Inputs:
     not once per step (issue 34)."""
 
     def __init__(self) -> None:
-        self.held: dict[int, tuple[torch.Tensor, int, str]] = {}
+        self.held: dict[int, tuple[torch.Tensor, int | None, str]] = {}
         self.serial = 0
 
     def keep(self) -> dict[int, str]:
