@@ -315,8 +315,8 @@ STRATEGIES: dict[str, Strategy] = {"balanced": _balanced, "sequential": _sequent
                                    "balanced_split": _balanced_split, "parallel": _parallel}
 # what "auto" weighs besides STRATEGIES: splitting what fits no GPU whole, and moving the least-called of the rest
 MIXED: dict[str, Strategy] = {
-    "balanced_split+low_memory": lambda r: _least_moved(r, "offload", _balanced_split),
-    "balanced_split+ultra_low_memory": lambda r: _least_moved(r, "stream", _balanced_split),
+    "balanced_split+low_memory": lambda r: _least_moved(r, Mode.OFFLOAD, _balanced_split),
+    "balanced_split+ultra_low_memory": lambda r: _least_moved(r, Mode.STREAM, _balanced_split),
 }
 
 

@@ -85,8 +85,8 @@ def parallel_modes(inventory: Inventory, perf: Performance | None = None) -> tup
 
 def _applicable(inventory: Inventory, component: Component) -> list[str]:
     batched = batches_guidance(inventory.pipeline_class)
-    modes = ["replicated"] if batched else ["guidance"] if batched is False else []
-    return modes + (["sequence"] if splits_sequence(component.class_name) else [])
+    modes: list[str] = [Mode.REPLICATED] if batched else [Mode.GUIDANCE] if batched is False else []
+    return modes + ([Mode.SEQUENCE] if splits_sequence(component.class_name) else [])
 
 
 def _seconds(inventory: Inventory, component: Component, mode: str, perf: Performance) -> float:

@@ -19,7 +19,8 @@ what offload and stream share (onloading through ``streams.Queues``, the ledger 
 ``packing.py`` packs a group of tensors into one exact-size (pinned) host buffer; ``copies.py`` is what guidance and
 sequence share (copies, threads, the forward they replace); ``exchange.py`` is the in-process process group a
 sequence split exchanges through. ``dispatch`` checks, places and
-undoes; it knows no mode but through ``HOOKS``.
+undoes; it knows no mode but through ``HOOKS``. Which hook a mode gets is its row of the mode table
+(``pipemap.modes.TABLE``: ``hook``, ``workers_hook``); ``HOOKS``, ``MOVING`` and ``_ON_WORKERS`` are views of it.
 """
 
 from __future__ import annotations
