@@ -139,8 +139,8 @@ def _bar(plan: _Plan, device: str, memory: int, budget: int, used: int) -> Bar:
     staging = int(getattr(plan, "staging", 0))
     if device == "cpu" and staging:
         segments.append(Segment("staging (pinned, for reads from the disk)", staging, "stream"))
-    segments += [Segment(f"{p.component} (shards)", sum(s for _, d, s in p.shards if d == device), "split")
-                 for p in plan.components if any(d == device for _, d, _s in p.shards)]
+    segments += [Segment(f"{p.component} ({facts(p.mode).label})", sum(s for _, d, s in p.shards if d == device),
+                         p.mode) for p in plan.components if any(d == device for _, d, _s in p.shards)]
     moved = [p for p in plan.components if facts(p.mode).moves_weights and p.execution_device == device
              and p.device != device]
     streamed = [p for p in moved if facts(p.mode).peak is Peak.STREAMED]
