@@ -61,6 +61,7 @@ _LAZY = {
     "Component": "inventory", "Inventory": "inventory",
     "current_request": "runtime.parallel",
     "DeviceUse": "plan", "HostUse": "plan", "Placement": "plan", "Plan": "plan",
+    "Mode": "modes",
     "STRATEGIES": "planner",
     "Failure": "dryrun.report", "SimulationReport": "dryrun.report", "ManyReport": "dryrun.many",
     "PipemapWarning": "runtime.transfer", "TransferReport": "runtime.transfer",
@@ -101,6 +102,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .dryrun.report import Failure, SimulationReport
     from .hardware import Device, Hardware
     from .inventory import Component, Inventory
+    from .modes import Mode
     from .plan import DeviceUse, HostUse, Placement, Plan
     from .planner import STRATEGIES
     from .runtime.parallel import current_request
@@ -119,4 +121,5 @@ __all__ = [
     "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request",
     "simulate_many", "ManyReport", "CallTooLargeError", "HostMemoryError", "HostUse", "WeightsFileChangedError",
     "WorkerCallError", "WorkerDiedError", "WorkersOptionError",
+    "Mode",
 ]

@@ -34,6 +34,7 @@ from .errors import (
 )
 from .hardware import Hardware
 from .inventory import Inventory, check_weights_present, inventory_of, read_model_index, resolve_dtype
+from .modes import facts
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
 from .runtime.admission import Admission, cuda_peaks
@@ -339,7 +340,7 @@ def _measure(source, pipe, running: Plan):
 def _dry_run_source(pipe, running: Plan):
     """What a placed pipeline's dry runs start from: a weightless copy of it, or its folder when it has offloaded
     or streamed components (their hooks hold the weights' masters, which no copy can share)."""
-    if all(p.mode in ("resident", "split", "replicated") for p in running.components):
+    if all(facts(p.mode).weightless_copy for p in running.components):
         from .dryrun.many import snapshot
 
         return snapshot(pipe)

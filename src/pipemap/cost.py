@@ -26,6 +26,7 @@ from .devices import is_accelerator
 from .granularity import LOOSE, Block
 from .hardware import Performance
 from .inventory import PER_STEP, Component, Inventory
+from .modes import Peak, facts
 from .plan import Placement, Plan
 
 COPY_LATENCY = 10e-6  # seconds per copy beyond its bytes: the launch, the event, the hook around the block
@@ -403,30 +404,71 @@ def component_cost(placement: Placement, component: Component, dtype_bytes: int,
     """Seconds one image spends in a component as placed: its compute (``counted``, else the formula), plus the
     moves its mode implies (``moved_per_image`` bytes, over the host link or between GPUs), less what overlaps."""
     counted = counted or formula_component(component, dtype_bytes, work)
-    steps = work.steps if steps is None else steps
-    on_gpu = is_accelerator(placement.execution_device)
-    compute = compute_seconds(counted.total(steps), perf, on_gpu)
-    copies = 1 + len(placement.replicas)
-    bandwidth = perf.host_bandwidth * (1.0 if mechanism.pinned else PAGEABLE_SHARE)
-    if placement.mode == "offload":  # one onload per image: the LRU keeps it while the others' calls run
-        transfer = copy_seconds(component.bytes, bandwidth, 1, mechanism.copy_latency) * (
-            2 if mechanism.copy_back else 1)
-        return Cost(component.name, compute, transfer, compute + transfer)
-    if placement.mode == "stream":
-        return _stream_cost(placement, component, counted, steps, perf, bandwidth, mechanism, on_gpu)
-    moved = moved_per_image(placement, component, work)
-    if placement.mode == "replicated":  # each call's parts run at once on the copies, gathered at each call
-        parts = min(GUIDANCE_BATCH, copies) if work.guidance else 1
-        share = shared_compute(counted.total(steps), perf, on_gpu, parts)
-        transfer = moved / perf.peer_bandwidth + (counted.calls(steps) * COLLECTIVE_LATENCY if parts > 1 else 0.0)
-        return Cost(component.name, share, transfer, share + transfer)
-    if placement.mode == "guidance":
-        return guidance_cost(component, compute, moved, perf, work)
-    if placement.mode == "sequence":
-        share = shared_compute(counted.total(steps), perf, on_gpu, copies)
-        return sequence_cost(placement, component, share, moved, perf, work)
-    transfer = moved / perf.peer_bandwidth  # split: activations to each run of shards and back; resident: none
-    return Cost(component.name, compute, transfer, compute + transfer)
+    priced = _Priced(placement, component, perf, work, mechanism, counted, work.steps if steps is None else steps)
+    return _PRICES[facts(placement.mode).cost](priced)
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """What pricing one placed component reads: its placement, component, machine, call, mechanism and counts."""
+
+    placement: Placement
+    component: Component
+    perf: Performance
+    work: Workload
+    mechanism: Mechanism
+    counted: ComponentCounts
+    steps: int
+
+    @property
+    def on_gpu(self) -> bool:
+        return is_accelerator(self.placement.execution_device)
+
+    @property
+    def compute(self) -> float:
+        return compute_seconds(self.counted.total(self.steps), self.perf, self.on_gpu)
+
+    @property
+    def moved(self) -> float:
+        return moved_per_image(self.placement, self.component, self.work)
+
+    @property
+    def bandwidth(self) -> float:
+        return self.perf.host_bandwidth * (1.0 if self.mechanism.pinned else PAGEABLE_SHARE)
+
+
+def _onload_price(x: _Priced) -> Cost:
+    """One onload per image: the LRU keeps it while the others' calls run."""
+    transfer = copy_seconds(x.component.bytes, x.bandwidth, 1, x.mechanism.copy_latency) * (
+        2 if x.mechanism.copy_back else 1)
+    return Cost(x.component.name, x.compute, transfer, x.compute + transfer)
+
+
+def _stream_price(x: _Priced) -> Cost:
+    return _stream_cost(x.placement, x.component, x.counted, x.steps, x.perf, x.bandwidth, x.mechanism, x.on_gpu)
+
+
+def _replicated_price(x: _Priced) -> Cost:
+    """Each call's parts run at once on the copies, gathered at each call."""
+    parts = min(GUIDANCE_BATCH, 1 + len(x.placement.replicas)) if x.work.guidance else 1
+    share = shared_compute(x.counted.total(x.steps), x.perf, x.on_gpu, parts)
+    transfer = x.moved / x.perf.peer_bandwidth + (x.counted.calls(x.steps) * COLLECTIVE_LATENCY if parts > 1 else 0.0)
+    return Cost(x.component.name, share, transfer, share + transfer)
+
+
+def _guidance_price(x: _Priced) -> Cost:
+    return guidance_cost(x.component, x.compute, x.moved, x.perf, x.work)
+
+
+def _sequence_price(x: _Priced) -> Cost:
+    share = shared_compute(x.counted.total(x.steps), x.perf, x.on_gpu, 1 + len(x.placement.replicas))
+    return sequence_cost(x.placement, x.component, share, x.moved, x.perf, x.work)
+
+
+def _in_place_price(x: _Priced) -> Cost:
+    """Split: activations to each run of shards and back; resident: none."""
+    transfer = x.moved / x.perf.peer_bandwidth
+    return Cost(x.component.name, x.compute, transfer, x.compute + transfer)
 
 
 def _stream_cost(placement: Placement, component: Component, counted: ComponentCounts, steps: int,
@@ -507,23 +549,27 @@ def moved_per_image(placement: Placement, component: Component, work: Workload) 
     run), a streamed one its non-resident pieces at each call, a split one its activations to each run of shards
     and back at each call, a replicated one the batch parts sent to its copies (latents and prompt, there and
     back); a resident one nothing."""
-    calls = calls_per_image(component, work)
-    if placement.mode == "offload":
-        return component.bytes
-    if placement.mode == "stream":
-        return calls * _moved_per_call(placement, component)[0]
-    if placement.mode == "split":
-        return calls * 2 * split_hops(placement) * work.latent_tokens * ACTIVATION_BYTES
-    if placement.mode == "replicated":
-        parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas))
-        return calls / GUIDANCE_BATCH * (parts - 1) * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES)
-    if placement.mode == "guidance":
-        return guidance_moved(work)
-    if placement.mode == "sequence":
-        gpus = 1 + len(placement.replicas)
-        inputs = (gpus - 1) * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN // 2 + PROMPT_BYTES)
-        return calls * (gpus * exchanged_per_call(component, work, gpus) + inputs)
-    return 0
+    return _MOVED[facts(placement.mode).cost](placement, component, work)
+
+
+def _stream_moved(placement: Placement, component: Component, work: Workload) -> float:
+    return calls_per_image(component, work) * _moved_per_call(placement, component)[0]
+
+
+def _split_moved(placement: Placement, component: Component, work: Workload) -> float:
+    return calls_per_image(component, work) * 2 * split_hops(placement) * work.latent_tokens * ACTIVATION_BYTES
+
+
+def _replicated_moved(placement: Placement, component: Component, work: Workload) -> float:
+    parts = min(GUIDANCE_BATCH, 1 + len(placement.replicas))
+    return (calls_per_image(component, work) / GUIDANCE_BATCH * (parts - 1)
+            * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES))
+
+
+def _sequence_moved(placement: Placement, component: Component, work: Workload) -> float:
+    gpus = 1 + len(placement.replicas)
+    inputs = (gpus - 1) * (work.latent_tokens * REPLICA_BYTES_PER_TOKEN // 2 + PROMPT_BYTES)
+    return calls_per_image(component, work) * (gpus * exchanged_per_call(component, work, gpus) + inputs)
 
 
 def guidance_moved(work: Workload) -> float:
@@ -644,7 +690,7 @@ def disk_seconds(placement: Placement, component: Component, perf: Performance, 
     keeps them (``cached``). The host reads them before their copy to the GPU, so no compute hides them."""
     if not placement.disk_bytes or not is_accelerator(placement.execution_device):
         return 0.0  # computed on the CPU from the map: the kernel pages it in once
-    reads = calls_per_image(component, work) if placement.mode == "stream" else 1
+    reads = calls_per_image(component, work) if facts(placement.mode).peak is Peak.STREAMED else 1
     return reads * placement.disk_bytes / (PAGE_CACHE_BANDWIDTH if cached else perf.disk_bandwidth)
 
 
@@ -687,20 +733,45 @@ def device_seconds(plan: Plan, inventory: Inventory, perf: Performance, work: Wo
         p = placements.get(name)
         if p is None:
             busy[plan.execution_device] += cost.total
-        elif p.mode in ("replicated", "sequence"):
-            for device in (p.execution_device, *p.replicas):
-                busy[device] += cost.total
-        elif p.mode == "guidance":  # the copy runs about one call a step (the second), as the home GPU does
-            busy[p.execution_device] += cost.total
-            busy[p.replicas[0]] += cost.compute + cost.transfer
-        elif p.mode == "split" and p.bytes:
-            away = sum(size for _, _, size in p.shards)
-            busy[p.execution_device] += cost.compute * (p.bytes - away) / p.bytes + cost.transfer
-            for _, device, size in p.shards:
-                busy[device] += cost.compute * size / p.bytes
         else:
-            busy[p.execution_device] += cost.total
+            _BUSY.get(facts(p.mode).cost, _busy_at_home)(busy, p, cost)
     return dict(busy)
+
+
+def _busy_at_home(busy: dict[str, float], p: Placement, cost: Cost) -> None:
+    busy[p.execution_device] += cost.total
+
+
+def _busy_on_copies(busy: dict[str, float], p: Placement, cost: Cost) -> None:
+    for device in (p.execution_device, *p.replicas):
+        busy[device] += cost.total
+
+
+def _busy_guidance(busy: dict[str, float], p: Placement, cost: Cost) -> None:
+    """The copy runs about one call a step (the second), as the home GPU does."""
+    busy[p.execution_device] += cost.total
+    busy[p.replicas[0]] += cost.compute + cost.transfer
+
+
+def _busy_split(busy: dict[str, float], p: Placement, cost: Cost) -> None:
+    if not p.bytes:
+        return _busy_at_home(busy, p, cost)
+    away = sum(size for _, _, size in p.shards)
+    busy[p.execution_device] += cost.compute * (p.bytes - away) / p.bytes + cost.transfer
+    for _, device, size in p.shards:
+        busy[device] += cost.compute * size / p.bytes
+    return None
+
+
+# each pricing kind (``modes.ModeFacts.cost``): its seconds, its bytes moved per image, the devices it keeps busy
+_PRICES = {"resident": _in_place_price, "onload": _onload_price, "stream": _stream_price, "split": _in_place_price,
+           "replicated": _replicated_price, "guidance": _guidance_price, "sequence": _sequence_price}
+_MOVED = {"resident": lambda p, c, w: 0, "onload": lambda p, c, w: c.bytes, "stream": _stream_moved,
+          "split": _split_moved, "replicated": _replicated_moved, "guidance": lambda p, c, w: guidance_moved(w),
+          "sequence": _sequence_moved}
+_BUSY = {"replicated": _busy_on_copies, "sequence": _busy_on_copies, "guidance": _busy_guidance,
+         "split": _busy_split}
+PRICING_KINDS = frozenset(_PRICES)  # what a mode's row may name as its cost (``tests/test_modes.py``)
 
 
 def images_per_second(plan: Plan, inventory: Inventory, perf: Performance, work: Workload | None = None,

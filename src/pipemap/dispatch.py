@@ -30,6 +30,7 @@ from .hooks.follow import follow as follow_component
 from .hooks.follow import forget, remember, settle, unchanged
 from .hooks.resident import changed, quiet
 from .inventory import module_bytes, submodules
+from .modes import Peak, facts, held, moves_weights
 from .plan import Placement, Plan
 from .quantized import movable, storage
 from .runtime.streams import Queues, queues_for
@@ -216,7 +217,7 @@ def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
                                     f"{', '.join(modules)})")
     _check_standins(modules, plan)
     for p in plan.components:
-        if p.mode in MOVING:
+        if moves_weights(p.mode):
             _check_movable(p.component, modules[p.component])
     return modules
 
@@ -543,14 +544,16 @@ def replace(pipe, name: str, module) -> None:
 
 def _check_room(plan: Plan, placement: Placement, module: torch.nn.Module) -> None:
     size = module_bytes(module)
-    if placement.mode == "offload" and size > placement.room:
-        room = placement.room
-    elif placement.mode in ("resident", "replicated", "split"):
-        use = next(d for d in plan.devices if d.device == placement.device)
-        room = use.budget - use.used + placement.bytes
-    else:
-        return
-    if size > room:
+    peak = facts(placement.mode).peak
+    if peak is Peak.ONLOADED:  # it must fit the room its GPU keeps for onloaded ones
+        need, room = size, placement.room
+    else:  # what it holds at home must fit its device's budget beside the rest (streamed: its room was planned)
+        use = next((d for d in plan.devices if d.device == placement.device), None)
+        if use is None or peak is Peak.STREAMED:
+            return
+        need = held(dataclasses.replace(placement, bytes=size), placement.device)
+        room = use.budget - use.used + held(placement, placement.device)
+    if need > room:
         raise ComponentChangedError(placement.component, f"the new model needs {size} bytes and its placement has "
                                     f"room for {room}", "pipemap.reset(pipe), assign it, then "
                                     "pipemap.dispatch(pipe, pipemap.plan(pipe, ...))")
@@ -595,22 +598,15 @@ def _adopt(pipe, plan: Plan, name: str, module: torch.nn.Module) -> Plan:
                                     f"most room left is {room} on {device}",
                                     "pipemap.reset(pipe), then pipemap.dispatch(pipe, pipemap.plan(pipe, ...))")
     placement = Placement(name, device, size)
-    plan = dataclasses.replace(plan, components=(*plan.components, placement),
-                               notes=(*plan.notes, f"{name}: added after dispatch, placed on {device}"))
+    # its use counted as every other placement's (``modes.device_use``)
+    plan = plan.with_components((*plan.components, placement),
+                                notes=(*plan.notes, f"{name}: added after dispatch, placed on {device}"))
     _hook_new(pipe, plan, placement, module)
-    return dataclasses.replace(plan, devices=tuple(dataclasses.replace(d, used=d.used + size) if d.device == device
-                                                   else d for d in plan.devices))
+    return plan
 
 
 def _resized(plan: Plan, sizes: dict[str, int]) -> Plan:
     """``plan`` with the bytes of the components of ``sizes`` as they are now; each device's use moves by as much
     (a replicated denoiser's copies too; a split one's growth counted on its home GPU)."""
-    delta: dict[str, int] = {}
-    parts = []
-    for p in plan.components:
-        grown = sizes.get(p.component, p.bytes) - p.bytes
-        for device in (p.device, *p.replicas):
-            delta[device] = delta.get(device, 0) + grown
-        parts.append(dataclasses.replace(p, bytes=p.bytes + grown))
-    devices = tuple(dataclasses.replace(d, used=d.used + delta.get(d.device, 0)) for d in plan.devices)
-    return dataclasses.replace(plan, components=tuple(parts), devices=devices)
+    return plan.with_components(tuple(dataclasses.replace(p, bytes=sizes.get(p.component, p.bytes))
+                                      for p in plan.components))

@@ -15,45 +15,16 @@ from dataclasses import dataclass
 from html import escape
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .modes import TABLE, Peak, at_home, facts
+from .modes import Placed as _Placement
 from .units import format_bytes
 
 if TYPE_CHECKING:
     from rich.console import Group
     from rich.text import Text
 
-# A ``plan.Plan`` and its placements are read by their fields (the protocols below): plan.py imports this module
-# (``Plan.picture``), so this one does not import plan.py, not even for the type checker.
-
-
-class _Placement(Protocol):
-    """What the picture reads of a ``plan.Placement`` (read-only, as the frozen value is)."""
-
-    @property
-    def component(self) -> str: ...
-
-    @property
-    def device(self) -> str: ...
-
-    @property
-    def bytes(self) -> int: ...
-
-    @property
-    def mode(self) -> str: ...
-
-    @property
-    def execution_device(self) -> str: ...
-
-    @property
-    def room(self) -> int: ...
-
-    @property
-    def shards(self) -> tuple[tuple[str, str, int], ...]: ...
-
-    @property
-    def resident_bytes(self) -> int: ...
-
-    @property
-    def replicas(self) -> tuple[str, ...]: ...
+# A ``plan.Plan`` and its placements are read by their fields (the protocols below, and ``modes.Placed``): plan.py
+# imports this module (``Plan.picture``), so this one does not import plan.py, not even for the type checker.
 
 
 class _DeviceUse(Protocol):
@@ -90,9 +61,7 @@ class _Plan(Protocol):
 PALETTE = ("#1b4f72", "#f5b041", "#7d3c98", "#a9dfbf", "#922b21", "#85c1e9", "#145a32", "#f9e79f", "#4d5656",
            "#f1948a")
 HEADROOM_FILL = "#e5e7e9"
-KIND_PATTERN = {"offload": "hatch", "stream": "dots", "split": "hatch", "replicated": "hatch", "guidance": "hatch",
-                "sequence": "hatch", "disk": "dots"}
-COPY_LABELS = {"replicated": "copy", "guidance": "copy: 2nd guidance branch", "sequence": "copy: share of tokens"}
+OTHER_PATTERNS = {"disk": "dots"}  # the kinds of segment that are no mode (a mode's pattern is in its row)
 GIB = 1 << 30
 
 
@@ -166,24 +135,24 @@ def plan_picture(plan: _Plan, moved: Mapping[str, int] | None = None) -> Picture
 
 
 def _bar(plan: _Plan, device: str, memory: int, budget: int, used: int) -> Bar:
-    segments = [Segment(p.component, _held(p, device), p.mode) for p in plan.components
-                if p.device == device and _held(p, device)]
+    segments = [Segment(p.component, at_home(p, device), p.mode) for p in plan.components if at_home(p, device)]
     staging = int(getattr(plan, "staging", 0))
     if device == "cpu" and staging:
         segments.append(Segment("staging (pinned, for reads from the disk)", staging, "stream"))
-    segments += [Segment(f"{p.component} (shards)", sum(s for _, d, s in p.shards if d == device), "split")
-                 for p in plan.components if any(d == device for _, d, _s in p.shards)]
-    moved = [p for p in plan.components if p.mode in ("offload", "stream") and p.execution_device == device
+    segments += [Segment(f"{p.component} ({facts(p.mode).label})", sum(s for _, d, s in p.shards if d == device),
+                         p.mode) for p in plan.components if any(d == device for _, d, _s in p.shards)]
+    moved = [p for p in plan.components if facts(p.mode).moves_weights and p.execution_device == device
              and p.device != device]
-    segments += [Segment(f"{p.component} (resident pieces)", p.resident_bytes, "stream")
-                 for p in moved if p.mode == "stream" and p.resident_bytes]
-    segments += [Segment(f"{p.component} (blocks in flight)", p.room, "stream") for p in moved if p.mode == "stream"]
-    segments += [Segment(f"{p.component} ({COPY_LABELS.get(p.mode, 'copy')})", p.bytes, p.mode)
+    streamed = [p for p in moved if facts(p.mode).peak is Peak.STREAMED]
+    segments += [Segment(f"{p.component} (resident pieces)", p.resident_bytes, p.mode)
+                 for p in streamed if p.resident_bytes]
+    segments += [Segment(f"{p.component} ({facts(p.mode).label})", p.room, p.mode) for p in streamed]
+    segments += [Segment(f"{p.component} ({facts(p.mode).label})", p.bytes, p.mode)
                  for p in plan.components if device in p.replicas]
     # the planner charges an execution GPU its largest offloaded component (the LRU keeps what fits): whatever of
     # ``used`` the segments above leave is that charge
     rest = used - sum(s.bytes for s in segments)
-    offloaded = [p.component for p in moved if p.mode == "offload"]
+    offloaded = [p.component for p in moved if facts(p.mode).peak is Peak.ONLOADED]
     if rest > 0:
         segments.append(Segment("onloaded: " + " | ".join(offloaded) if offloaded else "other", rest, "offload"))
     return Bar(device, memory, budget, used, tuple(segments))
@@ -198,26 +167,22 @@ def _disk_bar(plan: Any) -> tuple[Bar, ...]:
     return (Bar("disk", total, total, total, segments),) if total else ()
 
 
-def _held(p: Any, device: str) -> int:
-    """What a placement holds on ``device``: on the CPU, its host copy in RAM (``Placement.ram_bytes``)."""
-    return int(getattr(p, "ram_bytes", p.bytes)) if device == "cpu" else _held_at_home(p)
-
-
-def _held_at_home(p: _Placement) -> int:
-    """What a placement keeps on its own device: a split one keeps all but its shards."""
-    return p.bytes - sum(s for _, _d, s in p.shards) if p.mode == "split" else p.bytes
-
-
 def _links(plan: _Plan, moved: Mapping[str, int]) -> tuple[Link, ...]:
     totals: dict[tuple[str, str], int] = {}
     for p in plan.components:
         amount = moved.get(p.component, 0)
         if not amount:
             continue
-        key = (p.device, _shard_device(p)) if p.mode == "split" else (p.device, p.replicas[0]) if p.replicas else (
+        key = (p.device, _shard_device(p)) if p.shards else (p.device, p.replicas[0]) if p.replicas else (
             p.device, p.execution_device)
         totals[key] = totals.get(key, 0) + amount
     return tuple(Link(s, t, b) for (s, t), b in totals.items())
+
+
+def _pattern(kind: str) -> str | None:
+    """A segment's fill pattern: its mode's (the mode table's row), or that of a kind that is no mode."""
+    row = TABLE.get(kind)
+    return (row.pattern or None) if row is not None else OTHER_PATTERNS.get(kind)
 
 
 def _shard_device(p: _Placement) -> str:
@@ -296,7 +261,7 @@ def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str]) -> str:
 
 
 def _svg_segment(seg: Segment, x: float, y: int, w: float, colour: str) -> str:
-    pattern = KIND_PATTERN.get(seg.kind)
+    pattern = _pattern(seg.kind)
     overlay = (f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="26" fill="url(#{pattern})"/>' if pattern else "")
     text = _short(f"{seg.label} {format_bytes(seg.bytes)}", w)
     label = f'<text x="{x + 3:.2f}" y="{y + 17}" font-size="10" fill="{_ink(colour)}">{escape(text)}</text>'

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .devices import is_accelerator, normalize_device, real_device
 from .errors import PlanFormatError, UnknownDeviceError
+from .modes import TABLE, Mode, Peak, as_mode, device_use, facts, known
 from .picture import Picture, plan_picture
 from .units import format_bytes
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
     from .hardware import Performance
 
-MODES = ("resident", "offload", "stream", "split", "replicated", "guidance", "sequence")
+MODES = tuple(Mode)  # the built-in modes; ``modes.TABLE`` holds their facts (and a mode a test registers)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Placement:
     component: str
     device: str
     bytes: int
-    mode: str = "resident"
+    mode: str = Mode.RESIDENT
     execution_device: str = ""
     room: int = 0
     shards: tuple[tuple[str, str, int], ...] = ()
@@ -76,6 +77,7 @@ class Placement:
     def __post_init__(self) -> None:
         if not self.execution_device:
             object.__setattr__(self, "execution_device", self.device)
+        object.__setattr__(self, "mode", as_mode(self.mode))  # "offload" -> Mode.OFFLOAD: old code and JSON
 
     @property
     def ram_bytes(self) -> int:
@@ -83,37 +85,23 @@ class Placement:
         files, less the pieces kept resident on its GPU)."""
         if self.device != "cpu":
             return 0
-        kept = self.resident_bytes if self.mode == "stream" and self.files else 0
+        kept = self.resident_bytes if _streamed(self) and self.files else 0
         return max(0, self.bytes - self.disk_bytes - kept)
 
     @property
     def pinned_bytes(self) -> int:
         """Of ``ram_bytes``, those page-locked for copies to a GPU: what crosses the host link at its calls."""
-        if self.mode not in ("offload", "stream") or not is_accelerator(self.execution_device):
+        if not facts(self.mode).moves_weights or not is_accelerator(self.execution_device):
             return 0
-        return self.ram_bytes - (self.resident_bytes if self.mode == "stream" and not self.files else 0)
+        return self.ram_bytes - (self.resident_bytes if _streamed(self) and not self.files else 0)
+
+
+def _streamed(p: Placement) -> bool:
+    return facts(p.mode).peak is Peak.STREAMED
 
 
 def _mode_text(p: Placement) -> str:
-    if p.mode == "split":
-        away: dict[str, int] = {}
-        for _, device, size in p.shards:
-            away[device] = away.get(device, 0) + size
-        return "split: " + ", ".join(f"{format_bytes(b)} on {d}" for d, b in away.items())
-    disk = f", from disk ({format_bytes(p.disk_bytes)})" if p.disk_bytes else ""
-    if p.mode == "stream" and p.blocks:
-        kept = len([b for b in p.resident_blocks if b])
-        on_disk = (f", {len(p.disk_blocks)} on disk ({format_bytes(p.disk_bytes)})" if p.disk_blocks else "")
-        return (f"stream: {len(p.blocks)} blocks, level {p.granularity}, {kept} resident "
-                f"({format_bytes(p.resident_bytes)}), prefetch {p.prefetch}, in flight {format_bytes(p.room)}"
-                f"{on_disk}")
-    if p.mode == "replicated":
-        return "replicated: copies on " + ", ".join(p.replicas)
-    if p.mode == "guidance":
-        return f"guidance: 1st branch on {p.device}, 2nd on " + ", ".join(p.replicas) + disk
-    if p.mode == "sequence":
-        return "sequence: tokens split over " + ", ".join((p.device, *p.replicas)) + disk
-    return (p.mode if p.mode == "resident" else f"{p.mode} (room {format_bytes(p.room)})") + disk
+    return facts(p.mode).text(p)
 
 
 @dataclass(frozen=True)
@@ -195,10 +183,10 @@ class Plan:
     @property
     def host(self) -> HostUse:
         """The CPU's RAM as this plan uses it (resident, offloaded, streamed, pinned, headroom) and the disk tier."""
-        ram = {mode: sum(p.ram_bytes for p in self.components if p.mode == mode) for mode in MODES}
+        ram = {peak: sum(p.ram_bytes for p in self.components if facts(p.mode).peak is peak) for peak in Peak}
         cpu = next((d for d in self.devices if d.device == "cpu"), DeviceUse("cpu", 0, 0, 0))
-        kept = sum(p.resident_bytes for p in self.components if p.mode == "stream" and p.files and p.device == "cpu")
-        return HostUse(ram["resident"], ram["offload"], ram["stream"],
+        kept = sum(p.resident_bytes for p in self.components if _streamed(p) and p.files and p.device == "cpu")
+        return HostUse(ram[Peak.HELD], ram[Peak.ONLOADED], ram[Peak.STREAMED],
                        sum(p.pinned_bytes for p in self.components) + self.staging, self.staging,
                        sum(p.disk_bytes for p in self.components), cpu.memory - cpu.budget, kept,
                        len({f for p in self.components if p.device == "cpu" for f in p.files}))
@@ -208,6 +196,18 @@ class Plan:
             if p.component == component:
                 return p
         raise KeyError(component)
+
+    def with_components(self, components: tuple[Placement, ...], **changes: Any) -> Plan:
+        """This plan with other placements (and any other ``changes``): each device's use moves by as much as its
+        peak (``modes.device_use``) moves, so a figure set by hand keeps its offset; a device only the new
+        placements use is added with no budget."""
+        devices = tuple(replace(d, used=max(0, d.used + device_use(components, d.device)
+                                            - device_use(self.components, d.device))) for d in self.devices)
+        known_devices = {d.device for d in devices}
+        new = dict.fromkeys(d for p in components for d in (p.device, p.execution_device, *p.replicas,
+                                                             *(s[1] for s in p.shards)) if d not in known_devices)
+        devices += tuple(DeviceUse(d, 0, 0, device_use(components, d)) for d in new)
+        return replace(self, components=components, devices=devices, **changes)
 
     def remap(self, mapping: dict[str, str]) -> Plan:
         """The same plan on other devices, every mode kept: ``plan.remap({"cuda:0": "cpu", "cuda:1": "cpu"})``."""
@@ -440,12 +440,12 @@ def _performance(figures: object) -> Performance | None:
 
 
 def _placement(name: str, c: dict[str, Any]) -> Placement:
-    mode = c.get("mode", "resident")
-    if mode not in MODES:
-        raise PlanFormatError(f"component {name!r} has mode {mode!r}; the modes are {', '.join(MODES)}")
+    mode = c.get("mode", Mode.RESIDENT)
+    if not known(mode):
+        raise PlanFormatError(f"component {name!r} has mode {mode!r}; the modes are {', '.join(TABLE)}")
     shards = tuple((_string(path, "shard"), _device(_mapping(s, f"shard {path!r}").get("device")), _size(s, "bytes"))
                    for path, s in _mapping(c.get("shards", {}), f"{name!r} shards").items())
-    if (mode == "split") != bool(shards):
+    if (mode == Mode.SPLIT) != bool(shards):
         raise PlanFormatError(f"component {name!r}: a split component, and only one, lists shards")
     execution = c.get("execution_device") or c.get("device")
     listed = _mapping(c.get("blocks", {}), f"{name!r} blocks")

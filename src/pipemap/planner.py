@@ -26,6 +26,7 @@ from .errors import (
 from .granularity import Block, Pieces, cut
 from .hardware import Hardware
 from .inventory import DENOISERS, Component, Inventory
+from .modes import Mode, Peak, device_use, facts, held
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .tiers import place_tiers
 from .units import parse_bytes
@@ -108,12 +109,12 @@ def _sequential(request: Request) -> dict[str, str | Place]:
 
 def _balanced_low_memory(request: Request) -> dict[str, str | Place]:
     """As balanced; what does not fit lives in CPU RAM and is moved whole to a GPU for its call (model offload)."""
-    return _least_moved(request, "offload")
+    return _least_moved(request, Mode.OFFLOAD)
 
 
 def _balanced_ultra_low_memory(request: Request) -> dict[str, str | Place]:
     """As balanced; what does not fit lives in CPU RAM and is streamed block by block to a GPU for its call."""
-    return _least_moved(request, "stream")
+    return _least_moved(request, Mode.STREAM)
 
 
 def _least_moved(request: Request, mode: str, stay: Strategy = _balanced) -> dict[str, str | Place]:
@@ -128,12 +129,13 @@ def _least_moved(request: Request, mode: str, stay: Strategy = _balanced) -> dic
     except DoesNotFitError:
         pass
     sizes, calls = dict(request.components), dict(request.calls)
-    need = {n: (dict(request.in_flight).get(n) or s) if mode == "stream" else s for n, s in sizes.items()}
+    streamed = facts(mode).peak is Peak.STREAMED  # it needs room for its blocks in flight, not for all of it
+    need = {n: (dict(request.in_flight).get(n) or s) if streamed else s for n, s in sizes.items()}
     largest = max(need, key=lambda n: (need[n], n))
     if _moving(request, frozenset(sizes), need, mode, stay) is None:
         raise DoesNotFitError(largest, sizes[largest], max(r for _, r in request.rooms), request.strategy, ())
     fitting = (p for p in (_moving(request, m, need, mode, stay) for m in _candidates(sizes, calls)) if p is not None)
-    if mode != "stream" or not request.trees:
+    if not streamed or not request.trees:
         return next(fitting)
     # a streamed component keeps resident what its room allows, so moving one more rarely-called component can
     # leave the denoiser room to move far less: weigh the cheapest few sets by the bytes their layouts move
@@ -149,17 +151,21 @@ def _bytes_per_image(request: Request, placed: Mapping[str, str | Place]) -> int
     sizes, calls, trees = dict(request.components), dict(request.calls), dict(request.trees)
     rooms = dict(request.rooms)
     for name, place in placed.items():
-        if not (isinstance(place, Place) and place.mode == "stream"):
+        if not _streams(place):
             _charge(rooms, place, sizes[name])
     streams: dict[str, list[str]] = {}
     for name, place in placed.items():
-        if isinstance(place, Place) and place.mode == "stream":
+        if isinstance(place, Place) and _streams(place):
             streams.setdefault(place.execution_device, []).append(name)
     total = 0
     for device, names in streams.items():
         layouts = stream_pieces(names, trees, sizes, calls, dict(request.in_flight), rooms[device], 0)
         total += sum(calls.get(n, 1) * (p.moved_per_call if (p := layouts[n]) else sizes[n]) for n in names)
     return total
+
+
+def _streams(place: str | Place) -> bool:
+    return isinstance(place, Place) and facts(place.mode).peak is Peak.STREAMED
 
 
 def stream_pieces(names: list[str], trees: Mapping[str, Block | None], sizes: Mapping[str, int],
@@ -259,7 +265,7 @@ def _split_across(name: str, size: int, blocks: tuple[tuple[str, int], ...], ord
         rooms[device] -= block
         if device != home:
             shards.append((path, device, block))
-    return Place(home, "split", home, tuple(shards))
+    return Place(home, Mode.SPLIT, home, tuple(shards))
 
 
 def _parallel(request: Request) -> dict[str, str | Place]:
@@ -278,14 +284,14 @@ def _parallel(request: Request) -> dict[str, str | Place]:
 def _copy_counts(mode: str, gpus: int, heads: int = 0) -> list[int]:
     """How many GPUs a mode may run the denoiser on, the most first; a sequence split only where its ``heads``
     divide among them (unknown: 0)."""
-    if mode == "guidance":
+    if mode == Mode.GUIDANCE:
         return [2] if gpus >= 2 else []
-    if mode == "sequence":
+    if mode == Mode.SEQUENCE:
         return [n for n in replication.SEQUENCE_GPUS if n <= gpus and (not heads or heads % n == 0)]
     return list(range(gpus, 1, -1))
 
 
-def _replicated(request: Request, name: str, count: int, mode: str = "replicated") -> dict[str, str | Place] | None:
+def _replicated(request: Request, name: str, count: int, mode: str = Mode.REPLICATED) -> dict[str, str | Place] | None:
     """``name`` on the ``count`` roomiest GPUs, the rest balanced in what is left; None if that does not fit."""
     size = dict(request.components)[name]
     rooms = dict(request.rooms)
@@ -309,8 +315,8 @@ STRATEGIES: dict[str, Strategy] = {"balanced": _balanced, "sequential": _sequent
                                    "balanced_split": _balanced_split, "parallel": _parallel}
 # what "auto" weighs besides STRATEGIES: splitting what fits no GPU whole, and moving the least-called of the rest
 MIXED: dict[str, Strategy] = {
-    "balanced_split+low_memory": lambda r: _least_moved(r, "offload", _balanced_split),
-    "balanced_split+ultra_low_memory": lambda r: _least_moved(r, "stream", _balanced_split),
+    "balanced_split+low_memory": lambda r: _least_moved(r, Mode.OFFLOAD, _balanced_split),
+    "balanced_split+ultra_low_memory": lambda r: _least_moved(r, Mode.STREAM, _balanced_split),
 }
 
 
@@ -429,27 +435,21 @@ def _works(strategy: str, request: Request) -> bool:
 
 def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], device_map: Mapping[str, str | Place],
               label: str, notes: list[str]) -> Plan:
-    places = {n: Place(p, "resident", p) if isinstance(p, str) else p for n, p in device_map.items()}
+    places = {n: Place(p, Mode.RESIDENT, p) if isinstance(p, str) else p for n, p in device_map.items()}
     placements = tuple(Placement(c.name, places[c.name].device, c.bytes, places[c.name].mode,
                                  places[c.name].execution_device, shards=places[c.name].shards,
                                  replicas=places[c.name].replicas)
                        for c in inventory.models)
-    resident = {d.name: 0 for d in hw.devices}
-    for p in placements:
-        resident[p.device] += p.bytes
-        for _, device, size in p.shards:  # a split component's blocks away from its first GPU
-            resident[p.device] -= size
-            resident[device] += size
-        for device in p.replicas:  # a whole copy on each
-            resident[device] += p.bytes
+    # what each device holds: a split component's blocks away from its first GPU, a whole copy on each replica
+    resident = {d.name: sum(held(p, d.name) for p in placements) for d in hw.devices}
     components = {c.name: c for c in inventory.models}
     placements = _with_rooms(placements, components, budget, resident)
     # RAM is a budget too: what cannot stay in its files must fit it (``tiers``), the rest is read from the disk
     placements, staging = place_tiers(placements, components, budget.get("cpu", 0), label)
     # a GPU's peak: its residents, the largest component onloaded there, the largest blocks in flight there; the
     # CPU's: the host copies in RAM and the staging buffers
-    used = {d: _peak(placements, d, resident) for d in resident}
-    used["cpu"] += sum(p.ram_bytes for p in placements) + staging - resident["cpu"]
+    used = {d: device_use(placements, d) for d in resident}
+    used["cpu"] += staging
     devices = tuple(DeviceUse(d.name, d.memory, budget[d.name], used[d.name]) for d in hw.devices)
     return Plan(label, placements, devices, execution_device(placements), inventory.dtype, inventory.variant,
                 tuple(notes), staging=staging, performance=hw.performance)
@@ -461,22 +461,22 @@ def _with_rooms(placements: tuple[Placement, ...], components: Mapping[str, Comp
     its residents; each offloaded component's room (its GPU's budget less residents, the streamed components'
     resident pieces and the largest stream in flight there)."""
     layouts: dict[str, Pieces | None] = {}
-    for device in {p.execution_device for p in placements if p.mode == "stream"}:
-        names = [p.component for p in placements if p.mode == "stream" and p.execution_device == device]
-        offloaded = max((p.bytes for p in placements if p.mode == "offload" and p.execution_device == device),
+    for device in {p.execution_device for p in placements if _peak(p) is Peak.STREAMED}:
+        names = [p.component for p in placements if _peak(p) is Peak.STREAMED and p.execution_device == device]
+        offloaded = max((p.bytes for p in placements if _peak(p) is Peak.ONLOADED and p.execution_device == device),
                         default=0)
         layouts.update(stream_pieces(names, {n: components[n].tree for n in names},
                                       {n: components[n].bytes for n in names},
                                       {n: components[n].calls_per_image for n in names},
                                       {n: components[n].in_flight for n in names},
                                       budget[device] - resident[device], offloaded))
-    streamed = [_streamed(p, components[p.component], layouts.get(p.component)) if p.mode == "stream" else p
-                for p in placements]
+    streamed = [_streamed(p, components[p.component], layouts.get(p.component)) if _peak(p) is Peak.STREAMED
+                else p for p in placements]
     out = []
     for p in streamed:
-        if p.mode == "offload":
+        if _peak(p) is Peak.ONLOADED:
             d = p.execution_device
-            there = [s for s in streamed if s.mode == "stream" and s.execution_device == d]
+            there = [s for s in streamed if _peak(s) is Peak.STREAMED and s.execution_device == d]
             kept = sum(s.resident_bytes for s in there)
             p = replace(p, room=max(0, budget[d] - resident[d] - kept - max((s.room for s in there), default=0)))
         out.append(p)
@@ -490,11 +490,8 @@ def _streamed(p: Placement, component: Component, found: Pieces | None) -> Place
                    resident_bytes=found.resident_bytes, prefetch=found.prefetch, granularity=found.level)
 
 
-def _peak(placements: tuple[Placement, ...], device: str, resident: Mapping[str, int]) -> int:
-    moved = [p for p in placements if p.mode != "resident" and p.execution_device == device]
-    largest = max((p.bytes for p in moved if p.mode == "offload"), default=0)
-    kept = sum(p.resident_bytes for p in moved if p.mode == "stream")
-    return resident[device] + kept + largest + max((p.room for p in moved if p.mode == "stream"), default=0)
+def _peak(p: Placement) -> Peak:
+    return facts(p.mode).peak
 
 
 def forcing_hardware(inventory: Inventory, strategy: str, gpus: int = 1, steps: int = 400) -> str:

@@ -25,10 +25,11 @@ from typing import Any
 from .cost import component_cost, workload_for
 from .hardware import Performance
 from .inventory import DENOISERS, Component, Inventory
+from .modes import Mode
 from .plan import Placement
 from .units import format_bytes
 
-MODES = ("replicated", "guidance", "sequence")
+MODES = (Mode.REPLICATED, Mode.GUIDANCE, Mode.SEQUENCE)
 SEQUENCE_GPUS = (8, 4, 2)  # Ulysses gives each GPU a share of the heads: 24 (Flux, Qwen-Image), 40 (Wan) divide
 # model classes whose context-parallel path in diffusers 0.42 does not give the plain outputs, and why
 SEQUENCE_BROKEN = {
@@ -84,8 +85,8 @@ def parallel_modes(inventory: Inventory, perf: Performance | None = None) -> tup
 
 def _applicable(inventory: Inventory, component: Component) -> list[str]:
     batched = batches_guidance(inventory.pipeline_class)
-    modes = ["replicated"] if batched else ["guidance"] if batched is False else []
-    return modes + (["sequence"] if splits_sequence(component.class_name) else [])
+    modes: list[str] = [Mode.REPLICATED] if batched else [Mode.GUIDANCE] if batched is False else []
+    return modes + ([Mode.SEQUENCE] if splits_sequence(component.class_name) else [])
 
 
 def _seconds(inventory: Inventory, component: Component, mode: str, perf: Performance) -> float:
@@ -134,11 +135,11 @@ def plan_notes(inventory: Inventory, placed: Mapping[str, Any]) -> list[str]:
 
 def _what_runs_where(denoiser: str, mode: str, home: str, copies: tuple[str, ...]) -> str:
     gpus = ", ".join((home, *copies))
-    if mode == "guidance":
+    if mode == Mode.GUIDANCE:
         return (f"parallel: {denoiser} guidance branches at once: {home} runs each step's first call (conditional), "
                 f"{copies[0]} its second (unconditional), started from the inputs the first call brings with the "
                 "step before's negative prompt, and used only when the second call's inputs are exactly those")
-    if mode == "sequence":
+    if mode == Mode.SEQUENCE:
         return (f"parallel: {denoiser} tokens split across {gpus}: each GPU computes its share of every call's "
                 "tokens, attention exchanging queries, keys and values between them (diffusers' context-parallel "
                 f"plan, Ulysses attention); {home} returns the output")

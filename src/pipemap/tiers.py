@@ -22,6 +22,7 @@ from .devices import is_accelerator
 from .errors import HostMemoryError
 from .granularity import LOOSE
 from .inventory import Component
+from .modes import Peak, facts
 from .plan import Placement
 
 STAGING_CHUNK = 64 * 2**20  # bytes a staging buffer holds: large copies run at the link's speed from 8 MiB or so
@@ -61,7 +62,7 @@ def host_copies(p: Placement, c: Component) -> list[HostCopy]:
     if p.device != "cpu":
         return []
     mappable, reader = bool(c.files), p.execution_device
-    if p.mode != "stream" or not p.blocks:
+    if facts(p.mode).peak is not Peak.STREAMED or not p.blocks:
         return [HostCopy(p.component, None, p.bytes, c.calls_per_image, reader, mappable)]
     kept = set(p.resident_blocks)
     copies = [HostCopy(p.component, path, size, c.calls_per_image, reader, mappable)
@@ -126,7 +127,7 @@ def _tiered(p: Placement, c: Component, disk: list[HostCopy]) -> Placement:
         return p
     order = {path: i for i, (path, _) in enumerate(p.blocks)}
     pieces = tuple(sorted((copy.piece for copy in disk if copy.piece is not None), key=lambda x: order.get(x, -1)))
-    kept = p.resident_bytes if p.mode == "stream" else 0
+    kept = p.resident_bytes if facts(p.mode).peak is Peak.STREAMED else 0
     # pieces are counted as they sit in a packed buffer (each tensor aligned): a little above the component's bytes
     return replace(p, disk_blocks=pieces, disk_bytes=min(sum(copy.bytes for copy in disk), p.bytes - kept),
                    files=c.files)

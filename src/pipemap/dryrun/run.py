@@ -32,6 +32,7 @@ from ..counts import Counts, shape_of
 from ..dispatch import place, planned
 from ..errors import CallArgumentError, PipelineMappedError, PipemapError, SimulationFailedError
 from ..hooks import unhook_component
+from ..modes import Mode
 from ..plan import Plan
 from ..units import format_bytes
 from . import catalog as catalog_dryrun
@@ -152,7 +153,7 @@ def _fake_pipeline(source, plan: Plan, mode: FakeTensorMode, standins: Mapping[s
 def _fake_copy(pipe, mode: FakeTensorMode, device_of: Mapping[str, str]):
     """A new pipeline object of the same class whose models are fake copies of ``pipe``'s; ``pipe`` is untouched."""
     mapped = planned(pipe)
-    if mapped is not None and any(p.mode != "resident" for p in mapped.components):
+    if mapped is not None and any(p.mode != Mode.RESIDENT for p in mapped.components):
         # offload and stream hooks hold the CPU masters of their weights, which a fake copy cannot share
         raise PipelineMappedError("pipemap.simulate on a pipeline with offloaded or streamed components")
     parts = {}

@@ -19,17 +19,19 @@ what offload and stream share (onloading through ``streams.Queues``, the ledger 
 ``packing.py`` packs a group of tensors into one exact-size (pinned) host buffer; ``copies.py`` is what guidance and
 sequence share (copies, threads, the forward they replace); ``exchange.py`` is the in-process process group a
 sequence split exchanges through. ``dispatch`` checks, places and
-undoes; it knows no mode but through ``HOOKS``.
+undoes; it knows no mode but through ``HOOKS``. Which hook a mode gets is its row of the mode table
+(``pipemap.modes.TABLE``: ``hook``, ``workers_hook``); ``HOOKS``, ``MOVING`` and ``_ON_WORKERS`` are views of it.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..modes import TABLE, Mode, facts
 from ..plan import Placement, Plan
 from ..runtime.streams import Queues, queues_for
 from .resident import CallLock, Moved, PlacementHook, hook_component, unhook_component
@@ -43,25 +45,13 @@ if TYPE_CHECKING:
     from .split import SplitHook
     from .stream import StreamHook
 
-# mode -> (module of this wing, hook class); a mode's module is imported when a plan first uses the mode: a resident
-# plan's first load then imports no streaming, offloading, copying or context-parallel code (issue 28)
-_HOOK_CLASSES = {
-    "resident": ("resident", "PlacementHook"),
-    "offload": ("offload", "OffloadHook"),
-    "stream": ("stream", "StreamHook"),
-    "split": ("split", "SplitHook"),
-    "replicated": ("replica", "ReplicaHook"),
-    "guidance": ("guidance", "GuidanceHook"),
-    "sequence": ("sequence", "SequenceHook"),
-}
-# mode -> (module, hook class) of the mode run on worker processes (``workers.py``), with ``PIPEMAP_WORKERS=process``
-_ON_WORKERS = {
-    "replicated": ("replica_workers", "ProcessReplicaHook"),
-    "guidance": ("guidance_workers", "ProcessGuidanceHook"),
-    "sequence": ("sequence_workers", "ProcessSequenceHook"),
-}
-# other names of the wing re-exported here, imported on first read like the hooks
-_LAZY = {"Ledger": "moving"} | {cls: module for module, cls in _HOOK_CLASSES.values()}
+# Each mode's hook (module, class) is its row of the mode table (``pipemap.modes.TABLE``); a mode's module is imported
+# when a plan first uses the mode: a resident plan's first load then imports no streaming, offloading, copying or
+# context-parallel code (issue 28). With ``PIPEMAP_WORKERS=process`` a mode with a worker variant (``workers.py``)
+# gets that hook instead: ``_ON_WORKERS`` is the table's view of them.
+_ON_WORKERS = {mode: row.workers_hook for mode, row in TABLE.items() if row.workers_hook is not None}
+# the built-in hooks and other names of the wing re-exported here, imported on first read like the hooks
+_LAZY = {"Ledger": "moving"} | {TABLE[m].hook[1]: TABLE[m].hook[0].rpartition(".")[2] for m in Mode}
 
 
 def _hook_class(name: str) -> type:
@@ -69,22 +59,28 @@ def _hook_class(name: str) -> type:
     return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
 
 
+def _imported(where: tuple[str, str]) -> Any:
+    module, name = where
+    return getattr(importlib.import_module(module), name)
+
+
 class _Hooks(Mapping):
-    """``mode -> (placement, execution_device, ledger) -> hook``, each mode's module imported on first use."""
+    """``mode -> (placement, execution_device, ledger) -> hook``, each mode's module imported on first use; the
+    modes are the mode table's (a mode a test registers there too)."""
 
     def __getitem__(self, mode: str) -> Callable[[Placement, str, Any], PlacementHook]:
-        if mode not in _HOOK_CLASSES:
+        row = TABLE.get(mode)
+        if row is None:
             raise KeyError(mode)
-        if mode in _ON_WORKERS and _on_workers():
-            module, name = _ON_WORKERS[mode]
-            return getattr(importlib.import_module(f".{module}", __name__), name).for_placement
-        return _hook_class(_HOOK_CLASSES[mode][1]).for_placement  # type: ignore[attr-defined]
+        if row.workers_hook is not None and _on_workers():
+            return _imported(row.workers_hook).for_placement
+        return _imported(row.hook).for_placement
 
     def __iter__(self) -> Iterator[str]:
-        return iter(_HOOK_CLASSES)
+        return iter(TABLE)
 
     def __len__(self) -> int:
-        return len(_HOOK_CLASSES)
+        return len(TABLE)
 
 
 def _on_workers() -> bool:
@@ -95,7 +91,26 @@ def _on_workers() -> bool:
 
 
 HOOKS: Mapping[str, Callable[[Placement, str, Any], PlacementHook]] = _Hooks()
-MOVING = ("offload", "stream")  # modes whose hooks move weights: one ledger, and one call at a time among them
+
+
+class _Moving(Sequence):
+    """The modes whose hooks move weights (the table's ``moves_weights``): one ledger, and one call at a time among
+    them. A view of the table, so ``mode in MOVING`` also answers for a mode a test registers."""
+
+    def _modes(self) -> tuple[str, ...]:
+        return tuple(m for m, row in TABLE.items() if row.moves_weights)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._modes()[index]
+
+    def __len__(self) -> int:
+        return len(self._modes())
+
+    def __contains__(self, mode: object) -> bool:
+        return isinstance(mode, str) and mode in TABLE and facts(mode).moves_weights
+
+
+MOVING: Sequence[str] = _Moving()
 
 
 def __getattr__(name: str) -> Any:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import CallTooLargeError
+from ..modes import Peak, facts
 from ..plan import Plan
 from ..units import format_bytes, parse_bytes
 
@@ -138,7 +139,7 @@ def weights_ceiling(plan: Plan) -> dict[str, int]:
     the largest component offloaded there lets it keep onloaded besides."""
     out = {d.device: d.used for d in plan.devices}
     for device in out:
-        offloaded = [p for p in plan.components if p.mode == "offload" and p.execution_device == device]
+        offloaded = [p for p in plan.components if facts(p.mode).peak is Peak.ONLOADED and p.execution_device == device]
         if offloaded:
             out[device] += max(0, max(p.room for p in offloaded) - max(p.bytes for p in offloaded))
     return out
@@ -561,6 +562,6 @@ def cuda_peaks(plan: Plan, running: Plan) -> CudaPeaks | None:
     """The allocator reader for a pipeline running ``plan`` as planned on CUDA GPUs, or None (remapped, no GPU)."""
     if running.device_map != plan.device_map or not torch.cuda.is_available():
         return None
-    moving = {p.execution_device for p in plan.components if p.mode in ("offload", "stream")}
+    moving = {p.execution_device for p in plan.components if facts(p.mode).moves_weights}
     devices = {d.device: d.device for d in plan.devices if d.device.startswith("cuda") and d.device not in moving}
     return CudaPeaks(devices) if devices else None

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from ..dispatch import dispatch
 from ..errors import ArgumentTypeError, PlanMismatchError, UnknownDeviceError
 from ..inventory import Component, Inventory, component_class, live_component
+from ..modes import facts
 from ..plan import Plan
 from ..quiet import quiet_progress
 
@@ -147,7 +148,7 @@ def _load_device(placement) -> str:
     # offloaded and streamed models live in CPU RAM; a split one is loaded there too and dispatch then moves each
     # part to its GPU, since loading it whole onto its first GPU is what it was split for not fitting; the copies of
     # the modes that keep one are made at dispatch
-    return placement.device if placement.mode in ("resident", "replicated", "guidance", "sequence") else "cpu"
+    return placement.device if facts(placement.mode).loads_on == "device" else "cpu"
 
 
 def _plan_dtype(plan: Plan) -> torch.dtype | None:

@@ -23,7 +23,8 @@ from ..dispatch import Move, place_module, stats
 from ..errors import DispatchError
 from ..hooks import HOOKS, CallLock, hook_component, unhook_component
 from ..hooks.moving import Ledger, MovingHook
-from ..plan import DeviceUse, Plan
+from ..modes import Mode
+from ..plan import Plan
 from ..units import format_bytes
 from .admission import OutOfMemory
 
@@ -81,7 +82,7 @@ def least_used(plan: Plan, failure: OutOfMemory, counted: dict[str, dict[str, in
 
 
 def _movable(plan: Plan, failure: OutOfMemory) -> list:
-    return [p for p in plan.components if p.mode == "resident" and p.device == failure.device
+    return [p for p in plan.components if p.mode == Mode.RESIDENT and p.device == failure.device
             and p.component != failure.component and p.bytes > 0]
 
 
@@ -108,20 +109,10 @@ def refused(plan: Plan, failure: OutOfMemory) -> Relief | None:
 
 def offloaded(plan: Plan, names: tuple[str, ...], note: str) -> Plan:
     """``plan`` with the resident ``names`` offloaded to the device they lived on (room 0), its totals redone."""
-    components = tuple(replace(p, device="cpu", mode="offload", room=0) if p.component in names else p
+    components = tuple(replace(p, device="cpu", mode=Mode.OFFLOAD, room=0) if p.component in names else p
                        for p in plan.components)
-    used = {d.device: d.used for d in plan.devices}
-    for device in {plan.placement(n).device for n in names}:
-        gone = [plan.placement(n).bytes for n in names if plan.placement(n).device == device]
-        before = max((p.bytes for p in plan.components if p.mode == "offload" and p.execution_device == device),
-                     default=0)
-        # a device's peak counts its largest offloaded component, onloaded for its call
-        used[device] -= sum(gone) - max(0, max(gone) - before)
-    used["cpu"] = used.get("cpu", 0) + sum(plan.placement(n).bytes for n in names)
-    devices = tuple(replace(d, used=used[d.device]) for d in plan.devices)
-    if "cpu" not in {d.device for d in devices}:
-        devices += (DeviceUse("cpu", 0, 0, used["cpu"]),)
-    return replace(plan, components=components, devices=devices, notes=plan.notes + (note,))
+    # each device's peak as ``modes.device_use`` counts it: the largest offloaded component, onloaded for its call
+    return plan.with_components(components, notes=plan.notes + (note,))
 
 
 def replace_placements(pipe, plan: Plan, names: tuple[str, ...]) -> None:

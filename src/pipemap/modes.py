@@ -1,0 +1,241 @@
+"""What a placement mode means, in one table: one row of facts per mode, and the one rule for a device's peak.
+
+Code asks the table (``facts(placement.mode)``), not the mode's string: adding a mode is a row here and its hook's
+module under ``pipemap.hooks``. ``Mode`` is a ``str`` enum, so saved plans and JSON keep the plain names
+(``Placement(mode="offload")`` still works: the placement coerces the string).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from .units import format_bytes
+
+
+class Mode(str, Enum):
+    """A placement mode (``Placement.mode``); each one's facts are its row of ``TABLE``."""
+
+    RESIDENT = "resident"
+    OFFLOAD = "offload"
+    STREAM = "stream"
+    SPLIT = "split"
+    REPLICATED = "replicated"
+    GUIDANCE = "guidance"
+    SEQUENCE = "sequence"
+
+    def __str__(self) -> str:  # the plain name in messages and f-strings, as the strings were
+        return self.value
+
+
+class Peak(str, Enum):
+    """How a placement counts toward its execution device's peak, beside what it holds there (``held``)."""
+
+    HELD = "held"  # only what it holds: nothing more while it runs
+    ONLOADED = "onloaded"  # the whole of it while it runs: a device counts its largest such component once
+    STREAMED = "streamed"  # its resident pieces always, and its blocks in flight (``room``) while it runs: the largest
+
+
+class Placed(Protocol):
+    """What the table's rules read of a ``plan.Placement`` (plan.py imports this module, not the reverse)."""
+
+    @property
+    def component(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def execution_device(self) -> str: ...
+
+    @property
+    def room(self) -> int: ...
+
+    @property
+    def shards(self) -> tuple[tuple[str, str, int], ...]: ...
+
+    @property
+    def blocks(self) -> tuple[tuple[str, int], ...]: ...
+
+    @property
+    def resident_blocks(self) -> tuple[str, ...]: ...
+
+    @property
+    def resident_bytes(self) -> int: ...
+
+    @property
+    def prefetch(self) -> int: ...
+
+    @property
+    def granularity(self) -> int: ...
+
+    @property
+    def replicas(self) -> tuple[str, ...]: ...
+
+    @property
+    def disk_blocks(self) -> tuple[str, ...]: ...
+
+    @property
+    def disk_bytes(self) -> int: ...
+
+    @property
+    def ram_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ModeFacts:
+    """One mode's facts; every field is required, so a row cannot leave one out (``tests/test_modes.py``)."""
+
+    mode: str
+    moves_weights: bool  # its hook copies the weights from CPU RAM at its calls: one ledger, one call at a time
+    copies: bool  # it keeps a whole copy on each of ``Placement.replicas``
+    loads_on: str  # where ``from_pretrained`` loads it: "device" (its own) or "cpu" (dispatch moves it after)
+    hook: tuple[str, str]  # (module, class) of its hook, imported when a plan first uses the mode
+    workers_hook: tuple[str, str] | None  # the same with ``PIPEMAP_WORKERS=process``; None: no worker variant
+    cost: str  # the pricing kind ``cost.py`` prices it by (its compute, the bytes it moves, which devices work)
+    label: str  # what the picture calls what it puts on a device besides its home (a copy, the pieces it moves)
+    pattern: str  # the picture's fill pattern for it: "" (plain), "hatch" or "dots"
+    peak: Peak  # how it counts toward its execution device's peak (``device_use``)
+    weightless_copy: bool  # a weightless copy of a pipeline placed so stands for it in a dry run (its hooks keep
+    #                        no master of the weights that a copy could not share)
+    text: Callable[[Placed], str]  # the plan table's description of a placement in this mode
+
+
+def _disk(p: Placed) -> str:
+    return f", from disk ({format_bytes(p.disk_bytes)})" if p.disk_bytes else ""
+
+
+def _resident_text(p: Placed) -> str:
+    return f"{p.mode}{_disk(p)}"
+
+
+def _room_text(p: Placed) -> str:
+    return f"{p.mode} (room {format_bytes(p.room)}){_disk(p)}"
+
+
+def _stream_text(p: Placed) -> str:
+    if not p.blocks:
+        return _room_text(p)
+    kept = len([b for b in p.resident_blocks if b])
+    on_disk = f", {len(p.disk_blocks)} on disk ({format_bytes(p.disk_bytes)})" if p.disk_blocks else ""
+    return (f"stream: {len(p.blocks)} blocks, level {p.granularity}, {kept} resident "
+            f"({format_bytes(p.resident_bytes)}), prefetch {p.prefetch}, in flight {format_bytes(p.room)}{on_disk}")
+
+
+def _split_text(p: Placed) -> str:
+    away: dict[str, int] = {}
+    for _, device, size in p.shards:
+        away[device] = away.get(device, 0) + size
+    return "split: " + ", ".join(f"{format_bytes(b)} on {d}" for d, b in away.items())
+
+
+def _replicated_text(p: Placed) -> str:
+    return "replicated: copies on " + ", ".join(p.replicas)
+
+
+def _guidance_text(p: Placed) -> str:
+    return f"guidance: 1st branch on {p.device}, 2nd on " + ", ".join(p.replicas) + _disk(p)
+
+
+def _sequence_text(p: Placed) -> str:
+    return "sequence: tokens split over " + ", ".join((p.device, *p.replicas)) + _disk(p)
+
+
+_HOOKS = "pipemap.hooks."
+# Keyed by the mode's string, not by ``Mode``: an enum takes no member at run time, so a test registers a made-up
+# mode as a row here (``register``) and a placement keeps its mode as a plain string; the built-in rows are ``Mode``s
+TABLE: dict[str, ModeFacts] = {row.mode: row for row in (
+    ModeFacts(Mode.RESIDENT, False, False, "device", (_HOOKS + "resident", "PlacementHook"), None, "resident",
+              "resident", "", Peak.HELD, True, _resident_text),
+    ModeFacts(Mode.OFFLOAD, True, False, "cpu", (_HOOKS + "offload", "OffloadHook"), None, "onload",
+              "onloaded", "hatch", Peak.ONLOADED, False, _room_text),
+    ModeFacts(Mode.STREAM, True, False, "cpu", (_HOOKS + "stream", "StreamHook"), None, "stream",
+              "blocks in flight", "dots", Peak.STREAMED, False, _stream_text),
+    ModeFacts(Mode.SPLIT, False, False, "cpu", (_HOOKS + "split", "SplitHook"), None, "split",
+              "shards", "hatch", Peak.HELD, True, _split_text),
+    ModeFacts(Mode.REPLICATED, False, True, "device", (_HOOKS + "replica", "ReplicaHook"),
+              (_HOOKS + "replica_workers", "ProcessReplicaHook"), "replicated", "copy", "hatch", Peak.HELD, True,
+              _replicated_text),
+    ModeFacts(Mode.GUIDANCE, False, True, "device", (_HOOKS + "guidance", "GuidanceHook"),
+              (_HOOKS + "guidance_workers", "ProcessGuidanceHook"), "guidance", "copy: 2nd guidance branch",
+              "hatch", Peak.HELD, False, _guidance_text),
+    ModeFacts(Mode.SEQUENCE, False, True, "device", (_HOOKS + "sequence", "SequenceHook"),
+              (_HOOKS + "sequence_workers", "ProcessSequenceHook"), "sequence", "copy: share of tokens", "hatch",
+              Peak.HELD, False, _sequence_text),
+)}
+
+
+def facts(mode: str) -> ModeFacts:
+    """The row of ``mode``; ``KeyError`` for a mode no row describes."""
+    return TABLE[mode]
+
+
+def register(row: ModeFacts) -> None:
+    """Add a mode's row (a made-up mode in a test: ``tests/test_modes.py``); ``unregister`` takes it back."""
+    TABLE[row.mode] = row
+
+
+def unregister(mode: str) -> None:
+    if mode in set(Mode):
+        raise ValueError(f"{mode!r} is a built-in mode; only a registered one can be taken back")
+    TABLE.pop(mode, None)
+
+
+def known(mode: object) -> bool:
+    return isinstance(mode, str) and mode in TABLE
+
+
+def as_mode(mode: str) -> str:
+    """``mode`` as its ``Mode`` member where it is a built-in one; a registered mode's string as it is."""
+    try:
+        return Mode(mode)
+    except ValueError:
+        return mode
+
+
+def moves_weights(mode: str) -> bool:
+    """Whether a mode's hook moves weights (offload, stream): those share one ledger and take turns."""
+    return facts(mode).moves_weights
+
+
+# ---- what a placement holds, and a device's peak ------------------------------------------------------------------
+
+
+def at_home(p: Placed, device: str) -> int:
+    """What a placement keeps on its own ``device``: on the CPU its host copy in RAM (``Placement.ram_bytes``:
+    less what stays in its files), on a GPU all but its shards."""
+    if p.device != device:
+        return 0
+    return p.ram_bytes if device == "cpu" else p.bytes - sum(size for _, _, size in p.shards)
+
+
+def held(p: Placed, device: str) -> int:
+    """The bytes a placement holds on ``device`` for as long as it is placed: at home, its shards there, its copies
+    there. The CPU counts the host copy in RAM only."""
+    if device == "cpu":
+        return at_home(p, device)
+    copies = p.bytes * p.replicas.count(device) if facts(p.mode).copies else 0
+    return at_home(p, device) + sum(size for _, d, size in p.shards if d == device) + copies
+
+
+def device_use(placements: Iterable[Placed], device: str) -> int:
+    """A device's peak: what every placement holds there, each streamed component's resident pieces, the largest
+    component onloaded there, and the largest blocks in flight there (the moving hooks take turns, so one of each
+    at once). The CPU's figure is its host copies in RAM (a plan adds its staging buffers)."""
+    placements = list(placements)
+    running = [p for p in placements if p.execution_device == device]
+    by_peak: dict[Peak, list[Placed]] = {peak: [] for peak in Peak}
+    for p in running:
+        by_peak[facts(p.mode).peak].append(p)
+    streamed = by_peak[Peak.STREAMED]
+    return (sum(held(p, device) for p in placements) + sum(p.resident_bytes for p in streamed)
+            + max((p.bytes for p in by_peak[Peak.ONLOADED]), default=0)
+            + max((p.room for p in streamed), default=0))
