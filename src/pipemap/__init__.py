@@ -58,7 +58,7 @@ _LAZY = {
     "Estimate": "api", "simulate_many": "api", "run_many": "api", "iter_many": "api",
     "dispatch": "dispatch", "reset": "dispatch", "stats": "dispatch", "replace": "dispatch", "follow": "dispatch",
     "normalize_device": "devices", "Device": "hardware", "Hardware": "hardware",
-    "Component": "inventory", "Inventory": "inventory",
+    "Component": "inventory.values", "Inventory": "inventory.values",
     "current_request": "runtime.parallel",
     "DeviceUse": "plan", "HostUse": "plan", "Placement": "plan", "Plan": "plan",
     "STRATEGIES": "planner",
@@ -100,7 +100,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .dryrun.many import ManyReport
     from .dryrun.report import Failure, SimulationReport
     from .hardware import Device, Hardware
-    from .inventory import Component, Inventory
+    from .inventory.values import Component, Inventory
     from .plan import DeviceUse, HostUse, Placement, Plan
     from .planner import STRATEGIES
     from .runtime.parallel import current_request

@@ -25,7 +25,7 @@ from .errors import (
 )
 from .granularity import Block, Pieces, cut
 from .hardware import Hardware
-from .inventory import DENOISERS, Component, Inventory
+from .inventory.values import DENOISERS, Component, Inventory
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .tiers import place_tiers
 from .units import parse_bytes

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from .devices import is_accelerator
 from .errors import HostMemoryError
 from .granularity import LOOSE
-from .inventory import Component
+from .inventory.values import Component
 from .plan import Placement
 
 STAGING_CHUNK = 64 * 2**20  # bytes a staging buffer holds: large copies run at the link's speed from 8 MiB or so
