@@ -31,6 +31,7 @@ from .errors import (
     OutputPathError,
     PipelineMappedError,
     PipemapError,
+    PipemapWarning,
     PlanFormatError,
     PlanMismatchError,
     RunManyCallError,
@@ -39,6 +40,7 @@ from .errors import (
     UnknownDeviceError,
     UnknownDtypeError,
     UnknownStrategyError,
+    UnsafeTransferWarning,
     VariantNotFoundError,
     WeightsFileChangedError,
     WorkerCallError,
@@ -63,8 +65,7 @@ _LAZY = {
     "DeviceUse": "plan", "HostUse": "plan", "Placement": "plan", "Plan": "plan",
     "STRATEGIES": "planner",
     "Failure": "dryrun.report", "SimulationReport": "dryrun.report", "ManyReport": "dryrun.many",
-    "PipemapWarning": "runtime.transfer", "TransferReport": "runtime.transfer",
-    "UnsafeTransferWarning": "runtime.transfer", "check_transfers": "runtime.transfer",
+    "TransferReport": "runtime.transfer", "check_transfers": "runtime.transfer",
 }
 
 
@@ -104,7 +105,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .plan import DeviceUse, HostUse, Placement, Plan
     from .planner import STRATEGIES
     from .runtime.parallel import current_request
-    from .runtime.transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
+    from .runtime.transfer import TransferReport, check_transfers
 
 __all__ = [
     "ArgumentConflictError", "ArgumentTypeError", "CallArgumentError", "CheckpointError", "Component", "Device",

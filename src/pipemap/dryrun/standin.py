@@ -19,20 +19,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..errors import PipemapError
+from ..errors import DeviceMixError, StandInError
 from ..inventory.folder import model_entry, read_model_index
 from ..inventory.values import kept_fp32
 from ..plan import Plan
 from ..quantized import is_packed, restored, storage
 from ..quiet import quiet_progress
-
-
-class DeviceMixError(PipemapError, RuntimeError):
-    """One operation got tensors on several devices, as a real multi-GPU run would fail."""
-
-    def __init__(self, operation: str, devices: tuple[str, ...]):
-        self.operation, self.devices = operation, devices
-        super().__init__(f"{operation} got tensors on {', '.join(devices)}")
 
 
 def devices_for(plan: Plan) -> dict[str, str]:
@@ -116,18 +108,6 @@ def pipeline_from_folder(folder, plan: Plan, mode: FakeTensorMode, device_of: Ma
             raise StandInError(None, str(index.get("_class_name")), err) from err
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-class StandInError(PipemapError, RuntimeError):
-    """The dry run could not build a component (or the pipeline) of this class on stand-in weights; the report
-    names it instead of raising."""
-
-    def __init__(self, component: str | None, class_name: str, err: Exception):
-        self.component, self.class_name = component, class_name
-        what = f"component {component!r} ({class_name})" if component else f"the pipeline {class_name}"
-        super().__init__(f"the dry run cannot build {what} on stand-in weights ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0][:300] if str(err) else ''}); load it for real (pipemap.load) "
-                         "to check this plan")
 
 
 def _standin_model(folder: Path, name: str, entry: list, dtype: torch.dtype | None, mode: FakeTensorMode,
