@@ -19,6 +19,7 @@ from ..errors import CheckpointError
 from ..quantized import quantization_state
 from .values import kept_fp32
 
+# safetensors dtype codes -> bytes per element
 _ELEMENT_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
