@@ -168,7 +168,6 @@ def check_variant(folder: Path, index: Mapping[str, Any], variant: str | None) -
         raise VariantNotFoundError(str(folder), variant, tuple(sorted(found)))
 
 
-
 def _config(subfolder: Path) -> dict[str, Any]:
     """A component's ``config.json``, or an empty dict when it has none (or an unreadable one)."""
     try:
@@ -190,7 +189,6 @@ def default_dtype(subfolder: Path, library: str) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype")
     candidate = getattr(torch, str(name), None) if name else None
     return candidate if isinstance(candidate, torch.dtype) else torch.float32
-
 
 
 def component_class(library: str, class_name: str, folder: Path | None = None, name: str | None = None,

@@ -20,10 +20,64 @@ from .values import Component, Inventory, dtype_name, heads_of, kept_fp32
 _LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
-def live_blocks(module: torch.nn.Module, dtype: torch.dtype | None = None,
-                keep_fp32: Iterable[str] = ()) -> tuple[tuple[str, int], ...]:
-    """``split_blocks`` of a live module (or one built on the meta device), at ``dtype`` if given."""
-    return split_blocks(tensor_sizes(module, dtype, keep_fp32))
+def of_pipeline(pipe: Any, dtype: torch.dtype | None) -> Inventory:
+    """A loaded pipeline's components, each model sized from its live module at ``dtype``."""
+    components = []
+    for name, value in pipe.components.items():
+        if isinstance(value, torch.nn.Module):
+            components.append(live_component(name, value, dtype))
+        else:
+            components.append(Component(name, *_origin(value)))
+    source = str(getattr(pipe.config, "_name_or_path", "") or type(pipe).__name__)
+    return Inventory(source, type(pipe).__name__, tuple(components), dtype_name(dtype), None)
+
+
+def live_component(name: str, module: torch.nn.Module, dtype: torch.dtype | None = None,
+                   library: str | None = None, class_name: str | None = None) -> Component:
+    """A component sized from a live module (or one built on the meta device): its bytes, bytes in flight when
+    streamed, and blocks, at ``dtype`` if given (the model class's kept-fp32 modules staying float32)."""
+    if library is None:
+        library, class_name = _origin(module)
+    # a library always comes with its class name (``_origin``, the catalog)
+    keep = keep_in_fp32(library, cast(str, class_name), dtype) if library else ()
+    sizes = tensor_sizes(module, dtype, keep)
+    tree = block_tree(sizes, (n for n, m in module.named_modules() if isinstance(m, _LISTS)))
+    itemsize = dtype.itemsize if dtype is not None else next((p.element_size() for p in module.parameters()), 4)
+    return Component(name, library, class_name, sum(sizes.values()), True, in_flight=finest_in_flight(tree),
+                     blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, itemsize),
+                     files=mapped_files(module, dtype), heads=heads_of(getattr(module, "config", None)))
+
+
+def mapped_files(module: torch.nn.Module, dtype: torch.dtype | None = None) -> tuple[str, ...]:
+    """The safetensors files whose memory maps hold the weights of ``module`` (as diffusers and transformers load
+    weights stored at the dtype asked for), or ``()`` when a weight is on a GPU or would be converted, or more than
+    ``UNMAPPED_SHARE`` of its bytes are not mapped (buffers built in ``__init__`` never are)."""
+    maps, files, unmapped, total = file_maps(), set(), 0, 0
+    for tensor in {id(t): t for t in module.state_dict(keep_vars=True).values() if t is not None}.values():
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.device.type != "cpu" or (dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype):
+            return ()
+        found = maps.file_of(address(tensor), nbytes) if nbytes and maps.starts else None
+        total += nbytes
+        if found is None:
+            unmapped += nbytes
+        else:
+            files.add(found)
+    return tuple(sorted(files)) if files and unmapped <= UNMAPPED_SHARE * total else ()
+
+
+UNMAPPED_SHARE = 0.01
+
+
+def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep_fp32: Iterable[str] = ()) -> int:
+    """Bytes of a module's parameters and persistent buffers (shared tensors once), at ``dtype`` if given."""
+    return sum(tensor_sizes(module, dtype, keep_fp32).values())
+
+
+def _origin(value: object) -> tuple[str | None, str | None]:
+    if value is None:
+        return None, None
+    return type(value).__module__.split(".")[0], type(value).__name__
 
 
 def tensor_sizes(module: torch.nn.Module, dtype: torch.dtype | None = None,
@@ -46,6 +100,12 @@ def tensor_sizes(module: torch.nn.Module, dtype: torch.dtype | None = None,
     return sizes
 
 
+def live_blocks(module: torch.nn.Module, dtype: torch.dtype | None = None,
+                keep_fp32: Iterable[str] = ()) -> tuple[tuple[str, int], ...]:
+    """``split_blocks`` of a live module (or one built on the meta device), at ``dtype`` if given."""
+    return split_blocks(tensor_sizes(module, dtype, keep_fp32))
+
+
 def _saved_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor | None]]:
     """What ``state_dict(keep_vars=True)`` holds, by module path, without calling it: a quantized module's own
     ``_save_to_state_dict`` (quanto's) splits a weight into its inner tensors, and fails on a dry run's fakes."""
@@ -53,7 +113,6 @@ def _saved_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor 
         prefix = f"{path}." if path else ""
         yield from ((prefix + k, t) for k, t in sub._parameters.items())
         yield from ((prefix + k, t) for k, t in sub._buffers.items() if k not in sub._non_persistent_buffers_set)
-
 
 
 def submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -114,65 +173,3 @@ def _collect_blocks(module: torch.nn.Module, prefix: str, blocks: dict[int, tupl
             _collect_blocks(child, f"{path}.", blocks)
         else:
             blocks.setdefault(id(child), (path, child))
-
-
-
-def of_pipeline(pipe: Any, dtype: torch.dtype | None) -> Inventory:
-    """A loaded pipeline's components, each model sized from its live module at ``dtype``."""
-    components = []
-    for name, value in pipe.components.items():
-        if isinstance(value, torch.nn.Module):
-            components.append(live_component(name, value, dtype))
-        else:
-            components.append(Component(name, *_origin(value)))
-    source = str(getattr(pipe.config, "_name_or_path", "") or type(pipe).__name__)
-    return Inventory(source, type(pipe).__name__, tuple(components), dtype_name(dtype), None)
-
-
-def live_component(name: str, module: torch.nn.Module, dtype: torch.dtype | None = None,
-                   library: str | None = None, class_name: str | None = None) -> Component:
-    """A component sized from a live module (or one built on the meta device): its bytes, bytes in flight when
-    streamed, and blocks, at ``dtype`` if given (the model class's kept-fp32 modules staying float32)."""
-    if library is None:
-        library, class_name = _origin(module)
-    # a library always comes with its class name (``_origin``, the catalog)
-    keep = keep_in_fp32(library, cast(str, class_name), dtype) if library else ()
-    sizes = tensor_sizes(module, dtype, keep)
-    tree = block_tree(sizes, (n for n, m in module.named_modules() if isinstance(m, _LISTS)))
-    itemsize = dtype.itemsize if dtype is not None else next((p.element_size() for p in module.parameters()), 4)
-    return Component(name, library, class_name, sum(sizes.values()), True, in_flight=finest_in_flight(tree),
-                     blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, itemsize),
-                     files=mapped_files(module, dtype), heads=heads_of(getattr(module, "config", None)))
-
-
-def mapped_files(module: torch.nn.Module, dtype: torch.dtype | None = None) -> tuple[str, ...]:
-    """The safetensors files whose memory maps hold the weights of ``module`` (as diffusers and transformers load
-    weights stored at the dtype asked for), or ``()`` when a weight is on a GPU or would be converted, or more than
-    ``UNMAPPED_SHARE`` of its bytes are not mapped (buffers built in ``__init__`` never are)."""
-    maps, files, unmapped, total = file_maps(), set(), 0, 0
-    for tensor in {id(t): t for t in module.state_dict(keep_vars=True).values() if t is not None}.values():
-        nbytes = tensor.numel() * tensor.element_size()
-        if tensor.device.type != "cpu" or (dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype):
-            return ()
-        found = maps.file_of(address(tensor), nbytes) if nbytes and maps.starts else None
-        total += nbytes
-        if found is None:
-            unmapped += nbytes
-        else:
-            files.add(found)
-    return tuple(sorted(files)) if files and unmapped <= UNMAPPED_SHARE * total else ()
-
-
-UNMAPPED_SHARE = 0.01
-
-
-def module_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, keep_fp32: Iterable[str] = ()) -> int:
-    """Bytes of a module's parameters and persistent buffers (shared tensors once), at ``dtype`` if given."""
-    return sum(tensor_sizes(module, dtype, keep_fp32).values())
-
-
-def _origin(value: object) -> tuple[str | None, str | None]:
-    if value is None:
-        return None, None
-    return type(value).__module__.split(".")[0], type(value).__name__
-

@@ -86,7 +86,6 @@ def _natural_part(part: str) -> tuple[int, int, str]:
     return (0, int(part), "") if part.isdigit() else (1, 0, part)
 
 
-
 def block_key(name: str) -> str:
     """The block a tensor name belongs to (see ``streamed_bytes``); ``""`` for the root module's own tensors."""
     parts = name.split(".")
