@@ -215,14 +215,11 @@ def test_format_bytes(n, text):
     assert format_bytes(n) == text
 
 
-
 # ---- every exception and warning class of the package is defined in errors.py -----------------------------------
 
 PACKAGE = Path(pipemap.__file__).parent
 _BUILTIN = {name for name, value in vars(builtins).items()
             if isinstance(value, type) and issubclass(value, BaseException)}
-
-
 # a class statement with bases: a file without one defines no exception (parsing only the others halves the time)
 _DERIVED = re.compile(r"^[ \t]*class\s+\w+\s*\(", re.MULTILINE)
 
