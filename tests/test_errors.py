@@ -3,7 +3,12 @@ attributes, and a message that says what to do."""
 
 from __future__ import annotations
 
+import ast
+import builtins
+import importlib
 import inspect
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -92,16 +97,58 @@ CASES = {
                         {"component": "unet", "device": "cuda:1", "pid": 42, "phase": "call",
                          "remote_traceback": "Traceback...\nValueError: bad shape\n"},
                         ["ValueError: bad shape", ".remote_traceback", "PIPEMAP_WORKERS=thread"]),
+    E.UnwaitedCopyError: (("unet.down_blocks.0", "cuda:0"), {"block": "unet.down_blocks.0", "device": "cuda:0"},
+                          ["'unet.down_blocks.0'", "on cuda:0", "waited for (Queues.wait)"]),
+    E.BufferReuseError: (("unet.up_blocks.1", "cuda:0"), {"block": "unet.up_blocks.1", "device": "cuda:0"},
+                         ["'unet.up_blocks.1'", "pass the buffer's last-use event as `after`"]),
+    E.DeviceMixError: (("aten.add.Tensor", ("meta:0", "meta:1")),
+                       {"operation": "aten.add.Tensor", "devices": ("meta:0", "meta:1")},
+                       ["aten.add.Tensor got tensors on meta:0, meta:1"]),
+    E.StandInError: (("unet", "UNet2DConditionModel", ValueError("no such config key\nmore")),
+                     {"component": "unet", "class_name": "UNet2DConditionModel"},
+                     ["component 'unet' (UNet2DConditionModel)", "ValueError: no such config key)", "pipemap.load"]),
+    E.UnknownValueError: (("aten._local_scalar_dense",), {"operation": "aten._local_scalar_dense"},
+                          ["reads a value computed from weights", "run the pipeline for real (pipemap.load)"]),
+    E.RequestError: (("n", "n is 9: ask for 1 to 4 images"),
+                     {"param": "n", "message": "n is 9: ask for 1 to 4 images", "code": "invalid_value"},
+                     ["ask for 1 to 4 images"]),
+    E.ModelNotFoundError: (("sdxl", ("flux", "sd3")),
+                           {"model": "sdxl", "names": ("flux", "sd3"), "param": "model", "code": "model_not_found"},
+                           ["'sdxl' is not served here", "'flux', 'sd3'", "GET /v1/models"]),
+    E.AutoscaleSpecError: (("4:1",), {"text": "4:1"}, ["--autoscale '4:1'", "MIN:MAX", "'1:4'"]),
+    E.QueueFullError: ((16, 3), {"depth": 16, "retry_after": 3}, ["16 requests waiting", "retry in 3 s"]),
+    E.DrainingError: ((), {}, ["shutting down", "send the request to another one"]),
+    E.WorkDropped: ((7,), {"step": 7}, ["timed out", "after step 7"]),
 }
 # errors in what pipemap was asked to do at run time, not in what the user gave
 RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError, E.WorkerDiedError,
-           E.WorkerCallError}
+           E.WorkerCallError, E.UnwaitedCopyError, E.BufferReuseError, E.DeviceMixError, E.StandInError,
+           E.UnknownValueError}
+# the service's own states (its queue full, shutting down, a timed-out request's work dropped): neither the user's
+# input nor a failed run; HTTP answers them 429, 503 and 504
+SERVICE = {E.QueueFullError, E.DrainingError, E.WorkDropped}
+# reached through their wing, where they were defined before they moved here, not from ``pipemap`` itself
+BY_WING = {E.UnwaitedCopyError: "runtime.streams", E.BufferReuseError: "runtime.streams",
+           E.DeviceMixError: "dryrun.standin", E.StandInError: "dryrun.standin", E.UnknownValueError: "dryrun.known",
+           E.RequestError: "serve", E.ModelNotFoundError: "serve.requests", E.AutoscaleSpecError: "serve.deployment",
+           E.QueueFullError: "serve", E.DrainingError: "serve", E.WorkDropped: "serve"}
+WARNINGS = {E.PipemapWarning, E.UnsafeTransferWarning}
+# raised and caught inside pipemap, never seen by a user: no data, no advice
+SIGNALS = {E.Unsplittable, E.BodyTooLarge, E.ClientGone}
 
 
 def test_the_table_covers_every_error_of_the_module():
     defined = {c for _, c in inspect.getmembers(E, inspect.isclass)
                if issubclass(c, Exception) and c.__module__ == E.__name__}
-    assert defined - {PipemapError} == set(CASES)
+    errors = {c for c in defined if issubclass(c, PipemapError)}
+    assert errors - {PipemapError} == set(CASES)
+    assert defined - errors == WARNINGS | SIGNALS  # and nothing else
+
+
+def test_warnings_and_signals():
+    assert issubclass(E.UnsafeTransferWarning, E.PipemapWarning) and issubclass(E.PipemapWarning, UserWarning)
+    assert pipemap.PipemapWarning is E.PipemapWarning and pipemap.UnsafeTransferWarning is E.UnsafeTransferWarning
+    assert not any(issubclass(c, (PipemapError, ValueError, RuntimeError)) for c in SIGNALS)
 
 
 @pytest.mark.parametrize("cls", list(CASES), ids=lambda c: c.__name__)
@@ -109,7 +156,7 @@ def test_each_error_carries_its_data_and_says_what_to_do(cls):
     args, attributes, words = CASES[cls]
     error = cls(*args)
     assert isinstance(error, PipemapError)
-    assert isinstance(error, ValueError) == (cls not in RUNTIME)
+    assert isinstance(error, ValueError) == (cls not in RUNTIME | SERVICE)
     if cls in RUNTIME:
         assert isinstance(error, RuntimeError)
     for name, value in attributes.items():
@@ -122,8 +169,16 @@ def test_each_error_carries_its_data_and_says_what_to_do(cls):
 
 def test_every_error_is_exported_by_the_package():
     assert pipemap.PipemapError is PipemapError
-    missing = [cls.__name__ for cls in CASES if getattr(pipemap, cls.__name__, None) is not cls]
+    missing = [c.__name__ for c in CASES if c not in BY_WING and getattr(pipemap, c.__name__, None) is not c]
     assert missing == [], missing
+
+
+@pytest.mark.slow  # imports the dry run's and the service's modules (torch, diffusers, starlette): seconds
+def test_errors_that_moved_here_stay_importable_where_they_were():
+    wings = {cls: wing for cls, wing in BY_WING.items() if wing != "serve.deployment"}  # that one imports ray
+    moved = {cls: getattr(importlib.import_module(f"pipemap.{wing}"), cls.__name__, None)
+             for cls, wing in wings.items()}
+    assert {cls: found for cls, found in moved.items() if found is not cls} == {}
 
 
 def test_argument_type_error_is_a_type_error_too():
@@ -158,3 +213,64 @@ def test_does_not_fit_error_without_strategies_or_device():
                                          (1536 * 2**20, "1.50 GiB"), (-2048, "-2.00 KiB")])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+# ---- every exception and warning class of the package is defined in errors.py -----------------------------------
+
+PACKAGE = Path(pipemap.__file__).parent
+_BUILTIN = {name for name, value in vars(builtins).items()
+            if isinstance(value, type) and issubclass(value, BaseException)}
+# a class statement with bases: a file without one defines no exception (parsing only the others halves the time)
+_DERIVED = re.compile(r"^[ \t]*class\s+\w+\s*\(", re.MULTILINE)
+
+
+def _base_name(node: ast.expr) -> str:
+    """The name a class base is written with: ``Exception``, ``errors.PipemapError`` -> ``PipemapError``."""
+    if isinstance(node, ast.Subscript):
+        return _base_name(node.value)
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def _classes(node: ast.AST):
+    """Every class statement below ``node``, at any depth: statements only are walked (a class is one), which skips
+    the expressions, most of a file's nodes."""
+    for child in getattr(node, "body", []) + getattr(node, "orelse", []) + getattr(node, "finalbody", []) + \
+            getattr(node, "handlers", []) + getattr(node, "cases", []):
+        if isinstance(child, ast.ClassDef):
+            yield child
+        yield from _classes(child)
+
+
+def exceptions_outside_errors(package: Path) -> list[str]:
+    """``file:Class`` of every class below ``package``, at any depth of a file, deriving from an exception or a
+    warning (a builtin one, one of ``errors.py``, one named ``...Error``/``...Exception``/``...Warning`` such as
+    torch's ``OutOfMemoryError``, or one of these classes) and not defined in the top-level ``errors.py``."""
+    texts = {path: path.read_text() for path in sorted(package.rglob("*.py"))}
+    classes = [(path, node) for path, text in texts.items() if _DERIVED.search(text)  # others define no subclass
+               for node in _classes(ast.parse(text))]
+    exceptional = set(_BUILTIN)
+    grew = True
+    while grew:  # a class deriving from one found: found, until nothing new is
+        known = len(exceptional)
+        exceptional |= {node.name for _, node in classes
+                        if any(_base_name(b) in exceptional or _base_name(b).endswith(("Error", "Exception", "Warning"))
+                               for b in node.bases)}
+        grew = len(exceptional) > known
+    return [f"{path.relative_to(package)}:{node.name}" for path, node in classes
+            if node.name in exceptional and path != package / "errors.py"]
+
+
+def test_every_exception_and_warning_is_defined_in_errors_py():
+    assert exceptions_outside_errors(PACKAGE) == []
+
+
+def test_the_walk_finds_an_exception_defined_elsewhere(tmp_path):
+    (tmp_path / "errors.py").write_text("class PipemapError(Exception):\n    pass\n")
+    (tmp_path / "wing").mkdir()
+    (tmp_path / "wing" / "a.py").write_text(
+        "import torch\nfrom ..errors import PipemapError\n\n"
+        "class Mine(PipemapError):\n    pass\n\nclass Sub(Mine):\n    pass\n\n"
+        "class Note(UserWarning):\n    pass\n\nclass Oom(torch.cuda.OutOfMemoryError):\n    pass\n\n"
+        "class Plain:\n    pass\n\ndef f():\n    class Inner(KeyError):\n        pass\n")
+    assert sorted(exceptions_outside_errors(tmp_path)) == [
+        "wing/a.py:Inner", "wing/a.py:Mine", "wing/a.py:Note", "wing/a.py:Oom", "wing/a.py:Sub"]

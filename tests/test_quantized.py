@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 import pipemap
 from everyday import quantize
-from pipemap.inventory import _of_folder
+from pipemap.inventory.folder import of_folder
 from pipemap.quantized import gguf_sizes, is_packed, quantization_state, rebuild_from, storage, stored_bytes
 
 
@@ -52,7 +52,7 @@ def test_a_quanto_checkpoint_keeps_its_int8_data_and_float_scales_at_any_dtype(t
                "a.bias": torch.zeros(64), "a.input_scale": torch.ones(()), "a.output_scale": torch.ones(())}
     folder = _quantized_folder(tmp_path, {"quantization_config": {"quant_method": "quanto", "weights": "int8"}},
                                tensors)
-    unet = _of_folder(folder, torch.float16, None)["unet"]
+    unet = of_folder(folder, torch.float16, None)["unet"]
     # 4096 int8 + 64 float32 scales + 2 float32 activation scales stay; the bias converts to float16
     assert unet.bytes == 4096 + 64 * 4 + 2 * 4 + 64 * 2
 
@@ -62,7 +62,7 @@ def test_a_bitsandbytes_checkpoint_keeps_its_quantization_state(tmp_path):
                "a.weight.quant_map": torch.ones(16), "a.weight.quant_state.bitsandbytes__nf4": torch.zeros(
                    100, dtype=torch.uint8), "a.bias": torch.zeros(64)}
     folder = _quantized_folder(tmp_path, {"quantization_config": {"quant_method": "bitsandbytes"}}, tensors)
-    assert _of_folder(folder, torch.bfloat16, None)["unet"].bytes == 2048 + 64 * 4 + 16 * 4 + 100 + 64 * 2
+    assert of_folder(folder, torch.bfloat16, None)["unet"].bytes == 2048 + 64 * 4 + 16 * 4 + 100 + 64 * 2
     assert quantization_state("a.weight.absmax", True) and not quantization_state("a.weight.absmax", False)
     assert not quantization_state("a.weight", True)
 

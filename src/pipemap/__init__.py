@@ -31,6 +31,7 @@ from .errors import (
     OutputPathError,
     PipelineMappedError,
     PipemapError,
+    PipemapWarning,
     PlanFormatError,
     PlanMismatchError,
     RunManyCallError,
@@ -39,6 +40,7 @@ from .errors import (
     UnknownDeviceError,
     UnknownDtypeError,
     UnknownStrategyError,
+    UnsafeTransferWarning,
     VariantNotFoundError,
     WeightsFileChangedError,
     WorkerCallError,
@@ -58,14 +60,13 @@ _LAZY = {
     "Estimate": "api", "simulate_many": "api", "run_many": "api", "iter_many": "api",
     "dispatch": "dispatch", "reset": "dispatch", "stats": "dispatch", "replace": "dispatch", "follow": "dispatch",
     "normalize_device": "devices", "Device": "hardware", "Hardware": "hardware",
-    "Component": "inventory", "Inventory": "inventory",
+    "Component": "inventory.values", "Inventory": "inventory.values",
     "current_request": "runtime.parallel",
     "DeviceUse": "plan", "HostUse": "plan", "Placement": "plan", "Plan": "plan",
     "Mode": "modes",
     "STRATEGIES": "planner",
     "Failure": "dryrun.report", "SimulationReport": "dryrun.report", "ManyReport": "dryrun.many",
-    "PipemapWarning": "runtime.transfer", "TransferReport": "runtime.transfer",
-    "UnsafeTransferWarning": "runtime.transfer", "check_transfers": "runtime.transfer",
+    "TransferReport": "runtime.transfer", "check_transfers": "runtime.transfer",
 }
 
 
@@ -101,12 +102,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .dryrun.many import ManyReport
     from .dryrun.report import Failure, SimulationReport
     from .hardware import Device, Hardware
-    from .inventory import Component, Inventory
+    from .inventory.values import Component, Inventory
     from .modes import Mode
     from .plan import DeviceUse, HostUse, Placement, Plan
     from .planner import STRATEGIES
     from .runtime.parallel import current_request
-    from .runtime.transfer import PipemapWarning, TransferReport, UnsafeTransferWarning, check_transfers
+    from .runtime.transfer import TransferReport, check_transfers
 
 __all__ = [
     "ArgumentConflictError", "ArgumentTypeError", "CallArgumentError", "CheckpointError", "Component", "Device",

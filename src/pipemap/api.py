@@ -33,7 +33,10 @@ from .errors import (
     UnknownStrategyError,
 )
 from .hardware import Hardware
-from .inventory import Inventory, check_weights_present, inventory_of, read_model_index, resolve_dtype
+from .inventory import inventory_of
+from .inventory.files import check_weights_present
+from .inventory.folder import read_model_index
+from .inventory.values import Inventory, resolve_dtype
 from .modes import facts
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory

@@ -25,7 +25,7 @@ from .counts import PIPELINE, ComponentCounts, Counts, Tally
 from .devices import is_accelerator
 from .granularity import LOOSE, Block
 from .hardware import Performance
-from .inventory import PER_STEP, Component, Inventory
+from .inventory.values import PER_STEP, Component, Inventory
 from .modes import Peak, facts
 from .plan import Placement, Plan
 

@@ -29,7 +29,7 @@ from .hooks import HOOKS, MOVING, CallLock, Moved, PlacementHook, hook_component
 from .hooks.follow import follow as follow_component
 from .hooks.follow import forget, remember, settle, unchanged
 from .hooks.resident import changed, quiet
-from .inventory import module_bytes, submodules
+from .inventory.live import module_bytes, submodules
 from .modes import Peak, facts, held, moves_weights
 from .plan import Placement, Plan
 from .quantized import movable, storage

@@ -1,4 +1,6 @@
-"""Every error pipemap raises. Each carries its data as attributes and its message says what to do.
+"""Every error pipemap raises, and every warning it gives. Each error carries its data as attributes and its message
+says what to do. The few signals raised and caught inside pipemap (never seen by a user) are here too, at the end:
+no exception class is defined anywhere else (``tests/test_errors.py``).
 
 Errors in what the user gave (a map, a memory string, a folder) also derive from ``ValueError``, so code that
 already catches diffusers' ``ValueError`` for a bad ``device_map`` keeps working.
@@ -376,3 +378,144 @@ class WorkerCallError(PipemapError, RuntimeError):
             f"the worker process (pid {pid}) running {component!r} on {device} failed during its {phase}: {last}. "
             f"Its workers were stopped; fix the cause shown in .remote_traceback, or set PIPEMAP_WORKERS=thread"
         )
+
+
+# ---- runtime/streams.py: the copy queues' race checks --------------------------------------------------------------
+
+
+class UnwaitedCopyError(PipemapError, RuntimeError):
+    """A block's weights were used on the compute queue before it waited for their copy: on a GPU, garbage."""
+
+    def __init__(self, block: str, device: str):
+        self.block, self.device = block, device
+        super().__init__(f"block {block!r} used on {device} before the compute queue waited for its copy; every "
+                         "onloaded block must be waited for (Queues.wait) before it runs")
+
+
+class BufferReuseError(PipemapError, RuntimeError):
+    """A copy was queued into a buffer the compute queue may still be reading."""
+
+    def __init__(self, block: str, device: str):
+        self.block, self.device = block, device
+        super().__init__(f"copy of block {block!r} on {device} queued into a buffer before the end of its last use; "
+                         "pass the buffer's last-use event as `after`")
+
+
+# ---- warnings (runtime/transfer.py: copies between devices) --------------------------------------------------------
+
+
+class PipemapWarning(UserWarning):
+    """The base of every warning pipemap gives."""
+
+
+class UnsafeTransferWarning(PipemapWarning):
+    """Direct copies between two devices arrive corrupted; pipemap stages them through CPU memory."""
+
+
+# ---- dryrun/standin.py: stand-in devices and weights ---------------------------------------------------------------
+
+
+class DeviceMixError(PipemapError, RuntimeError):
+    """One operation got tensors on several devices, as a real multi-GPU run would fail."""
+
+    def __init__(self, operation: str, devices: tuple[str, ...]):
+        self.operation, self.devices = operation, devices
+        super().__init__(f"{operation} got tensors on {', '.join(devices)}")
+
+
+class StandInError(PipemapError, RuntimeError):
+    """The dry run could not build a component (or the pipeline) of this class on stand-in weights; the report
+    names it instead of raising."""
+
+    def __init__(self, component: str | None, class_name: str, err: Exception):
+        self.component, self.class_name = component, class_name
+        what = f"component {component!r} ({class_name})" if component else f"the pipeline {class_name}"
+        super().__init__(f"the dry run cannot build {what} on stand-in weights ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:300] if str(err) else ''}); load it for real (pipemap.load) "
+                         "to check this plan")
+
+
+# ---- dryrun/known.py: values the dry run cannot know ---------------------------------------------------------------
+
+
+class UnknownValueError(PipemapError, RuntimeError):
+    """Pipeline code read, as data, a value computed from weights: the dry run cannot know it."""
+
+    def __init__(self, operation: str):
+        self.operation = operation
+        super().__init__(f"{operation} reads a value computed from weights, which a dry run cannot know; run the "
+                         "pipeline for real (pipemap.load) to check this code path")
+
+
+# ---- serve/requests.py: what a request may ask ---------------------------------------------------------------------
+
+
+class RequestError(PipemapError, ValueError):
+    """A request this server cannot take: ``param`` names the field, ``code`` is a short machine-readable kind."""
+
+    def __init__(self, param: str | None, message: str, code: str = "invalid_value"):
+        self.param, self.code, self.message = param, code, message
+        super().__init__(message)
+
+
+class ModelNotFoundError(RequestError):
+    """A request naming a model this server does not serve (HTTP 404, as OpenAI answers): ``names`` are those it
+    does."""
+
+    def __init__(self, model: str, names: tuple[str, ...]):
+        self.model, self.names = model, names
+        super().__init__("model", f"the model {model!r} is not served here: this server serves "
+                         f"{', '.join(map(repr, names))} (GET /v1/models lists them)", "model_not_found")
+
+
+# ---- serve/worker.py: the queue in front of a pipeline -------------------------------------------------------------
+
+
+class QueueFullError(PipemapError):
+    """The queue holds ``max_queue`` waiting requests; ``retry_after`` is the seconds it should take to drain."""
+
+    def __init__(self, depth: int, retry_after: int):
+        self.depth, self.retry_after = depth, retry_after
+        super().__init__(f"the queue is full ({depth} requests waiting): retry in {retry_after} s")
+
+
+class DrainingError(PipemapError):
+    """The server is shutting down: it finishes the work it took and takes no more."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down and takes no new work: send the request to another one")
+
+
+class WorkDropped(PipemapError):
+    """Raised inside a pipeline call (at a step's end) whose request timed out, so its remaining steps are not run."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"the request timed out; its work was dropped after step {step}")
+
+
+# ---- serve/deployment.py: Ray Serve replicas -----------------------------------------------------------------------
+
+
+class AutoscaleSpecError(PipemapError, ValueError):
+    """An ``--autoscale`` value that is not ``MIN:MAX``."""
+
+    def __init__(self, text: str):
+        self.text = text
+        super().__init__(f"cannot read --autoscale {text!r}: write MIN:MAX replicas, e.g. '1:4' (0 <= MIN <= MAX, "
+                         "MAX >= 1)")
+
+
+# ---- signals: raised and caught inside pipemap, never seen by a user ------------------------------------------------
+
+
+class Unsplittable(Exception):
+    """Raised by every rank at the same layer: a tensor there does not divide among the ranks (hooks/sequence.py)."""
+
+
+class BodyTooLarge(Exception):
+    """A body that grew past the limit as it was read (no Content-Length, or a false one) (serve/app.py)."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer (serve/app.py)."""

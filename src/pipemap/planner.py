@@ -1,6 +1,6 @@
 """``plan()``: decide where each component goes. Pure: it reads headers or module sizes and moves nothing.
 
-Each strategy is one small function from a ``Request`` (the components' sizes, each GPU's room) to
+Each strategy is one small function from a ``Problem`` (the components' sizes, each GPU's room) to
 ``{component: device}`` or, for the offloading strategies, ``{component: Place(device, mode, execution_device)}``;
 the code around it validates input, applies dict maps and totals the budgets.
 """
@@ -25,7 +25,7 @@ from .errors import (
 )
 from .granularity import Block, Pieces, cut
 from .hardware import Hardware
-from .inventory import DENOISERS, Component, Inventory
+from .inventory.values import DENOISERS, Component, Inventory
 from .modes import Mode, Peak, device_use, facts, held
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .tiers import place_tiers
@@ -40,9 +40,10 @@ MAX_SEARCHED = 12  # components: beyond this, the offloading strategies try chea
 
 
 @dataclass(frozen=True)
-class Request:
-    """What a strategy sees: components ``(name, bytes)`` in pipeline order and the room left on each GPU; for the
-    offloading strategies also each component's calls per image and bytes in flight when streamed (0: all)."""
+class Problem:
+    """The placement problem a strategy solves (what a user asks is ``api.Request``): components ``(name, bytes)`` in
+    pipeline order and the room left on each GPU; for the offloading strategies also each component's calls per
+    image and bytes in flight when streamed (0: all)."""
 
     components: tuple[tuple[str, int], ...]
     rooms: tuple[tuple[str, int], ...]
@@ -67,10 +68,10 @@ class Place(NamedTuple):
     replicas: tuple[str, ...] = ()
 
 
-Strategy = Callable[[Request], dict[str, "str | Place"]]
+Strategy = Callable[[Problem], dict[str, "str | Place"]]
 
 
-def _balanced(request: Request) -> dict[str, str | Place]:
+def _balanced(request: Problem) -> dict[str, str | Place]:
     """Largest first, each to the GPU with the most room left: the fullest GPU ends as empty as it can be."""
     rooms = dict(request.rooms)
     placed: dict[str, str | Place] = {}
@@ -89,7 +90,7 @@ def _roomiest(rooms: Mapping[str, int]) -> str:
     return max(order, key=lambda d: (rooms[d], -order.index(d)))
 
 
-def _sequential(request: Request) -> dict[str, str | Place]:
+def _sequential(request: Problem) -> dict[str, str | Place]:
     """Pipeline order: fill the first GPU, then the next; never go back to an earlier one."""
     devices = [d for d, _ in request.rooms]
     rooms = dict(request.rooms)
@@ -107,17 +108,17 @@ def _sequential(request: Request) -> dict[str, str | Place]:
     return placed
 
 
-def _balanced_low_memory(request: Request) -> dict[str, str | Place]:
+def _balanced_low_memory(request: Problem) -> dict[str, str | Place]:
     """As balanced; what does not fit lives in CPU RAM and is moved whole to a GPU for its call (model offload)."""
     return _least_moved(request, Mode.OFFLOAD)
 
 
-def _balanced_ultra_low_memory(request: Request) -> dict[str, str | Place]:
+def _balanced_ultra_low_memory(request: Problem) -> dict[str, str | Place]:
     """As balanced; what does not fit lives in CPU RAM and is streamed block by block to a GPU for its call."""
     return _least_moved(request, Mode.STREAM)
 
 
-def _least_moved(request: Request, mode: str, stay: Strategy = _balanced) -> dict[str, str | Place]:
+def _least_moved(request: Problem, mode: str, stay: Strategy = _balanced) -> dict[str, str | Place]:
     """All resident if balanced fits; else the set of components to move that fits and moves the fewest bytes per
     image (bytes x calls per image: the denoiser, called at every step, leaves the GPU last).
 
@@ -146,7 +147,7 @@ def _least_moved(request: Request, mode: str, stay: Strategy = _balanced) -> dic
 WEIGHED = 8  # fitting sets of components to move weighed by their layouts' bytes per image (cheapest by size first)
 
 
-def _bytes_per_image(request: Request, placed: Mapping[str, str | Place]) -> int:
+def _bytes_per_image(request: Problem, placed: Mapping[str, str | Place]) -> int:
     """Bytes a placement moves per image: each streamed component's non-resident pieces at each of its calls."""
     sizes, calls, trees = dict(request.components), dict(request.calls), dict(request.trees)
     rooms = dict(request.rooms)
@@ -198,7 +199,7 @@ def _candidates(sizes: Mapping[str, int], calls: Mapping[str, int]) -> list[froz
     return [frozenset(c) for c in sorted(subsets, key=cost)]
 
 
-def _moving(request: Request, moved: frozenset[str], need: Mapping[str, int], mode: str, stay: Strategy = _balanced
+def _moving(request: Problem, moved: frozenset[str], need: Mapping[str, int], mode: str, stay: Strategy = _balanced
             ) -> dict[str, str | Place] | None:
     """The rest placed by balanced, each moved component run on the GPU with the most room left (a GPU's peak is
     its residents plus the one moved component running there); None if it does not fit."""
@@ -229,7 +230,7 @@ def _charge(rooms: dict[str, int], place: str | Place, size: int) -> None:
         rooms[device] -= size
 
 
-def _balanced_split(request: Request) -> dict[str, str | Place]:
+def _balanced_split(request: Problem) -> dict[str, str | Place]:
     """As balanced; a component that fits no GPU whole is cut between its blocks across the GPUs with the most
     room (largest first), its inputs and outputs staying on the first of them."""
     rooms = dict(request.rooms)
@@ -268,7 +269,7 @@ def _split_across(name: str, size: int, blocks: tuple[tuple[str, int], ...], ord
     return Place(home, Mode.SPLIT, home, tuple(shards))
 
 
-def _parallel(request: Request) -> dict[str, str | Place]:
+def _parallel(request: Problem) -> dict[str, str | Place]:
     """A copy of the denoiser on as many GPUs as can hold one beside the rest (as many as its mode uses: two for
     guidance branches, a power of two for a sequence split), placed around them as balanced places them; each call
     then runs across the copies as its mode says (``replication``). Balanced where no two GPUs can (``notes`` say
@@ -291,7 +292,8 @@ def _copy_counts(mode: str, gpus: int, heads: int = 0) -> list[int]:
     return list(range(gpus, 1, -1))
 
 
-def _replicated(request: Request, name: str, count: int, mode: str = Mode.REPLICATED) -> dict[str, str | Place] | None:
+def _replicated(request: Problem, name: str, count: int, mode: str = Mode.REPLICATED
+                ) -> dict[str, str | Place] | None:
     """``name`` on the ``count`` roomiest GPUs, the rest balanced in what is left; None if that does not fit."""
     size = dict(request.components)[name]
     rooms = dict(request.rooms)
@@ -388,7 +390,7 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         trees = tuple((c.name, c.tree) for c in inventory.models)
         parallel = replication.parallel_modes(inventory, hw.performance) if name == "parallel" else ()
         heads = replication.denoiser_heads(inventory)
-        placed = _run(name, Request(rest, gpus, name, calls, in_flight, blocks, trees, parallel, heads))
+        placed = _run(name, Problem(rest, gpus, name, calls, in_flight, blocks, trees, parallel, heads))
         notes += replication.plan_notes(inventory, placed) if name == "parallel" else []
     device_map = {**fixed, **placed}
     label = name if not fixed else ("map" if not rest else f"map+{name}")
@@ -416,7 +418,7 @@ def _rooms_after(fixed: Mapping[str, str], sizes: Mapping[str, int], budget: Map
     return rooms
 
 
-def _run(name: str, request: Request) -> dict[str, str | Place]:
+def _run(name: str, request: Problem) -> dict[str, str | Place]:
     try:
         return {**STRATEGIES, **MIXED}[name](request)
     except DoesNotFitError as err:
@@ -425,7 +427,7 @@ def _run(name: str, request: Request) -> dict[str, str | Place]:
         raise DoesNotFitError(err.component, err.bytes, err.largest_room, name, others) from None
 
 
-def _works(strategy: str, request: Request) -> bool:
+def _works(strategy: str, request: Problem) -> bool:
     try:
         {**STRATEGIES, **MIXED}[strategy](replace(request, strategy=strategy))
         return True

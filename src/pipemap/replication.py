@@ -24,7 +24,7 @@ from typing import Any
 
 from .cost import component_cost, workload_for
 from .hardware import Performance
-from .inventory import DENOISERS, Component, Inventory
+from .inventory.values import DENOISERS, Component, Inventory
 from .modes import Mode
 from .plan import Placement
 from .units import format_bytes

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from .devices import is_accelerator
 from .errors import HostMemoryError
 from .granularity import LOOSE
-from .inventory import Component
+from .inventory.values import Component
 from .modes import Peak, facts
 from .plan import Placement
 

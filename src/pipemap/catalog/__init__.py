@@ -30,7 +30,7 @@ from ..units import format_bytes
 if TYPE_CHECKING:
     import torch
 
-    from ..inventory import Inventory
+    from ..inventory.values import Inventory
 
 # torch, diffusers and the inventory are imported inside the functions that build models: listing the catalog
 # (`pipemap catalog`) reads only the JSON files here, so it answers without importing torch
@@ -153,7 +153,7 @@ def transformers_config(config: dict):
 
 
 def component_dtype(found: Entry, component: str, dtype: torch.dtype | None) -> torch.dtype:
-    from ..inventory import as_dtype
+    from ..inventory.values import as_dtype
 
     if dtype is not None:
         return dtype
@@ -172,14 +172,15 @@ def inventory(name: str, dtype: torch.dtype | str | None = None) -> Inventory:
     >>> inv = inventory("flux-dev", dtype=torch.float16)             # doctest: +SKIP
     >>> plan = pipemap.plan(inv, hardware="2x40GiB,cpu=64GiB")        # doctest: +SKIP
     """
-    from ..inventory import as_dtype
+    from ..inventory.values import as_dtype
 
     return _inventory(entry(name).name, as_dtype(dtype))
 
 
 @functools.cache
 def _inventory(name: str, dtype: torch.dtype | None) -> Inventory:
-    from ..inventory import Component, Inventory, as_dtype, live_component
+    from ..inventory.live import live_component
+    from ..inventory.values import Component, Inventory, as_dtype
 
     found = entries()[name]
     components = []

@@ -17,7 +17,8 @@ from accelerate import init_empty_weights
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..catalog import component_dtype, entries, model_class, transformers_config
-from ..inventory import as_dtype, keep_in_fp32
+from ..inventory.folder import keep_in_fp32
+from ..inventory.values import as_dtype
 from ..plan import Plan
 from ..quiet import quiet_diffusers
 from . import standin

@@ -22,7 +22,8 @@ import transformers
 from .. import catalog
 from ..counts import Counts, shape_of
 from ..hardware import Hardware
-from ..inventory import Inventory, inventory_of
+from ..inventory import inventory_of
+from ..inventory.values import Inventory
 from ..plan import Plan
 from ..planner import budgets, plan_inventory
 from ..runtime.transfer import cache_path

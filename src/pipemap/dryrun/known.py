@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..errors import PipemapError
+from ..errors import UnknownValueError
 
 aten = torch.ops.aten
 LIMIT = 1 << 24  # elements: a known value larger than this (an attention mask over a whole video) becomes unknown
@@ -41,15 +41,6 @@ _MASKED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, a
 _AUTOCAST = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.addbmm.default,
              aten.convolution.default, aten._scaled_dot_product_efficient_attention.default,
              aten._scaled_dot_product_flash_attention.default}
-
-
-class UnknownValueError(PipemapError, RuntimeError):
-    """Pipeline code read, as data, a value computed from weights: the dry run cannot know it."""
-
-    def __init__(self, operation: str):
-        self.operation = operation
-        super().__init__(f"{operation} reads a value computed from weights, which a dry run cannot know; run the "
-                         "pipeline for real (pipemap.load) to check this code path")
 
 
 def real_value(tensor) -> torch.Tensor | None:

@@ -19,19 +19,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..errors import PipemapError
-from ..inventory import component_class, default_dtype, keep_in_fp32, kept_fp32, read_model_index
+from ..errors import DeviceMixError, StandInError
+from ..inventory.folder import model_entry, read_model_index
+from ..inventory.values import kept_fp32
 from ..plan import Plan
 from ..quantized import is_packed, restored, storage
 from ..quiet import quiet_progress
-
-
-class DeviceMixError(PipemapError, RuntimeError):
-    """One operation got tensors on several devices, as a real multi-GPU run would fail."""
-
-    def __init__(self, operation: str, devices: tuple[str, ...]):
-        self.operation, self.devices = operation, devices
-        super().__init__(f"{operation} got tensors on {', '.join(devices)}")
 
 
 def devices_for(plan: Plan) -> dict[str, str]:
@@ -117,27 +110,17 @@ def pipeline_from_folder(folder, plan: Plan, mode: FakeTensorMode, device_of: Ma
     return pipe
 
 
-class StandInError(PipemapError, RuntimeError):
-    """The dry run could not build a component (or the pipeline) of this class on stand-in weights; the report
-    names it instead of raising."""
-
-    def __init__(self, component: str | None, class_name: str, err: Exception):
-        self.component, self.class_name = component, class_name
-        what = f"component {component!r} ({class_name})" if component else f"the pipeline {class_name}"
-        super().__init__(f"the dry run cannot build {what} on stand-in weights ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0][:300] if str(err) else ''}); load it for real (pipemap.load) "
-                         "to check this plan")
-
-
 def _standin_model(folder: Path, name: str, entry: list, dtype: torch.dtype | None, mode: FakeTensorMode,
                    device: str) -> torch.nn.Module | None:
-    """The entry's model built from its config with fake weights at the plan's dtype; None for what has none."""
-    cls, library = _model_class(folder, name, *entry)
-    if cls is None:
+    """The entry's model built from its config with fake weights at the plan's dtype; None for what has none.
+
+    The folder's facts (class, loader, dtype, kept-fp32 modules) come whole from ``inventory.folder.model_entry``:
+    the calls go one way, from the stand-in builder to the inventory."""
+    found = model_entry(folder, name, entry[0], entry[1], dtype)
+    if found is None:
         return None  # a tokenizer, scheduler or processor: from_pretrained loads it, no weights
-    module = _empty_module(folder, name, cls, library)
-    at = dtype if dtype is not None else default_dtype(folder / name, library)
-    return fill_fakes(module, mode, device, at, keep_in_fp32(library, entry[1], at), cast_built=dtype is not None)
+    module = _empty_module(folder, name, found.cls, found.library)
+    return fill_fakes(module, mode, device, found.dtype, found.keep_fp32, cast_built=dtype is not None)
 
 
 @contextlib.contextmanager
@@ -162,23 +145,6 @@ def _passed_models_kept(class_name, models: Mapping):
             del cls._optional_components
         else:
             cls._optional_components = original
-
-
-def _model_class(folder: Path, name: str, library: str, class_name: str) -> tuple[type | None, str]:
-    """The model class an entry names, as diffusers resolves it (a pipeline module's model too: Shap-E's renderer,
-    DeepFloyd IF's watermarker), and the library whose loader builds it; ``None`` for what has no weights."""
-    from diffusers import ModelMixin
-    from transformers import PreTrainedModel
-
-    try:
-        cls = component_class(library, class_name, folder, name)
-    except (ImportError, AttributeError, ValueError):
-        return None, library
-    if isinstance(cls, type) and issubclass(cls, ModelMixin):
-        return cls, "diffusers"
-    if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
-        return cls, "transformers"
-    return None, library
 
 
 def _empty_module(folder: Path, name: str, cls: type[Any], library: str) -> torch.nn.Module:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..inventory import submodules
+from ..inventory.live import submodules
 from ..plan import Placement
 from ..quantized import restored, storage
 from ..runtime.transfer import move_tensor

@@ -19,7 +19,7 @@ import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
-from ..inventory import near_submodules, submodules
+from ..inventory.live import near_submodules, submodules
 from ..runtime.admission import component_call
 from ..runtime.transfer import move
 

@@ -32,17 +32,13 @@ from diffusers.hooks.hooks import HookRegistry
 from diffusers.models._modeling_parallel import ContextParallelConfig, ContextParallelInput, ParallelConfig
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-from ..errors import PlanMismatchError
+from ..errors import PlanMismatchError, Unsplittable
 from ..replication import SEQUENCE_BROKEN
 from .copies import CopiesHook, call_on
 from .exchange import Exchange, ThreadGroup, release, thread_groups
 from .replica import CallerState, replica
 
 _HOOK_NAME = "pipemap-sequence---{}"
-
-
-class Unsplittable(Exception):
-    """Raised by every rank at the same layer: a tensor there does not divide among the ranks."""
 
 
 class SequenceHook(CopiesHook):

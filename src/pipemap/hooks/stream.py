@@ -15,7 +15,7 @@ from typing import cast
 import torch
 
 from ..granularity import LOOSE, cut, stream_charge
-from ..inventory import live_component, stream_blocks
+from ..inventory.live import live_component, stream_blocks
 from ..plan import Placement
 from .mapped import Pages, pin_from_map
 from .moving import Ledger, MovingHook

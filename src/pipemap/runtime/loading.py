@@ -18,7 +18,9 @@ from tqdm.auto import tqdm
 
 from ..dispatch import dispatch
 from ..errors import ArgumentTypeError, PlanMismatchError, UnknownDeviceError
-from ..inventory import Component, Inventory, component_class, live_component
+from ..inventory.folder import component_class
+from ..inventory.live import live_component
+from ..inventory.values import Component, Inventory
 from ..modes import facts
 from ..plan import Plan
 from ..quiet import quiet_progress

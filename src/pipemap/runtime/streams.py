@@ -26,26 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PipemapError
-
-
-class UnwaitedCopyError(PipemapError, RuntimeError):
-    """A block's weights were used on the compute queue before it waited for their copy: on a GPU, garbage."""
-
-    def __init__(self, block: str, device: str):
-        self.block, self.device = block, device
-        super().__init__(f"block {block!r} used on {device} before the compute queue waited for its copy; every "
-                         "onloaded block must be waited for (Queues.wait) before it runs")
-
-
-class BufferReuseError(PipemapError, RuntimeError):
-    """A copy was queued into a buffer the compute queue may still be reading."""
-
-    def __init__(self, block: str, device: str):
-        self.block, self.device = block, device
-        super().__init__(f"copy of block {block!r} on {device} queued into a buffer before the end of its last use; "
-                         "pass the buffer's last-use event as `after`")
-
+from ..errors import BufferReuseError, UnwaitedCopyError
 
 # ---- the interface -----------------------------------------------------------------------------------------------
 

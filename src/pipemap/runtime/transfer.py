@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..devices import normalize_device
-from ..errors import UnknownDeviceError
+from ..errors import UnknownDeviceError, UnsafeTransferWarning
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -52,14 +52,6 @@ Pair = tuple[str, str]
 _STAGED: set[Pair] = set()
 _WARNED: set[Pair] = set()
 _CHECKED: dict[str, TransferReport] = {}  # this process's reports, by TransferKey text
-
-
-class PipemapWarning(UserWarning):
-    """The base of every warning pipemap gives."""
-
-
-class UnsafeTransferWarning(PipemapWarning):
-    """Direct copies between two devices arrive corrupted; pipemap stages them through CPU memory."""
 
 
 # ---- moving tensors ------------------------------------------------------------------------------------------------

@@ -18,11 +18,12 @@ except ImportError as missing:  # pragma: no cover - depends on the install
     raise ImportError(f"pipemap serve needs {missing.name}: pip install -e '.[serve]' in pipemap's "
                       "checkout") from missing
 
+from ..errors import DrainingError, QueueFullError, RequestError, WorkDropped
 from .app import ROUTES, create_app
-from .requests import GenerationRequest, Limits, RequestError
+from .requests import GenerationRequest, Limits
 from .server import Background, run
 from .service import Options, Service, resolve_folder
-from .worker import DrainingError, QueueFullError, WorkDropped, run_sequential
+from .worker import run_sequential
 
 __all__ = ["ROUTES", "Background", "DrainingError", "GenerationRequest", "Limits", "Options", "QueueFullError",
            "RequestError", "Service", "WorkDropped", "create_app", "resolve_folder", "run", "run_sequential"]

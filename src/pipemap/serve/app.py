@@ -20,11 +20,19 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ..errors import (
+    BodyTooLarge,
+    ClientGone,
+    DrainingError,
+    ModelNotFoundError,
+    QueueFullError,
+    RequestError,
+    WorkDropped,
+)
 from .access import Guard, error, too_large
 from .metrics import CONTENT_TYPE
-from .requests import ModelNotFoundError, RequestError, parse
+from .requests import parse
 from .service import Service
-from .worker import DrainingError, QueueFullError, WorkDropped
 
 # what a RuntimeError's text says when the device itself is broken: every later call fails too, so the service stops
 # taking work (readiness false) and the process must be restarted
@@ -71,14 +79,6 @@ async def _generate(service: Service, request: Request) -> Response:
     answer = {"created": int(time.time()), "seed": generation.seed, "data": [{"b64_json": i} for i in images]}
     headers = {"Warning": ", ".join(f'299 pipemap "{w}"' for w in generation.warnings)} if generation.warnings else {}
     return JSONResponse(answer, headers=headers)
-
-
-class BodyTooLarge(Exception):
-    """A body that grew past the limit as it was read (no Content-Length, or a false one)."""
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its answer."""
 
 
 async def _body(request: Request, limit: int) -> bytes:

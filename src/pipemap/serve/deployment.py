@@ -17,19 +17,10 @@ import ray
 from ray import serve
 
 from ..devices import normalize_device
-from ..errors import PipemapError
+from ..errors import AutoscaleSpecError
 from ..plan import Plan
 from .app import create_app
 from .service import Options, Service, default_workers, make_plan
-
-
-class AutoscaleSpecError(PipemapError, ValueError):
-    """An ``--autoscale`` value that is not ``MIN:MAX``."""
-
-    def __init__(self, text: str):
-        self.text = text
-        super().__init__(f"cannot read --autoscale {text!r}: write MIN:MAX replicas, e.g. '1:4' (0 <= MIN <= MAX, "
-                         "MAX >= 1)")
 
 
 def gpus(plan: Plan) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from ..errors import PipemapError
+from ..errors import ModelNotFoundError, RequestError
 
 # SD and SDXL's check_inputs want sides divisible by 8 whatever their VAE's scale factor (a tiny VAE has 2)
 _SD_MULTIPLE = 8
@@ -31,24 +31,6 @@ _EXTENSIONS = {"negative_prompt": "negative_prompt", "num_inference_steps": "num
 # clients send them by default, so they are ignored with a warning rather than refused (as vLLM does)
 IGNORED = ("quality", "style", "background", "output_format", "output_compression", "moderation", "partial_images",
            "stream", "input_fidelity")
-
-
-class RequestError(PipemapError, ValueError):
-    """A request this server cannot take: ``param`` names the field, ``code`` is a short machine-readable kind."""
-
-    def __init__(self, param: str | None, message: str, code: str = "invalid_value"):
-        self.param, self.code, self.message = param, code, message
-        super().__init__(message)
-
-
-class ModelNotFoundError(RequestError):
-    """A request naming a model this server does not serve (HTTP 404, as OpenAI answers): ``names`` are those it
-    does."""
-
-    def __init__(self, model: str, names: tuple[str, ...]):
-        self.model, self.names = model, names
-        super().__init__("model", f"the model {model!r} is not served here: this server serves "
-                         f"{', '.join(map(repr, names))} (GET /v1/models lists them)", "model_not_found")
 
 
 class GenerationRequest(BaseModel):

@@ -27,30 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import PipemapError
-
-
-class QueueFullError(PipemapError):
-    """The queue holds ``max_queue`` waiting requests; ``retry_after`` is the seconds it should take to drain."""
-
-    def __init__(self, depth: int, retry_after: int):
-        self.depth, self.retry_after = depth, retry_after
-        super().__init__(f"the queue is full ({depth} requests waiting): retry in {retry_after} s")
-
-
-class DrainingError(PipemapError):
-    """The server is shutting down: it finishes the work it took and takes no more."""
-
-    def __init__(self):
-        super().__init__("the server is shutting down and takes no new work: send the request to another one")
-
-
-class WorkDropped(PipemapError):
-    """Raised inside a pipeline call (at a step's end) whose request timed out, so its remaining steps are not run."""
-
-    def __init__(self, step: int):
-        self.step = step
-        super().__init__(f"the request timed out; its work was dropped after step {step}")
+from ..errors import DrainingError, QueueFullError, WorkDropped
 
 
 def run_sequential(pipe, calls: Iterable[dict]) -> Iterator:
