@@ -32,9 +32,8 @@ from .hooks.resident import quiet
 from .inventory import module_bytes, submodules
 from .plan import Placement, Plan
 from .quantized import movable, storage
-from .runtime import placed
 from .runtime.guard import Around, guard, unguard, unguarded_class
-from .runtime.placed import planned, replan
+from .runtime.placed import mark, placed, planned, replan, unmark
 from .runtime.streams import Queues, queues_for
 from .runtime.transfer import ensure_safe_transfers, move_tensor, plan_devices, synchronize
 
@@ -81,7 +80,7 @@ def place(pipe, plan: Plan, *, check_transfers: bool = True,
     with quiet():  # placing and hooking is no change of the models (``hooks.changes.unchanged``)
         _place_all(pipe, plan, modules, hook_maker(plan, queues))
     synchronize(plan_devices(plan))  # the placed weights ready for whatever stream calls first
-    _mark(pipe, plan)
+    _take_over(pipe, plan)
 
 
 def _place_all(pipe, plan: Plan, modules: dict[str, torch.nn.Module], make_hook) -> None:
@@ -114,7 +113,7 @@ def reset(pipe) -> None:
         place_module(module, "cpu")
         forget(module)
     for each in pipes:
-        _unmark(each)
+        _give_back(each)
 
 
 def _owners(pipe) -> list:
@@ -124,13 +123,13 @@ def _owners(pipe) -> list:
 
 
 def _copies(pipe) -> tuple:
-    record = placed.placed(pipe)
+    record = placed(pipe)
     return () if record is None else tuple(record.copies)
 
 
-def _unmark(pipe) -> None:
+def _give_back(pipe) -> None:
     unguard(pipe)
-    placed.unmark(pipe)  # hf_device_map back to the class's None, as before dispatch
+    unmark(pipe)  # hf_device_map back to the class's None, as before dispatch
 
 
 def _place(module: torch.nn.Module, placement, moves: list[Move] | None = None) -> list[Move]:
@@ -251,9 +250,10 @@ def _undo(modules, moves: list[Move]) -> None:
         moved.undo()
 
 
-def _mark(pipe, plan: Plan) -> None:
+def _take_over(pipe, plan: Plan) -> None:
+    """Record ``pipe`` as placed by ``plan`` and swap its class for the guarded one."""
     _watch_copies()
-    placed.mark(pipe, plan)
+    mark(pipe, plan)
     guard(pipe, _AROUND)  # calls from several threads take turns: a call's state lives on the pipeline
 
 
@@ -294,8 +294,8 @@ def place_copy(pipe, made) -> None:
         return
     modules = _modules(made)
     shared = tuple(p for p in plan.components if modules.get(p.component) is getattr(pipe, p.component, None))
-    _mark(made, dataclasses.replace(plan, components=shared))
-    record = placed.placed(pipe)
+    _take_over(made, dataclasses.replace(plan, components=shared))
+    record = placed(pipe)
     if record is not None:  # reset of either resets both (weakly held)
         record.copies.add(made)
     follow(made)
