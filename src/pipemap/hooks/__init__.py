@@ -118,15 +118,17 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
     shared: list[Any] = [] if moving is None else [moving.ledger]
     lock = CallLock() if moving is None else moving.lock
 
-    def make(p: Placement) -> PlacementHook:
-        if p.mode not in MOVING:
-            return HOOKS[p.mode](p, plan.execution_device, None)
+    def ledger() -> Ledger:
         if not shared:
             from .moving import Ledger  # here: only a plan that moves weights needs the moving code
 
             shared.append(Ledger(queues))
-        hook = HOOKS[p.mode](p, plan.execution_device, shared[0])
-        hook.lock = lock
+        return shared[0]
+
+    def make(p: Placement) -> PlacementHook:
+        hook = HOOKS[p.mode](p, plan.execution_device, ledger() if p.mode in MOVING else None)
+        if hook.moves_weights:
+            hook.lock = lock
         return hook
 
     return make
