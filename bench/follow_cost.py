@@ -1,7 +1,7 @@
 """What following a placed pipeline costs at each call for published denoisers at full size, built on the meta
 device (no weight allocated), against nothing (diffusers has no such step): the check each component call makes
-(``hooks/follow.Seen.unchanged``: the change counter and a sum of version counters; issue 39), and the whole
-signature (``hooks/follow.signature``) it takes only when one of them moved. Prints a table and appends it to
+(``hooks/changes.Seen.unchanged``: the change counter and a sum of version counters; issue 39), and the whole
+signature (``hooks/changes.signature``) it takes only when one of them moved. Prints a table and appends it to
 bench/RESULTS.md.
 
     PYTHONPATH=src python bench/follow_cost.py
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 
-from pipemap.hooks.follow import Seen, signature
+from pipemap.hooks.changes import Seen, signature
 
 CATALOG = Path(__file__).resolve().parent.parent / "src" / "pipemap" / "catalog"
 CASES = {"stable-diffusion-xl-base-1.0": ("unet", "UNet2DConditionModel"),

@@ -13,7 +13,7 @@ from helpers import models_of, moving
 from pipemap import tiny
 from pipemap.dispatch import planned
 from pipemap.hooks import ReplicaHook
-from pipemap.hooks.follow import groups, signature
+from pipemap.hooks.changes import groups, signature
 from pipemap.hooks.moving import MovingHook
 from pipemap.inventory import DENOISERS
 from pipemap.quantized import storage

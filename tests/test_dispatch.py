@@ -126,6 +126,20 @@ def test_dispatch_twice_needs_reset(tiny_folders):
     pipemap.dispatch(pipe, plan)
 
 
+def test_each_hook_knows_its_pipeline_and_checks_its_model_at_each_call(tiny_folders):
+    pipe = plain_pipeline(tiny_folders["sd"])
+    pipemap.dispatch(pipe, pipemap.plan(pipe, hardware="cpu=1GiB"))
+    for module in _models(pipe).values():
+        hook = module._hf_hook
+        assert hook.owner() is pipe and hook.change_check(module) is False  # unchanged since it was placed
+    pipemap.reset(pipe)
+
+
+def test_replace_is_the_old_name_of_replace_component():
+    assert pipemap.replace is pipemap.replace_component
+    assert {"replace", "replace_component", "follow"} <= set(pipemap.__all__) & set(dir(pipemap))
+
+
 # ---- atomic dispatch, by fault injection -------------------------------------------------------------------------
 # A failure at any tensor of any component, split shards included, leaves every tensor of the pipeline where and what
 # it was, and no hook behind. The tiny SD pipeline (real weights) is dispatched onto two stand-in GPUs (``meta:0``,

@@ -128,7 +128,7 @@ def test_remove_all_hooks_and_reset_of_a_from_pipe_copy_undo_everything():
     pipemap.dispatch(pipe, plan.remap(ON_CPU))
     copy_ = StableDiffusionImg2ImgPipeline.from_pipe(pipe)
     pipemap.reset(copy_)  # the copy shares the placed models: the pipeline they were placed for is reset too
-    assert pipe.hf_device_map is None and "_pipemap_plan" not in pipe.__dict__
+    assert pipe.hf_device_map is None and "_pipemap" not in pipe.__dict__
     assert not any(hasattr(m, "_hf_hook") for m in models_of(pipe).values())
     pipe.to("cpu")  # no longer refused
     pipemap.dispatch(pipe, plan.remap(ON_CPU))  # and it can be placed again

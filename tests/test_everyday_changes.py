@@ -17,8 +17,8 @@ from helpers import models_of
 from pipemap import tiny
 from pipemap.dispatch import planned
 from pipemap.errors import PipelineMappedError, PlanMismatchError
-from pipemap.hooks import follow as following
-from pipemap.hooks.follow import unchanged
+from pipemap.hooks import changes
+from pipemap.hooks.changes import unchanged
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,8 @@ def test_an_unchanged_pipeline_is_checked_without_hashing_its_models(monkeypatch
     images(pipe, "sd")
     assert all(unchanged(m) for m in models_of(pipe).values())
     hashed: list[torch.nn.Module] = []
-    taken = following.signature
-    monkeypatch.setattr(following, "signature", lambda module, state=None: hashed.append(module) or taken(module,
+    taken = changes.signature
+    monkeypatch.setattr(changes, "signature", lambda module, state=None: hashed.append(module) or taken(module,
                                                                                                          state))
     images(pipe, "sd")
     assert hashed == []

@@ -1,4 +1,4 @@
-"""LoRA on a placed pipeline (``hooks/follow.py``): load, switch, fuse, unfuse, unload, delete, under each strategy on
+"""LoRA on a placed pipeline (``hooks/changes.py``): load, switch, fuse, unfuse, unload, delete, under each strategy on
 two GPUs remapped onto the CPU, each step against the same step on plain diffusers, and after each step every tensor
 of every component where its placement keeps it (``everyday.strays``)."""
 

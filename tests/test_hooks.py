@@ -66,6 +66,20 @@ def test_hook_maker_hands_its_queues_to_the_ledger():
     assert asked == ["cpu"] and isinstance(hook.queues, streams.ModelQueues)
 
 
+def test_hook_maker_shares_the_ledger_and_lock_of_a_moving_hook_beside():
+    # a model placed after dispatch, or moved to the host on an out-of-memory error, joins the hooks already there
+    placed = {p.mode: hook_maker(PLAN)(p) for p in PLAN.components}
+    offload, resident = placed["offload"], placed["resident"]
+    make = hook_maker(PLAN, beside=[None, torch.nn.Linear(1, 1), resident, offload])
+    streamed = make(PLACEMENTS["stream"])
+    assert streamed.ledger is offload.ledger and streamed.lock is offload.lock
+    assert make(PLACEMENTS["resident"]).lock is not offload.lock  # a hook that moves nothing keeps its own lock
+    alone = hook_maker(PLAN, beside=[resident, None])(PLACEMENTS["stream"])  # no moving hook beside: new ones
+    assert alone.ledger is not offload.ledger and alone.lock is not offload.lock
+    assert hooks.ledger_of(offload) is offload.ledger and hooks.ledger_of(resident) is None
+    assert hooks.ledger_of(None) is None
+
+
 # ---- offload and stream in one dispatch --------------------------------------------------------------------------
 
 

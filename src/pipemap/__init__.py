@@ -59,6 +59,7 @@ _LAZY = {
     "plan": "api", "inspect": "api", "load": "api", "simulate": "api", "estimate": "api", "Request": "api",
     "Estimate": "api", "simulate_many": "api", "run_many": "api", "iter_many": "api",
     "dispatch": "dispatch", "reset": "dispatch", "stats": "dispatch", "replace": "dispatch", "follow": "dispatch",
+    "replace_component": "dispatch",
     "normalize_device": "devices", "Device": "hardware", "Hardware": "hardware",
     "Component": "inventory.values", "Inventory": "inventory.values",
     "current_request": "runtime.parallel",
@@ -98,7 +99,7 @@ sys.modules[__name__].__class__ = _Package
 if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eagerly
     from .api import Estimate, Request, estimate, inspect, iter_many, load, plan, run_many, simulate, simulate_many
     from .devices import normalize_device
-    from .dispatch import dispatch, follow, replace, reset, stats
+    from .dispatch import dispatch, follow, replace, replace_component, reset, stats
     from .dryrun.many import ManyReport
     from .dryrun.report import Failure, SimulationReport
     from .hardware import Device, Hardware
@@ -111,7 +112,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
 
 __all__ = [
     "ArgumentConflictError", "ArgumentTypeError", "CallArgumentError", "CheckpointError", "Component", "Device",
-    "ComponentChangedError", "follow", "replace",
+    "ComponentChangedError", "follow", "replace", "replace_component",
     "FolderNotEmptyError", "ForeignHookError", "RunManyCallError", "OutputPathError",
     "DeviceUse", "DispatchError", "DoesNotFitError", "Hardware", "HardwareSpecError", "Inventory", "MemorySpecError",
     "NotAPipelineError", "PipelineMappedError", "PipemapError", "Placement", "Plan", "PlanFormatError",

@@ -42,6 +42,7 @@ from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
 from .runtime.admission import Admission, cuda_peaks
 from .runtime.loading import check_passed, check_plan_fits, check_plan_models, load_onto, with_passed
+from .runtime.placed import admission_of, keep_admission
 from .units import format_bytes, parse_bytes
 
 # The dry run, the catalog, the cost model, the memory ledger and run_many are imported by the verbs that use them,
@@ -279,9 +280,6 @@ def check_plan_of(source, plan: Plan) -> None:
     return None
 
 
-_ADMISSION = "_pipemap_admission"
-
-
 def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | None:
     """The memory ledger ``run_many`` and serve admit ``pipe``'s requests by, made once per placement: each call
     shape measured by a dry run of ``source`` (the pipeline itself, copied with no weight; or its folder, which a
@@ -299,7 +297,7 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
     counted = plan or running
     if not any(is_accelerator(d.device) for d in counted.devices):
         return None
-    found = pipe.__dict__.get(_ADMISSION)
+    found = admission_of(pipe)
     if found is not None and found.running is running and found.asked == plan:
         return found
     from .runtime.relief import relieve
@@ -308,7 +306,7 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
                           relieve=functools.partial(relieve, pipe),
                           allocator=cuda_peaks(counted, running))
     admission.asked = plan
-    pipe.__dict__[_ADMISSION] = admission
+    keep_admission(pipe, admission)
     return admission
 
 
@@ -359,7 +357,7 @@ def run_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False, 
     and as many as memory allows: a request starts only when its activations (a dry run at its own shape, cached)
     fit beside the plan's weights and the running requests on every device it touches; a call too large for the
     plan fails with ``CallTooLargeError``. ``plan``: the plan the pipeline was remapped from, when it runs on other
-    devices (tests on the CPU). See ``parallel.run_many``.
+    devices (tests on the CPU). See ``parallel.iter_many``.
 
     >>> calls = [{"prompt": p, "generator": torch.Generator().manual_seed(i)} for i, p in enumerate(prompts)]
     >>> images = [out.images[0] for out in pipemap.run_many(pipe, calls, workers=4)]          # doctest: +SKIP

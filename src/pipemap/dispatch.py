@@ -6,15 +6,16 @@ inputs to its device and its outputs to the pipeline's execution device, so the 
 unchanged. ``dispatch`` is atomic: if placing any component fails, every tensor is put back where it was and the
 error says which component failed. ``reset`` undoes a dispatch; ``stats`` reads what the hooks counted.
 
-A mapped pipeline called from several threads has its calls take turns (``guard_calls``): a call's state lives on the
-pipeline object, so two calls at once would corrupt each other (``pipemap.run_many`` runs twins instead).
+What pipemap keeps on a placed pipeline is one record (``runtime/placed.py``); its class swap, by which calls from
+several threads take turns and an assigned model is placed, is ``runtime/guard.py``. A placed pipeline's models
+changed after dispatch are followed here (``follow``, ``change_check``), one component at a time by
+``hooks/changes.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import threading
 import weakref
 from collections.abc import Callable
@@ -25,19 +26,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
-from .hooks import HOOKS, MOVING, CallLock, Moved, PlacementHook, hook_component, hook_maker, unhook_component
-from .hooks.follow import follow as follow_component
-from .hooks.follow import forget, remember, settle, unchanged
-from .hooks.resident import changed, quiet
+from .hooks import Moved, PlacementHook, hook_component, hook_maker, ledger_of, unhook_component
+from .hooks.changes import follow_component, forget, remember, settle, unchanged
+from .hooks.resident import quiet
 from .inventory.live import module_bytes, submodules
 from .modes import Peak, facts, held, moves_weights
 from .plan import Placement, Plan
 from .quantized import movable, storage
+from .runtime.guard import Around, guard, unguard, unguarded_class
+from .runtime.placed import mark, placed, planned, replan, unmark
 from .runtime.streams import Queues, queues_for
 from .runtime.transfer import ensure_safe_transfers, move_tensor, plan_devices, synchronize
-
-_GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload",
-            "reset_device_map", "remove_all_hooks")
 
 
 @dataclass(frozen=True)
@@ -79,10 +78,10 @@ def place(pipe, plan: Plan, *, check_transfers: bool = True,
     modules = _check(pipe, plan)
     if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
         ensure_safe_transfers(plan_devices(plan))  # every GPU it copies between: execution GPUs and shards too
-    with quiet():  # placing and hooking is no change of the models (``hooks.follow.unchanged``)
+    with quiet():  # placing and hooking is no change of the models (``hooks.changes.unchanged``)
         _place_all(pipe, plan, modules, hook_maker(plan, queues))
     synchronize(plan_devices(plan))  # the placed weights ready for whatever stream calls first
-    _mark(pipe, plan)
+    _take_over(pipe, plan)
 
 
 def _place_all(pipe, plan: Plan, modules: dict[str, torch.nn.Module], make_hook) -> None:
@@ -91,11 +90,7 @@ def _place_all(pipe, plan: Plan, modules: dict[str, torch.nn.Module], make_hook)
         module = modules[placement.component]
         try:
             _place(module, placement, moves)  # records each tensor as it moves, so a failure part-way undoes it
-            hook: Any = make_hook(placement)
-            hook_component(module, hook)
-            hook.owner = weakref.ref(pipe)  # reset of a from_pipe copy finds the pipeline to unmark
-            hook.follower = follower(pipe, placement.component)
-            remember(module)  # what a later change (a LoRA loaded) is compared with
+            _attach(pipe, module, make_hook(placement))
         except Exception as err:
             _undo(modules.values(), moves)
             raise DispatchError(placement.component, placement.device, err) from err
@@ -109,7 +104,7 @@ def reset(pipe) -> None:
     """
     check_pipeline(pipe, "reset")
     pipes = [pipe, *_owners(pipe)]  # a from_pipe copy shares the models of the pipeline dispatch placed
-    pipes += [c for p in list(pipes) for c in p.__dict__.get(_COPIES, ()) if all(c is not q for q in pipes)]
+    pipes += [c for p in list(pipes) for c in _copies(p) if all(c is not q for q in pipes)]
     for module in {id(m): m for p in pipes for m in _modules(p).values()}.values():
         settle(module)  # what was changed in place on the GPU (a fused LoRA) kept in the CPU masters
         release = getattr(getattr(module, "_hf_hook", None), "release", None)
@@ -119,7 +114,7 @@ def reset(pipe) -> None:
         place_module(module, "cpu")
         forget(module)
     for each in pipes:
-        _unmark(each)
+        _give_back(each)
 
 
 def _owners(pipe) -> list:
@@ -128,18 +123,14 @@ def _owners(pipe) -> list:
     return [p for p in found.values() if p is not pipe]
 
 
-def _unmark(pipe) -> None:
-    for name in _GUARDED:
-        pipe.__dict__.pop(name, None)
-    pipe.__dict__.pop("_pipemap_plan", None)
-    pipe.__dict__.pop("hf_device_map", None)  # back to the class's None, as before dispatch
-    pipe.__dict__.pop(_COPIES, None)
-    unguard_calls(pipe)
+def _copies(pipe) -> tuple:
+    record = placed(pipe)
+    return () if record is None else tuple(record.copies)
 
 
-def planned(pipe) -> Plan | None:
-    """The plan a pipeline was dispatched with, or None."""
-    return pipe.__dict__.get("_pipemap_plan")
+def _give_back(pipe) -> None:
+    unguard(pipe)
+    unmark(pipe)  # hf_device_map back to the class's None, as before dispatch
 
 
 def _place(module: torch.nn.Module, placement, moves: list[Move] | None = None) -> list[Move]:
@@ -260,20 +251,16 @@ def _undo(modules, moves: list[Move]) -> None:
         moved.undo()
 
 
-def _mark(pipe, plan: Plan) -> None:
+def _take_over(pipe, plan: Plan) -> None:
+    """Record ``pipe`` as placed by ``plan`` and swap its class for the guarded one."""
     _watch_copies()
-    pipe.hf_device_map = plan.device_map
-    pipe.__dict__["_pipemap_plan"] = plan
-    for name in _GUARDED:
-        pipe.__dict__[name] = _refuse(f"pipe.{name}()")
-    pipe.__dict__["reset_device_map"] = functools.partial(reset, pipe)  # diffusers' own undo does ours
-    pipe.__dict__["remove_all_hooks"] = functools.partial(reset, pipe)  # half removed would leave it half placed
-    guard_calls(pipe)  # calls from several threads take turns: a call's state lives on the pipeline
+    mark(pipe, plan)
+    guard(pipe, _AROUND)  # calls from several threads take turns: a call's state lives on the pipeline
 
 
 # ---- a from_pipe copy of a placed pipeline ---------------------------------------------------------------------
 
-_COPIES = "_pipemap_copies"  # the from_pipe copies of a placed pipeline: reset unmarks them too (weakly held)
+_WATCHING = threading.Lock()
 
 
 def _watch_copies() -> None:
@@ -281,7 +268,7 @@ def _watch_copies() -> None:
     models (and their hooks), and may bring new ones (``controlnet=cn``), which nothing would place."""
     from diffusers import DiffusionPipeline
 
-    with _GUARDS_LOCK:
+    with _WATCHING:
         original = DiffusionPipeline.__dict__.get("from_pipe")
         if not isinstance(original, classmethod) or getattr(original.__func__, "_pipemap", False):
             return
@@ -308,16 +295,11 @@ def place_copy(pipe, made) -> None:
         return
     modules = _modules(made)
     shared = tuple(p for p in plan.components if modules.get(p.component) is getattr(pipe, p.component, None))
-    _mark(made, dataclasses.replace(plan, components=shared))
-    pipe.__dict__.setdefault(_COPIES, weakref.WeakSet()).add(made)
+    _take_over(made, dataclasses.replace(plan, components=shared))
+    record = placed(pipe)
+    if record is not None:  # reset of either resets both (weakly held)
+        record.copies.add(made)
     follow(made)
-
-
-def _refuse(operation: str):
-    def refuse(*args, **kwargs):
-        raise PipelineMappedError(operation)
-
-    return refuse
 
 
 # ---- what the hooks counted ----------------------------------------------------------------------------------
@@ -345,107 +327,22 @@ def stats(pipe, reset: bool = False) -> dict[str, dict[str, int]]:
 def onload_peaks(pipe) -> dict[str, int]:
     """The most bytes of offloaded or streamed weights each execution device held at once since dispatch."""
     for module in pipe.components.values():
-        ledger = _ledger(getattr(module, "_hf_hook", None))
+        ledger = ledger_of(getattr(module, "_hf_hook", None))
         if ledger is not None:
             return dict(ledger.peak)
     return {}
 
 
-# ---- calls from several threads take turns --------------------------------------------------------------------
+# ---- a placed pipeline whose models change ---------------------------------------------------------------------
 
 
-CALL_LOCK = "_pipemap_call_lock"
-_GUARDS: dict[type, type] = {}
-_GUARDS_LOCK = threading.Lock()
-
-
-def guard_calls(pipe) -> None:
-    """Make calls of ``pipe`` from several threads take turns (re-entrant), as ``dispatch`` does for every mapped
-    pipeline: a call's state lives on the pipeline object, so two at once would silently corrupt each other.
-
-    Python looks ``__call__`` up on the class, so the pipeline gets a subclass of its own class (same name, module
-    and behaviour) whose ``__call__`` holds the lock; ``unguard_calls`` gives the class back."""
-    pipe.__dict__[CALL_LOCK] = threading.RLock()
-    pipe.__class__ = _guarded(unguarded_class(pipe))
-
-
-def unguard_calls(pipe) -> None:
-    pipe.__dict__.pop(CALL_LOCK, None)
-    pipe.__class__ = unguarded_class(pipe)
-
-
-def unguarded_class(pipe) -> type:
-    return type(pipe).__dict__.get("_pipemap_unguarded", type(pipe))
-
-
-def _guarded(cls: type) -> type:
-    with _GUARDS_LOCK:
-        if cls not in _GUARDS:
-            body = {**_changing_methods(cls), "__call__": _taking_turns(cls.__call__), "_pipemap_unguarded": cls,
-                    "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-                    # a copy would hold the hooks, their locks, threads and device copies of the placed models:
-                    # refused by name (the guarded class is not importable and a lock not picklable: raw errors)
-                    "__setattr__": _replacing(cls), "__deepcopy__": _refuse("copy.deepcopy(pipe)"),
-                    "__reduce_ex__": _refuse("pickling the pipeline")}
-            _GUARDS[cls] = type(cls.__name__, (cls,), body)
-        return _GUARDS[cls]
-
-
-def _taking_turns(call):
-    @functools.wraps(call)
-    def taking_turns(self, *args, **kwargs):
-        lock = self.__dict__.get(CALL_LOCK)
-        if lock is None:  # a new pipeline of the class (``type(pipe)(...)``) that no dispatch marked
-            return call(self, *args, **kwargs)
-        with lock:
-            # a LoRA loaded, fused or switched since the last call: placed before this one. A change made during the
-            # call (from callback_on_step_end) is followed at the next call of the component (``follower``); what
-            # the models' own calls set on themselves (Wan's VAE caches) runs quiet and is no change
-            follow(self)
-            return call(self, *args, **kwargs)
-
-    return taking_turns
-
-
-# the pipeline methods that change its models (diffusers' loader mixins, FreeU, fused projections): called from
-# another thread, they wait for the running call and apply whole after it; their own changes are marked (peft's
-# merged adapters are a list appended to, which no hook of torch sees)
-_CHANGING = ("load_", "unload_", "fuse_", "unfuse_", "set_", "enable_", "disable_", "delete_")
-
-
-def _changing_methods(cls: type) -> dict[str, Any]:
-    found = {}
-    for name in dir(cls):
-        if name.startswith(_CHANGING) and name not in _GUARDED:
-            method = inspect.getattr_static(cls, name, None)
-            if inspect.isfunction(method):
-                found[name] = _changing(method)
-    return found
-
-
-def _changing(method):
-    @functools.wraps(method)
-    def changing(self, *args, **kwargs):
-        lock = self.__dict__.get(CALL_LOCK)
-        if lock is None:
-            return method(self, *args, **kwargs)
-        with lock:
-            changed()
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                changed()
-
-    return changing
-
-
-def follower(pipe, name: str) -> Callable[[torch.nn.Module], bool]:
-    """What the hook of ``pipe``'s component ``name`` runs at the start of each call: the model's changes since
-    followed (``hooks.follow.follow``) and the plan's sizes updated; True when it changed. Cheap when nothing
-    changed (``hooks.follow.unchanged``)."""
+def change_check(pipe, name: str) -> Callable[[torch.nn.Module], bool]:
+    """What the hook of ``pipe``'s component ``name`` runs at the start of each call (``PlacementHook.change_check``):
+    the model's changes since followed (``hooks.changes.follow_component``) and the plan's sizes updated; True when
+    it changed. Cheap when nothing changed (``hooks.changes.unchanged``)."""
     owner = weakref.ref(pipe)
 
-    def follow_call(module: torch.nn.Module) -> bool:
+    def check(module: torch.nn.Module) -> bool:
         if unchanged(module):
             return False
         found = owner()
@@ -454,32 +351,14 @@ def follower(pipe, name: str) -> Callable[[torch.nn.Module], bool]:
             return False
         if not follow_component(module, plan.placement(name), _place):
             return False
-        plan = _resized(plan, {name: module_bytes(module)})
-        found.__dict__["_pipemap_plan"] = plan
-        found.__dict__["hf_device_map"] = plan.device_map
+        replan(found, _resized(plan, {name: module_bytes(module)}))
         return True
 
-    return follow_call
-
-
-def _replacing(cls: type):
-    setattr_of: Any = cls.__setattr__
-
-    def __setattr__(self, name: str, value) -> None:
-        plan = self.__dict__.get("_pipemap_plan")
-        if plan is not None and name in plan.device_map and value is not self.__dict__.get(name):
-            replace(self, name, value)  # ``pipe.unet = other``: placed as the old one was, or a typed error
-        else:
-            setattr_of(self, name, value)
-
-    return __setattr__
-
-
-# ---- a placed pipeline whose models change ---------------------------------------------------------------------
+    return check
 
 
 def follow(pipe) -> None:
-    """Bring a placed pipeline in line with its models as they are now (``hooks.follow``); every call of the
+    """Bring a placed pipeline in line with its models as they are now (``hooks.changes``); every call of the
     pipeline does it first. A model added since dispatch (an IP-Adapter's image encoder) is placed where room is
     left, and one that no longer fits where it is raises ``ComponentChangedError``.
 
@@ -506,22 +385,22 @@ def follow(pipe) -> None:
             changed.append(name)
     if changed:
         plan = _resized(plan, {n: module_bytes(getattr(pipe, n)) for n in changed})
-    pipe.__dict__["_pipemap_plan"] = plan
-    pipe.__dict__["hf_device_map"] = plan.device_map
+    replan(pipe, plan)
 
 
-def replace(pipe, name: str, module) -> None:
+def replace_component(pipe, name: str, module) -> None:
     """Put ``module`` in place of the placed pipeline's component ``name`` (``pipe.unet = module`` does the same),
     placed as the old one was; the old one is unhooked and back on the CPU. ``None`` removes the component.
+    ``pipemap.replace`` is its old name (the same function).
 
-    >>> pipemap.replace(pipe, "unet", other_unet)                                        # doctest: +SKIP
+    >>> pipemap.replace_component(pipe, "unet", other_unet)                              # doctest: +SKIP
     """
     plan = planned(pipe)
     if plan is None or name not in plan.device_map:
         raise ComponentChangedError(name, "it is not a component pipemap placed on this pipeline",
                                     "assign it as usual; pipemap.dispatch places a pipeline that has no plan")
     if module is not None and not isinstance(module, torch.nn.Module):
-        raise ArgumentTypeError(f"replace(pipe, {name!r}, module)", module, "a torch module, or None")
+        raise ArgumentTypeError(f"replace_component(pipe, {name!r}, module)", module, "a torch module, or None")
     placement = plan.placement(name)
     if module is not None:
         _check_room(plan, placement, module)
@@ -538,8 +417,11 @@ def replace(pipe, name: str, module) -> None:
     else:
         _hook_new(pipe, plan, placement, module)
         plan = _resized(plan, {name: module_bytes(module)})
-    pipe.__dict__["_pipemap_plan"] = plan
-    pipe.__dict__["hf_device_map"] = plan.device_map
+    replan(pipe, plan)
+
+
+replace = replace_component  # the old public name (``pipemap.replace``), kept: read it as ``replace_component``
+_AROUND = Around(follow=follow, replace=replace_component, reset=reset)  # what the guarded class runs of ours
 
 
 def _check_room(plan: Plan, placement: Placement, module: torch.nn.Module) -> None:
@@ -559,32 +441,22 @@ def _check_room(plan: Plan, placement: Placement, module: torch.nn.Module) -> No
                                     "pipemap.dispatch(pipe, pipemap.plan(pipe, ...))")
 
 
-def _ledger(hook: Any) -> Any:
-    """The ledger of a hook that moves weights, else None. Asked of the hook, not by ``isinstance(..., Ledger)``: a
-    pipeline whose plan moves nothing then never imports the moving code (issue 28)."""
-    return hook.ledger if isinstance(hook, PlacementHook) and hook.moves_weights else None
-
-
-def _new_ledger() -> Any:
-    from .hooks.moving import Ledger  # here: only a component that moves weights needs the moving code
-
-    return Ledger()
-
-
 def _hook_new(pipe, plan: Plan, placement: Placement, module: torch.nn.Module) -> None:
     """Place and hook ``module`` as ``placement`` says, sharing the dispatch's ledger and moving lock."""
-    moving: list[Any] = [h for h in (getattr(m, "_hf_hook", None) for m in _modules(pipe).values())
-                         if _ledger(h) is not None]
-    ledger = moving[0].ledger if moving else _new_ledger() if placement.mode in MOVING else None
-    hook = HOOKS[placement.mode](placement, plan.execution_device, ledger)
-    if placement.mode in MOVING:
-        hook.lock = moving[0].lock if moving else CallLock()
+    make = hook_maker(plan, beside=[getattr(m, "_hf_hook", None) for m in _modules(pipe).values()])
     with quiet():
         _place(module, placement)
-        hook_component(module, hook)
-        hook.owner = weakref.ref(pipe)
-        hook.follower = follower(pipe, placement.component)
-        remember(module)
+        _attach(pipe, module, make(placement))
+
+
+def _attach(pipe, module: torch.nn.Module, hook: Any) -> None:
+    """Hook ``module`` (placed) with ``hook`` for ``pipe``: the hook knows its pipeline (reset of a ``from_pipe`` copy
+    finds the pipeline to unmark) and checks its model for changes at each call; the model as it is now is what a
+    later change (a LoRA loaded) is compared with."""
+    hook_component(module, hook)
+    hook.owner = weakref.ref(pipe)
+    hook.change_check = change_check(pipe, hook.component)
+    remember(module)
 
 
 def _adopt(pipe, plan: Plan, name: str, module: torch.nn.Module) -> Plan:

@@ -102,7 +102,7 @@ def test_a_move_that_fails_part_way_leaves_the_pipeline_as_it_was():
         assert getattr(pipe, name)._hf_hook is hook  # the old hooks are back
         for key, tensor in getattr(pipe, name).state_dict().items():
             assert tensor.device.type == "cpu" and torch.equal(tensor, weights[name][key])
-    assert pipe._pipemap_plan is plan
+    assert planned(pipe) is plan
     assert pipe(**_calls(1)[0]).images.shape == (1, 32, 32, 3)
     pipemap.reset(pipe)
 

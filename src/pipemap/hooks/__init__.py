@@ -26,7 +26,7 @@ undoes; it knows no mode but through ``HOOKS``. Which hook a mode gets is its ro
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -121,25 +121,38 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
+def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for, *, beside: Iterable[Any] = ()
                ) -> Callable[[Placement], PlacementHook]:
-    """``placement -> hook`` for one dispatch of ``plan``: the moving hooks share one ledger of what is onloaded
-    where (and evict each other), so they take turns (one lock); ``queues`` makes each device's copy queues."""
-    shared: list[Any] = []  # the ledger and the lock, made with the first moving hook: none for a plan without one
-    moving = CallLock()
+    """``placement -> hook`` for ``plan``'s placements, the one maker of pipemap's hooks: the hooks that move weights
+    share one ledger of what is onloaded where (and evict each other), so they take turns (one lock). ``beside``: the
+    hooks already on the pipeline's components (a model placed after dispatch, components moved to the host on an
+    out-of-memory error): a moving one among them gives its ledger and lock. ``queues`` makes each device's copy
+    queues for a new ledger."""
+    moving = next((h for h in beside if ledger_of(h) is not None), None)
+    # the ledger, made with the first moving hook: none for a plan without one, so no moving code is imported
+    shared: list[Any] = [] if moving is None else [moving.ledger]
+    lock = CallLock() if moving is None else moving.lock
 
-    def make(p: Placement) -> PlacementHook:
-        if p.mode not in MOVING:
-            return HOOKS[p.mode](p, plan.execution_device, None)
+    def ledger() -> Ledger:
         if not shared:
             from .moving import Ledger  # here: only a plan that moves weights needs the moving code
 
             shared.append(Ledger(queues))
-        hook = HOOKS[p.mode](p, plan.execution_device, shared[0])
-        hook.lock = moving
+        return shared[0]
+
+    def make(p: Placement) -> PlacementHook:
+        hook = HOOKS[p.mode](p, plan.execution_device, ledger() if p.mode in MOVING else None)
+        if hook.moves_weights:
+            hook.lock = lock
         return hook
 
     return make
+
+
+def ledger_of(hook: Any) -> Ledger | None:
+    """The ledger of a hook that moves weights, else None. Asked of the hook, not by ``isinstance(..., Ledger)``: a
+    pipeline whose plan moves nothing then never imports the moving code (issue 28)."""
+    return hook.ledger if isinstance(hook, PlacementHook) and hook.moves_weights else None
 
 
 __all__ = ["HOOKS", "MOVING", "CallLock", "GuidanceHook", "Ledger", "Moved", "OffloadHook", "PlacementHook",

@@ -13,7 +13,7 @@ costs one wasted call on the copy. Each thread keeps its own calls (``pipemap.ru
 
 The copy computes what the model was when it was made; anything besides the inputs that could make the two differ
 turns the prediction off: the model changed since (a step callback that scales weights in place, swaps attention
-processors or sets LoRA scales: ``follow``'s signature of the model, with its modules' plain state, differs from the
+processors or sets LoRA scales: ``changes``' signature of the model, with its modules' plain state, differs from the
 one taken when the copy was made), or a diffusers cache on (FirstBlockCache and the others of ``enable_cache``:
 their decisions hang on state that the pipeline's ``cache_context`` keeps on the home model only). Then each call
 runs on the denoiser's own GPU, as plain; the copy is made again when ``pipemap.follow`` next sees the change.
@@ -30,8 +30,8 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..runtime.transfer import move_tensor
+from .changes import Signature, signature, unchanged
 from .copies import CopiesHook, call_on
-from .follow import Signature, signature, unchanged
 from .replica import CallerState
 
 _MISSING = object()

@@ -17,7 +17,7 @@ from typing import Any
 from torch.utils._pytree import tree_unflatten
 
 from ..errors import PipemapError
-from .follow import signature
+from .changes import signature
 from .guidance import GuidanceHook, Inputs
 from .replica_workers import plain_copy
 from .resident import outside_graphs

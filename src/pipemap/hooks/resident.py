@@ -60,10 +60,10 @@ class PlacementHook(ModelHook):
     every pipemap hook carries that one, and the component's own device is ``device``.
     """
 
-    rehooked_on_change = False  # a changed model gets a new hook (``follow.rehook``), not just its tensors placed
+    rehooked_on_change = False  # a changed model gets a new hook (``changes.rehook``), not just its tensors placed
     # set by dispatch: at the start of each call, brings the component in line with its model if it changed since
-    # (``dispatch.follow_call``); True when it followed a change (the hook may have been replaced)
-    follower: Callable[[torch.nn.Module], bool] | None = None
+    # (``dispatch.change_check``); True when it followed a change (the hook may have been replaced)
+    change_check: Callable[[torch.nn.Module], bool] | None = None
     keeps_copies = False  # its calls run on copies of the model too: a change of plain state alone is followed
     moves_weights = False  # it onloads weights through a ``moving.Ledger`` (its ``ledger``)
 
@@ -307,20 +307,20 @@ def _locked(module: torch.nn.Module, forward, *args, **kwargs):
 def _followed(module: torch.nn.Module, hook) -> bool:
     """At the start of an outermost call: the model's changes since its last call followed (a LoRA or FreeU set
     from ``callback_on_step_end`` between two steps); True when that replaced ``hook``."""
-    if hook.inside or hook.follower is None:
+    if hook.inside or hook.change_check is None:
         return False
-    return bool(hook.follower(module)) and module.__dict__.get("_hf_hook") is not hook
+    return bool(hook.change_check(module)) and module.__dict__.get("_hf_hook") is not hook
 
 
 def _settled(module: torch.nn.Module) -> None:
-    """After a call: what the model's own call wrote into its tensors is no change (``follow.Seen.settle``)."""
+    """After a call: what the model's own call wrote into its tensors is no change (``changes.Seen.settle``)."""
     seen = module.__dict__.get("_pipemap_seen")
     if seen is not None:
         seen.settle()
 
 
 # ---- what changed since: a counter moved by every change to any module made outside a placed component's call ----
-# A placed component is checked at the start of each call (``follow.unchanged``); hashing its whole model there would
+# A placed component is checked at the start of each call (``changes.unchanged``); hashing its whole model there would
 # cost ~10 ms a call on a full SDXL UNet, so the check reads this counter and its tensors' version counters instead,
 # and hashes the model only when one of them moved. torch's module registration hooks see modules, parameters and
 # buffers set; torch.nn.Module.__setattr__ (wrapped once, on the first dispatch) sees plain attributes (peft's active

@@ -1,4 +1,5 @@
-"""Speed from a second GPU: requests whose stages overlap (``run_many``).
+"""Speed from a second GPU: requests whose stages overlap (``iter_many``, which ``pipemap.run_many`` and
+``pipemap.iter_many`` run).
 
 Overlapped requests: diffusers keeps a call's state on the pipeline object (the scheduler's timesteps and step
 index, ``_guidance_scale``, ...), so each request in flight runs on a twin of the pipeline: the same models (and
@@ -13,7 +14,7 @@ own shape, fit beside what is resident and what the running requests hold on eve
 its components' calls waits for its own share (``admission``); ``workers`` is then an upper bound.
 
 A mapped pipeline called from several threads outside ``run_many`` has its calls take turns
-(``dispatch.guard_calls``): correct, never corrupted, not overlapped. The other speed from a second GPU, copies
+(``runtime/guard.py``): correct, never corrupted, not overlapped. The other speed from a second GPU, copies
 of the denoiser sharing each call, is in hooks: a batch split (``hooks/replica.py``), guidance branches at once
 (``hooks/guidance.py``, which keeps each request's calls apart by thread), one call's tokens split
 (``hooks/sequence.py``).
@@ -30,11 +31,12 @@ from typing import Any
 
 import torch
 
-from ..dispatch import CALL_LOCK, follow, unguarded_class
+from ..dispatch import follow
 from ..errors import ForeignHookError, RunManyCallError
 from ..hooks import PlacementHook
-from ..hooks.follow import remember
+from ..hooks.changes import remember
 from .admission import Admission
+from .guard import unguarded_class
 
 _local = threading.local()
 
@@ -44,29 +46,19 @@ def current_request() -> int | None:
     return getattr(_local, "request", None)
 
 
-def run_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False,
-             memory: Admission | None = None) -> list:
-    """Run the pipeline once per keyword dict of ``calls``, ``workers`` requests in flight, results in order.
+def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False,
+              memory: Admission | None = None) -> Iterator:
+    """Run the pipeline once per keyword dict of ``calls``, ``workers`` requests in flight, yielding each result as
+    soon as it and those before it are done (``pipemap.run_many`` makes the list).
 
     The stages of different requests overlap where they sit on different devices (the text encoders of one request
     and the VAE of another run while the denoiser works); each component runs one request at a time. The images
     equal those of the same calls made one by one, provided each call brings its own ``generator`` (a shared
     generator, or none, is drawn from in whatever order the requests reach it). ``return_exceptions=True`` puts a
     failed call's exception in its place in the results instead of raising it. ``memory`` admits each request by
-    the memory it needs (``admission.Admission``; ``pipemap.run_many`` passes the pipeline's own).
-
-    >>> pipe = pipemap.load("path/to/sdxl", strategy="balanced", hardware="2x24GiB")          # doctest: +SKIP
-    >>> calls = [{"prompt": p, "generator": torch.Generator().manual_seed(i)} for i, p in enumerate(prompts)]
-    >>> images = [out.images[0] for out in pipemap.run_many(pipe, calls, workers=3)]          # doctest: +SKIP
-    """
-    return list(iter_many(pipe, calls, workers, return_exceptions=return_exceptions, memory=memory))
-
-
-def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False,
-              memory: Admission | None = None) -> Iterator:
-    """``run_many`` as a generator: each result as soon as it and those before it are done; ``calls`` is read
-    lazily on a thread of its own (at most ``2 * workers`` ahead), so it may be an endless iterator that blocks,
-    e.g. ``iter(queue.get, None)``: an answer never waits for the next request.
+    the memory it needs (``admission.Admission``; ``pipemap.iter_many`` passes the pipeline's own). ``calls`` is
+    read lazily on a thread of its own (at most ``2 * workers`` ahead), so it may be an endless iterator that
+    blocks, e.g. ``iter(queue.get, None)``: an answer never waits for the next request.
 
     >>> for out in pipemap.iter_many(pipe, ({"prompt": p} for p in prompts)):               # doctest: +SKIP
     ...     out.images[0].save(...)
@@ -196,8 +188,9 @@ def _check_hooks(pipe) -> None:
 
 def twin(pipe):
     """A pipeline object sharing ``pipe``'s models (and their hooks) with its own scheduler, tokenizers and call
-    state: what one request in flight runs on. Calls of a twin do not take ``pipe``'s call lock."""
-    state = {k: v for k, v in pipe.__dict__.items() if k != CALL_LOCK}
+    state: what one request in flight runs on. Calls of a twin do not take ``pipe``'s call lock: its class is the
+    pipeline's own, not the guarded one (``runtime/guard.py``)."""
+    state = dict(pipe.__dict__)
     for name, value in pipe.components.items():
         if value is not None and not isinstance(value, torch.nn.Module):
             # a scheduler holds the step state; a fast tokenizer refuses a second thread changing its padding

@@ -21,12 +21,12 @@ from dataclasses import dataclass, replace
 
 from ..dispatch import Move, place_module, stats
 from ..errors import DispatchError
-from ..hooks import HOOKS, CallLock, hook_component, unhook_component
-from ..hooks.moving import Ledger, MovingHook
+from ..hooks import hook_component, hook_maker, unhook_component
 from ..modes import Mode
 from ..plan import Plan
 from ..units import format_bytes
 from .admission import OutOfMemory
+from .placed import replan
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,9 @@ def offloaded(plan: Plan, names: tuple[str, ...], note: str) -> Plan:
 def replace_placements(pipe, plan: Plan, names: tuple[str, ...]) -> None:
     """Re-place and re-hook ``names`` as ``plan`` says, all or none: on a failure every tensor moved goes back
     and the old hooks return, and a ``DispatchError`` names the component."""
-    make = _hook_maker(pipe, plan)
+    # the hooks share the ledger of onloads and the lock of the pipeline's offloaded and streamed components, if it
+    # has any (they evict each other, so they take turns)
+    make = hook_maker(plan, beside=[getattr(m, "_hf_hook", None) for m in pipe.components.values()])
     done: list[tuple[object, object, list[Move]]] = []
     for name in names:
         module, placement = pipe.components[name], plan.placement(name)
@@ -131,8 +133,7 @@ def replace_placements(pipe, plan: Plan, names: tuple[str, ...]) -> None:
         except Exception as err:
             _undo(done)
             raise DispatchError(name, placement.device, err) from err
-    pipe.__dict__["_pipemap_plan"] = plan
-    pipe.hf_device_map = plan.device_map
+    replan(pipe, plan)
 
 
 def _undo(done: list) -> None:
@@ -141,18 +142,3 @@ def _undo(done: list) -> None:
         for moved in reversed(moves):
             moved.undo()
         hook_component(module, old)
-
-
-def _hook_maker(pipe, plan: Plan):
-    """Hooks for ``plan``'s placements that share the ledger of onloads and the lock of the pipeline's offloaded and
-    streamed components, if it has any (they evict each other, so they take turns)."""
-    moving = next((m._hf_hook for m in pipe.components.values() if isinstance(getattr(m, "_hf_hook", None),
-                                                                              MovingHook)), None)
-    ledger, lock = (moving.ledger, moving.lock) if moving is not None else (Ledger(), CallLock())
-
-    def make(placement):
-        hook = HOOKS[placement.mode](placement, plan.execution_device, ledger)
-        hook.lock = lock
-        return hook
-
-    return make

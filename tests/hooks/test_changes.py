@@ -1,4 +1,4 @@
-"""hooks/follow.py: what a model is made of (``signature``), and a placed component brought in line with it after a
+"""hooks/changes.py: what a model is made of (``signature``), and a placed component brought in line with it after a
 change: written back, re-packed, re-hooked; on small modules placed on the CPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from pipemap.dispatch import _place
 from pipemap.hooks import Ledger, OffloadHook, ReplicaHook, hook_component, unhook_component
-from pipemap.hooks.follow import follow, groups, remember, settle, signature
+from pipemap.hooks.changes import follow_component, groups, remember, settle, signature
 from pipemap.plan import Placement
 
 
@@ -95,12 +95,12 @@ def test_follow_packs_a_new_layer_into_the_group_and_keeps_the_counts():
     x = torch.randn(2, 8)
     model(x)
     model.second = torch.nn.Sequential(model.second, torch.nn.Linear(8, 8))  # a wrapper with new weights
-    assert follow(model, placement, _place)
+    assert follow_component(model, placement, _place)
     fresh = model._hf_hook
     assert fresh is not hook and fresh.moved is hook.moved and fresh.lock is hook.lock
     grouped = {id(s.get()) for g in groups(fresh) for s in g.slots}
     assert {id(p) for p in model.parameters()} <= grouped
-    assert not follow(model, placement, _place)  # nothing changed since
+    assert not follow_component(model, placement, _place)  # nothing changed since
     out = model(x)
     unhook_component(model)
     torch.testing.assert_close(out, model(x), atol=0, rtol=0)
@@ -114,7 +114,7 @@ def test_a_plain_state_change_is_followed_only_where_the_hook_keeps_copies():
     offloaded = Scaled()
     _, placement = _offloaded(offloaded)
     offloaded.scale = 0.5
-    assert not follow(offloaded, placement, _place)
+    assert not follow_component(offloaded, placement, _place)
     replicated = Scaled()
     replicated.load_state_dict(offloaded.state_dict())
     hook = ReplicaHook("model", "cpu", "cpu", ("cpu",))
@@ -122,7 +122,8 @@ def test_a_plain_state_change_is_followed_only_where_the_hook_keeps_copies():
     remember(replicated)
     copy = hook.replicas[0]
     replicated.scale = 0.5
-    assert follow(replicated, Placement("model", "cpu", 1 << 20, "replicated", "cpu", replicas=("cpu",)), _place)
+    copies = Placement("model", "cpu", 1 << 20, "replicated", "cpu", replicas=("cpu",))
+    assert follow_component(replicated, copies, _place)
     assert replicated._hf_hook.replicas[0] is not copy and replicated._hf_hook.replicas[0].scale == 0.5
     halves = torch.cat([offloaded(x[:1]), offloaded(x[1:])])  # a row at a time, as the replica splits the batch
     torch.testing.assert_close(replicated(x), halves, atol=0, rtol=0)  # both halves at the new scale

@@ -183,7 +183,7 @@ def forget(module: torch.nn.Module) -> None:
     module.__dict__.pop("_pipemap_seen", None)
 
 
-def follow(module: torch.nn.Module, placement: Placement, place: Place) -> bool:
+def follow_component(module: torch.nn.Module, placement: Placement, place: Place) -> bool:
     """Bring a placed component's hook and tensors in line with its model as it is now; True if it had changed."""
     seen = module.__dict__.get("_pipemap_seen")
     if seen is not None and seen.unchanged():
@@ -207,7 +207,7 @@ def rehook(module: torch.nn.Module, hook: PlacementHook, placement: Placement, p
     settle(module)
     fresh = type(hook).for_placement(placement, str(hook.execution_device), getattr(hook, "ledger", None))
     fresh.lock, fresh.moved = hook.lock, hook.moved  # one lock with the hooks it takes turns with; counts go on
-    fresh.follower = hook.follower
+    fresh.change_check = hook.change_check
     unhook_component(module)
     place(module, placement)
     hook_component(module, fresh)
