@@ -14,7 +14,7 @@ Sections (each one function ``bench_<name>(ctx) -> list[Row]``, registered in ``
   peak RSS above the post-import baseline), alternating, medians, ratio pipemap / diffusers; on sd x14 (1.07 GiB;
   x8 with --quick) and the tiny sd.
 - ``offload``: weights moved for one image under a one-GPU offloading plan (a budget that forces offload, remapped
-  onto the CPU) vs diffusers' ``enable_model_cpu_offload`` (``pipemap.runtime.traffic.bytes_moved_per_image``).
+  onto the CPU) vs diffusers' ``enable_model_cpu_offload`` (``pipemap.dispatch.traffic.bytes_moved_per_image``).
 - ``catalog``: ``pipemap.plan(name, strategy="auto")`` for each catalog entry, first and cached call; the strategy
   chosen and its predicted seconds per image.
 - ``dry_run``: ``pipemap.simulate`` wall time from a loaded pipeline and from a folder, first and second call.
@@ -530,12 +530,12 @@ SHORT_STRATEGY = {"balanced_low_memory": "low_memory", "balanced_ultra_low_memor
 
 def bench_offload(ctx: Context) -> list[Row]:
     """Weights moved for one image under an offloading plan (one GPU, a budget that forces offload, remapped onto
-    the CPU) vs diffusers' ``enable_model_cpu_offload``, through ``pipemap.runtime.traffic.bytes_moved_per_image``."""
+    the CPU) vs diffusers' ``enable_model_cpu_offload``, through ``pipemap.dispatch.traffic.bytes_moved_per_image``."""
     from diffusers import DiffusionPipeline
 
     import pipemap
     from pipemap import tiny
-    from pipemap.runtime import traffic
+    from pipemap.dispatch import traffic
 
     rows = []
     for kind in TINY_KINDS:

@@ -17,10 +17,10 @@ import pipemap
 from helpers import inventory, plain_pipeline, plan, replica_inventory, run
 from pipemap import cost, modes
 from pipemap.dispatch import planned
+from pipemap.dispatch.relief import offloaded
 from pipemap.hooks import HOOKS, MOVING, PlacementHook
 from pipemap.modes import TABLE, Mode, ModeFacts, Peak, device_use, facts, held
 from pipemap.plan import DeviceUse, Placement, Plan
-from pipemap.runtime.relief import offloaded
 
 SRC = Path(pipemap.__file__).parent
 MiB = 1 << 20

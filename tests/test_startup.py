@@ -48,8 +48,8 @@ def test_import_pipemap_pulls_in_no_heavy_library():
 # memory ledger's relief, the hooks of other modes (and the moving code they share), rich. Not torchao nor peft:
 # transformers and diffusers import those themselves in a plain from_pretrained (pipemap names neither)
 NOT_FOR_A_RESIDENT_LOAD = (
-    "pipemap.serve", "pipemap.dryrun", "pipemap.catalog", "pipemap.runtime.parallel", "pipemap.runtime.relief",
-    "pipemap.runtime.traffic", "pipemap.doctor", "pipemap.cli", "pipemap.hooks.stream", "pipemap.hooks.offload",
+    "pipemap.serve", "pipemap.dryrun", "pipemap.catalog", "pipemap.dispatch.parallel", "pipemap.dispatch.relief",
+    "pipemap.dispatch.traffic", "pipemap.doctor", "pipemap.cli", "pipemap.hooks.stream", "pipemap.hooks.offload",
     "pipemap.hooks.moving",
     "pipemap.hooks.mapped", "pipemap.hooks.packing", "pipemap.hooks.split", "pipemap.hooks.replica",
     "pipemap.hooks.copies", "pipemap.hooks.guidance", "pipemap.hooks.sequence", "pipemap.hooks.exchange",

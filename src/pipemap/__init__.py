@@ -62,7 +62,7 @@ _LAZY = {
     "replace_component": "dispatch",
     "normalize_device": "devices", "Device": "hardware", "Hardware": "hardware",
     "Component": "inventory.values", "Inventory": "inventory.values",
-    "current_request": "runtime.parallel",
+    "current_request": "dispatch.parallel",
     "DeviceUse": "plan", "HostUse": "plan", "Placement": "plan", "Plan": "plan",
     "Mode": "modes",
     "STRATEGIES": "planner",
@@ -100,6 +100,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .api import Estimate, Request, estimate, inspect, iter_many, load, plan, run_many, simulate, simulate_many
     from .devices import normalize_device
     from .dispatch import dispatch, follow, replace, replace_component, reset, stats
+    from .dispatch.parallel import current_request
     from .dryrun.many import ManyReport
     from .dryrun.report import Failure, SimulationReport
     from .hardware import Device, Hardware
@@ -107,7 +108,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names above, imported eager
     from .modes import Mode
     from .plan import DeviceUse, HostUse, Placement, Plan
     from .planner import STRATEGIES
-    from .runtime.parallel import current_request
     from .runtime.transfer import TransferReport, check_transfers
 
 __all__ = [

@@ -24,6 +24,7 @@ import torch
 from .cost import launch_bound, predict, workload_for
 from .devices import is_accelerator, real_device
 from .dispatch import planned
+from .dispatch.loading import check_passed, check_plan_fits, check_plan_models, load_onto, with_passed
 from .errors import (
     ArgumentConflictError,
     ArgumentTypeError,
@@ -41,7 +42,6 @@ from .modes import facts
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
 from .runtime.admission import Admission, cuda_peaks
-from .runtime.loading import check_passed, check_plan_fits, check_plan_models, load_onto, with_passed
 from .runtime.placed import admission_of, keep_admission
 from .units import format_bytes, parse_bytes
 
@@ -300,7 +300,7 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
     found = admission_of(pipe)
     if found is not None and found.running is running and found.asked == plan:
         return found
-    from .runtime.relief import relieve
+    from .dispatch.relief import relieve
 
     admission = Admission(counted, _measure(source, pipe, running), running=running,
                           relieve=functools.partial(relieve, pipe),
@@ -372,7 +372,7 @@ def iter_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False,
     >>> for out in pipemap.iter_many(pipe, ({"prompt": p} for p in prompts)):               # doctest: +SKIP
     ...     out.images[0].save(...)
     """
-    from .runtime import parallel  # here: a pipeline only loaded never runs requests together
+    from .dispatch import parallel  # here: a pipeline only loaded never runs requests together
 
     return parallel.iter_many(pipe, calls, workers, return_exceptions=return_exceptions,
                               memory=memory_for(pipe, plan))

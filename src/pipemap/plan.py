@@ -39,7 +39,7 @@ class Placement:
     remapped onto the CPU keeps each GPU's eviction behaviour. ``"split"``: the component lives on several GPUs;
     ``shards`` lists the blocks (module paths) placed away from ``device`` with their device and bytes, and
     everything else stays on ``device``, where its inputs and outputs live. ``"replicated"``: resident on ``device``
-    with a whole copy on each of ``replicas``; each call's batch is split across them (``pipemap.runtime.parallel``).
+    with a whole copy on each of ``replicas``; each call's batch is split across them (``pipemap.dispatch.parallel``).
     ``"guidance"``: resident on ``device`` with a copy on ``replicas[0]``, which runs each step's second guidance
     branch while ``device`` runs the first (``hooks/guidance.py``). ``"sequence"``: resident on ``device`` with a
     copy on each of ``replicas``; each call's tokens are split across all of them (``hooks/sequence.py``).

@@ -1,6 +1,6 @@
 """admission: the ledger's rule on byte figures written in the test, threads admitted on it, call shapes, and the
 figures a call that ran alone corrects. No dry run here (tests/dryrun/test_many.py,
-tests/runtime/test_parallel_memory.py)."""
+tests/dispatch/test_parallel_memory.py)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import pipemap
+from pipemap.dispatch.loading import check_plan_fits
 from pipemap.errors import UnknownDeviceError
 from pipemap.runtime import transfer
-from pipemap.runtime.loading import check_plan_fits
 
 # SDXL on four large GPUs, "parallel": copies of the UNet on cuda:1..3, nothing else on cuda:3
 SDXL_PARALLEL = ("stable-diffusion-xl-base-1.0", "4x80GiB,cpu=64GiB")

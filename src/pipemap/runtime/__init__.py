@@ -1,4 +1,4 @@
-"""The runtime's shared machinery under every hook: how tensors move and the peer-copy check (``transfer``), copy
-queues (``streams``), the memory ledger calls are admitted by (``admission``), the move to the host on an
-out-of-memory error (``relief``), the bytes each path carried (``traffic``), requests run together (``parallel``),
-and loading a folder onto its plan (``loading``). Nothing is imported here: each module is imported by name."""
+"""What every hook stands on: how tensors move and the peer-copy check (``transfer``), copy queues (``streams``),
+the memory ledger calls are admitted by (``admission``), and the one record pipemap keeps on a placed pipeline
+(``placed``). It imports no hook and no dispatch: those wings stand on it. Nothing is imported here: each module is
+imported by name."""

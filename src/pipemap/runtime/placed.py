@@ -1,13 +1,13 @@
 """What pipemap keeps on a pipeline it placed: one record (``Placed``) under one key of the pipeline's
 ``__dict__``, read and written only through this module.
 
-The record holds the plan the pipeline runs on, the lock its calls take turns by (``runtime/guard.py``), the
+The record holds the plan the pipeline runs on, the lock its calls take turns by (``dispatch/guard.py``), the
 ``from_pipe`` copies placed on that plan (``reset`` of either resets both) and the memory ledger ``run_many`` and
 serve admit its requests by (``api.memory_for``). The record is frozen: a changed plan is a new record that keeps the
 lock, the copies and the ledger, so a thread that read the old one holds the same lock. Diffusers' own
 ``hf_device_map`` is written beside it, always from the record's plan.
 
-The class swap (``runtime/guard.py``) reads the lock here; a module's own memo of what it was when placed is
+The class swap (``dispatch/guard.py``) reads the lock here; a module's own memo of what it was when placed is
 ``hooks/changes.py``'s (``_pipemap_seen`` on each module).
 """
 
@@ -85,7 +85,7 @@ def unmark(pipe) -> None:
 
 
 def _keep(pipe, record: Placed) -> Placed:
-    # written into __dict__: no guarded ``__setattr__`` (runtime/guard.py) or diffusers' config update runs for it
+    # written into __dict__: no guarded ``__setattr__`` (dispatch/guard.py) or diffusers' config update runs for it
     pipe.__dict__[KEY] = record
     pipe.__dict__["hf_device_map"] = record.plan.device_map
     return record

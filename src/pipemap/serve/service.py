@@ -18,11 +18,11 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from .. import catalog
 from ..api import Request, call_needs, load, memory_for, runnable
 from ..cost import bytes_moved
+from ..dispatch.parallel import iter_many
 from ..errors import CallTooLargeError, NotAPipelineError, format_bytes
 from ..inventory import inventory_of
 from ..plan import Plan
 from ..runtime.admission import Admission
-from ..runtime.parallel import iter_many
 from .access import Access
 from .home import home_page
 from .metrics import Metrics

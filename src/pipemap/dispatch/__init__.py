@@ -7,7 +7,7 @@ unchanged. ``dispatch`` is atomic: if placing any component fails, every tensor 
 error says which component failed. ``reset`` undoes a dispatch; ``stats`` reads what the hooks counted.
 
 What pipemap keeps on a placed pipeline is one record (``runtime/placed.py``); its class swap, by which calls from
-several threads take turns and an assigned model is placed, is ``runtime/guard.py``. A placed pipeline's models
+several threads take turns and an assigned model is placed, is ``dispatch/guard.py``. A placed pipeline's models
 changed after dispatch are followed here (``follow``, ``change_check``), one component at a time by
 ``hooks/changes.py``.
 """
@@ -25,18 +25,18 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
-from .hooks import Moved, PlacementHook, hook_component, hook_maker, ledger_of, unhook_component
-from .hooks.changes import follow_component, forget, remember, settle, unchanged
-from .hooks.resident import quiet
-from .inventory.live import module_bytes, submodules
-from .modes import Peak, facts, held, moves_weights
-from .plan import Placement, Plan
-from .quantized import movable, storage
-from .runtime.guard import Around, guard, unguard, unguarded_class
-from .runtime.placed import mark, placed, planned, replan, unmark
-from .runtime.streams import Queues, queues_for
-from .runtime.transfer import ensure_safe_transfers, move_tensor, plan_devices, synchronize
+from ..errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
+from ..hooks import Moved, PlacementHook, hook_component, hook_maker, ledger_of, unhook_component
+from ..hooks.changes import follow_component, forget, remember, settle, unchanged
+from ..hooks.resident import quiet
+from ..inventory.live import module_bytes, submodules
+from ..modes import Peak, facts, held, moves_weights
+from ..plan import Placement, Plan
+from ..quantized import movable, storage
+from ..runtime.placed import mark, placed, planned, replan, unmark
+from ..runtime.streams import Queues, queues_for
+from ..runtime.transfer import ensure_safe_transfers, move_tensor, plan_devices, synchronize
+from .guard import Around, guard, unguard, unguarded_class
 
 
 @dataclass(frozen=True)

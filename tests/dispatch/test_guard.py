@@ -1,5 +1,5 @@
 """runtime/guard: a placed pipeline's class swap, on a small pipeline-like class (the diffusers pipelines' own are in
-tests/test_dispatch.py, tests/test_everyday_changes.py and tests/runtime/test_parallel.py)."""
+tests/test_dispatch.py, tests/test_everyday_changes.py and tests/dispatch/test_parallel.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import pipemap
+from pipemap.dispatch.guard import Around, guard, unguard, unguarded_class
 from pipemap.hooks import resident
 from pipemap.plan import DeviceUse, Placement, Plan
-from pipemap.runtime.guard import Around, guard, unguard, unguarded_class
 from pipemap.runtime.placed import mark, placed, unmark
 
 PLAN = Plan("balanced", (Placement("unet", "cpu", 30),), (DeviceUse("cpu", 100, 100, 30),), "cpu")

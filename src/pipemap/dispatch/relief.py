@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..dispatch import Move, place_module, stats
 from ..errors import DispatchError
 from ..hooks import hook_component, hook_maker, unhook_component
 from ..modes import Mode
 from ..plan import Plan
+from ..runtime.admission import OutOfMemory
+from ..runtime.placed import replan
 from ..units import format_bytes
-from .admission import OutOfMemory
-from .placed import replan
+from . import Move, place_module, stats
 
 
 @dataclass(frozen=True)

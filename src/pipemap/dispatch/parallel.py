@@ -14,7 +14,7 @@ own shape, fit beside what is resident and what the running requests hold on eve
 its components' calls waits for its own share (``admission``); ``workers`` is then an upper bound.
 
 A mapped pipeline called from several threads outside ``run_many`` has its calls take turns
-(``runtime/guard.py``): correct, never corrupted, not overlapped. The other speed from a second GPU, copies
+(``dispatch/guard.py``): correct, never corrupted, not overlapped. The other speed from a second GPU, copies
 of the denoiser sharing each call, is in hooks: a batch split (``hooks/replica.py``), guidance branches at once
 (``hooks/guidance.py``, which keeps each request's calls apart by thread), one call's tokens split
 (``hooks/sequence.py``).
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from ..dispatch import follow
 from ..errors import ForeignHookError, RunManyCallError
 from ..hooks import PlacementHook
 from ..hooks.changes import remember
-from .admission import Admission
+from ..runtime.admission import Admission
+from . import follow
 from .guard import unguarded_class
 
 _local = threading.local()
@@ -189,7 +189,7 @@ def _check_hooks(pipe) -> None:
 def twin(pipe):
     """A pipeline object sharing ``pipe``'s models (and their hooks) with its own scheduler, tokenizers and call
     state: what one request in flight runs on. Calls of a twin do not take ``pipe``'s call lock: its class is the
-    pipeline's own, not the guarded one (``runtime/guard.py``)."""
+    pipeline's own, not the guarded one (``dispatch/guard.py``)."""
     state = dict(pipe.__dict__)
     for name, value in pipe.components.items():
         if value is not None and not isinstance(value, torch.nn.Module):

@@ -13,8 +13,8 @@ import pipemap
 from pipemap import tiny
 from pipemap.api import memory_for
 from pipemap.dispatch import planned
+from pipemap.dispatch.relief import offloaded, replace_placements
 from pipemap.hooks import OffloadHook, PlacementHook
-from pipemap.runtime.relief import offloaded, replace_placements
 
 ONE_GPU = "cuda:0=8MiB,cpu=1GiB"  # every component of the tiny SD on cuda:0
 
@@ -117,7 +117,7 @@ def _failure(tried: int = 3 * 2**19):
 
 
 def test_only_what_fits_in_the_cpu_budget_moves_to_the_host():
-    from pipemap.runtime.relief import least_used, refused
+    from pipemap.dispatch.relief import least_used, refused
 
     pipe = tiny.build("sd")
     # the tiny SD's vae is 2.5 MiB, its text encoder 223 KiB: a CPU budget of 1 MiB has room for the encoder only

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..dispatch import dispatch
 from ..errors import ArgumentTypeError, PlanMismatchError, UnknownDeviceError
 from ..inventory.folder import component_class
 from ..inventory.live import live_component
@@ -24,6 +23,7 @@ from ..inventory.values import Component, Inventory
 from ..modes import facts
 from ..plan import Plan
 from ..quiet import quiet_progress
+from . import dispatch
 
 
 def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.dtype | None, variant: str | None,

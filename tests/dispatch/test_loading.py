@@ -9,6 +9,7 @@ import pipemap
 from helpers import plain_pipeline, run
 from pipemap import tiny
 from pipemap.dispatch import planned
+from pipemap.dispatch.loading import with_passed
 from pipemap.hardware import Hardware
 from pipemap.hooks import PlacementHook
 
@@ -61,7 +62,7 @@ def test_load_at_fp16_equals_plain_fp16(tiny_folders):
 def test_component_passed_in_is_placed_and_hooked(tiny_folders, reference_outputs):
     folder = tiny_folders["controlnet"]
     controlnet = plain_pipeline(folder).controlnet
-    plan = pipemap.plan(pipemap.runtime.loading.with_passed(pipemap.inspect(folder), {"controlnet": controlnet}),
+    plan = pipemap.plan(with_passed(pipemap.inspect(folder), {"controlnet": controlnet}),
                         hardware=TWO_GPUS, headroom=0.0)
     assert plan.placement("controlnet").bytes == pipemap.inventory.module_bytes(controlnet)
     pipe = pipemap.load(folder, plan=plan.remap(ON_CPU), controlnet=controlnet, progress=False)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import PipelineMappedError
 from ..hooks.resident import changed
-from .placed import placed, planned
+from ..runtime.placed import placed, planned
 
 # diffusers' methods that would move or re-hook the placed models: refused on the instance while it is placed
 _GUARDED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload",

@@ -9,7 +9,7 @@ import torch
 
 import pipemap
 from pipemap import tiny
-from pipemap.runtime.parallel import current_request
+from pipemap.dispatch.parallel import current_request
 
 TWO_GPUS = "cuda:0=5MiB,cuda:1=5MiB,cpu=1GiB"  # tiny sd: unet 3.0 MiB; vae 2.5 + text encoder 0.2
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}

@@ -1,4 +1,4 @@
-"""Bytes moved per image (``pipemap.runtime.traffic``): a pipemap plan beside diffusers'
+"""Bytes moved per image (``pipemap.dispatch.traffic``): a pipemap plan beside diffusers'
 ``enable_model_cpu_offload`` on the same pipeline, on the CPU (GPU plans remapped)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import pipemap
 from helpers import models_of, pipeline_state, plain_pipeline, run
 from pipemap import tiny
+from pipemap.dispatch import traffic
+from pipemap.dispatch.traffic import MovedBytes, total_bytes
 from pipemap.hooks import packing
 from pipemap.planner import forcing_hardware
-from pipemap.runtime import traffic
-from pipemap.runtime.traffic import MovedBytes, total_bytes
 
 OFFLOADING = ("balanced_low_memory", "balanced_ultra_low_memory")
 DENOISERS = ("unet", "controlnet")

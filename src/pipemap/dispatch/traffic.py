@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from accelerate.hooks import CpuOffload
 
-from ..dispatch import dispatch, reset, stats
 from ..hooks import Moved
 from ..hooks.packing import nbytes_of, slots
 from ..plan import Plan
+from . import dispatch, reset, stats
 
 # ---- bytes moved, beside diffusers' model offload ----------------------------------------------------------------
 
