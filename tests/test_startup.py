@@ -151,6 +151,14 @@ def test_imports_go_down_the_layers_never_up():
     assert upward == []
 
 
+def test_the_runtime_wings_import_only_the_ones_before_them():
+    # runtime/ (what every hook stands on), then hooks/, then dispatch/ (ARCHITECTURE.md): no folder imports up
+    order = {"runtime": 0, "hooks": 1, "dispatch": 2}
+    upward = [(m, i) for m in package_modules() if _wing(m) in order for i in imports_of(m)
+              if _wing(i) in order and order[_wing(i)] > order[_wing(m)]]
+    assert upward == []
+
+
 def test_values_import_neither_cuda_queues_nor_hooks_nor_the_dry_run():
     values = [m for m in package_modules() if RANK[_wing(m)] == 0]
     assert [(m, i) for m in values for i in imports_of(m) if RANK[_wing(i)] > 0] == []
