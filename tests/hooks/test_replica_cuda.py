@@ -4,6 +4,9 @@ call whose home part fails leaves nothing pending."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -91,6 +94,29 @@ def test_a_replica_thread_on_its_default_streams_races_with_the_caller(fake_cuda
     _, net, _ = _replicated("cuda:0", ("cuda:1",))
     _on_caller_stream(net)
     races = {(r.earlier.kind, r.earlier.op, r.later.kind, r.later.op) for r in fake_cuda.take()}
-    assert races == {("write", "mul.Tensor", "read", "to_copy p2p"),  # the copy in, before the latents exist
-                     ("write", "to_copy p2p", "read", "cat.default")}  # the join, before the copy out arrived
+    # the join, before the copy out arrived (the copy in is made in the caller's thread, on its stream: N6r)
+    assert races == {("write", "to_copy p2p", "read", "cat.default")}
+    unhook_component(net)
+
+
+def test_a_replicas_inputs_are_copied_in_the_callers_thread_before_the_home_part(fake_cuda, monkeypatch):
+    # N6r: a pool thread's copy lands on the caller's stream wherever the caller has got to (here: after the home
+    # part, the pool thread held up as a busy host holds it), and the replica's part waits for that much of it
+    entered = CallerState.entered
+
+    def late(state, device):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)
+        return entered(state, device)
+
+    monkeypatch.setattr(CallerState, "entered", late)
+    plain, net, _ = _replicated("cuda:0", ("cuda:1",))
+    order: list[str] = []  # the caller's copies and kernels on cuda:0, from the call on
+    access = fake_cuda.access
+    monkeypatch.setattr(fake_cuda, "access", lambda stream, reads, writes, op: (
+        order.append(op) if stream.device_index == 0 and op in ("to_copy p2p", "addmm.default") else None,
+        access(stream, reads, writes, op))[1])
+    out = _on_caller_stream(net)
+    torch.testing.assert_close(out, plain(torch.linspace(-1, 1, 128).reshape(2, 64) * 2) + 1)
+    assert order == ["to_copy p2p", "addmm.default", "addmm.default"]  # the copy in, then the home part
     unhook_component(net)

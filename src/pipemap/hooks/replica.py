@@ -65,8 +65,12 @@ class ReplicaHook(PlacementHook):
         args, kwargs = super().pre_forward(module, *args, **kwargs)
         chunks = split_batch(args, kwargs, 1 + len(self.replicas))
         state = CallerState.capture((self.device, *self.replica_devices))
+        # each part's inputs copied here, in the caller's thread: on CUDA the copy then sits on the caller's stream
+        # before the home part's kernels; a pool thread's copy lands wherever the caller has got to, and the
+        # replica waits for that much of the home part
+        moved = [move(c, d) for c, d in zip(chunks[1:], self.replica_devices)]
         self._pending.append([self._start(r, d, c, state) for r, d, c in
-                              zip(self.replicas, self.replica_devices, chunks[1:])])
+                              zip(self.replicas, self.replica_devices, moved)])
         return chunks[0]
 
     def post_forward(self, module, output):
@@ -168,8 +172,9 @@ class CallerState:
 
 
 def _run_replica(module, device: torch.device, home: torch.device, chunk, state: CallerState):
-    # the copy in runs on the home device's current stream (the caller's), fenced with the replica's; the copy out
-    # is then waited for by the caller's stream
+    # the inputs are on ``device`` already (moved in the caller's thread, ``ReplicaHook.pre_forward`` and guidance's
+    # ``_on_copy``): this ``move`` is then a no-op. The copy out runs on the replica's current stream, and the
+    # caller's stream waits for it
     with state.entered(device):
         args, kwargs = move(chunk, device)
         return move(module(*args, **kwargs), home)
