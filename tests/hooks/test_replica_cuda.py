@@ -87,15 +87,17 @@ def test_a_caller_chosen_stream_orders_the_copies_into_and_out_of_the_replica(fa
 
 
 def test_a_replica_thread_on_its_default_streams_races_with_the_caller(fake_cuda, monkeypatch):
-    # the defect this replaces: the pool thread's own streams, not the caller's
+    # the defect this replaces: the pool thread's own streams, not the caller's (here the caller chose one on each
+    # GPU; the copies in and out are made in the caller's thread, on its streams)
     fake_cuda.expect_races = True
     capture = CallerState.capture
     monkeypatch.setattr(CallerState, "capture", classmethod(lambda cls, devices: capture(())))
     _, net, _ = _replicated("cuda:0", ("cuda:1",))
-    _on_caller_stream(net)
+    with torch.cuda.stream(torch.cuda.Stream("cuda:1")):
+        _on_caller_stream(net)
     races = {(r.earlier.kind, r.earlier.op, r.later.kind, r.later.op) for r in fake_cuda.take()}
-    # the join, before the copy out arrived (the copy in is made in the caller's thread, on its stream: N6r)
-    assert races == {("write", "to_copy p2p", "read", "cat.default")}
+    assert races == {("write", "to_copy p2p", "read", "addmm.default"),  # the replica's part, before its input came
+                     ("write", "addmm.default", "read", "to_copy p2p")}  # the copy out, before the part finished
     unhook_component(net)
 
 
@@ -119,4 +121,21 @@ def test_a_replicas_inputs_are_copied_in_the_callers_thread_before_the_home_part
     out = _on_caller_stream(net)
     torch.testing.assert_close(out, plain(torch.linspace(-1, 1, 128).reshape(2, 64) * 2) + 1)
     assert order == ["to_copy p2p", "addmm.default", "addmm.default"]  # the copy in, then the home part
+    unhook_component(net)
+
+
+def test_a_replicas_output_is_copied_home_where_the_caller_joins_it(fake_cuda, monkeypatch):
+    # G2: copied out from a pool thread that is ahead, the output would make the caller's stream wait for the whole
+    # replica part at whatever point the caller had reached (here: before the home part's kernels)
+    plain, net, _ = _replicated("cuda:0", ("cuda:1",))
+    net.a.register_forward_pre_hook(lambda module, args: time.sleep(0.2))  # the home copy's only: a slow caller
+    order: list[str] = []
+    access = fake_cuda.access
+    monkeypatch.setattr(fake_cuda, "access", lambda stream, reads, writes, op: (
+        order.append(f"{op} on cuda:{stream.device_index}") if op in ("to_copy p2p", "addmm.default") else None,
+        access(stream, reads, writes, op))[1])
+    out = _on_caller_stream(net)
+    torch.testing.assert_close(out, plain(torch.linspace(-1, 1, 128).reshape(2, 64) * 2) + 1)
+    home = [o for o in order if o in ("addmm.default on cuda:0", "to_copy p2p on cuda:1")]
+    assert home == ["addmm.default on cuda:0", "addmm.default on cuda:0", "to_copy p2p on cuda:1"]  # then the join
     unhook_component(net)
