@@ -13,9 +13,15 @@ of ``aten/src/ATen/native/cuda/Copy.cu``):
 - a kernel runs on the current stream of its tensors' device; a host-to-device copy on the destination's current
   stream, a device-to-host copy on the source's; a copy between GPUs on the source's current stream, fenced both
   ways with the destination's current stream; a copy without ``non_blocking`` makes the host wait for its stream;
-- the caching allocator: each block belongs to the stream current at its allocation and, once its storage dies, is
-  handed to the next allocation on that stream at once (stream-ordered reuse; ``record_stream`` is not used by
-  pipemap and not modelled), so memory used on another stream and freed too early shows as a race;
+- the caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests rounded to 512 B; up to 1 MiB from a small
+  pool of 2 MiB segments, larger ones from a large pool (20 MiB segments under 10 MiB, else the request rounded to
+  2 MiB); a cached free block is split (small: a rest of 512 B or more, large: a rest over 1 MiB), freed blocks
+  merge only with their neighbours in one segment; each segment belongs to the stream current at its allocation and
+  its freed blocks go to that stream's pool at once (stream-ordered reuse; ``record_stream`` is not used by pipemap
+  and not modelled), so memory used on another stream and freed too early shows as a race. The cap
+  (``set_per_process_memory_fraction``, else the device) is on RESERVED bytes: a new segment past it first releases
+  every whole cached segment, then raises CUDA's out-of-memory text; a split segment is never released, so
+  fragmentation fails an allocation that fits in allocated terms, as on a GPU;
 - ``cudaHostRegister``/``cudaHostUnregister`` as the driver answers them (712 on an overlapping registration, 713 on
   an unknown one), and an unregistration while an asynchronous copy may still read the memory is a race.
 
@@ -44,7 +50,19 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 aten = torch.ops.aten
-ROUND = 512  # the caching allocator's block granularity
+ROUND = 512  # the caching allocator's block granularity (kMinBlockSize)
+SMALL = 2**20  # requests up to this come from the small pool (kSmallSize)
+SMALL_SEGMENT = 2 * 2**20  # a small pool's segment (kSmallBuffer)
+LARGE_SEGMENT = 20 * 2**20  # a large pool's segment for a request under MIN_LARGE (kLargeBuffer)
+MIN_LARGE = 10 * 2**20  # from here a request gets a segment of its own size (kMinLargeAlloc) ...
+ROUND_LARGE = 2 * 2**20  # ... rounded to 2 MiB (kRoundLarge)
+
+
+def segment_size(size: int) -> int:
+    """The bytes the caching allocator asks cudaMalloc for when no cached block fits a (rounded) request."""
+    if size <= SMALL:
+        return SMALL_SEGMENT
+    return LARGE_SEGMENT if size < MIN_LARGE else -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
 # ---- streams, events, clocks -------------------------------------------------------------------------------------
@@ -182,16 +200,31 @@ class Access:
 
 @dataclass(eq=False)
 class Block:
-    """A block of the caching allocator: a logical address range on one device, owned by a stream's pool."""
+    """A block of the caching allocator: a logical address range inside one segment of one device, owned by the
+    pool of the stream the segment was allocated on. Its accesses outlive it: a split or merge hands them on."""
 
     device: int
     address: int
-    nbytes: int
+    nbytes: int  # what memory_allocated counts while in use (a large block's unsplit rest included), as on CUDA
     owner: int  # the stream whose pool it returns to
     label: str = ""
-    used: int = 0  # bytes the allocation now in it asked for (rounded): what memory_allocated counts, as on CUDA
-    last_write: Access | None = None
-    reads: dict[int, Access] = field(default_factory=dict)  # latest read per stream since the last write
+    small: bool = False  # from the small pool (requests up to 1 MiB)
+    free: bool = False
+    prev: Block | None = None  # the neighbours in its segment (None at the segment's ends)
+    next: Block | None = None
+    # (lo, hi, stream id, kind) -> the latest such access of those bytes: the last write, the reads since
+    history: dict[tuple[int, int, int, str], Access] = field(default_factory=dict)
+
+    def inherit(self, other: Block) -> None:
+        """Take ``other``'s accesses as well (its range became part of this one)."""
+        for key, access in other.history.items():
+            if key not in self.history or self.history[key].count < access.count:
+                self.history[key] = access
+
+    def clipped(self, lo: int, hi: int) -> dict[tuple[int, int, int, str], Access]:
+        """The accesses that touched bytes in [lo, hi), cut to that range (a split block's part keeps its own)."""
+        return {(max(a, lo), min(b, hi), sid, kind): access for (a, b, sid, kind), access in self.history.items()
+                if a < hi and lo < b}
 
 
 @dataclass(frozen=True)
@@ -220,7 +253,9 @@ class FakeCuda:
         self.host: dict[int, int] = {}
         self.defaults: dict[int, FakeStream] = {}
         self.blocks: dict[int, Block] = {}  # CPU storage address -> the block it stands for
-        self.pools: dict[int, list[Block]] = {}  # stream id -> freed blocks
+        self.pools: dict[int, list[Block]] = {}  # stream id -> its free blocks (cached, of both sizes)
+        self.busy = False  # the allocator's lists are being changed (a storage freed meanwhile waits in `deferred`)
+        self.deferred: list[tuple[int, Block]] = []
         self.next_address = ROUND
         self.allocated: dict[int, int] = {}
         self.peak: dict[int, int] = {}
@@ -301,8 +336,8 @@ class FakeCuda:
         return self.blocks.get(storage.data_ptr())
 
     def allocate(self, inner: torch.Tensor, index: int, label: str) -> Block | None:
-        """The block a new storage on ``cuda:index`` gets: a freed one of the current stream's pool that fits, else
-        a new address; an out-of-memory error past ``limit``."""
+        """The block a new storage on ``cuda:index`` gets: the smallest cached free block of the current stream's
+        pool that fits (split), else a new segment; CUDA's out-of-memory error past the cap on reserved bytes."""
         self.check_sticky()
         storage = inner.untyped_storage()
         nbytes = storage.nbytes()
@@ -310,53 +345,114 @@ class FakeCuda:
             return None
         stream = self.current_stream(index)
         size = -(-nbytes // ROUND) * ROUND
-        with self.lock:
+        small = size <= SMALL
+        with self.lock, self.changing():
             if storage.data_ptr() in self.blocks:  # a function that handed back its input: nothing new
                 return self.blocks[storage.data_ptr()]
-            used = self.allocated.get(index, 0)
-            if used + size > self.limit.get(index, self.memory):
-                raise torch.OutOfMemoryError(self.oom_message(index, size))
             pool = self.pools.setdefault(stream.id, [])
-            fits = sorted((b for b in pool if b.device == index and b.nbytes >= size), key=lambda b: b.nbytes)
+            fits = [b for b in pool if b.device == index and b.small == small and b.nbytes >= size]
             if fits:
-                block = fits[0]
+                block = min(fits, key=lambda b: (b.nbytes, b.address))
                 pool.remove(block)
-                block.label = label
             else:
-                block = Block(index, self.next_address, size, stream.id, label)
-                self.next_address += size
-                self.reserved[index] = self.reserved.get(index, 0) + size
-                self.peak_reserved[index] = max(self.peak_reserved.get(index, 0), self.reserved[index])
+                block = self.new_segment(index, stream.id, small, size)
+            self.split(block, size)
+            block.free, block.label = False, label
             self.blocks[storage.data_ptr()] = block
-            block.used = size  # the caching allocator splits a larger cached block: only this much is allocated
-            self.allocated[index] = used + size
+            self.allocated[index] = self.allocated.get(index, 0) + block.nbytes
             self.peak[index] = max(self.peak.get(index, 0), self.allocated[index])
         weakref.finalize(storage, self._free, storage.data_ptr(), block)
         return block
 
+    @contextlib.contextmanager
+    def changing(self):
+        """The pools change inside: a storage the garbage collector frees meanwhile (this thread, the lock is
+        re-entrant) is handed back after, not while a pool is half walked."""
+        outer, self.busy = self.busy, True
+        try:
+            yield
+        finally:
+            self.busy = outer
+            while not outer and self.deferred:
+                self._free(*self.deferred.pop())
+
+    def new_segment(self, index: int, owner: int, small: bool, size: int) -> Block:
+        """cudaMalloc of a segment for a ``size`` request; past the cap, every whole cached segment of the device
+        is released first (``release_cached_blocks``), then out of memory."""
+        nbytes = segment_size(size)
+        cap = min(self.limit.get(index, self.memory), self.memory)
+        if self.reserved.get(index, 0) + nbytes > cap:
+            self.release_cached(index)
+            if self.reserved.get(index, 0) + nbytes > cap:
+                raise torch.OutOfMemoryError(self.oom_message(index, nbytes))
+        block = Block(index, self.next_address, nbytes, owner, small=small)
+        self.next_address += nbytes
+        self.reserved[index] = self.reserved.get(index, 0) + nbytes
+        self.peak_reserved[index] = max(self.peak_reserved.get(index, 0), self.reserved[index])
+        return block
+
+    def split(self, block: Block, size: int) -> None:
+        """Cut ``block`` to ``size`` when the rest is worth keeping (small pool: 512 B, large: over 1 MiB); the rest
+        goes back to the owner's pool, with the accesses of the range it was part of."""
+        rest = block.nbytes - size
+        if rest < ROUND if block.small else rest <= SMALL:
+            return
+        cut = block.address + size
+        tail = Block(block.device, cut, rest, block.owner, small=block.small, free=True, prev=block, next=block.next,
+                     history=block.clipped(cut, cut + rest))
+        block.history = block.clipped(block.address, cut)
+        if block.next is not None:
+            block.next.prev = tail
+        block.next, block.nbytes = tail, size
+        self.pools.setdefault(block.owner, []).append(tail)
+
     def oom_message(self, index: int, size: int) -> str:
-        """CUDA's out-of-memory text (c10/cuda/CUDACachingAllocator.cpp), which admission reads the GPU and the
-        bytes tried from."""
-        cap, used = self.limit.get(index, self.memory), self.allocated.get(index, 0)
+        """CUDA's out-of-memory text (c10/cuda/CUDACachingAllocator.cpp: the bytes tried are the segment's), which
+        admission reads the GPU and the bytes tried from."""
+        cap, used = min(self.limit.get(index, self.memory), self.memory), self.allocated.get(index, 0)
         reserved = self.reserved.get(index, 0)
         return (f"CUDA out of memory. Tried to allocate {_mib(size)}. GPU {index} has a total capacity of "
                 f"{_mib(self.memory)} of which {_mib(max(0, cap - reserved))} is free. Of the allocated memory "
                 f"{_mib(used)} is allocated by PyTorch, and {_mib(max(0, reserved - used))} is reserved by PyTorch "
-                "but unallocated. (fake CUDA)")
+                "but unallocated. If reserved but unallocated memory is large try setting "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. (fake CUDA)")
 
     def _free(self, address: int, block: Block) -> None:
         with self.lock:
+            if self.busy:
+                self.deferred.append((address, block))
+                return
             if self.blocks.get(address) is block:
                 del self.blocks[address]
-            self.allocated[block.device] -= block.used
-            self.pools.setdefault(block.owner, []).append(block)
+            self.allocated[block.device] -= block.nbytes
+            pool = self.pools.setdefault(block.owner, [])
+            for neighbour in (block.prev, block.next):
+                if neighbour is not None and neighbour.free:  # merge: free blocks of one segment become one
+                    pool.remove(neighbour)
+                    block.inherit(neighbour)
+                    block.nbytes += neighbour.nbytes
+                    if neighbour is block.prev:
+                        block.address, block.prev = neighbour.address, neighbour.prev
+                        if block.prev is not None:
+                            block.prev.next = block
+                    else:
+                        block.next = neighbour.next
+                        if block.next is not None:
+                            block.next.prev = block
+            block.free, block.label = True, ""
+            pool.append(block)
+
+    def release_cached(self, index: int | None = None) -> None:
+        """cudaFree of every cached segment that is whole (no block of it in use) on ``cuda:index`` (all: None)."""
+        with self.lock, self.changing():
+            for sid, pool in self.pools.items():
+                whole = [b for b in pool if b.prev is None and b.next is None and index in (None, b.device)]
+                for block in whole:
+                    self.reserved[block.device] -= block.nbytes
+                self.pools[sid] = [b for b in pool if b not in whole]
 
     def empty_cache(self) -> None:
-        with self.lock:
-            for pool in self.pools.values():
-                for block in pool:
-                    self.reserved[block.device] -= block.nbytes
-                pool.clear()
+        self.release_cached()
 
     # ---- accesses
 
@@ -368,13 +464,15 @@ class FakeCuda:
             stack = tuple(_stack()) if self.trace else ()
             thread = threading.current_thread().name
             made = {kind: Access(stream.name, stream.id, count, kind, op, thread, stack) for kind in ("read", "write")}
-            for block in dict.fromkeys(writes):
-                for earlier in [block.last_write, *block.reads.values()]:
+            for block in dict.fromkeys(writes):  # every access so far was to bytes of this block (split clips)
+                for earlier in list(block.history.values()):
                     self._check(block, earlier, made["write"], stream)
-                block.last_write, block.reads = made["write"], {}
+                block.history = {(block.address, block.address + block.nbytes, stream.id, "write"): made["write"]}
             for block in dict.fromkeys(b for b in reads if b not in writes):
-                self._check(block, block.last_write, made["read"], stream)
-                block.reads[stream.id] = made["read"]
+                for key, earlier in list(block.history.items()):
+                    if key[3] == "write":
+                        self._check(block, earlier, made["read"], stream)
+                block.history[(block.address, block.address + block.nbytes, stream.id, "read")] = made["read"]
 
     def _check(self, block: Block, earlier: Access | None, later: Access, stream: FakeStream) -> None:
         if earlier is not None and earlier.sid != stream.id and stream.clock.get(earlier.sid, 0) < earlier.count:
@@ -999,8 +1097,8 @@ def install(monkeypatch=None, gpus: int = 2) -> FakeCuda:
         "get_device_name": lambda device=None: _properties(fake, device).name,
         "get_device_capability": lambda device=None: (9, 0),
         "can_device_access_peer": lambda device, peer_device: True,
-        "mem_get_info": lambda device=None: (fake.limit.get(fake.index(device), fake.memory) - fake.allocated.get(
-            fake.index(device), 0), fake.memory),
+        "mem_get_info": lambda device=None: (min(fake.limit.get(fake.index(device), fake.memory), fake.memory)
+                                             - fake.reserved.get(fake.index(device), 0), fake.memory),
         "set_per_process_memory_fraction": lambda fraction, device=None: fake.limit.__setitem__(
             fake.index(device), int(fraction * fake.memory)),
         "max_memory_reserved": lambda device=None: fake.peak_reserved.get(fake.index(device), 0),

@@ -10,6 +10,8 @@ import torch
 
 import fakecuda
 
+MIB = 2**20
+
 
 def _ops(fake) -> list[str]:
     return [f"{r.earlier.kind} {r.earlier.op} || {r.later.kind} {r.later.op}" for r in fake.take()]
@@ -122,11 +124,12 @@ def test_host_registration_answers_as_the_driver(fake_cuda):
 
 
 def test_the_allocator_counts_and_refuses_past_its_limit(fake_cuda):
-    fake_cuda.limit[0] = 4096
+    fake_cuda.limit[0] = 4 * MIB  # the cap is on reserved bytes: room for the small pool's 2 MiB segment only
     kept = torch.empty(1000, dtype=torch.uint8, device="cuda:0")
     assert torch.cuda.memory_allocated(0) == 1024  # rounded to the allocator's 512-byte blocks
+    assert torch.cuda.memory_reserved(0) == 2 * MIB
     with pytest.raises(torch.OutOfMemoryError):
-        torch.empty(4000, dtype=torch.uint8, device="cuda:0")
+        torch.empty(4 * MIB, dtype=torch.uint8, device="cuda:0")  # a large pool's 20 MiB segment
     del kept
     assert torch.cuda.memory_allocated(0) == 0 and torch.cuda.max_memory_allocated(0) == 1024
 
@@ -186,7 +189,8 @@ def test_out_of_memory_says_the_gpu_as_cuda_does(fake_cuda):
     fake_cuda.limit[1] = 2**20
     with pytest.raises(torch.OutOfMemoryError) as err:
         torch.empty(2**21, dtype=torch.uint8, device="cuda:1")
-    assert _GPU.search(str(err.value))[1] == "1" and _TRIED.search(str(err.value))[0] == "Tried to allocate 2.00 MiB"
+    # CUDA names the segment it asked cudaMalloc for: a 2 MiB request gets a 20 MiB one
+    assert _GPU.search(str(err.value))[1] == "1" and _TRIED.search(str(err.value))[0] == "Tried to allocate 20.00 MiB"
 
 
 def test_streams_come_from_a_pool_of_32_per_device_and_priority(fake_cuda):
@@ -249,3 +253,74 @@ def test_a_to_naming_a_dtype_or_a_tensor_keeps_or_follows_the_device(fake_cuda):
     assert torch.ones(2).to(like).device == torch.device("cuda:0")
     layer.to(device=torch.device("cpu"))
     assert layer.weight.device == torch.device("cpu") and not fakecuda.on_device(layer.weight)
+
+
+# ---- the caching allocator's segments: the cap is on reserved memory (issue 35) ------------------------------------
+
+
+def _empty(nbytes: int, stream=None) -> torch.Tensor:
+    with torch.cuda.stream(stream):
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+
+
+def test_requests_are_served_from_segments_of_the_pool_their_size_picks(fake_cuda):
+    small = [_empty(1000) for _ in range(3)]  # up to 1 MiB: packed into one 2 MiB segment
+    assert (torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0)) == (3 * 1024, 2 * MIB)
+    large = _empty(3 * MIB)  # 1-10 MiB: a 20 MiB segment, split
+    assert torch.cuda.memory_reserved(0) == 22 * MIB and torch.cuda.memory_allocated(0) == 3 * 1024 + 3 * MIB
+    _empty(2 * MIB)  # from the rest of that segment: nothing new reserved (and freed at once)
+    huge = _empty(18 * MIB + 1)  # 10 MiB and over, past the 17 MiB rest: a segment of its own, rounded to 2 MiB
+    assert torch.cuda.memory_reserved(0) == 42 * MIB and torch.cuda.max_memory_reserved(0) == 42 * MIB
+    assert torch.cuda.memory_allocated(0) == 3 * 1024 + 3 * MIB + 18 * MIB + 512
+    del small, large, huge
+    assert torch.cuda.memory_allocated(0) == 0 and torch.cuda.memory_reserved(0) == 42 * MIB  # cached
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved(0) == 0 and torch.cuda.max_memory_reserved(0) == 42 * MIB
+
+
+def test_fragmentation_fails_an_allocation_that_fits_in_allocated_terms(fake_cuda):
+    fake_cuda.limit[0] = 100 * MIB
+    whole = _empty(95 * MIB)
+    del whole  # a 96 MiB segment, cached
+    parts = [_empty(30 * MIB) for _ in range(3)]  # split from it: nothing new reserved
+    assert torch.cuda.memory_reserved(0) == 96 * MIB
+    del parts[1]  # 30 MiB free in the middle, 6 MiB at the end: no 40 MiB run, and the segment cannot be released
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 40.00 MiB. GPU 0 .* 60.00 MiB is allocated"):
+        _empty(40 * MIB)
+    assert torch.cuda.memory_allocated(0) == 60 * MIB < 100 * MIB - 40 * MIB + 1
+    torch.cuda.empty_cache()  # a split segment is not returned
+    assert torch.cuda.memory_reserved(0) == 96 * MIB
+    del parts
+    torch.cuda.empty_cache()  # its blocks merged back into the whole segment: returned
+    assert torch.cuda.memory_reserved(0) == 0
+    kept = _empty(40 * MIB)
+    assert torch.cuda.memory_reserved(0) == 40 * MIB and kept.numel() == 40 * MIB
+
+
+def test_a_new_segment_past_the_cap_first_releases_the_cached_whole_ones(fake_cuda):
+    fake_cuda.limit[0] = 50 * MIB
+    del [_empty(30 * MIB)][0]  # cached: reserved 30 MiB, nothing allocated
+    kept = _empty(40 * MIB)  # 30 + 40 > 50: the cached segment goes back to the device, then this one fits
+    assert torch.cuda.memory_reserved(0) == 40 * MIB and kept.numel() == 40 * MIB
+
+
+def test_a_freed_block_returns_to_its_streams_pool_only(fake_cuda):
+    side = torch.cuda.Stream(0)
+    fake_cuda.limit[0] = 30 * MIB
+    del [_empty(12 * MIB, side)][0]  # a 12 MiB segment, cached in the side stream's pool
+    again = _empty(12 * MIB, side)  # the side stream takes it back: nothing new
+    assert torch.cuda.memory_reserved(0) == 12 * MIB
+    del again
+    kept = _empty(12 * MIB)  # the default stream cannot: a second segment
+    assert torch.cuda.memory_reserved(0) == 24 * MIB
+    with pytest.raises(torch.OutOfMemoryError):
+        _empty(8 * MIB)  # 20 MiB more: past the cap, though the side stream caches 12 MiB ... which is whole:
+    assert torch.cuda.memory_reserved(0) == 12 * MIB  # ... released by the retry, still short of 20 MiB
+    del kept
+
+
+def test_mem_get_info_counts_reserved_memory_as_the_device_does(fake_cuda):
+    fake_cuda.limit[0] = 64 * MIB
+    kept = _empty(1000)
+    assert torch.cuda.mem_get_info(0) == (62 * MIB, fake_cuda.memory)
+    del kept

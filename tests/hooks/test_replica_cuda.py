@@ -4,6 +4,9 @@ call whose home part fails leaves nothing pending."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -84,13 +87,55 @@ def test_a_caller_chosen_stream_orders_the_copies_into_and_out_of_the_replica(fa
 
 
 def test_a_replica_thread_on_its_default_streams_races_with_the_caller(fake_cuda, monkeypatch):
-    # the defect this replaces: the pool thread's own streams, not the caller's
+    # the defect this replaces: the pool thread's own streams, not the caller's (here the caller chose one on each
+    # GPU; the copies in and out are made in the caller's thread, on its streams)
     fake_cuda.expect_races = True
     capture = CallerState.capture
     monkeypatch.setattr(CallerState, "capture", classmethod(lambda cls, devices: capture(())))
     _, net, _ = _replicated("cuda:0", ("cuda:1",))
-    _on_caller_stream(net)
+    with torch.cuda.stream(torch.cuda.Stream("cuda:1")):
+        _on_caller_stream(net)
     races = {(r.earlier.kind, r.earlier.op, r.later.kind, r.later.op) for r in fake_cuda.take()}
-    assert races == {("write", "mul.Tensor", "read", "to_copy p2p"),  # the copy in, before the latents exist
-                     ("write", "to_copy p2p", "read", "cat.default")}  # the join, before the copy out arrived
+    assert races == {("write", "to_copy p2p", "read", "addmm.default"),  # the replica's part, before its input came
+                     ("write", "addmm.default", "read", "to_copy p2p")}  # the copy out, before the part finished
+    unhook_component(net)
+
+
+def test_a_replicas_inputs_are_copied_in_the_callers_thread_before_the_home_part(fake_cuda, monkeypatch):
+    # N6r: a pool thread's copy lands on the caller's stream wherever the caller has got to (here: after the home
+    # part, the pool thread held up as a busy host holds it), and the replica's part waits for that much of it
+    entered = CallerState.entered
+
+    def late(state, device):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)
+        return entered(state, device)
+
+    monkeypatch.setattr(CallerState, "entered", late)
+    plain, net, _ = _replicated("cuda:0", ("cuda:1",))
+    order: list[str] = []  # the caller's copies and kernels on cuda:0, from the call on
+    access = fake_cuda.access
+    monkeypatch.setattr(fake_cuda, "access", lambda stream, reads, writes, op: (
+        order.append(op) if stream.device_index == 0 and op in ("to_copy p2p", "addmm.default") else None,
+        access(stream, reads, writes, op))[1])
+    out = _on_caller_stream(net)
+    torch.testing.assert_close(out, plain(torch.linspace(-1, 1, 128).reshape(2, 64) * 2) + 1)
+    assert order == ["to_copy p2p", "addmm.default", "addmm.default"]  # the copy in, then the home part
+    unhook_component(net)
+
+
+def test_a_replicas_output_is_copied_home_where_the_caller_joins_it(fake_cuda, monkeypatch):
+    # G2: copied out from a pool thread that is ahead, the output would make the caller's stream wait for the whole
+    # replica part at whatever point the caller had reached (here: before the home part's kernels)
+    plain, net, _ = _replicated("cuda:0", ("cuda:1",))
+    net.a.register_forward_pre_hook(lambda module, args: time.sleep(0.2))  # the home copy's only: a slow caller
+    order: list[str] = []
+    access = fake_cuda.access
+    monkeypatch.setattr(fake_cuda, "access", lambda stream, reads, writes, op: (
+        order.append(f"{op} on cuda:{stream.device_index}") if op in ("to_copy p2p", "addmm.default") else None,
+        access(stream, reads, writes, op))[1])
+    out = _on_caller_stream(net)
+    torch.testing.assert_close(out, plain(torch.linspace(-1, 1, 128).reshape(2, 64) * 2) + 1)
+    home = [o for o in order if o in ("addmm.default on cuda:0", "to_copy p2p on cuda:1")]
+    assert home == ["addmm.default on cuda:0", "addmm.default on cuda:0", "to_copy p2p on cuda:1"]  # then the join
     unhook_component(net)

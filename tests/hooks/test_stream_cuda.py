@@ -99,7 +99,8 @@ def test_an_out_of_memory_error_in_a_buffer_allocation_leaves_the_ledger_as_it_w
     net = Net()
     hook = _hooked(net, _streamed(net))
     _calls(net, 1)
-    fake_cuda.limit[0] = torch.cuda.memory_allocated(0) + 1024  # the root fits, the block buffers do not
+    torch.cuda.empty_cache()  # the last call's buffers go back to the device ...
+    fake_cuda.limit[0] = torch.cuda.memory_reserved(0)  # ... and no new segment fits: the root stays, the buffers don't
     with pytest.raises(torch.OutOfMemoryError):
         _calls(net, 1)
     assert not any(hook.ledger.live.values()) and hook.depth == 0

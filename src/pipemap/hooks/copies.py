@@ -83,9 +83,10 @@ class CopiesHook(PlacementHook):
         return f"{type(self).__name__}({self.component!r}, device={self.device}, replicas=[{copies}])"
 
 
-def call_on(module: torch.nn.Module, device: torch.device, home: torch.device, inputs: tuple[tuple, dict],
+def call_on(module: torch.nn.Module, device: torch.device, home: torch.device | None, inputs: tuple[tuple, dict],
             state: CallerState):
     """``module(*args, **kwargs)`` on a copy's thread, as a replica's part of a batch runs (``replica.py``): the
     inputs moved to ``device``, under the caller's per-thread state (grad and inference mode, autocast, current
-    streams: ``state``, captured in the caller's thread), ``device`` current, the output moved to ``home``."""
+    streams: ``state``, captured in the caller's thread), ``device`` current, the output moved to ``home`` (left on
+    ``device`` when ``home`` is None: the caller copies it home where it uses it)."""
     return _run_replica(module, device, home, inputs, state)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..runtime.transfer import move_tensor
+from ..runtime.transfer import move, move_tensor
 from .changes import Signature, signature, unchanged
 from .copies import CopiesHook, call_on
 from .replica import CallerState
@@ -125,7 +125,7 @@ class GuidanceHook(CopiesHook):
         (started, future), branches.ahead = branches.ahead, None
         if started.spec == inputs.spec and all(same(started, inputs, i) for i in range(len(inputs.leaves))):
             try:
-                result = future.result()
+                result = move(future.result(), self.device)  # copied home here, where it is used (G2)
             except Exception:  # the copy failed (its GPU out of memory): the call runs as usual
                 self.misses += 1
                 return _MISSING
@@ -138,7 +138,7 @@ class GuidanceHook(CopiesHook):
         copy, device = self.replicas[0], self.replica_devices[0]
         state = CallerState.capture((self.device, device))
         inputs = self._on_copy(upcoming, device)
-        return self.start(lambda: call_on(copy, device, self.device, inputs, state), device)
+        return self.start(lambda: call_on(copy, device, None, inputs, state), device)
 
     def _on_copy(self, upcoming: Inputs, device: torch.device) -> tuple[tuple, dict]:
         """The call's inputs, with the tensors the last call ahead already copied to ``device`` (the negative

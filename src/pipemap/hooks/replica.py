@@ -65,14 +65,20 @@ class ReplicaHook(PlacementHook):
         args, kwargs = super().pre_forward(module, *args, **kwargs)
         chunks = split_batch(args, kwargs, 1 + len(self.replicas))
         state = CallerState.capture((self.device, *self.replica_devices))
+        # each part's inputs copied here, in the caller's thread: on CUDA the copy then sits on the caller's stream
+        # before the home part's kernels; a pool thread's copy lands wherever the caller has got to, and the
+        # replica waits for that much of the home part
+        moved = [move(c, d) for c, d in zip(chunks[1:], self.replica_devices)]
         self._pending.append([self._start(r, d, c, state) for r, d, c in
-                              zip(self.replicas, self.replica_devices, chunks[1:])])
+                              zip(self.replicas, self.replica_devices, moved)])
         return chunks[0]
 
     def post_forward(self, module, output):
         self._joining = True
         try:
-            parts = [output] + _joined(self._pending.pop())
+            # each part's output copied home here, where the caller uses it: from a pool thread the copy would
+            # make the caller's stream wait for the whole part at whatever point the caller had reached (G2)
+            parts = [output] + [move(o, self.device) for o in _joined(self._pending.pop())]
         finally:
             self._joining = False
         return super().post_forward(module, join_batch(parts) if len(parts) > 1 else output)
@@ -90,7 +96,7 @@ class ReplicaHook(PlacementHook):
         return PlacementHook.post_forward(self, module, output)
 
     def _start(self, module: torch.nn.Module, device: torch.device, chunk, state: CallerState) -> Future:
-        run = quietly(functools.partial(_run_replica, module, device, self.device, chunk, state))  # its own call
+        run = quietly(functools.partial(_run_replica, module, device, None, chunk, state))  # its own call
         if device.type == "meta":
             done: Future = Future()
             done.set_result(run())
@@ -167,12 +173,14 @@ class CallerState:
             yield
 
 
-def _run_replica(module, device: torch.device, home: torch.device, chunk, state: CallerState):
-    # the copy in runs on the home device's current stream (the caller's), fenced with the replica's; the copy out
-    # is then waited for by the caller's stream
+def _run_replica(module, device: torch.device, home: torch.device | None, chunk, state: CallerState):
+    # the inputs are on ``device`` already (moved in the caller's thread, ``ReplicaHook.pre_forward`` and guidance's
+    # ``_on_copy``): this ``move`` is then a no-op. With ``home`` None the output stays on ``device`` and the caller
+    # copies it home where it uses it; else the copy out runs here, and the caller's stream waits for it
     with state.entered(device):
         args, kwargs = move(chunk, device)
-        return move(module(*args, **kwargs), home)
+        output = module(*args, **kwargs)
+        return output if home is None else move(output, home)
 
 
 def _batched(leaf, batch: int) -> bool:
