@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -88,8 +92,6 @@ SKIP = {
     "pipemap tiny save KIND FOLDER": "the synopsis",
     "pipemap catalog": "the synopsis (tests/test_cli.py runs it)",
     "pipemap doctor": "the synopsis (tests/test_doctor.py runs it)",
-    "pipemap serve path/to/sdxl": "a server that runs until stopped (tests/test_serve.py serves the same app)",
-    "curl -s localhost:8000": "asks the server above",
 }
 
 # ---- what a snippet is given ------------------------------------------------------------------------------------
@@ -121,6 +123,10 @@ SUBSTITUTE = {
     "import torch, pipemap": [
         ('pipe("a photo of a cat")', 'pipe("a photo of a cat", num_inference_steps=2)',
          "50 steps under the fake CUDA take 22 s"),
+    ],
+    "curl -s localhost:8000/v1/images/generations": [
+        ('"size": "1024x1024"', '"size": "128x128"', "1024x1024 on the tiny SDXL's attention: over 300 s on 2 cores"),
+        ('"num_inference_steps": 30', '"num_inference_steps": 2', "30 steps of it: minutes"),
     ],
 }
 
@@ -162,10 +168,9 @@ def _placed(text: str, places: dict[str, str]) -> str:
     return text
 
 
-def _substituted(snippet: Snippet) -> str:
-    text = snippet.text
-    for old, new, _why in _entry(SUBSTITUTE, snippet.first) or []:
-        assert old in text, f"README.md:{snippet.line}: the substitution of {old!r} no longer matches the snippet"
+def _substituted(text: str, first: str) -> str:
+    for old, new, _why in _entry(SUBSTITUTE, first) or []:
+        assert old in text, f"the substitution of {old!r} no longer matches the snippet {first!r}"
         text = text.replace(old, new)
     return text
 
@@ -216,32 +221,97 @@ def test_the_python_snippet_runs_as_written(snippet, places, request):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if gpus is None else "default", UserWarning)  # GPUs remapped onto the CPU
         exec(compile(_placed(prelude, places), "prelude", "exec"), namespace)
-        exec(compile(_checked(_placed(_substituted(snippet), places)), f"README.md:{snippet.line}", "exec"), namespace)
+        text = _checked(_placed(_substituted(snippet.text, snippet.first), places))
+        exec(compile(text, f"README.md:{snippet.line}", "exec"), namespace)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("snippet", COMMANDS, ids=_ids(COMMANDS))
 def test_the_commands_run_as_written(snippet, places, tmp_path):
-    ran = 0
-    for command in snippet.commands():
-        if _entry(SKIP, command) is not None:
-            continue
-        words = shlex.split(_placed(command, places), comments=True)
-        if words[0].endswith("pipemap"):
-            words = words[1:]
-        assert words and words[0] in ("plan", "simulate", "tiny", "run", "demo", "catalog", "doctor"), (
-            f"README.md:{snippet.line}: {command!r} is neither a pipemap command nor in SKIP")
-        words = [str(tmp_path / Path(w).name) if w.startswith("/tmp/") else w for w in words]  # outputs: scratch
-        start = time.process_time()
-        result = pipemap_cli(*words, cwd=tmp_path)
-        seconds = time.process_time() - start
-        assert result.returncode == 0, f"README.md:{snippet.line}: {command}\n{result.stderr}"
-        if (stated := STATED.get(command)) is not None:
-            assert seconds <= stated * MARGIN, f"{command}: {seconds:.1f} s of CPU, the README states {stated} s"
-        ran += 1
+    ran, port = 0, None
+    with contextlib.ExitStack() as servers:
+        for command in snippet.commands():
+            if _entry(SKIP, command) is not None:
+                continue
+            words = _words(command, places, tmp_path)
+            if command.startswith("curl "):
+                assert port is not None, f"{command!r}: no `pipemap serve` before it in its block"
+                _ask(_substituted(command, command), port, tmp_path)
+            elif words[0] == "serve":
+                port = servers.enter_context(_serving(words, tmp_path))
+            else:
+                _run(command, words, tmp_path)
+            ran += 1
     if not ran:
         pytest.skip("; ".join(f"{c}: {_entry(SKIP, c)}" for c in snippet.commands()))
 
+
+def _words(command: str, places: dict[str, str], tmp_path: Path) -> list[str]:
+    """A command's words, placeholders replaced, ``/tmp/...`` outputs moved to the test's folder."""
+    words = shlex.split(command, comments=True)
+    if words[0].endswith("pipemap"):
+        words = words[1:]
+    return [str(tmp_path / Path(w).name) if w.startswith("/tmp/") else _placed(w, places) for w in words]
+
+
+def _run(command: str, words: list[str], tmp_path: Path) -> None:
+    """A ``pipemap`` command, in this process; within the CPU time the README states for it."""
+    assert words and words[0] in ("plan", "simulate", "tiny", "run", "demo", "catalog", "doctor"), (
+        f"{command!r} is neither a pipemap command nor in SKIP")
+    start = time.process_time()
+    result = pipemap_cli(*words, cwd=tmp_path)
+    seconds = time.process_time() - start
+    assert result.returncode == 0, f"{command}\n{result.stderr}"
+    if (stated := STATED.get(command)) is not None:
+        assert seconds <= stated * MARGIN, f"{command}: {seconds:.1f} s of CPU, the README states {stated} s"
+
+
+@contextlib.contextmanager
+def _serving(words: list[str], tmp_path: Path):
+    """``pipemap serve`` as the README starts it, in a child, on a free port instead of the README's; yields once it
+    answers ``/health/ready``."""
+    httpx = pytest.importorskip("httpx", reason="the serve snippet needs httpx: pip install -e '.[test]'")
+    with socket.socket() as probe:  # a port free now; the server binds it a few seconds later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    where = words.index("--port") + 1
+    words = [*words[:where], str(port), *words[where + 1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "pipemap", *words], env=env, stdout=out,
+                                  stderr=subprocess.STDOUT)
+        try:
+            with httpx.Client(base_url=f"http://localhost:{port}", timeout=10) as session:
+                for _ in range(300):
+                    assert server.poll() is None, log.read_text()
+                    with contextlib.suppress(httpx.TransportError):
+                        if session.get("/health/ready").status_code == 200:
+                            break
+                    time.sleep(1)
+            yield port
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:  # still finishing a request: not what this test is about
+                server.kill()
+                server.wait()
+
+
+def _ask(command: str, port: int, tmp_path: Path) -> None:
+    """A ``curl`` line of the README against the server the block started (its port for 8000; ``python`` this one)."""
+    line = command.replace("localhost:8000", f"localhost:{port}").replace("| python ", f"| {sys.executable} ")
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"{command}\n{result.stderr}"
+    written = re.search(r'open\("([^"]+)", "wb"\)', command)
+    if written:  # what the README's client writes: an image of the size it asked for
+        size = re.search(r'"size": "(\d+)x(\d+)"', command)
+        from PIL import Image
+
+        with Image.open(tmp_path / written[1]) as image:
+            assert size is None or image.size == (int(size[1]), int(size[2]))
 
 def test_every_table_entry_names_a_snippet_of_the_readme():
     # a table entry that matches nothing has gone stale: the README changed under it
