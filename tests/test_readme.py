@@ -7,8 +7,9 @@ What a snippet uses without defining it (a plan, a pipeline, prompts) comes from
 value would take long on 2 cores (50 steps under the fake CUDA), ``SUBSTITUTE`` names the change and why. Snippets
 that address GPUs by index (``max_memory={0: ...}``, ``strategy={"vae": "cuda:1"}``) need GPUs to exist: they run on
 the fake CUDA's two GPUs (``tests/fakecuda.py``); a ``hardware=`` spec naming GPUs runs them on the CPU with a
-``UserWarning``, as designed. Where the README states a snippet's time, the run must take no more CPU than that
-(``STATED``, with a margin for a slower machine).
+``UserWarning``, as designed. Where the prose above a command states its time ("21 s of CPU"), the run must take
+no more CPU than that (``STATED``, within ``MARGIN`` for a slower machine). The serve block runs as a user runs it:
+``pipemap serve`` in a child on a free port, then the README's ``curl`` line against it.
 """
 
 from __future__ import annotations
