@@ -130,6 +130,7 @@ def test_call_shape_keeps_what_sets_memory():
     long = measured_call(dict(base, prompt="a cat"))
     assert len(long["prompt"]) == 255 and long["prompt"].startswith("a cat a cat") and long["height"] == 64
     assert "generator" not in long and "output_type" not in long  # the dry run draws from no caller's generator
+    assert long["num_inference_steps"] == 2  # measured in the steps its shape counts: 30 steps repeat the first 2
 
 
 def test_weights_ceiling_counts_an_offload_room_larger_than_its_component():

@@ -80,7 +80,8 @@ def test_mixed_sizes_at_once_are_answered_200_or_a_typed_400_and_memory_waits(se
         stall.remove()
         sizes = [("16x16", 1), ("32x32", 1), ("32x32", 2), ("64x64", 1)]
         rush = [pool.submit(ask, client, size, n, seed) for seed, (size, n) in enumerate(sizes, start=2)]
-        wait_until(lambda: service.worker.depth == 2)  # the two that fit wait in the queue, to run together
+        # the two that fit: one in flight beside the first (waiting for memory), one waiting in the queue
+        wait_until(lambda: service.worker.running == 2 and service.worker.depth == 1)
         release.set()
         answers = [first.result()] + [r.result() for r in rush]
     codes = [a.status_code for a in answers]

@@ -116,9 +116,10 @@ def _shape(name: str, value: Any) -> Any:
 def measured_call(call: Mapping) -> dict:
     """The call a dry run measures for ``call``'s shape: each prompt made as long as the longest of its bucket, so
     the figure holds for every call of the shape (a pipeline that does not pad its prompts, Qwen-Image's, grows with
-    them); the caller's generator and callbacks left out (the dry run draws from none of them)."""
-    return {name: _longest(value) if "prompt" in name else value for name, value in call.items()
-            if name not in _UNSHAPED}
+    them); the caller's generator and callbacks left out (the dry run draws from none of them); the steps as the
+    shape counts them (steps repeat: a 200-step request is measured in 2, not 200)."""
+    return {name: _longest(value) if "prompt" in name else _shape(name, value) if name == "num_inference_steps"
+            else value for name, value in call.items() if name not in _UNSHAPED}
 
 
 def _longest(value: Any) -> Any:

@@ -22,7 +22,7 @@ from ..errors import CallTooLargeError, NotAPipelineError, format_bytes
 from ..inventory import inventory_of
 from ..plan import Plan
 from ..runtime.admission import Admission
-from ..runtime.parallel import iter_many
+from ..runtime.parallel import iter_unordered
 from .access import Access
 from .home import home_page
 from .metrics import Metrics
@@ -62,10 +62,11 @@ class Options:
 
 
 def pipeline_runner(workers: int, memory: Admission | None = None):
-    """``runner(pipe, calls) -> outcomes`` for the worker: ``iter_many`` (``run_many`` as a stream), so the stages
-    of ``workers`` requests in flight overlap across devices, each admitted by the memory it needs (``memory``);
-    outcomes in order, a failed call's error in its place."""
-    return functools.partial(iter_many, workers=workers, return_exceptions=True, memory=memory)
+    """``runner(pipe, calls) -> (index, outcome)`` for the worker: ``iter_unordered`` (``run_many`` as a stream,
+    each call's outcome as soon as it ends), so the stages of ``workers`` requests in flight overlap across devices,
+    each admitted by the memory it needs (``memory``), and a short request is not answered behind a long one; a
+    failed call's error is its outcome."""
+    return functools.partial(iter_unordered, workers=workers, return_exceptions=True, memory=memory)
 
 
 def default_workers(plan: Plan) -> int:
@@ -128,7 +129,7 @@ class Service:
         pipe.set_progress_bar_config(disable=True)
         self.workers = workers or workers_for(memory, self.running_plan, {"prompt": "a", "num_images_per_prompt": 1})
         self.worker = Worker(pipe, runner or pipeline_runner(self.workers, memory), max_queue, in_flight=self.workers,
-                             max_batch=max_batch, batch_window=batch_window, fits=self.fits)
+                             max_batch=max_batch, batch_window=batch_window, fits=self.fits, ordered=runner is not None)
         self.metrics = Metrics(pipe, self.worker, memory)
         self.worker.on_finished = self.metrics.finished
         self._home: str | None = None
