@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -25,13 +24,14 @@ from ..errors import CallTooLargeError, SimulationFailedError
 from ..plan import Plan
 from ..quiet import quiet_diffusers, quiet_transformers
 from ..runtime.admission import Lease, MemoryLedger, Needs, Ticket, call_shape, measured_call, too_large
+from ..runtime.loading import PATCHING
 from ..units import format_bytes
 from . import standin
 from .report import SimulationReport
 from .run import _fake_copy, traced
 from .trackers import PhasedTracker
 
-_DRY_RUNS = threading.Lock()  # a dry run patches library code process-wide: one at a time
+_DRY_RUNS = PATCHING  # a dry run patches library code process-wide: one at a time, and never beside a load
 
 
 @dataclass(frozen=True)
