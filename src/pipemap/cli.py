@@ -266,12 +266,18 @@ def _serve(args) -> int:
         from .serve.deployment import run_on_ray
 
         return run_on_ray(options, args.host, args.port, args.replicas, args.autoscale, public=args.ray_public)
-    from .serve import Service, run
+    from .serve import run
+    from .serve.service import Loading
 
-    service = Service.load(options)
-    print(service.plan)
-    print(f"pipemap: serving on http://{args.host}:{args.port} (POST /v1/images/generations)", flush=True)
-    run(service, args.host, args.port)
+    def ready(service) -> None:
+        print(service.plan)
+        print(f"pipemap: ready on http://{args.host}:{args.port} (POST /v1/images/generations)", flush=True)
+
+    loading = Loading(options, on_ready=ready)  # the port answers while it loads: /health/ready says when it is ready
+    print(f"pipemap: loading {args.path}; serving on http://{args.host}:{args.port} (503 until loaded)", flush=True)
+    run(loading, args.host, args.port)
+    if loading.failed is not None:
+        raise loading.failed
     return 0
 
 

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from .access import Guard, error, too_large
 from .metrics import CONTENT_TYPE
 from .requests import ModelNotFoundError, RequestError, parse
-from .service import Service
+from .service import Loading, Service
 from .worker import DrainingError, QueueFullError, WorkDropped
 
 # what a RuntimeError's text says when the device itself is broken: every later call fails too, so the service stops
@@ -202,8 +202,9 @@ ROUTES = [
 ]
 
 
-def create_app(service: Service) -> Starlette:
-    """The ASGI app serving ``service``: its worker starts with the app and finishes its work when the app stops.
+def create_app(service: Service | Loading) -> Starlette:
+    """The ASGI app serving ``service``: its worker starts with the app and finishes its work when the app stops. A
+    ``Loading`` service starts loading with the app, which answers meanwhile (not ready: ``_not_loaded``).
 
     >>> service = Service.load(Options("path/to/sdxl", hardware="2x24GiB"))                  # doctest: +SKIP
     >>> uvicorn.run(create_app(service), host="127.0.0.1", port=8000)                        # doctest: +SKIP
@@ -236,17 +237,40 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return error(500, f"the server failed: {type(exc).__name__}: {exc}", "server_error", code="server_error")
 
 
-def _refused(service: Service):
+def _refused(service: Service | Loading):
     def count(path: str, status: int) -> None:  # a generation turned away before its route is still answered
-        if path == "/v1/images/generations":
-            service.metrics.answered(status)
+        loaded = _loaded(service)
+        if path == "/v1/images/generations" and loaded is not None:
+            loaded.metrics.answered(status)
 
     return count
 
 
-def _bound(handler, service: Service):
+def _loaded(service: Service | Loading) -> Service | None:
+    return service.service if isinstance(service, Loading) else service
+
+
+def _bound(handler, service: Service | Loading):
     async def endpoint(request: Request) -> Response:
-        return await handler(service, request)
+        loaded = _loaded(service)
+        if loaded is None:
+            assert isinstance(service, Loading)
+            return _not_loaded(handler, service)
+        return await handler(loaded, request)
 
     endpoint.__name__ = handler.__name__
     return endpoint
+
+
+def _not_loaded(handler, loading: Loading) -> Response:
+    """The answer of a route while the pipeline loads: alive, not ready; every other route 503 with a Retry-After
+    (JSON in OpenAI's shape, as every error)."""
+    reason = loading.reason()
+    if handler is live:
+        return JSONResponse({"status": "alive"})
+    if handler is ready:
+        return JSONResponse({"ready": False, "reason": reason, "queue_depth": 0, "running": 0}, status_code=503)
+    if handler is health:
+        return JSONResponse({"status": reason, "queue_depth": 0, "running": 0}, status_code=503)
+    return error(503, f"the server is not ready ({reason}): retry in a few seconds; GET /health/ready says when "
+                 "it is", "server_busy", code="loading", headers={"Retry-After": str(loading.RETRY_AFTER)})

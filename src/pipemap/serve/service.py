@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -151,6 +152,10 @@ class Service:
     def start(self) -> None:
         self.worker.start()
 
+    def drain(self) -> None:
+        """Take no new work; what was taken still finishes (an exit signal's first step)."""
+        self.worker.drain()
+
     def stop(self, grace: float | None = None) -> None:
         """Drain: the work taken may finish for ``grace`` seconds (the timeout by default); then what is still
         waiting or running is dropped (stopped at its next step) and the worker given a few seconds more."""
@@ -239,6 +244,66 @@ class Service:
         if self.broken is not None:
             return f"device error: {self.broken}"
         return "draining" if self.worker.draining else None
+
+
+class Loading:
+    """A service loaded on a thread of its own while the app already answers (``pipemap serve``): until it is
+    loaded, ``/health/live`` is 200, ``/health/ready`` and ``/health`` 503 with the reason, every other route 503
+    JSON with a Retry-After; then the loaded ``service`` answers. ``load`` makes the service
+    (``Service.load(options)`` by default); ``on_ready(service)`` and ``on_failed(error)`` hear how it went.
+
+    >>> pipemap.serve.run(Loading(Options("path/to/sdxl", hardware="2x24GiB")))               # doctest: +SKIP
+    """
+
+    RETRY_AFTER = 5  # seconds: a load takes seconds to minutes; a client polling faster learns nothing more
+
+    def __init__(self, options: Options, load=None, on_ready=None, on_failed=None):
+        self.options, self.access, self.timeout = options, options.access, options.timeout
+        self._load = load or (lambda: Service.load(options))
+        self.on_ready = on_ready or (lambda service: None)
+        self.on_failed = on_failed or (lambda error: None)
+        self.service: Service | None = None
+        self.failed: BaseException | None = None
+        self.draining = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # a drain and the end of the load: one before the other
+
+    def reason(self) -> str:
+        """Why no request is taken yet: loading, its failure, or a drain that came first."""
+        if self.failed is not None:
+            return f"the pipeline failed to load: {type(self.failed).__name__}: {self.failed}"
+        return "draining" if self.draining else "loading"
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pipemap-serve-load", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            service = self._load()
+        except BaseException as error:  # noqa: BLE001 - reported to the server, which stops
+            self.failed = error
+            self.on_failed(error)
+            return
+        with self._lock:
+            if self.draining:  # stopped while it loaded: it never takes work
+                service.drain()
+                return
+            service.start()
+            self.service = service
+        self.on_ready(service)
+
+    def drain(self) -> None:
+        with self._lock:
+            self.draining = True
+        if self.service is not None:
+            self.service.drain()
+
+    def stop(self, grace: float | None = None) -> None:
+        self.drain()
+        if self.service is not None:
+            self.service.stop(grace)
 
 
 def _work(call: dict) -> int | None:
