@@ -131,6 +131,8 @@ def _add_serve(commands) -> None:
     serve.add_argument("--max-steps", type=int, default=200, help="num_inference_steps a request may ask for "
                        "(default 200)")
     serve.add_argument("--max-prompt", type=int, default=4000, help="characters a prompt may have (default 4000)")
+    serve.add_argument("--max-frames", type=int, default=256, help="num_frames a video request may ask for "
+                       "(default 256)")
     serve.add_argument("--max-body", type=int, default=1 << 20, help="bytes a request body may have; then 413 "
                        "(default 1 MiB)")
     serve.add_argument("--max-batch", type=int, default=1, help="requests of one shape (one image each) run as one "
@@ -261,7 +263,7 @@ def _serve(args) -> int:
                       _headroom(args.headroom),
                       args.max_queue, args.timeout, args.max_n, args.workers, args.max_steps, args.max_prompt,
                       tuple(args.served_model_name), Access(args.api_key or None, local, args.max_body),
-                      args.max_batch, args.batch_window_ms / 1000)
+                      args.max_batch, args.batch_window_ms / 1000, args.max_frames)
     if args.ray:
         from .serve.deployment import run_on_ray
 

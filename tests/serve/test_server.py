@@ -116,6 +116,29 @@ def test_a_load_that_fails_stops_the_server_with_its_error(monkeypatch):
     assert "failed to load: NotAPipelineError" in loading.reason()
 
 
+def test_past_the_apps_limit_requests_get_503_json_and_probes_still_answer(service):
+    # the app takes 2 * (1 waiting + 1 running) + 16 requests at once; each of these holds one by sending its head
+    # and never its body; the next gets JSON (uvicorn's own 503, in plain text, is 16 connections further)
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=30.0, max_queue=1, workers=1)
+    with Background(own) as url, httpx.Client(base_url=url, timeout=60) as session:
+        port = int(url.rsplit(":", 1)[1])
+        held = []
+        for _ in range(server_module.max_inside(own)):
+            raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+            raw.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                        b"application/json\r\nContent-Length: 100\r\n\r\n{")
+            held.append(raw)
+        try:
+            wait_until(lambda: ask(session, prompt="a cat").status_code == 503)
+            refused = ask(session, prompt="a cat")
+            assert refused.json()["error"]["code"] == "too_many_requests" and refused.headers["retry-after"] == "5"
+            assert session.get("/health/ready").status_code == 200 and session.get("/metrics").status_code == 200
+        finally:
+            for raw in held:
+                raw.close()
+        wait_until(lambda: ask(session, prompt="a cat", seed=1).status_code == 200)
+
+
 # ---- the command line: serve, then SIGTERM while a request runs -------------------------------------------------
 
 

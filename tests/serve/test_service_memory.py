@@ -173,3 +173,13 @@ def test_a_cpu_plan_refuses_a_request_too_large_for_the_host_with_the_figures_an
              "num_inference_steps": 2}
     assert service.fits(batch) and not service.fits({**batch, "prompt": ["a cat"] * 2000})
     assert counted(session).get('pipemap_requests_total{code="500"}', 0) == 0
+
+
+def test_the_work_a_request_is_scaled_by_counts_its_frames():
+    # activations grow with pixels x images x frames; a video call that leaves its frames to the pipeline's default
+    # has no figure to scale by (the default may be 81 frames), so it goes to its own dry run
+    from pipemap.serve.service import _work
+
+    assert _work({"width": 32, "height": 16, "num_images_per_prompt": 2, "num_frames": 9}, video=True) == 32 * 16 * 18
+    assert _work({"width": 32, "height": 16}, video=True) is None and _work({"width": 32, "height": 16}) == 512
+    assert _work({"num_frames": 9}, video=True) is None

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from .access import Guard, error, too_large
+from .access import Busy, Guard, error, too_large
 from .metrics import CONTENT_TYPE
 from .requests import ModelNotFoundError, RequestError, parse
 from .service import Loading, Service
@@ -202,9 +202,10 @@ ROUTES = [
 ]
 
 
-def create_app(service: Service | Loading) -> Starlette:
+def create_app(service: Service | Loading, max_inside: int | None = None) -> Starlette:
     """The ASGI app serving ``service``: its worker starts with the app and finishes its work when the app stops. A
     ``Loading`` service starts loading with the app, which answers meanwhile (not ready: ``_not_loaded``).
+    ``max_inside``: requests in the app at once, past which it answers 503 (``access.Busy``); None: no limit.
 
     >>> service = Service.load(Options("path/to/sdxl", hardware="2x24GiB"))                  # doctest: +SKIP
     >>> uvicorn.run(create_app(service), host="127.0.0.1", port=8000)                        # doctest: +SKIP
@@ -218,8 +219,9 @@ def create_app(service: Service | Loading) -> Starlette:
 
     routes = [Route(path, _bound(handler, service), methods=[method]) for method, path, handler in ROUTES]
     handlers = {HTTPException: _http_error, Exception: _server_error}
+    busy = [Middleware(Busy, limit=max_inside)] if max_inside is not None else []
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers,
-                    middleware=[Middleware(Guard, access=service.access, refused=_refused(service))])
+                    middleware=[*busy, Middleware(Guard, access=service.access, refused=_refused(service))])
     app.state.service = service
     return app
 

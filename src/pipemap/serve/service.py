@@ -52,6 +52,7 @@ class Options:
     access: Access = Access()  # who may call, and how large a body may be
     max_batch: int = 1  # requests of one shape run as one call, at most; 1: no batching
     batch_window: float = 0.02  # seconds a request waits for others of its shape
+    max_frames: int = 256  # frames a video request may ask for
 
     def served_names(self) -> tuple[str, ...]:
         return self.names or (self.path,)
@@ -116,10 +117,11 @@ class Service:
                  timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None,
                  memory: Admission | None = None, sizes: Admission | None = None, max_steps: int = 200,
                  max_prompt: int = 4000, names: tuple[str, ...] = (), access: Access | None = None,
-                 max_batch: int = 1, batch_window: float = 0.02):
+                 max_batch: int = 1, batch_window: float = 0.02, max_frames: int = 256):
         self.pipe, self.plan, self.running_plan = pipe, plan, running_plan or plan
         self.timeout = timeout
-        self.limits = Limits.of(pipe, max_n, max_steps=max_steps, max_prompt=max_prompt, names=names)
+        self.limits = Limits.of(pipe, max_n, max_steps=max_steps, max_prompt=max_prompt, names=names,
+                                max_frames=max_frames)
         self.names = names or ("pipemap",)
         self.access = access or Access()
         self.memory = memory  # the ledger requests are admitted by (``api.memory_for``); None: no GPU in the plan
@@ -147,7 +149,8 @@ class Service:
         return cls(pipe, plan, running, max_queue=options.max_queue, timeout=options.timeout, max_n=options.max_n,
                    workers=options.workers, memory=memory, sizes=None if memory else sizes_for(running, folder),
                    max_steps=options.max_steps, max_prompt=options.max_prompt, names=options.served_names(),
-                   access=options.access, max_batch=options.max_batch, batch_window=options.batch_window)
+                   access=options.access, max_batch=options.max_batch, batch_window=options.batch_window,
+                   max_frames=options.max_frames)
 
     def start(self) -> None:
         self.worker.start()
@@ -178,8 +181,8 @@ class Service:
         """A RequestError with the figures when the call's activations fit the plan's room on no device, even alone:
         far too large by the shapes measured so far, else by its own shape's dry run."""
         assert self.sizes is not None
-        param = "n" if generation.n > 1 else "size"
-        work = _work(generation.call)
+        param = "n" if generation.n > 1 else "num_frames" if "num_frames" in generation.call else "size"
+        work = _work(generation.call, video="num_frames" in self.limits.parameters)
         for device, needs, seen in self._scaled(work):
             room = self.sizes.ledger.room(device)
             if needs > _SURE * room:
@@ -306,11 +309,12 @@ class Loading:
             self.service.stop(grace)
 
 
-def _work(call: dict) -> int | None:
-    """Pixels times images: what activations grow with; None when the size is the pipeline's default."""
-    if "width" not in call:
+def _work(call: dict, video: bool = False) -> int | None:
+    """Pixels times images times frames: what activations grow with; None when the size, or a video pipeline's
+    frames, are the pipeline's default (a default is no figure to scale by)."""
+    if "width" not in call or (video and "num_frames" not in call):
         return None
-    return call["width"] * call["height"] * call.get("num_images_per_prompt", 1)
+    return call["width"] * call["height"] * call.get("num_images_per_prompt", 1) * call.get("num_frames", 1)
 
 
 def make_plan(options: Options) -> Plan:
