@@ -285,16 +285,16 @@ class Loading:
     def _run(self) -> None:
         try:
             service = self._load()
+            with self._lock:
+                if self.draining:  # stopped while it loaded: it never takes work
+                    service.drain()
+                    return
+                service.start()
+                self.service = service
         except BaseException as error:  # noqa: BLE001 - reported to the server, which stops
             self.failed = error
             self.on_failed(error)
             return
-        with self._lock:
-            if self.draining:  # stopped while it loaded: it never takes work
-                service.drain()
-                return
-            service.start()
-            self.service = service
         self.on_ready(service)
 
     def drain(self) -> None:
