@@ -30,7 +30,7 @@ TIGHT = "cuda:0=5MiB,cuda:1=4MiB,cpu=1GiB"
 @pytest.fixture(scope="module")
 def service(tiny_folders):
     return Service.load(Options(tiny_folders["sd"], hardware=TIGHT, strategy="balanced", headroom=0.0, max_queue=8,
-                                timeout=120.0, max_n=2))
+                                timeout=120.0, max_n=2, admit_as_planned=True))  # the stand-in GPUs' budgets
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,20 @@ def test_an_out_of_memory_move_is_answered_200_and_counted(service, client):
     direct = service.pipe(prompt="a tiny cat", width=32, height=32, num_inference_steps=2, output_type="pil",
                           generator=torch.Generator("cpu").manual_seed(9)).images[0]
     np.testing.assert_array_equal(image(response), np.array(direct))
+
+
+@pytest.mark.slow  # a load and a dry run
+def test_a_plan_whose_gpus_run_on_the_cpu_admits_by_the_cpus_room_by_default(tiny_folders):
+    # the same TIGHT plan, served as `pipemap serve --hardware` would on this machine without its GPUs: 64x64, which
+    # the stand-in cuda:0 could not hold, fits the CPU the request runs on (issue 38)
+    service = Service.load(Options(tiny_folders["sd"], hardware=TIGHT, strategy="balanced", headroom=0.0,
+                                   timeout=120.0))
+    assert set(service.plan.device_map.values()) == {"cuda:0", "cuda:1"} and service.memory is None
+    assert service.sizes is not None and set(service.sizes.ledger.memory) == {"cpu"}
+    with Background(service) as url, httpx.Client(base_url=url, timeout=120) as session:
+        answer = ask(session, "64x64")
+    assert answer.status_code == 200, answer.text
+    assert image(answer).shape == (64, 64, 3)
 
 
 # ---- a plan with no GPU: requests checked against the host's room ----------------------------------------------

@@ -53,6 +53,9 @@ class Options:
     max_batch: int = 1  # requests of one shape run as one call, at most; 1: no batching
     batch_window: float = 0.02  # seconds a request waits for others of its shape
     max_frames: int = 256  # frames a video request may ask for
+    # a plan whose GPUs this machine lacks runs on the CPU: its requests are admitted by the CPU's room (the devices
+    # they run on), unless this asks for the planned GPUs' budgets (tests of GPU admission on a machine without one)
+    admit_as_planned: bool = False
 
     def served_names(self) -> tuple[str, ...]:
         return self.names or (self.path,)
@@ -140,12 +143,13 @@ class Service:
     @classmethod
     def load(cls, options: Options, plan: Plan | None = None) -> Service:
         """Plan ``options.path`` (for ``options.hardware``, or this machine) unless ``plan`` is given, load it onto
-        the plan, and serve it; planned devices this machine lacks run on the CPU."""
+        the plan, and serve it; planned devices this machine lacks run on the CPU, and requests are admitted by the
+        room of the devices they run on (``options.admit_as_planned``: by the planned devices' budgets)."""
         folder = resolve_folder(options.path)
         plan = plan or make_plan(options)
         running = runnable(plan)
         pipe = load(folder, plan=running, progress=False)
-        memory = memory_for(pipe, plan, source=str(folder))
+        memory = memory_for(pipe, plan if options.admit_as_planned else running, source=str(folder))
         return cls(pipe, plan, running, max_queue=options.max_queue, timeout=options.timeout, max_n=options.max_n,
                    workers=options.workers, memory=memory, sizes=None if memory else sizes_for(running, folder),
                    max_steps=options.max_steps, max_prompt=options.max_prompt, names=options.served_names(),
