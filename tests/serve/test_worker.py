@@ -154,6 +154,19 @@ def test_a_runner_that_fails_whole_fails_each_job_it_holds(worker):
     wait_until(lambda: queue.running == 0)
 
 
+def test_a_runner_that_fails_before_taking_any_call_fails_the_waiting_jobs_instead_of_spinning(worker):
+    def runner(pipe, calls):
+        raise OSError("the runner broke at once")
+
+    queue = worker(runner=runner)
+    jobs = [_job("a"), _job("b")]
+    for job in jobs:
+        queue.submit(job)
+    queue.start()
+    assert all(isinstance(job.future.exception(30), OSError) for job in jobs)
+    wait_until(lambda: queue.depth == 0 and queue.running == 0)
+
+
 # ---- over HTTP: a full queue, a timeout, a failure: each answered, and the server goes on ----------------------
 
 

@@ -190,6 +190,12 @@ class Worker:
             except Exception as error:  # noqa: BLE001 - a runner that fails whole fails each job it holds
                 for group in list(taken.values()):
                     self._answer_group(group, error)
+                if not taken:  # it failed before taking any: the waiting jobs would only make it fail again
+                    with self._ready:
+                        waiting = [job for job in list(self._waiting) if self._run(job)]
+                        self._waiting.clear()
+                    for job in waiting:
+                        self._answer(job, error)
                 taken.clear()
 
     def _work_waits(self) -> bool:
