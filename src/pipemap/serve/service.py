@@ -110,7 +110,8 @@ _SURE = 16
 
 
 class Service:
-    """A pipeline, the plan it runs on, and the queue in front of it.
+    """A pipeline, the plan it runs on, and the queue in front of it. ``runner``: an ordered runner for the worker
+    (``worker.run_sequential``); by default the pipeline's unordered one (``pipeline_runner``).
 
     >>> service = Service.load(Options("path/to/sdxl", hardware="2x24GiB"))                  # doctest: +SKIP
     >>> app = pipemap.serve.create_app(service)      # an ASGI app: uvicorn, or a Ray Serve replica
