@@ -4,6 +4,7 @@
     python bench/serve.py --burst 32 --steps 4 --workers 2 --no-record
     python bench/serve.py --clients 1,4,16,64 --seconds 20 --no-record   # load: closed-loop clients at each level
     python bench/serve.py --clients 1,4,16,64 --max-batch 8 --no-record  # the same, batching on
+    python bench/serve.py --head-of-line 40 --no-record   # a 40-step request, then a short one: when each is answered
 
 With ``--clients``: at each level, that many client threads each send a request, wait for its answer and send the
 next, for ``--seconds``; a 429 is counted and retried after its Retry-After (as OpenAI's client does).
@@ -59,6 +60,9 @@ def main() -> None:
         if args.clients:
             _load(args, service)
             return
+        if args.head_of_line:
+            _head_of_line(args, service)
+            return
         with Background(service) as url, httpx.Client(base_url=url, timeout=600) as client:
             rounds = _rounds(args, client, service.pipe)
     rows = _rows(args, rounds)
@@ -80,6 +84,8 @@ def _arguments():
     parser.add_argument("--scale", type=int, default=1, help="tiny pipeline channel scale (default 1)")
     parser.add_argument("--workers", type=int, default=2, help="requests in flight, both ways (default 2)")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to bench/RESULTS.md")
+    parser.add_argument("--head-of-line", type=int, metavar="STEPS", help="send a request of STEPS steps, then one "
+                        "of --steps: seconds to each answer (the short one should not wait for the long one)")
     parser.add_argument("--clients", help="load levels, e.g. 1,4,16,64: closed-loop clients at each")
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds per load level (default 20)")
     parser.add_argument("--max-queue", type=int, help="the server's queue (default: --burst)")
@@ -123,6 +129,33 @@ def _load(args, service) -> None:
     if not args.no_record:
         with RESULTS.open("a") as results:
             results.write(f"\n{table}\n")
+
+
+def _head_of_line(args, service) -> None:
+    """A long request, then a short one 0.2 s later, three times: seconds from each one's sending to its answer."""
+    long_call, short_call = ({"prompt": "a tiny cat", "seed": 1, "size": f"{args.size}x{args.size}",
+                              "num_inference_steps": steps} for steps in (args.head_of_line, args.steps))
+    rows = []
+    with Background(service) as url, httpx.Client(base_url=url, timeout=600) as client:
+        client.post("/v1/images/generations", json=short_call).raise_for_status()  # the shape measured, inits paid
+
+        def timed(body) -> float:
+            start = time.perf_counter()
+            client.post("/v1/images/generations", json=body).raise_for_status()
+            return time.perf_counter() - start
+
+        for _ in range(3):
+            with ThreadPoolExecutor(2) as pool:
+                slow = pool.submit(timed, long_call)
+                time.sleep(0.2)
+                fast = pool.submit(timed, short_call)
+                rows.append((slow.result(), fast.result()))
+    print(f"head of line, {args.workers} workers: {args.head_of_line}-step request then {args.steps}-step one, "
+          "seconds to each answer:")
+    for long_s, short_s in rows:
+        print(f"  long {long_s:.2f} s, short {short_s:.2f} s (short / long {short_s / long_s:.2f})")
+    print("summary: " + f"long_s={statistics.median(r[0] for r in rows):.3g} "
+          f"short_s={statistics.median(r[1] for r in rows):.3g}")
 
 
 def _level(args, url: str, clients: int, seconds: float | None = None) -> tuple[float, ...]:

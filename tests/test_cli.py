@@ -81,14 +81,22 @@ def test_serve_flags_become_the_services_options(monkeypatch, tmp_path):
     from pipemap.serve.access import Access
 
     loaded, served = [], []
+    made = type("S", (), {"plan": "a plan", "start": lambda self: None})
     monkeypatch.setattr(pipemap.serve.Service, "load", classmethod(lambda cls, options: loaded.append(options)
-                                                                   or type("S", (), {"plan": "a plan"})()))
-    monkeypatch.setattr(pipemap.serve, "run", lambda service, host, port: served.append((host, port)))
+                                                                   or made()))
+
+    def run(loading, host, port):  # the server starts the load with its app: here, at once
+        loading.start()
+        loading._thread.join(30)
+        served.append((host, port))
+
+    monkeypatch.setattr(pipemap.serve, "run", run)
     monkeypatch.setenv("PIPEMAP_API_KEY", "from-env")
     assert main(["serve", str(tmp_path), "--host", "0.0.0.0", "--port", "8123", "--max-steps", "60", "--max-prompt",
                  "500", "--max-body", "9999", "--served-model-name", "sd", "sd-alias", "--max-batch", "4",
-                 "--batch-window-ms", "30"]) == 0
+                 "--batch-window-ms", "30", "--max-frames", "33"]) == 0
     (options,) = loaded
+    assert options.max_frames == 33
     assert (options.max_steps, options.max_prompt, options.names) == (60, 500, ("sd", "sd-alias"))
     assert (options.max_batch, options.batch_window) == (4, 0.03)
     assert options.access == Access(api_key="from-env", local=False, max_body=9999)

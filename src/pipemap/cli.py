@@ -131,6 +131,8 @@ def _add_serve(commands) -> None:
     serve.add_argument("--max-steps", type=int, default=200, help="num_inference_steps a request may ask for "
                        "(default 200)")
     serve.add_argument("--max-prompt", type=int, default=4000, help="characters a prompt may have (default 4000)")
+    serve.add_argument("--max-frames", type=int, default=256, help="num_frames a video request may ask for "
+                       "(default 256)")
     serve.add_argument("--max-body", type=int, default=1 << 20, help="bytes a request body may have; then 413 "
                        "(default 1 MiB)")
     serve.add_argument("--max-batch", type=int, default=1, help="requests of one shape (one image each) run as one "
@@ -261,17 +263,23 @@ def _serve(args) -> int:
                       _headroom(args.headroom),
                       args.max_queue, args.timeout, args.max_n, args.workers, args.max_steps, args.max_prompt,
                       tuple(args.served_model_name), Access(args.api_key or None, local, args.max_body),
-                      args.max_batch, args.batch_window_ms / 1000)
+                      args.max_batch, args.batch_window_ms / 1000, args.max_frames)
     if args.ray:
         from .serve.deployment import run_on_ray
 
         return run_on_ray(options, args.host, args.port, args.replicas, args.autoscale, public=args.ray_public)
-    from .serve import Service, run
+    from .serve import run
+    from .serve.service import Loading
 
-    service = Service.load(options)
-    print(service.plan)
-    print(f"pipemap: serving on http://{args.host}:{args.port} (POST /v1/images/generations)", flush=True)
-    run(service, args.host, args.port)
+    def ready(service) -> None:
+        print(service.plan)
+        print(f"pipemap: ready on http://{args.host}:{args.port} (POST /v1/images/generations)", flush=True)
+
+    loading = Loading(options, on_ready=ready)  # the port answers while it loads: /health/ready says when it is ready
+    print(f"pipemap: loading {args.path}; serving on http://{args.host}:{args.port} (503 until loaded)", flush=True)
+    run(loading, args.host, args.port)
+    if loading.failed is not None:
+        raise loading.failed
     return 0
 
 

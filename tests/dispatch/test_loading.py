@@ -130,3 +130,25 @@ def test_load_takes_a_measured_headroom_as_plan_does(tiny_folders, reference_out
     assert planned(pipe) == pipemap.plan(folder, hardware="cpu=1GiB", headroom="measure")
     assert any(n.startswith("headroom measured by a dry run") for n in planned(pipe).notes)
     torch.testing.assert_close(run(pipe, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # a load and a second's wait: over 1.5 s on 2 cores
+def test_a_load_and_a_dry_run_take_turns(tiny_folders):
+    # accelerate's init_empty_weights swaps Module.register_parameter process-wide: a load beside a dry run could
+    # build meta weights. Both take loading.PATCHING; here a dry run's hold of it keeps a load waiting until it ends
+    import threading
+
+    from pipemap.dispatch.loading import PATCHING
+    from pipemap.dryrun import many
+
+    assert many._DRY_RUNS is PATCHING
+    plan = pipemap.plan(tiny_folders["sd"], hardware="cpu=1GiB")
+    loaded: list = []
+    with PATCHING:  # what a dry run holds while it runs
+        loading = threading.Thread(target=lambda: loaded.append(pipemap.load(tiny_folders["sd"], plan=plan,
+                                                                             progress=False)))
+        loading.start()
+        loading.join(1.0)
+        assert loading.is_alive() and not loaded
+    loading.join(60)
+    assert loaded and all(p.device.type == "cpu" for p in loaded[0].unet.parameters())

@@ -218,3 +218,36 @@ def test_iter_many_raises_a_bad_call_in_its_turn_and_stops_reading_when_closed(s
     assert err.value.argument == "calls[1]"
     answers.close()
     assert read == [0, 1]
+
+
+def test_iter_unordered_answers_a_short_call_before_a_long_one_sent_first(staged):
+    # call 0 waits at its first step's end until call 1's answer is out: in submission order it would wait in vain
+    from pipemap.dispatch.parallel import iter_unordered
+
+    calls = _calls(2)
+    want = _images(staged(**call) for call in _calls(2))
+    answered = threading.Event()
+
+    def hold(pipe, step, timestep, tensors):
+        assert answered.wait(60), "the short call's answer waited for the long one"
+        return {}
+
+    answers = iter_unordered(staged, [{**calls[0], "callback_on_step_end": hold}, calls[1]], workers=2)
+    index, first = next(answers)
+    answered.set()
+    rest = list(answers)
+    assert index == 1 and [i for i, _ in rest] == [0]
+    for got, expected in zip(_images([rest[0][1], first]), want, strict=True):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_iter_unordered_puts_a_failed_calls_error_in_its_place_or_raises_it(staged):
+    from pipemap.dispatch.parallel import iter_unordered
+
+    bad = {"prompt": None, "num_inference_steps": 1, "output_type": "np"}  # neither prompt nor embeddings
+    outcomes = dict(iter_unordered(staged, [bad, _calls(1)[0]], workers=2, return_exceptions=True))
+    assert isinstance(outcomes[0], ValueError) and outcomes[1].images.shape == (1, 32, 32, 3)
+    with pytest.raises(ValueError):
+        list(iter_unordered(staged, [bad], workers=1))
+    with pytest.raises(pipemap.RunManyCallError):
+        iter_unordered(staged, [], workers=0)

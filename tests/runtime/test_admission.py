@@ -130,6 +130,7 @@ def test_call_shape_keeps_what_sets_memory():
     long = measured_call(dict(base, prompt="a cat"))
     assert len(long["prompt"]) == 255 and long["prompt"].startswith("a cat a cat") and long["height"] == 64
     assert "generator" not in long and "output_type" not in long  # the dry run draws from no caller's generator
+    assert long["num_inference_steps"] == 2  # measured in the steps its shape counts: 30 steps repeat the first 2
 
 
 def test_weights_ceiling_counts_an_offload_room_larger_than_its_component():
@@ -252,3 +253,40 @@ def test_the_gate_closes_once_the_calls_inside_end():
     mover.join(5)
     first.join(5)
     assert order == ["call", "move"]
+
+
+def test_a_dry_run_holds_no_lock_a_measured_shape_needs_and_a_shape_is_measured_once():
+    # the 64-wide shape's dry run stalls until released: meanwhile a request of the measured 32-wide shape is served,
+    # start to end, and a second request of the stalled shape waits for that same dry run instead of a second one
+    started, release, measured = threading.Event(), threading.Event(), []
+
+    def measure(plan, call):
+        measured.append(call["width"])
+        if call["width"] == 64:
+            started.set()
+            assert release.wait(30)
+        return needs(call["width"] * 1000)
+
+    peaks = types.SimpleNamespace(start=lambda: None, peaks=lambda: {"cuda:0": 40_000})  # as a GPU's allocator reads
+    admission = Admission(_plan(), measure, allocator=peaks)
+    admission.needs({"width": 32})
+    stalled = [threading.Thread(target=admission.needs, args=({"width": 64},)) for _ in range(2)]
+    for thread in stalled:
+        thread.start()
+    assert started.wait(30)
+    with admission.request({"width": 32}) as lease:  # it runs alone: its figures corrected at its end
+        assert lease.needs.rest == {"cuda:0": 32_000}
+    assert admission.needs({"width": 32}).rest == {"cuda:0": 40_000}
+    release.set()
+    for thread in stalled:
+        thread.join(30)
+    assert measured == [32, 64] and admission.needs({"width": 64}).rest == {"cuda:0": 64_000}
+
+
+def test_the_figures_kept_are_bounded_the_least_recently_used_dropped(monkeypatch):
+    monkeypatch.setattr("pipemap.runtime.admission.MOST_SHAPES", 3)
+    measured = []
+    admission = Admission(_plan(), lambda plan, call: measured.append(call["width"]) or needs(1000))
+    for width in (8, 16, 24, 8, 32, 8, 16):  # 8 used again before 32 comes: 16 is the one dropped, then 24
+        admission.needs({"width": width})
+    assert measured == [8, 16, 24, 32, 16]

@@ -20,7 +20,7 @@ def service(tiny_folders):
     folder = tiny_folders["sd"]
     hardware = roomy_hardware(pipemap.inspect(folder))
     return Service.load(Options(folder, hardware=hardware, strategy="balanced_low_memory", headroom=ROOM,
-                                max_queue=1, timeout=120.0, max_n=2, workers=2))
+                                admit_as_planned=True, max_queue=1, timeout=120.0, max_n=2, workers=2))
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,9 @@ BAD = {
     "url format": ({"prompt": "a cat", "response_format": "url"}, "response_format", "'b64_json'"),
     "steps below 1": ({"prompt": "a cat", "num_inference_steps": 0}, "num_inference_steps", "greater than"),
     "seed negative": ({"prompt": "a cat", "seed": -1}, "seed", "greater than"),
+    "frames to an image pipeline": ({"prompt": "a cat", "num_frames": 8}, "num_frames",
+                                    "this pipeline takes no num_frames"),
+    "frames a boolean": ({"prompt": "a cat", "num_frames": True}, "num_frames", "valid integer"),
 }
 
 
@@ -129,6 +132,15 @@ def test_check_refuses_what_this_pipeline_or_server_does_not_take():
             limits.check(request, seed=0)
         assert (refused.value.param, refused.value.code) == (param, kind)
         assert words in refused.value.message
+
+
+def test_frames_are_a_video_pipelines_and_capped_like_the_steps():
+    video = Limits(8, 1, SD_CALL | {"num_frames"}, max_frames=64)
+    assert video.check(GenerationRequest(prompt="a cat", num_frames=64), seed=0).call["num_frames"] == 64
+    with pytest.raises(RequestError) as refused:
+        video.check(GenerationRequest(prompt="a cat", num_frames=100000), seed=0)
+    assert (refused.value.param, refused.value.code) == ("num_frames", "frames_too_large")
+    assert "at most 64 frames" in refused.value.message
 
 
 def test_each_text_encoder_that_drops_words_is_named_in_a_warning():

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+import pipemap
+
 httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
 uvicorn = pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 import pipemap.serve.server as server_module  # noqa: E402
@@ -66,6 +68,75 @@ def test_run_serves_the_app_on_the_address_given_with_a_grace_period_past_the_ti
     assert server.config.limit_concurrency == 2 * (16 + 1) + 32
     assert server.config.timeout_keep_alive == 5 and server.config.h11_max_incomplete_event_size == 64 * 1024
     assert server.config.app.state.service is own and server.service is own
+
+
+def test_while_loading_the_server_is_alive_not_ready_and_generations_get_503_json_with_retry_after(service):
+    import threading
+
+    from pipemap.serve import Options
+    from pipemap.serve.service import Loading
+
+    release, loaded = threading.Event(), []
+
+    def load() -> Service:  # a load that takes until the test releases it
+        assert release.wait(60)
+        return Service(service.pipe, service.plan, service.running_plan, timeout=30.0)
+
+    loading = Loading(Options("tiny", timeout=30.0), load=load, on_ready=loaded.append)
+    with Background(loading) as url, httpx.Client(base_url=url, timeout=60) as session:
+        assert session.get("/health/live").status_code == 200
+        ready = session.get("/health/ready")
+        assert ready.status_code == 503 and ready.json()["ready"] is False and ready.json()["reason"] == "loading"
+        assert session.get("/health").status_code == 503
+        for refused in (ask(session, prompt="a cat"), session.get("/v1/models")):
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["code"] == "loading"
+        release.set()
+        wait_until(lambda: session.get("/health/ready").status_code == 200)
+        assert loaded == [loading.service] and pngs(ask(session, prompt="a cat", seed=1))
+    assert loading.service is not None and loading.service.worker.draining
+
+
+def test_a_load_that_fails_stops_the_server_with_its_error(monkeypatch):
+    from pipemap.serve import Options
+    from pipemap.serve.service import Loading
+
+    def load() -> Service:
+        raise pipemap.NotAPipelineError("nowhere", "it is not a folder")
+
+    loading = Loading(Options("nowhere"), load=load)
+    started = []
+    monkeypatch.setattr(server_module._DrainingServer, "run", lambda self: started.append(self))
+    run(loading, port=0, log_level="warning")
+    (server,) = started
+    assert server.config.limit_concurrency == 2 * (16 + 8) + 32  # the most workers a plan may get: none made yet
+    loading.start()
+    loading._thread.join(10)
+    assert isinstance(loading.failed, pipemap.NotAPipelineError) and server.should_exit
+    assert "failed to load: NotAPipelineError" in loading.reason()
+
+
+def test_past_the_apps_limit_requests_get_503_json_and_probes_still_answer(service):
+    # the app takes 2 * (1 waiting + 1 running) + 16 requests at once; each of these holds one by sending its head
+    # and never its body; the next gets JSON (uvicorn's own 503, in plain text, is 16 connections further)
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=30.0, max_queue=1, workers=1)
+    with Background(own) as url, httpx.Client(base_url=url, timeout=60) as session:
+        port = int(url.rsplit(":", 1)[1])
+        held = []
+        for _ in range(server_module.max_inside(own)):
+            raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+            raw.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                        b"application/json\r\nContent-Length: 100\r\n\r\n{")
+            held.append(raw)
+        try:
+            wait_until(lambda: ask(session, prompt="a cat").status_code == 503)
+            refused = ask(session, prompt="a cat")
+            assert refused.json()["error"]["code"] == "too_many_requests" and refused.headers["retry-after"] == "5"
+            assert session.get("/health/ready").status_code == 200 and session.get("/metrics").status_code == 200
+        finally:
+            for raw in held:
+                raw.close()
+        wait_until(lambda: ask(session, prompt="a cat", seed=1).status_code == 200)
 
 
 # ---- the command line: serve, then SIGTERM while a request runs -------------------------------------------------

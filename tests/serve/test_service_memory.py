@@ -30,7 +30,7 @@ TIGHT = "cuda:0=5MiB,cuda:1=4MiB,cpu=1GiB"
 @pytest.fixture(scope="module")
 def service(tiny_folders):
     return Service.load(Options(tiny_folders["sd"], hardware=TIGHT, strategy="balanced", headroom=0.0, max_queue=8,
-                                timeout=120.0, max_n=2))
+                                timeout=120.0, max_n=2, admit_as_planned=True))  # the stand-in GPUs' budgets
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,8 @@ def test_mixed_sizes_at_once_are_answered_200_or_a_typed_400_and_memory_waits(se
         stall.remove()
         sizes = [("16x16", 1), ("32x32", 1), ("32x32", 2), ("64x64", 1)]
         rush = [pool.submit(ask, client, size, n, seed) for seed, (size, n) in enumerate(sizes, start=2)]
-        wait_until(lambda: service.worker.depth == 2)  # the two that fit wait in the queue, to run together
+        # the two that fit: one in flight beside the first (waiting for memory), one waiting in the queue
+        wait_until(lambda: service.worker.running == 2 and service.worker.depth == 1)
         release.set()
         answers = [first.result()] + [r.result() for r in rush]
     codes = [a.status_code for a in answers]
@@ -131,6 +132,20 @@ def test_an_out_of_memory_move_is_answered_200_and_counted(service, client):
     np.testing.assert_array_equal(image(response), np.array(direct))
 
 
+@pytest.mark.slow  # a load and a dry run
+def test_a_plan_whose_gpus_run_on_the_cpu_admits_by_the_cpus_room_by_default(tiny_folders):
+    # the same TIGHT plan, served as `pipemap serve --hardware` would on this machine without its GPUs: 64x64, which
+    # the stand-in cuda:0 could not hold, fits the CPU the request runs on (issue 38)
+    service = Service.load(Options(tiny_folders["sd"], hardware=TIGHT, strategy="balanced", headroom=0.0,
+                                   timeout=120.0))
+    assert set(service.plan.device_map.values()) == {"cuda:0", "cuda:1"} and service.memory is None
+    assert service.sizes is not None and set(service.sizes.ledger.memory) == {"cpu"}
+    with Background(service) as url, httpx.Client(base_url=url, timeout=120) as session:
+        answer = ask(session, "64x64")
+    assert answer.status_code == 200, answer.text
+    assert image(answer).shape == (64, 64, 3)
+
+
 # ---- a plan with no GPU: requests checked against the host's room ----------------------------------------------
 
 
@@ -172,3 +187,13 @@ def test_a_cpu_plan_refuses_a_request_too_large_for_the_host_with_the_figures_an
              "num_inference_steps": 2}
     assert service.fits(batch) and not service.fits({**batch, "prompt": ["a cat"] * 2000})
     assert counted(session).get('pipemap_requests_total{code="500"}', 0) == 0
+
+
+def test_the_work_a_request_is_scaled_by_counts_its_frames():
+    # activations grow with pixels x images x frames; a video call that leaves its frames to the pipeline's default
+    # has no figure to scale by (the default may be 81 frames), so it goes to its own dry run
+    from pipemap.serve.service import _work
+
+    assert _work({"width": 32, "height": 16, "num_images_per_prompt": 2, "num_frames": 9}, video=True) == 32 * 16 * 18
+    assert _work({"width": 32, "height": 16}, video=True) is None and _work({"width": 32, "height": 16}) == 512
+    assert _work({"num_frames": 9}, video=True) is None

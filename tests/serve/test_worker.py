@@ -5,6 +5,7 @@ pipeline: a full queue answers 429, a timeout 504, a failure 500, and the server
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -153,6 +154,19 @@ def test_a_runner_that_fails_whole_fails_each_job_it_holds(worker):
     wait_until(lambda: queue.running == 0)
 
 
+def test_a_runner_that_fails_before_taking_any_call_fails_the_waiting_jobs_instead_of_spinning(worker):
+    def runner(pipe, calls):
+        raise OSError("the runner broke at once")
+
+    queue = worker(runner=runner)
+    jobs = [_job("a"), _job("b")]
+    for job in jobs:
+        queue.submit(job)
+    queue.start()
+    assert all(isinstance(job.future.exception(30), OSError) for job in jobs)
+    wait_until(lambda: queue.depth == 0 and queue.running == 0)
+
+
 # ---- over HTTP: a full queue, a timeout, a failure: each answered, and the server goes on ----------------------
 
 
@@ -162,13 +176,15 @@ def test_a_full_queue_answers_429_with_retry_after(service, client):
     with stalled(service.pipe.unet) as entered:
         running = in_background(ask, client, prompt="first", seed=1)
         assert entered.wait(60)
-        waiting = in_background(ask, client, prompt="second", seed=2)
+        beside = in_background(ask, client, prompt="second", seed=2)  # the second worker's: in flight beside it
+        wait_until(lambda: service.worker.running == 2)
+        waiting = in_background(ask, client, prompt="third", seed=3)
         wait_until(lambda: service.worker.depth == 1)
-        refused = ask(client, prompt="third", seed=3)
+        refused = ask(client, prompt="fourth", seed=4)
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["code"] == "queue_full"
-        assert counted(client)["pipemap_queue_depth"] == 1 and counted(client)["pipemap_running"] == 1
-    for response, seed, prompt in ((running(), 1, "first"), (waiting(), 2, "second")):
+        assert counted(client)["pipemap_queue_depth"] == 1 and counted(client)["pipemap_running"] == 2
+    for response, seed, prompt in ((running(), 1, "first"), (beside(), 2, "second"), (waiting(), 3, "third")):
         np.testing.assert_array_equal(pngs(response)[0], direct(service.pipe, seed, prompt=prompt)[0])
     assert code(client, 429) == before + 1
 
@@ -212,6 +228,34 @@ def test_a_failure_inside_the_pipeline_answers_500_and_the_next_request_succeeds
     assert code(client, 500) == before + 1
 
 
+@pytest.mark.slow  # a 50-step request: a few seconds
+def test_a_short_request_sent_after_a_long_one_is_answered_first(service, client):
+    # the long one's unet calls each pause a little (outside the others' way: its lock is free between steps) until
+    # the short one's answer is in; in submission order the short one would wait for all 50 steps
+    assert pngs(ask(client, prompt="warm", seed=3))  # the shape measured by its dry run before the clock starts
+    answered, threads = threading.Event(), []
+
+    def pause(*_):
+        threads.append(threading.get_ident())
+        if threading.get_ident() == threads[0] and not answered.is_set():
+            answered.wait(0.05)
+
+    handle = service.pipe.unet.register_forward_pre_hook(pause)
+    try:
+        ended = threading.Event()
+        slow = in_background(lambda: (ask(client, prompt="slow", seed=1, num_inference_steps=50), ended.set())[0])
+        wait_until(lambda: len(threads) >= 1 or ended.is_set())
+        assert not ended.is_set(), slow().text
+        fast = ask(client, prompt="fast", seed=2)
+        answered.set()
+        assert not ended.is_set()  # still running when the short one was answered
+        slow_images = pngs(slow())
+    finally:
+        handle.remove()
+    np.testing.assert_array_equal(pngs(fast)[0], direct(service.pipe, 2, prompt="fast")[0])
+    assert len(slow_images) == 1 and threads.count(threads[0]) == 50  # one unet call a step (guidance batched)
+
+
 # ---- a client that hangs up: its work dropped, waiting or running ------------------------------------------------
 
 
@@ -235,15 +279,17 @@ def test_a_client_that_hangs_up_has_its_waiting_work_dropped_at_once(service, cl
         with stalled(service.pipe.unet) as entered:
             running = in_background(ask, client, prompt="first", seed=1)
             assert entered.wait(60)
+            beside = in_background(ask, client, prompt="second", seed=3)  # the second worker's
+            wait_until(lambda: service.worker.running == 2 and len(prompts) == 4)
             gone = _post_and_hold(client, prompt="gone", seed=2)
             wait_until(lambda: service.worker.depth == 1)
             gone.close()
-            wait_until(lambda: service.worker.depth == 0)  # out of the queue while the first still runs
+            wait_until(lambda: service.worker.depth == 0)  # out of the queue while the first two still run
             assert counted(client)["pipemap_dropped_total"] == before["pipemap_dropped_total"] + 1
-        assert pngs(running())
+        assert pngs(running()) and pngs(beside())
     finally:
         seen.remove()
-    assert len(prompts) == 2  # the first request's prompt and its empty negative: the dropped one never encoded
+    assert len(prompts) == 4  # the two requests' prompts and their empty negatives: the dropped one never encoded
     after = counted(client)
     assert after['pipemap_requests_total{code="499"}'] == before.get('pipemap_requests_total{code="499"}', 0) + 1
 
@@ -313,6 +359,7 @@ class _Batched:
 
     def __init__(self):
         self.calls: list[tuple] = []
+        self.components: dict = {}  # no model: run_many's twins are plain copies
         self.gate = Echo().gate
 
     def __call__(self, prompt, num_images_per_prompt=1, width=32, generator=None, output_type="pil",
@@ -379,3 +426,25 @@ def test_batched_requests_over_http_each_get_the_image_their_seed_makes_alone(se
         assert response.json()["seed"] == seed
         got, want = pngs(response)[0], direct(service.pipe, seed, prompt=prompt)[0]
         assert np.abs(got.astype(int) - want).max() <= 1  # a batch's kernels may round apart
+
+
+def test_a_batch_is_formed_when_a_worker_is_free_so_a_job_dropped_meanwhile_never_runs(worker):
+    # the unordered runner reads the next call only when a worker is free for it: c and d wait in the queue while
+    # a and b run, so d, whose client hangs up meanwhile, leaves the queue instead of running in c's batch
+    import functools
+
+    from pipemap.dispatch.parallel import iter_unordered
+
+    pipe = _Batched()
+    pipe.gate.clear()
+    runner = functools.partial(iter_unordered, workers=1, return_exceptions=True)
+    queue = worker(pipe, runner=runner, max_batch=2, batch_window=0.0, ordered=False)
+    jobs = [_job(p, seed=i) for i, p in enumerate("abcd")]
+    for job in jobs:
+        queue.submit(job)
+    queue.start()
+    wait_until(lambda: queue.running == 2 and queue.depth == 2)
+    queue.cancel(jobs[3])
+    pipe.gate.set()
+    assert [job.future.result(30).images for job in jobs[:3]] == [["a"], ["b"], ["c"]]
+    assert pipe.calls == [(("a", "b"), (0, 1)), (("c",), (2,))] and queue.dropped == 1 and not jobs[3].future.done()

@@ -10,6 +10,7 @@ parts (tokenizers, scheduler).
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,12 @@ from ..plan import Plan
 from ..quiet import quiet_progress
 from . import dispatch
 
+# accelerate's ``init_empty_weights`` (a dry run's stand-in models, diffusers' and transformers' own loading) swaps
+# ``torch.nn.Module.register_parameter`` process-wide while it builds: a load beside a dry run could get meta weights,
+# and two swaps interleaved can leave the swap in place. Loads and dry runs (``dryrun.many``) take turns on this lock
+# (re-entrant, so a thread already holding it never waits for itself)
+PATCHING = threading.RLock()
+
 
 def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.dtype | None, variant: str | None,
               *, progress: bool = True, check_transfers: bool = True, kwargs: dict):
@@ -33,7 +40,7 @@ def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.
     ``dtype`` and ``variant`` default to the plan's."""
     dtype = dtype if dtype is not None else _plan_dtype(plan)
     variant = variant if variant is not None else plan.variant
-    with quiet_progress():
+    with PATCHING, quiet_progress():
         pipe = _load_onto(folder, index, plan, passed, dtype, variant, progress, kwargs)
     dispatch(pipe, plan, check_transfers=check_transfers)
     return pipe

@@ -70,6 +70,60 @@ def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_except
     return _results(pipe, calls, workers, return_exceptions, memory)  # checked now, run as it is iterated
 
 
+def iter_unordered(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_exceptions: bool = False,
+                   memory: Admission | None = None) -> Iterator[tuple[int, Any]]:
+    """``iter_many`` with each result yielded as soon as its own call is done, whatever those before it:
+    ``(index, outcome)``, ``index`` the call's place in ``calls``. A short call sent after a long one is answered
+    first (no head-of-line blocking). ``calls`` is read on a thread of its own, one call when a worker is free for
+    it (never ahead): a call is settled when it can start, so a source that drops work meanwhile (serve's queue)
+    never hands over a call nobody wants any more.
+
+    >>> for index, out in pipemap.dispatch.parallel.iter_unordered(pipe, calls, workers=2):  # doctest: +SKIP
+    ...     answers[index] = out.images[0]
+    """
+    if not isinstance(workers, int) or workers < 1:
+        raise RunManyCallError("workers", workers, "give workers=N with N >= 1 requests in flight")
+    _check_hooks(pipe)
+    follow(pipe)
+    return _unordered(pipe, calls, workers, return_exceptions, memory)
+
+
+def _unordered(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bool,
+               memory: Admission | None) -> Iterator[tuple[int, Any]]:
+    """The outcomes as they come: each submitted call's future reports to the feeder's own queue when it is done, so
+    one queue carries the calls handed over (a Future), their ends (``(index, future)``) and the source's end."""
+    twins: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(workers):
+        twins.put(twin(pipe))
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="pipemap-run_many")
+    events: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(index: int, call: dict) -> Future:
+        future = pool.submit(_run_one, twins, index, call, memory)
+        future.add_done_callback(lambda done: events.put((index, done)))
+        return future
+
+    feeder = _Feeder(calls, submit, workers, events)
+    try:
+        in_flight, ended = 0, False
+        while not ended or in_flight:
+            item = feeder.next()
+            if item is None:
+                ended = True
+            elif isinstance(item, Future):
+                in_flight += 1
+            else:
+                in_flight -= 1
+                try:
+                    yield item[0], _outcome(item[1], return_exceptions)
+                finally:
+                    feeder.done()
+    finally:
+        feeder.stop()
+        pool.shutdown(wait=True, cancel_futures=True)
+        _remember(pipe)
+
+
 def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bool,
              memory: Admission | None) -> Iterator:
     """Each request's outcome in order, each yielded as soon as it is done: ``calls`` is read on a thread of its own
@@ -105,11 +159,12 @@ def _remember(pipe) -> None:
 
 class _Feeder:
     """Reads ``calls`` on a daemon thread, at most ``ahead`` requests in flight, submitting each; ``next`` gives
-    the futures in order (None at the end; the source's own error raised in its place)."""
+    the futures in order (None at the end; the source's own error raised in its place), and whatever else was put
+    on ``out``, the queue they go to."""
 
-    def __init__(self, calls: Iterable[Mapping], submit, ahead: int):
+    def __init__(self, calls: Iterable[Mapping], submit, ahead: int, out: queue.SimpleQueue | None = None):
         self._submit, self._room = submit, threading.Semaphore(ahead)
-        self._futures: queue.SimpleQueue = queue.SimpleQueue()
+        self._futures: queue.SimpleQueue = out if out is not None else queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._feed, args=(iter(calls),), daemon=True,
                                         name="pipemap-iter_many-feed")
@@ -135,7 +190,7 @@ class _Feeder:
             self._futures.put(err)
         self._futures.put(None)
 
-    def next(self) -> Future | None:
+    def next(self) -> Any:
         item = self._futures.get()
         if isinstance(item, BaseException):
             raise item

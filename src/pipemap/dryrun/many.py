@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
+from ..dispatch.loading import PATCHING
 from ..errors import CallTooLargeError, SimulationFailedError
 from ..plan import Plan
 from ..quiet import quiet_diffusers, quiet_transformers
@@ -31,7 +31,7 @@ from .report import SimulationReport
 from .run import _fake_copy, traced
 from .trackers import PhasedTracker
 
-_DRY_RUNS = threading.Lock()  # a dry run patches library code process-wide: one at a time
+_DRY_RUNS = PATCHING  # a dry run patches library code process-wide: one at a time, and never beside a load
 
 
 @dataclass(frozen=True)

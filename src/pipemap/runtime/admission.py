@@ -29,6 +29,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,9 +118,10 @@ def _shape(name: str, value: Any) -> Any:
 def measured_call(call: Mapping) -> dict:
     """The call a dry run measures for ``call``'s shape: each prompt made as long as the longest of its bucket, so
     the figure holds for every call of the shape (a pipeline that does not pad its prompts, Qwen-Image's, grows with
-    them); the caller's generator and callbacks left out (the dry run draws from none of them)."""
-    return {name: _longest(value) if "prompt" in name else value for name, value in call.items()
-            if name not in _UNSHAPED}
+    them); the caller's generator and callbacks left out (the dry run draws from none of them); the steps as the
+    shape counts them (steps repeat: a 200-step request is measured in 2, not 200)."""
+    return {name: _longest(value) if "prompt" in name else _shape(name, value) if name == "num_inference_steps"
+            else value for name, value in call.items() if name not in _UNSHAPED}
 
 
 def _longest(value: Any) -> Any:
@@ -352,6 +354,7 @@ class OutOfMemory:
     message: str
 
 
+MOST_SHAPES = 256  # call shapes whose figures an ``Admission`` keeps (a few hundred bytes each)
 _TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) ?([KMGT]i?B|bytes?)", re.IGNORECASE)
 _GPU = re.compile(r"\bGPU (\d+)\b")
 
@@ -378,9 +381,14 @@ class Admission:
         self.moves: list = []  # ``relief.Relief`` values, oldest first
         self.unmeasured: dict[tuple, str] = {}  # shapes whose dry run failed: why (they run alone)
         self._measure, self.relieve, self.allocator = measure, relieve, allocator
-        self._figures: dict[tuple, Needs] = {}
+        # each shape's figures, the least recently used first dropped past MOST_SHAPES: a flood of sizes and prompt
+        # lengths costs dry runs, never unbounded memory; ``_figures`` is read and written under ``_cache``, which no
+        # dry run holds: a shape measured already never waits for another shape's dry run, nor a request's end for
+        # one (dry runs take turns on the dry-run wing's own lock, with loads: ``loading.PATCHING``)
+        self._figures: collections.OrderedDict[tuple, Needs] = collections.OrderedDict()
         self._corrected: set[tuple] = set()
-        self._measuring = threading.Lock()  # dry runs patch library code process-wide: one at a time
+        self._pending: dict[tuple, Future] = {}  # shapes being measured: a second request of one waits for it
+        self._cache = threading.Lock()
         self._changed = threading.Condition()
 
     @property
@@ -397,13 +405,38 @@ class Admission:
         return needs
 
     def _needs(self, shape: tuple, call: Mapping) -> Needs:
-        found = self._figures.get(shape)  # a shape measured already waits for no other shape's dry run
-        if found is not None:
-            return found
-        with self._measuring:
-            if shape not in self._figures:
-                self._figures[shape] = self._measured(shape, call)
-            return self._figures[shape]
+        with self._cache:
+            found = self._figures.get(shape)
+            if found is not None:
+                self._figures.move_to_end(shape)
+                return found
+            pending = self._pending.get(shape)
+            mine = pending is None
+            if mine:
+                pending = self._pending[shape] = Future()
+        assert pending is not None
+        if not mine:
+            return pending.result()  # the same shape's dry run, under way on another thread
+        try:
+            needs = self._measured(shape, call)
+            with self._cache:
+                self._store(shape, needs)
+            pending.set_result(needs)
+            return needs
+        except BaseException as err:
+            pending.set_exception(err)
+            raise
+        finally:
+            with self._cache:
+                del self._pending[shape]
+
+    def _store(self, shape: tuple, needs: Needs) -> None:
+        """Keep ``shape``'s figures, dropping the least recently used past ``MOST_SHAPES``; under ``_cache``."""
+        self._figures[shape] = needs
+        self._figures.move_to_end(shape)
+        while len(self._figures) > MOST_SHAPES:
+            old, _ = self._figures.popitem(last=False)
+            self._corrected.discard(old)
 
     def _measured(self, shape: tuple, call: Mapping) -> Needs:
         try:
@@ -443,8 +476,8 @@ class Admission:
         yield
         if self.ledger.admitted == admitted and self.ledger.running == [lease]:  # it ran alone all along
             measured = self.allocator.peaks()
-            with self._measuring:
-                self._figures[lease.shape] = lease.needs.scaled(measured)
+            with self._cache:
+                self._store(lease.shape, lease.needs.scaled(measured))
                 self._corrected.add(lease.shape)
 
     def run_component(self, module: torch.nn.Module, lease: Lease, call: Callable):
@@ -486,10 +519,10 @@ class Admission:
             self.moves.append(relief)
             self._grant()
         if failure.tried:  # the dry run's figure was short by at least this: later calls of the shape reserve it
-            with self._measuring:
-                grown = lease.needs.grown(failure.component, failure.device, failure.tried)
-                if self.ledger.too_large(grown) is None:
-                    self._figures[lease.shape] = grown
+            grown = lease.needs.grown(failure.component, failure.device, failure.tried)
+            if self.ledger.too_large(grown) is None:
+                with self._cache:
+                    self._store(lease.shape, grown)
 
     def _failure(self, err: BaseException, hook, ticket: Ticket) -> OutOfMemory:
         message = str(err)

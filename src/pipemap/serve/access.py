@@ -136,3 +136,28 @@ class Guard:
             await refusal(scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
+
+
+class Busy:
+    """ASGI middleware: at most ``limit`` HTTP requests in the app at once; past it, 503 in OpenAI's shape with a
+    Retry-After. uvicorn's own ``limit_concurrency`` answers in plain text, and before the app sees the request, so
+    this limit sits below uvicorn's (``server.limits``): a flood gets JSON here, and uvicorn's plain answer is left for
+    connections past its own, higher limit. Probes and scrapes (``/health*``, ``/metrics``) are never refused here."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.inside = app, limit, 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"].startswith(("/health", "/metrics")):
+            await self.app(scope, receive, send)
+            return
+        if self.inside >= self.limit:  # one event loop: no lock needed between the check and the count
+            refusal = error(503, f"the server holds {self.inside} requests, its most at once: retry in a few "
+                            "seconds", "server_busy", code="too_many_requests", headers={"Retry-After": "5"})
+            await refusal(scope, receive, send)
+            return
+        self.inside += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.inside -= 1

@@ -29,10 +29,10 @@ from ..errors import (
     RequestError,
     WorkDropped,
 )
-from .access import Guard, error, too_large
+from .access import Busy, Guard, error, too_large
 from .metrics import CONTENT_TYPE
 from .requests import parse
-from .service import Service
+from .service import Loading, Service
 
 # what a RuntimeError's text says when the device itself is broken: every later call fails too, so the service stops
 # taking work (readiness false) and the process must be restarted
@@ -202,8 +202,10 @@ ROUTES = [
 ]
 
 
-def create_app(service: Service) -> Starlette:
-    """The ASGI app serving ``service``: its worker starts with the app and finishes its work when the app stops.
+def create_app(service: Service | Loading, max_inside: int | None = None) -> Starlette:
+    """The ASGI app serving ``service``: its worker starts with the app and finishes its work when the app stops. A
+    ``Loading`` service starts loading with the app, which answers meanwhile (not ready: ``_not_loaded``).
+    ``max_inside``: requests in the app at once, past which it answers 503 (``access.Busy``); None: no limit.
 
     >>> service = Service.load(Options("path/to/sdxl", hardware="2x24GiB"))                  # doctest: +SKIP
     >>> uvicorn.run(create_app(service), host="127.0.0.1", port=8000)                        # doctest: +SKIP
@@ -217,8 +219,9 @@ def create_app(service: Service) -> Starlette:
 
     routes = [Route(path, _bound(handler, service), methods=[method]) for method, path, handler in ROUTES]
     handlers = {HTTPException: _http_error, Exception: _server_error}
+    busy = [Middleware(Busy, limit=max_inside)] if max_inside is not None else []
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers,
-                    middleware=[Middleware(Guard, access=service.access, refused=_refused(service))])
+                    middleware=[*busy, Middleware(Guard, access=service.access, refused=_refused(service))])
     app.state.service = service
     return app
 
@@ -236,17 +239,40 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return error(500, f"the server failed: {type(exc).__name__}: {exc}", "server_error", code="server_error")
 
 
-def _refused(service: Service):
+def _refused(service: Service | Loading):
     def count(path: str, status: int) -> None:  # a generation turned away before its route is still answered
-        if path == "/v1/images/generations":
-            service.metrics.answered(status)
+        loaded = _loaded(service)
+        if path == "/v1/images/generations" and loaded is not None:
+            loaded.metrics.answered(status)
 
     return count
 
 
-def _bound(handler, service: Service):
+def _loaded(service: Service | Loading) -> Service | None:
+    return service.service if isinstance(service, Loading) else service
+
+
+def _bound(handler, service: Service | Loading):
     async def endpoint(request: Request) -> Response:
-        return await handler(service, request)
+        loaded = _loaded(service)
+        if loaded is None:
+            assert isinstance(service, Loading)
+            return _not_loaded(handler, service)
+        return await handler(loaded, request)
 
     endpoint.__name__ = handler.__name__
     return endpoint
+
+
+def _not_loaded(handler, loading: Loading) -> Response:
+    """The answer of a route while the pipeline loads: alive, not ready; every other route 503 with a Retry-After
+    (JSON in OpenAI's shape, as every error)."""
+    reason = loading.reason()
+    if handler is live:
+        return JSONResponse({"status": "alive"})
+    if handler is ready:
+        return JSONResponse({"ready": False, "reason": reason, "queue_depth": 0, "running": 0}, status_code=503)
+    if handler is health:
+        return JSONResponse({"status": reason, "queue_depth": 0, "running": 0}, status_code=503)
+    return error(503, f"the server is not ready ({reason}): retry in a few seconds; GET /health/ready says when "
+                 "it is", "server_busy", code="loading", headers={"Retry-After": str(loading.RETRY_AFTER)})

@@ -26,7 +26,7 @@ _SD_MULTIPLE = 8
 _SIZE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
 # request field -> the pipeline __call__ argument it becomes
 _EXTENSIONS = {"negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
-               "guidance_scale": "guidance_scale"}
+               "guidance_scale": "guidance_scale", "num_frames": "num_frames"}
 # OpenAI's images fields that ask for what this server does not do (quality tiers, styles, formats, moderation):
 # clients send them by default, so they are ignored with a warning rather than refused (as vLLM does)
 IGNORED = ("quality", "style", "background", "output_format", "output_compression", "moderation", "partial_images",
@@ -46,6 +46,7 @@ class GenerationRequest(BaseModel):
     user: str | None = None
     negative_prompt: str | None = None
     num_inference_steps: StrictInt | None = Field(None, ge=1)
+    num_frames: StrictInt | None = Field(None, ge=1)  # a video pipeline's frames
     guidance_scale: float | None = Field(None, allow_inf_nan=False)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds; at most the server's own
@@ -105,16 +106,17 @@ class Limits:
     max_steps: int = 200  # a step costs a unet call: 200 is four times SD's default, and past what samplers need
     max_prompt: int = 4000  # characters, as OpenAI's dall-e-3; tokenizers read 77 to 512 tokens of it
     names: tuple[str, ...] = ()
+    max_frames: int = 256  # a video's frames: 256 is about twice what video pipelines make by default (81 to 129)
 
     @classmethod
     def of(cls, pipe, max_n: int = 4, *, max_steps: int = 200, max_prompt: int = 4000,
-           names: tuple[str, ...] = ()) -> Limits:
+           names: tuple[str, ...] = (), max_frames: int = 256) -> Limits:
         processor = getattr(pipe, "image_processor", None)
         scale = getattr(getattr(processor, "config", None), "vae_scale_factor", None) or _SD_MULTIPLE
         tokenizers = tuple((name, value) for name, value in pipe.components.items()
                            if name.startswith("tokenizer") and hasattr(value, "model_max_length"))
         return cls(math.lcm(scale, _SD_MULTIPLE), max_n, frozenset(inspect.signature(pipe.__call__).parameters),
-                   tokenizers, max_steps, max_prompt, tuple(names))
+                   tokenizers, max_steps, max_prompt, tuple(names), max_frames)
 
     def check(self, request: GenerationRequest, seed: int) -> Generation:
         """The pipeline call ``request`` asks for, or a RequestError naming the field at fault."""
@@ -144,6 +146,10 @@ class Limits:
         if steps is not None and steps > self.max_steps:
             raise RequestError("num_inference_steps", f"num_inference_steps is {steps}; this server runs at most "
                                f"{self.max_steps} steps a request: ask for fewer", "steps_too_large")
+        frames = request.num_frames
+        if frames is not None and frames > self.max_frames:
+            raise RequestError("num_frames", f"num_frames is {frames}; this server makes at most {self.max_frames} "
+                               "frames a request: ask for fewer", "frames_too_large")
         for name in ("prompt", "negative_prompt"):
             text = getattr(request, name)
             if text is not None and len(text) > self.max_prompt:

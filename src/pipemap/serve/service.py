@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from .. import catalog
 from ..api import Request, call_needs, load, memory_for, runnable
 from ..cost import bytes_moved
-from ..dispatch.parallel import iter_many
+from ..dispatch.parallel import iter_unordered
 from ..errors import CallTooLargeError, NotAPipelineError, format_bytes
 from ..inventory import inventory_of
 from ..plan import Plan
@@ -51,6 +52,10 @@ class Options:
     access: Access = Access()  # who may call, and how large a body may be
     max_batch: int = 1  # requests of one shape run as one call, at most; 1: no batching
     batch_window: float = 0.02  # seconds a request waits for others of its shape
+    max_frames: int = 256  # frames a video request may ask for
+    # a plan whose GPUs this machine lacks runs on the CPU: its requests are admitted by the CPU's room (the devices
+    # they run on), unless this asks for the planned GPUs' budgets (tests of GPU admission on a machine without one)
+    admit_as_planned: bool = False
 
     def served_names(self) -> tuple[str, ...]:
         return self.names or (self.path,)
@@ -62,10 +67,11 @@ class Options:
 
 
 def pipeline_runner(workers: int, memory: Admission | None = None):
-    """``runner(pipe, calls) -> outcomes`` for the worker: ``iter_many`` (``run_many`` as a stream), so the stages
-    of ``workers`` requests in flight overlap across devices, each admitted by the memory it needs (``memory``);
-    outcomes in order, a failed call's error in its place."""
-    return functools.partial(iter_many, workers=workers, return_exceptions=True, memory=memory)
+    """``runner(pipe, calls) -> (index, outcome)`` for the worker: ``iter_unordered`` (``run_many`` as a stream,
+    each call's outcome as soon as it ends), so the stages of ``workers`` requests in flight overlap across devices,
+    each admitted by the memory it needs (``memory``), and a short request is not answered behind a long one; a
+    failed call's error is its outcome."""
+    return functools.partial(iter_unordered, workers=workers, return_exceptions=True, memory=memory)
 
 
 def default_workers(plan: Plan) -> int:
@@ -104,7 +110,8 @@ _SURE = 16
 
 
 class Service:
-    """A pipeline, the plan it runs on, and the queue in front of it.
+    """A pipeline, the plan it runs on, and the queue in front of it. ``runner``: an ordered runner for the worker
+    (``worker.run_sequential``); by default the pipeline's unordered one (``pipeline_runner``).
 
     >>> service = Service.load(Options("path/to/sdxl", hardware="2x24GiB"))                  # doctest: +SKIP
     >>> app = pipemap.serve.create_app(service)      # an ASGI app: uvicorn, or a Ray Serve replica
@@ -114,10 +121,11 @@ class Service:
                  timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None,
                  memory: Admission | None = None, sizes: Admission | None = None, max_steps: int = 200,
                  max_prompt: int = 4000, names: tuple[str, ...] = (), access: Access | None = None,
-                 max_batch: int = 1, batch_window: float = 0.02):
+                 max_batch: int = 1, batch_window: float = 0.02, max_frames: int = 256):
         self.pipe, self.plan, self.running_plan = pipe, plan, running_plan or plan
         self.timeout = timeout
-        self.limits = Limits.of(pipe, max_n, max_steps=max_steps, max_prompt=max_prompt, names=names)
+        self.limits = Limits.of(pipe, max_n, max_steps=max_steps, max_prompt=max_prompt, names=names,
+                                max_frames=max_frames)
         self.names = names or ("pipemap",)
         self.access = access or Access()
         self.memory = memory  # the ledger requests are admitted by (``api.memory_for``); None: no GPU in the plan
@@ -128,7 +136,7 @@ class Service:
         pipe.set_progress_bar_config(disable=True)
         self.workers = workers or workers_for(memory, self.running_plan, {"prompt": "a", "num_images_per_prompt": 1})
         self.worker = Worker(pipe, runner or pipeline_runner(self.workers, memory), max_queue, in_flight=self.workers,
-                             max_batch=max_batch, batch_window=batch_window, fits=self.fits)
+                             max_batch=max_batch, batch_window=batch_window, fits=self.fits, ordered=runner is not None)
         self.metrics = Metrics(pipe, self.worker, memory)
         self.worker.on_finished = self.metrics.finished
         self._home: str | None = None
@@ -136,19 +144,25 @@ class Service:
     @classmethod
     def load(cls, options: Options, plan: Plan | None = None) -> Service:
         """Plan ``options.path`` (for ``options.hardware``, or this machine) unless ``plan`` is given, load it onto
-        the plan, and serve it; planned devices this machine lacks run on the CPU."""
+        the plan, and serve it; planned devices this machine lacks run on the CPU, and requests are admitted by the
+        room of the devices they run on (``options.admit_as_planned``: by the planned devices' budgets)."""
         folder = resolve_folder(options.path)
         plan = plan or make_plan(options)
         running = runnable(plan)
         pipe = load(folder, plan=running, progress=False)
-        memory = memory_for(pipe, plan, source=str(folder))
+        memory = memory_for(pipe, plan if options.admit_as_planned else running, source=str(folder))
         return cls(pipe, plan, running, max_queue=options.max_queue, timeout=options.timeout, max_n=options.max_n,
                    workers=options.workers, memory=memory, sizes=None if memory else sizes_for(running, folder),
                    max_steps=options.max_steps, max_prompt=options.max_prompt, names=options.served_names(),
-                   access=options.access, max_batch=options.max_batch, batch_window=options.batch_window)
+                   access=options.access, max_batch=options.max_batch, batch_window=options.batch_window,
+                   max_frames=options.max_frames)
 
     def start(self) -> None:
         self.worker.start()
+
+    def drain(self) -> None:
+        """Take no new work; what was taken still finishes (an exit signal's first step)."""
+        self.worker.drain()
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: the work taken may finish for ``grace`` seconds (the timeout by default); then what is still
@@ -172,8 +186,8 @@ class Service:
         """A RequestError with the figures when the call's activations fit the plan's room on no device, even alone:
         far too large by the shapes measured so far, else by its own shape's dry run."""
         assert self.sizes is not None
-        param = "n" if generation.n > 1 else "size"
-        work = _work(generation.call)
+        param = "n" if generation.n > 1 else "num_frames" if "num_frames" in generation.call else "size"
+        work = _work(generation.call, video="num_frames" in self.limits.parameters)
         for device, needs, seen in self._scaled(work):
             room = self.sizes.ledger.room(device)
             if needs > _SURE * room:
@@ -240,11 +254,72 @@ class Service:
         return "draining" if self.worker.draining else None
 
 
-def _work(call: dict) -> int | None:
-    """Pixels times images: what activations grow with; None when the size is the pipeline's default."""
-    if "width" not in call:
+class Loading:
+    """A service loaded on a thread of its own while the app already answers (``pipemap serve``): until it is
+    loaded, ``/health/live`` is 200, ``/health/ready`` and ``/health`` 503 with the reason, every other route 503
+    JSON with a Retry-After; then the loaded ``service`` answers. ``load`` makes the service
+    (``Service.load(options)`` by default); ``on_ready(service)`` and ``on_failed(error)`` hear how it went.
+
+    >>> pipemap.serve.run(Loading(Options("path/to/sdxl", hardware="2x24GiB")))               # doctest: +SKIP
+    """
+
+    RETRY_AFTER = 5  # seconds: a load takes seconds to minutes; a client polling faster learns nothing more
+
+    def __init__(self, options: Options, load=None, on_ready=None, on_failed=None):
+        self.options, self.access, self.timeout = options, options.access, options.timeout
+        self._load = load or (lambda: Service.load(options))
+        self.on_ready = on_ready or (lambda service: None)
+        self.on_failed = on_failed or (lambda error: None)
+        self.service: Service | None = None
+        self.failed: BaseException | None = None
+        self.draining = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # a drain and the end of the load: one before the other
+
+    def reason(self) -> str:
+        """Why no request is taken yet: loading, its failure, or a drain that came first."""
+        if self.failed is not None:
+            return f"the pipeline failed to load: {type(self.failed).__name__}: {self.failed}"
+        return "draining" if self.draining else "loading"
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pipemap-serve-load", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            service = self._load()
+            with self._lock:
+                if self.draining:  # stopped while it loaded: it never takes work
+                    service.drain()
+                    return
+                service.start()
+                self.service = service
+        except BaseException as error:  # noqa: BLE001 - reported to the server, which stops
+            self.failed = error
+            self.on_failed(error)
+            return
+        self.on_ready(service)
+
+    def drain(self) -> None:
+        with self._lock:
+            self.draining = True
+        if self.service is not None:
+            self.service.drain()
+
+    def stop(self, grace: float | None = None) -> None:
+        self.drain()
+        if self.service is not None:
+            self.service.stop(grace)
+
+
+def _work(call: dict, video: bool = False) -> int | None:
+    """Pixels times images times frames: what activations grow with; None when the size, or a video pipeline's
+    frames, are the pipeline's default (a default is no figure to scale by)."""
+    if "width" not in call or (video and "num_frames" not in call):
         return None
-    return call["width"] * call["height"] * call.get("num_images_per_prompt", 1)
+    return call["width"] * call["height"] * call.get("num_images_per_prompt", 1) * call.get("num_frames", 1)
 
 
 def make_plan(options: Options) -> Plan:

@@ -1,17 +1,25 @@
 """The queue between the HTTP handlers and the pipeline, and the one thread that feeds the pipeline from it.
 
 Handlers ``submit`` jobs (bounded: a full queue refuses at once, so a client can retry elsewhere). While jobs
-wait, the worker streams their calls into the runner, ``runner(pipe, calls) -> outcomes`` (``pipemap.iter_many``:
-several requests in flight, each outcome an output or the exception its call raised, in order) and answers each
-job as its outcome comes. The stream of calls never blocks: when the queue is empty it ends, the runner finishes
-what it holds, and the worker waits for the next job (a stream that blocked would hold back the answers the runner
-has ready). A job past its deadline is dropped: skipped if still waiting, stopped at its next denoising step if
-running (``callback_on_step_end``).
+wait, the worker streams their calls into the runner and answers each job as its outcome comes. Two kinds of runner:
+
+- ordered, ``runner(pipe, calls) -> outcomes`` in the calls' order (``run_sequential``): the stream never blocks;
+  when the queue is empty it ends, the runner finishes what it holds, and the worker waits for the next job (the
+  runner may read the stream on the thread that answers, so a stream that blocked would hold back its answers);
+- unordered (``ordered=False``), ``runner(pipe, calls) -> (index, outcome)`` as each call ends
+  (``parallel.iter_unordered``: several requests in flight, the stream read on a thread of its own, one call when a
+  worker is free for it): each job is answered when its own work ends, not behind a longer one sent before it, and
+  while work runs the stream waits for the next job, so a job that comes meanwhile starts beside it.
+
+A job past its deadline is dropped: skipped if still waiting, stopped at its next denoising step if running
+(``callback_on_step_end``).
 
 Batching (``max_batch`` > 1): a job of one image waits up to ``batch_window`` seconds for waiting jobs of its shape
 (every argument the same but the prompts); they run as one call, the prompts as a list and one generator per job,
 as many as the plan's memory lets one call hold (``fits``); each job is answered with its own image, the one its
-seed makes alone (up to the rounding a batch's kernels may differ by).
+seed makes alone (up to the rounding a batch's kernels may differ by). Under an unordered runner a batch is formed
+only when a worker is free to run it, so a job whose client hung up while it waited leaves the queue and never
+joins a batch.
 """
 
 from __future__ import annotations
@@ -72,8 +80,9 @@ class Worker:
     """A bounded queue of jobs and the thread that runs them through ``runner`` on ``pipe``."""
 
     def __init__(self, pipe, runner=run_sequential, max_queue: int = 16, on_finished=None, in_flight: int = 1,
-                 max_batch: int = 1, batch_window: float = 0.02, fits=None):
+                 max_batch: int = 1, batch_window: float = 0.02, fits=None, ordered: bool = True):
         self.pipe, self.runner, self.max_queue, self.in_flight = pipe, runner, max_queue, in_flight
+        self.ordered = ordered  # the runner's outcomes in the calls' order; else ``(index, outcome)`` as they end
         self.max_batch, self.batch_window = max_batch, batch_window
         self.fits = fits or (lambda call: True)  # whether one call of this shape fits the plan's memory
         self.batched = 0  # calls that ran several jobs
@@ -150,13 +159,21 @@ class Worker:
 
     def _loop(self) -> None:
         while self._work_waits():
-            taken: collections.deque[list[Job]] = collections.deque()
+            taken: dict[int, list[Job]] = {}  # each call's jobs by its index in the stream, oldest first
             try:
                 for outcome in self.runner(self.pipe, self._stream(taken)):
-                    self._answer_group(taken.popleft(), outcome)
+                    index, outcome = (next(iter(taken)), outcome) if self.ordered else outcome
+                    self._answer_group(taken.pop(index), outcome)
             except Exception as error:  # noqa: BLE001 - a runner that fails whole fails each job it holds
-                while taken:
-                    self._answer_group(taken.popleft(), error)
+                for group in list(taken.values()):
+                    self._answer_group(group, error)
+                if not taken:  # it failed before taking any: the waiting jobs would only make it fail again
+                    with self._ready:
+                        waiting = [job for job in list(self._waiting) if self._run(job)]
+                        self._waiting.clear()
+                    for job in waiting:
+                        self._answer(job, error)
+                taken.clear()
 
     def _work_waits(self) -> bool:
         with self._ready:
@@ -164,21 +181,27 @@ class Worker:
                 self._ready.wait()
             return bool(self._waiting)
 
-    def _stream(self, taken: collections.deque) -> Iterator[dict]:
-        """The waiting jobs' calls, as the runner asks for them; ends (never blocks) when none waits. A job that can
-        be batched waits up to the batch window for others of its shape (``_group``)."""
+    def _stream(self, taken: dict[int, list[Job]]) -> Iterator[dict]:
+        """The waiting jobs' calls, as the runner asks for them; ends when none waits (an unordered runner's stream
+        first waits for the work running to end: a job may come meanwhile). A job that can be batched waits up to the
+        batch window for others of its shape (``_group``)."""
+        index = 0
         while (job := self._take()) is not None:
             group = self._group(job)
-            taken.append(group)
+            taken[index] = group
+            index += 1
             yield self._armed(group)
 
     def _take(self) -> Job | None:
         with self._ready:
-            while self._waiting:
-                job = self._waiting.popleft()
-                if self._run(job):
-                    return job
-            return None
+            while True:
+                while self._waiting:
+                    job = self._waiting.popleft()
+                    if self._run(job):
+                        return job
+                if self.ordered or self.draining or not self.taken:
+                    return None
+                self._ready.wait()  # woken by a new job, a drain, or the last answer
 
     def _run(self, job: Job) -> bool:
         """Mark a job taken off the queue as running, or count it dropped; under ``_ready``."""
@@ -232,6 +255,7 @@ class Worker:
         with self._ready:
             self.taken.discard(job)
             self.dropped += isinstance(outcome, WorkDropped)
+            self._ready.notify_all()  # an unordered runner's stream waits for the last answer
         if isinstance(outcome, BaseException):
             job.future.set_exception(outcome)
         else:
