@@ -230,8 +230,8 @@ def launch_note(costs: Mapping[str, Cost], perf: Performance) -> str | None:
     bound = launch_bound(costs)
     if not bound:
         return None
-    return (f"launch-bound: {', '.join(bound)} wait for the host's kernel launches ({perf.kernel_seconds * 1e6:.3g} us "
-            "a kernel): a faster host, CUDA graphs or torch.compile would speed them up, a faster GPU would not")
+    return (f"launch-bound: {', '.join(bound)} wait for the host's kernel launches ({perf.kernel_text}): a faster "
+            "host, CUDA graphs or torch.compile would speed them up, a faster GPU would not")
 
 
 def gpu_seconds(work: Tally, perf: Performance) -> float:
