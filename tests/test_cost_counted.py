@@ -8,14 +8,17 @@ import pytest
 import pipemap
 from pipemap import Component, Inventory, Placement, Plan
 from pipemap.cost import (
+    Mechanism,
     Piece,
     Workload,
+    call_seconds,
     compute_seconds,
     copy_seconds,
     formula_counts,
     gpu_seconds,
     predict,
     stream_call_seconds,
+    waiting_call_seconds,
 )
 from pipemap.counts import ComponentCounts, Counts, Tally
 from pipemap.granularity import Block
@@ -47,6 +50,31 @@ def test_a_streamed_call_overlaps_copies_with_compute_as_far_as_its_buffers_allo
     assert stream_call_seconds(mixed, depth=1, own_buffers=True) == pytest.approx(7.1)
     assert stream_call_seconds(mixed, depth=1) <= stream_call_seconds(mixed, depth=1, overlap=False)
     assert stream_call_seconds([Piece(1.0), Piece(1.0, 1.0)], root_copy=0.5) == pytest.approx(2.5)
+
+
+def test_a_launch_bound_host_asks_for_each_prefetch_as_it_reaches_the_piece_before():
+    # every piece its own buffer, one ahead: the third copy is asked for when the host enters the second piece,
+    # which a host launching 2 s of kernels a piece reaches at 2 s, not when the link is free (0.2 s)
+    queued = [Piece(2.0, 0.1), Piece(2.0, 0.1), Piece(2.0, 3.0)]
+    assert stream_call_seconds(queued, own_buffers=True) == pytest.approx(0.1 + 2.0 + 2.0 + 2.0)
+    launched = [Piece(2.0, 0.1, 2.0), Piece(2.0, 0.1, 2.0), Piece(2.0, 3.0, 2.0)]
+    assert stream_call_seconds(launched, own_buffers=True) == pytest.approx(2.0 + 3.0 + 2.0)
+    assert stream_call_seconds(launched, depth=2, own_buffers=True) == pytest.approx(6.1)  # asked for at the start
+
+
+def test_a_host_that_waits_at_each_piece_hides_a_copy_behind_one_piece_only():
+    # diffusers' group offload with streams: the next copy starts as a piece begins, the host waits for the piece
+    even = [Piece(1.0, 1.0)] * 4
+    assert waiting_call_seconds(even) == pytest.approx(5.0)  # as queues ahead do, when every piece takes as long
+    assert waiting_call_seconds(even, latency=0.1) == pytest.approx(5.4)  # the hook's time at each piece, on top
+    # queues run ahead of a slow piece; a waiting host cannot: a slow piece hides one copy, a fast one none
+    mixed = [Piece(3.0, 1.0), Piece(0.1, 1.0), Piece(0.1, 1.0), Piece(3.0, 1.0)]
+    assert stream_call_seconds(mixed, depth=3, own_buffers=True) == pytest.approx(1.0 + 3.0 + 0.1 + 0.1 + 3.0)
+    assert waiting_call_seconds(mixed) == pytest.approx(1.0 + 3.0 + 1.0 + 1.0 + 3.0)
+    # pieces without a copy (the loose modules' work) hide the copy in flight too
+    assert waiting_call_seconds([Piece(0.5), Piece(1.0, 1.0)]) == pytest.approx(2.0)
+    assert call_seconds(mixed, 0.0, 3, True, Mechanism(waits=True)) == waiting_call_seconds(mixed)
+    assert call_seconds(mixed, 0.0, 3, True, Mechanism()) == stream_call_seconds(mixed, depth=3, own_buffers=True)
 
 
 def _tree() -> Block:

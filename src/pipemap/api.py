@@ -391,6 +391,7 @@ class Estimate:
     priced_by: str = "formula"
     images: int = 1
     speeds: str = ""  # where the GPU's figures come from (``Performance.origin``): a fit, a generation's default
+    launch: str = ""  # the host's seconds a kernel launch and where they come from (``Performance.kernel_text``)
 
     @property
     def per_image(self) -> float:
@@ -416,8 +417,9 @@ class Estimate:
             lines.append(f"{c.component:<18}{c.compute:>11.3g}{c.transfer:>11.3g}{c.hidden:>11.3g}{c.total:>11.3g}")
         bound = launch_bound(self.components)
         if bound:
-            lines.append(f"launch-bound: {', '.join(bound)} wait for the host's kernel launches (a faster host, CUDA "
-                         "graphs or torch.compile would speed them up, a faster GPU would not)")
+            launch = f"{self.launch}; " if self.launch else ""
+            lines.append(f"launch-bound: {', '.join(bound)} wait for the host's kernel launches ({launch}a faster "
+                         "host, CUDA graphs or torch.compile would speed them up, a faster GPU would not)")
         return "\n".join(lines)
 
 
@@ -450,7 +452,7 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, coun
     parts = predict(plan, inventory, perf, work, counts=counts)
     priced = f"{counts.origin} counts" if counts is not None else "the formula on parameter counts"
     return Estimate(sum(c.total for c in parts.values()), parts, work, priced,
-                    int(call.get("num_images_per_prompt") or 1), perf.origin)
+                    int(call.get("num_images_per_prompt") or 1), perf.origin, perf.kernel_text)
 
 
 def runnable(plan: Plan) -> Plan:

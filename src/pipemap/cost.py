@@ -7,8 +7,10 @@ FLOPs, the bytes its memory-bound kernels move and the kernels it launches (``co
 (``formula_counts``), and the plan says which priced it. Compute is FLOPs over sustained FLOP/s, plus memory-bound
 bytes over sustained memory bandwidth, plus each kernel launch's overhead (``compute_seconds``); copies are bytes
 over the link plus a latency a copy (``copy_seconds``); a streamed component's copies overlap its compute as its
-hook's streams do: a copy queue ahead of the compute queue by ``prefetch`` pieces, through ``prefetch + 1`` buffers
-(``stream_call_seconds``). The figures live in ``Hardware.performance``; ``bench/calibration.py`` fits the two
+hook's streams do: a copy queue ahead of the compute queue by ``prefetch`` pieces, through ``prefetch + 1`` buffers,
+each copy asked for when the host reaches the piece ``prefetch`` before it (``stream_call_seconds``); a tool whose
+host waits at each piece (diffusers' group offload) hides a copy behind one piece only (``waiting_call_seconds``).
+The figures live in ``Hardware.performance``; ``bench/calibration.py`` fits the two
 constants on few published measurements and holds the model against others it was never fitted on.
 """
 
@@ -151,6 +153,12 @@ class Mechanism:
     overlap: bool = True
     copy_back: bool = False
     copy_latency: float = COPY_LATENCY
+    # the host waits for each piece's copy and compute before it moves on (diffusers' group offload with streams:
+    # ``stream.synchronize()`` before each prefetch, ``current_stream().synchronize()`` after each group's forward
+    # unless record_stream), so the next copy overlaps only the current piece and the GPU idles ``wait_latency``
+    # a piece while the host's hook runs (``waiting_call_seconds``)
+    waits: bool = False
+    wait_latency: float = 0.0
 
 
 PIPEMAP = Mechanism()
@@ -197,6 +205,11 @@ def shared_compute(work: Tally, perf: Performance, on_gpu: bool, gpus: int) -> f
     return max(gpu_seconds(work, perf) / gpus, work.kernels * perf.kernel_seconds)
 
 
+def launch_seconds(work: Tally, perf: Performance, on_gpu: bool = True) -> float:
+    """The host's seconds launching the kernels of ``work`` on a GPU (none on the CPU: it computes as it goes)."""
+    return work.kernels * perf.kernel_seconds if on_gpu else 0.0
+
+
 def is_launch_bound(work: Tally, perf: Performance) -> bool:
     """Whether the host's kernel launches (``perf.kernel_seconds`` each) take longer than the GPU's own work."""
     return work.kernels > 0 and work.kernels * perf.kernel_seconds > gpu_seconds(work, perf)
@@ -217,8 +230,8 @@ def launch_note(costs: Mapping[str, Cost], perf: Performance) -> str | None:
     bound = launch_bound(costs)
     if not bound:
         return None
-    return (f"launch-bound: {', '.join(bound)} wait for the host's kernel launches ({perf.kernel_seconds * 1e6:.3g} us "
-            "a kernel): a faster host, CUDA graphs or torch.compile would speed them up, a faster GPU would not")
+    return (f"launch-bound: {', '.join(bound)} wait for the host's kernel launches ({perf.kernel_text}): a faster "
+            "host, CUDA graphs or torch.compile would speed them up, a faster GPU would not")
 
 
 def gpu_seconds(work: Tally, perf: Performance) -> float:
@@ -245,6 +258,7 @@ class Piece:
 
     compute: float
     copy: float | None = None  # None: resident on the GPU
+    host: float = 0.0  # the host's seconds launching its kernels: when it reaches the next piece's hook
 
 
 def stream_call_seconds(pieces: Sequence[Piece], root_copy: float = 0.0, depth: int = 1, own_buffers: bool = False,
@@ -262,17 +276,68 @@ def stream_call_seconds(pieces: Sequence[Piece], root_copy: float = 0.0, depth: 
     """
     compute_free = link_free = root_copy
     freed: list[float] = []  # when each streamed piece's buffer was freed, in order
+    issued = _issue_times(pieces, depth)
     for piece in pieces:
         if piece.copy is None:
             compute_free += piece.compute
             continue
-        start = link_free if overlap else max(link_free, compute_free)
+        start = max(link_free, issued[len(freed)]) if overlap else max(link_free, compute_free)
         if not own_buffers and len(freed) > depth:
             start = max(start, freed[-depth - 1])
         link_free = start + piece.copy
         compute_free = max(compute_free, link_free) + piece.compute
         freed.append(compute_free)
     return compute_free
+
+
+def _issue_times(pieces: Sequence[Piece], depth: int) -> list[float]:
+    """When the host asks for each streamed piece's copy: the first ``depth`` at the call's start, each later one
+    as the host enters the streamed piece ``depth`` before it (``StreamHook._prefetch``), having launched the
+    kernels of every piece before that one. Never waiting on the GPU, the host runs ahead unless launching is what
+    takes the time."""
+    entered, host = [], 0.0
+    for piece in pieces:
+        if piece.copy is not None:
+            entered.append(host)
+        host += piece.host
+    return [0.0 if i < depth else entered[i - depth] for i in range(len(entered))]
+
+
+def waiting_call_seconds(pieces: Sequence[Piece], root_copy: float = 0.0, latency: float = 0.0) -> float:
+    """Seconds one call takes when the host waits at every streamed piece (``Mechanism.waits``: diffusers' group
+    offload with ``use_stream=True``): entering one it waits for its copy, starts the next one's copy, launches its
+    kernels and waits for them, so a copy hides only behind the compute between its start and its piece (the work
+    of the piece before it and of the modules without weights between them), and the GPU idles ``latency`` a piece
+    while the hook runs. The first copy starts with the call, after the root's tensors (``root_copy``).
+
+    >>> waiting_call_seconds([Piece(1.0, 1.0), Piece(1.0, 1.0), Piece(1.0, 1.0)], latency=0.5)
+    5.5
+    >>> waiting_call_seconds([Piece(1.0, 2.0), Piece(1.0, 2.0)])   # the link sets the pace
+    5.0
+    """
+    copies = [p.copy for p in pieces if p.copy is not None]
+    now = root_copy
+    arrives = now + copies[0] if copies else now  # when the copy in flight is in
+    done = 0
+    for piece in pieces:
+        if piece.copy is not None:
+            # stream.synchronize(): this piece's copy is in; then the hook's Python issues the next copy, the link
+            # and the GPU both idle meanwhile
+            now = max(now, arrives) + latency
+            done += 1
+            arrives = now + copies[done] if done < len(copies) else now
+        now += piece.compute  # launched, then waited for (current_stream().synchronize())
+    return now
+
+
+def call_seconds(pieces: Sequence[Piece], root_copy: float, depth: int, own_buffers: bool,
+                 mechanism: Mechanism) -> float:
+    """One call of a component moved piece by piece, as ``mechanism`` runs it: queues ahead of the host
+    (``stream_call_seconds``: pipemap's hooks, cache-dit) or the host waiting at each piece
+    (``waiting_call_seconds``: diffusers' group offload)."""
+    if mechanism.waits:
+        return waiting_call_seconds(pieces, root_copy, mechanism.wait_latency)
+    return stream_call_seconds(pieces, root_copy, depth, own_buffers, mechanism.overlap)
 
 
 # ---- the work of a component -------------------------------------------------------------------------------------
@@ -480,7 +545,8 @@ def _stream_cost(placement: Placement, component: Component, counted: ComponentC
     kept = set(placement.resident_blocks)
     shares = _piece_work(counted, per_call, blocks, component)
     pieces = [Piece(compute_seconds(shares[path], perf, on_gpu),
-                    None if path in kept else copy_seconds(size, bandwidth, 1, mechanism.copy_latency))
+                    None if path in kept else copy_seconds(size, bandwidth, 1, mechanism.copy_latency),
+                    launch_seconds(shares[path], perf, on_gpu))
               for path, size in blocks]
     loose_bytes = max(0, component.bytes - sum(size for _, size in blocks))
     loose = compute_seconds(shares[LOOSE], perf, on_gpu)
@@ -489,7 +555,8 @@ def _stream_cost(placement: Placement, component: Component, counted: ComponentC
     sizes = [size for path, size in blocks if path not in kept]
     depth = max(1, placement.prefetch or 1)
     own = bool(sizes) and min(depth + 1, len(sizes)) * max(sizes) >= sum(sizes)
-    call = stream_call_seconds([Piece(loose), *pieces], root, depth, own, mechanism.overlap)
+    call = call_seconds([Piece(loose, None, launch_seconds(shares[LOOSE], perf, on_gpu)), *pieces], root, depth, own,
+                        mechanism)
     compute = calls * (loose + sum(p.compute for p in pieces))
     transfer = calls * (root + sum(p.copy or 0.0 for p in pieces))
     total = calls * call

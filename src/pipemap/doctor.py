@@ -16,12 +16,17 @@ import psutil
 import torch
 
 from . import __version__
-from .hardware import disk_cache_path, measured_disk_bandwidth
+from .hardware import disk_cache_path, launch_cache_path, measured_disk_bandwidth, measured_kernel_seconds
 from .ram import ram
 from .runtime.transfer import FIXED_DRIVER, Copy, TransferReport, cache_path, check_transfers, driver_version
 from .units import format_bytes
 
 DISK_PROBE = 128 * 2**20  # bytes written, dropped from the page cache, and read back to time the disk
+# The launch probe: a stack of tiny layers (a linear layer, a norm, an activation) run eagerly, so each kernel's own
+# work is nothing and the time is the host's: the module calls, the dispatcher and the launch, as a model's are
+LAUNCH_LAYERS = 32
+LAUNCH_WIDTH = 8
+LAUNCH_CALLS = 20
 
 
 def doctor_text(devices: list[str] | None = None, copy: Copy | None = None) -> str:
@@ -38,6 +43,7 @@ def doctor_text(devices: list[str] | None = None, copy: Copy | None = None) -> s
         "Devices\n" + "\n".join(_device_lines()),
         "Copies between GPUs\n" + _transfer_section(report),
         "Disk (weights left in their files are read from it)\n" + _disk_section(),
+        "Host (each kernel the GPU runs is launched from it)\n" + _launch_section(),
         "What it means for planning\n" + "\n".join(f"  - {line}" for line in _meaning(report)),
     ]
     return "\n\n".join(sections)
@@ -169,3 +175,65 @@ def measure_disk_bandwidth(nbytes: int = DISK_PROBE) -> float:
     except OSError:
         pass  # a read-only cache: measured again next time
     return bandwidth
+
+
+def _launch_section() -> str:
+    cached, origin = measured_kernel_seconds(), "from the cache"
+    if cached is None:
+        cached, origin = measure_kernel_seconds(), "just now"
+    return (f"  launches a kernel in {cached * 1e6:.3g} us (measured {origin} on {_launch_device()}; cache: "
+            f"{launch_cache_path()}); estimates for this machine price launch-bound calls with it")
+
+
+def _launch_device() -> str:
+    return "cuda:0" if torch.cuda.is_available() else "cpu"  # the device itself: a mocked count runs nothing
+
+
+def measure_kernel_seconds(device: str | None = None) -> float:
+    """The host's seconds a kernel launch: a stack of tiny layers run eagerly on ``device`` (cuda:0 if there is a
+    GPU, else the CPU) and timed, over the kernels one pass runs (counted as the dry run counts them); stored for
+    ``performance_for`` to price this machine's launch-bound calls with."""
+    device = device or _launch_device()
+    layers = [torch.nn.Sequential(torch.nn.Linear(LAUNCH_WIDTH, LAUNCH_WIDTH), torch.nn.LayerNorm(LAUNCH_WIDTH),
+                                  torch.nn.GELU()) for _ in range(LAUNCH_LAYERS)]
+    model = torch.nn.Sequential(*layers).to(device)
+    x = torch.randn(1, LAUNCH_WIDTH, device=device)
+    with torch.no_grad():
+        kernels = _kernels_of(model, x)
+        model(x)  # the first pass pays one-time setup (cuBLAS handles, allocations)
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(LAUNCH_CALLS):
+            model(x)
+        _synchronize(device)
+    seconds = (time.perf_counter() - start) / (LAUNCH_CALLS * max(1, kernels))
+    try:
+        launch_cache_path().parent.mkdir(parents=True, exist_ok=True)
+        launch_cache_path().write_text(json.dumps({"kernel_seconds": seconds, "device": device, "kernels": kernels}))
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return seconds
+
+
+def _kernels_of(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """The kernels one pass launches, as the dry run's counter counts them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .dryrun.counter import launches_kernel
+
+    class Count(TorchDispatchMode):
+        kernels = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Count.kernels += launches_kernel(func, out)
+            return out
+
+    with Count():
+        model(x)
+    return Count.kernels
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)

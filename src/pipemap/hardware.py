@@ -89,6 +89,7 @@ class Performance:
     cpu_flops: float = 0.5e12
     memory_bandwidth: float = 600e9
     kernel_seconds: float = KERNEL_SECONDS
+    kernel_origin: str = "default"  # where ``kernel_seconds`` comes from: a key of KERNEL_ORIGINS
     disk_bandwidth: float = 2e9  # an NVMe SSD's sustained reads through the page cache
     disk_origin: str = "default"  # where ``disk_bandwidth`` comes from: a key of DISK_ORIGINS
     origin: str = "generic figures: no GPU model named"  # where the GPU's sustained figures come from
@@ -104,11 +105,19 @@ class Performance:
                 raise HardwareSpecError(repr(self), f"{name}={value!r}", "a speed must be a positive finite number")
         if self.disk_origin not in DISK_ORIGINS:
             raise HardwareSpecError(repr(self), f"disk_origin={self.disk_origin!r}", f"one of {sorted(DISK_ORIGINS)}")
+        if self.kernel_origin not in KERNEL_ORIGINS:
+            raise HardwareSpecError(repr(self), f"kernel_origin={self.kernel_origin!r}",
+                                    f"one of {sorted(KERNEL_ORIGINS)}")
 
     @property
     def disk_text(self) -> str:
         """The disk figure and where it comes from, as a plan's note and ``explain()`` say it."""
         return f"{self.disk_bandwidth / 1e9:.3g} GB/s ({DISK_ORIGINS[self.disk_origin]})"
+
+    @property
+    def kernel_text(self) -> str:
+        """The host's seconds a kernel launch and where they come from, as ``explain()`` says it."""
+        return f"{self.kernel_seconds * 1e6:.3g} us a kernel ({KERNEL_ORIGINS[self.kernel_origin]})"
 
 
 # A measured figure describes this machine only: a spec for another machine (GPUs this one lacks, another GPU model)
@@ -117,6 +126,11 @@ DISK_ORIGINS = {
     "default": "the default, an NVMe SSD; `pipemap doctor` measures this machine's, used when planning for it",
     "measured": "this machine's, measured by `pipemap doctor`",
     "stated": "disk_bw= in the hardware spec",
+}
+# The host's launch cost, as the disk: measured by ``pipemap doctor`` for this machine, the fitted default otherwise
+KERNEL_ORIGINS = {
+    "default": "the default, fitted on one A100 host (bench/CALIBRATION.md); `pipemap doctor` measures this machine's",
+    "measured": "this machine's, measured by `pipemap doctor`",
 }
 
 
@@ -154,19 +168,21 @@ def performance_for(gpu_name: str | None, attention: str = DEFAULT_ATTENTION,
     FLOP/s and memory bandwidth (``sustained_share``), its links, and its ``attention`` backend's rate
     (``attention_rate``); generic figures if unknown (attention at the dense rate). ``origin`` says which share and
     rate priced it. The disk is this machine's as ``pipemap doctor`` measured it when the figures are for
-    ``this_machine`` and it did; the default otherwise."""
+    ``this_machine`` and it did; the default otherwise; the host's seconds a kernel launch likewise."""
     name = (gpu_name or "").lower()
     measured = measured_disk_bandwidth() if this_machine else None
     disk, disk_origin = (measured, "measured") if measured else (Performance.disk_bandwidth, "default")
+    launch = measured_kernel_seconds() if this_machine else None
+    kernel, kernel_origin = (launch, "measured") if launch else (KERNEL_SECONDS, "default")
     for fragment, (flops, memory, host, peer) in GPU_PERFORMANCE.items():
         if fragment in name:
             share, origin = sustained_share(fragment)
             rate, said = attention_rate(fragment, attention)
             return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk,
-                               disk_origin=disk_origin,
+                               disk_origin=disk_origin, kernel_seconds=kernel, kernel_origin=kernel_origin,
                                origin=f"{fragment.upper()} datasheet at {share:.3g} of it ({origin}); {said}",
                                attention=attention, attention_flops=rate)
-    return Performance(disk_bandwidth=disk, disk_origin=disk_origin,
+    return Performance(disk_bandwidth=disk, disk_origin=disk_origin, kernel_seconds=kernel, kernel_origin=kernel_origin,
                        attention="dense" if attention in ATTENTION_SHARE else attention)
 
 
@@ -179,6 +195,7 @@ def sustained_share(gpu: str) -> tuple[float, str]:
     return share, f"no {gpu.upper()} fit: the {GENERATION[gpu].capitalize()} generation's default, {origin}"
 
 
+LAUNCH_FILE = "launch.json"
 DISK_FILE = "disk.json"  # beside the transfer checks' cache: ``pipemap doctor``'s measured disk read speed
 
 
@@ -190,6 +207,20 @@ def disk_cache_path() -> Path:
 
         root = os.path.join(constants.HF_HOME, "pipemap")
     return Path(root) / DISK_FILE
+
+
+def launch_cache_path() -> Path:
+    """``launch.json`` beside ``disk.json``: the host's seconds a kernel launch, as ``pipemap doctor`` measured them."""
+    return disk_cache_path().with_name(LAUNCH_FILE)
+
+
+def measured_kernel_seconds() -> float | None:
+    """The host's seconds a kernel launch ``pipemap doctor`` measured on this machine, or None."""
+    try:
+        value = json.loads(launch_cache_path().read_text()).get("kernel_seconds")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 def measured_disk_bandwidth() -> float | None:

@@ -219,3 +219,9 @@ def _crosses_devices(func, args, kwargs, out) -> bool:
         return False
     devices = {t.device for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
     return len(devices) > 1
+
+
+def launches_kernel(func, out) -> bool:
+    """Whether an operation runs a kernel, as the counter counts kernels (``pipemap doctor`` times the host's launches
+    over the same count)."""
+    return _launches_kernel(func, out)
