@@ -127,23 +127,26 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
     share one ledger of what is onloaded where (and evict each other), so they take turns (one lock). ``beside``: the
     hooks already on the pipeline's components (a model placed after dispatch, components moved to the host on an
     out-of-memory error): a moving one among them gives its ledger and lock. ``queues`` makes each device's copy
-    queues for a new ledger."""
+    queues for a new ledger; with the real ones (``queues_for``) the ledger shares each GPU's cache and the lock with
+    the other pipelines placed in this process (``moving.SharedCache``); the dry run's stand-ins keep their own."""
     moving = next((h for h in beside if ledger_of(h) is not None), None)
     # the ledger, made with the first moving hook: none for a plan without one, so no moving code is imported
     shared: list[Any] = [] if moving is None else [moving.ledger]
-    lock = CallLock() if moving is None else moving.lock
+    locks: list[CallLock] = [] if moving is None else [moving.lock]
 
     def ledger() -> Ledger:
         if not shared:
             from .moving import Ledger  # here: only a plan that moves weights needs the moving code
 
-            shared.append(Ledger(queues))
+            shared.append(Ledger(queues, shared=queues is queues_for))
         return shared[0]
 
     def make(p: Placement) -> PlacementHook:
         hook = HOOKS[p.mode](p, plan.execution_device, ledger() if p.mode in MOVING else None)
         if hook.moves_weights:
-            hook.lock = lock
+            if not locks:
+                locks.append(ledger().lock)
+            hook.lock = locks[0]
         return hook
 
     return make
