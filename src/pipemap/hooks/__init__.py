@@ -26,6 +26,7 @@ undoes; it knows no mode but through ``HOOKS``. Which hook a mode gets is its ro
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -152,6 +153,16 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
     return make
 
 
+def give_back_kept() -> None:
+    """Evict what placed pipelines keep onloaded on their GPUs between calls (``moving.SharedCache``), before a plan
+    reads this machine's free memory: it is room their caches give up when short, not used memory; counted as used,
+    a pipeline planned after another's call would get a room smaller by the other's kept VAE, and the shared room
+    (the smallest) would shrink for both."""
+    moving = sys.modules.get(f"{__name__}.moving")  # not imported: no pipeline moves weights (issue 28)
+    if moving is not None:
+        moving.unload_shared()
+
+
 def ledger_of(hook: Any) -> Ledger | None:
     """The ledger of a hook that moves weights, else None. Asked of the hook, not by ``isinstance(..., Ledger)``: a
     pipeline whose plan moves nothing then never imports the moving code (issue 28)."""
@@ -159,5 +170,5 @@ def ledger_of(hook: Any) -> Ledger | None:
 
 
 __all__ = ["HOOKS", "MOVING", "CallLock", "GuidanceHook", "Ledger", "Moved", "OffloadHook", "PlacementHook",
-           "ReplicaHook", "SequenceHook", "SplitHook", "StreamHook", "hook_component", "hook_maker",
+           "ReplicaHook", "SequenceHook", "SplitHook", "StreamHook", "give_back_kept", "hook_component", "hook_maker",
            "unhook_component"]

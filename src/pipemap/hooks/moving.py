@@ -38,6 +38,8 @@ class Cached(Protocol):
 
     def evict(self) -> None: ...
 
+    def unload(self) -> None: ...
+
 
 class Ledger:
     """What one dispatch onloads: an LRU cache per execution device, the device memory each holds for onloaded
@@ -161,6 +163,14 @@ _MAKING = threading.Lock()
 # One lock, not one per GPU: one pipeline's moving hooks took turns by one lock before, on every GPU; per-GPU locks
 # would let a pipeline offloading onto two GPUs run both at once, and two threads could take them in opposite orders.
 SHARED_LOCK = CallLock()
+
+
+def unload_shared() -> None:
+    """Evict what placed pipelines keep onloaded on their GPUs between calls (after a running call: the lock)."""
+    with SHARED_LOCK:
+        for cache in list(_SHARED.values()):
+            for hook in list(cache.loaded):
+                hook.unload()  # not one running: a call inside another (the lock is re-entrant) keeps its own
 
 
 def shared_cache(device: str) -> SharedCache:
