@@ -34,6 +34,7 @@ from .errors import (
     UnknownStrategyError,
 )
 from .hardware import Hardware
+from .hooks import give_back_kept
 from .inventory import inventory_of
 from .inventory.files import check_weights_present
 from .inventory.folder import read_model_index
@@ -108,6 +109,8 @@ class Request:
 
     def machine(self) -> Hardware:
         """The hardware to plan for (this machine's when none was given), less ``max_memory``."""
+        if self.hardware is None:
+            give_back_kept()  # what placed pipelines keep onloaded between calls is room, not used memory
         hw = self.hardware or Hardware.detect()
         return hw.with_max_memory(self.max_memory) if self.max_memory else hw
 

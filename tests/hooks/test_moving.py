@@ -12,7 +12,7 @@ from helpers import moving, pipeline_state, plain_pipeline, run
 from pipemap import tiny
 from pipemap.dispatch import onload_peaks
 from pipemap.hooks import Ledger
-from pipemap.hooks.moving import LruCache
+from pipemap.hooks.moving import LruCache, SharedCache
 from pipemap.planner import forcing_hardware
 from pipemap.runtime import streams
 
@@ -146,3 +146,24 @@ def test_lru_cache_drop_forgets_without_evicting():
     cache.drop(a)  # twice: no error
     cache.use(FakeHook("b", 60, log))  # a is no longer counted, so nothing is evicted
     assert log == ["+a", "+b"]
+
+
+def test_placed_pipelines_share_each_gpus_cache_and_evict_each_others_components(fake_cuda):
+    log: list[str] = []
+    first, second = Ledger(shared=True), Ledger(shared=True)
+    cache = first.cache("cuda:0", 100)
+    assert isinstance(cache, SharedCache) and second.cache("cuda:0", 80) is cache and first.lock is second.lock
+    # the dry run's ledgers and the CPU keep their own
+    assert Ledger().cache("cuda:0", 100) is not cache and first.cache("cpu", 100) is not cache
+    a, b = FakeHook("a", 60, log), FakeHook("b", 40, log)
+    cache.join(a, 100)
+    cache.join(b, 80)
+    assert cache.room == 80  # the smallest room: the plan made last saw the other's resident weights
+    cache.use(a)
+    cache.use(b)  # 60 + 40 > 80: the other ledger's a leaves
+    assert log == ["+a", "-a", "+b"] and list(cache.loaded) == [b]
+    cache.drop(b)  # b's pipeline reset: its entries and its room leave, a's stay
+    cache.leave(b)
+    assert cache.room == 100
+    cache.use(a)
+    assert list(cache.loaded) == [a]

@@ -26,6 +26,7 @@ undoes; it knows no mode but through ``HOOKS``. Which hook a mode gets is its ro
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -127,26 +128,39 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
     share one ledger of what is onloaded where (and evict each other), so they take turns (one lock). ``beside``: the
     hooks already on the pipeline's components (a model placed after dispatch, components moved to the host on an
     out-of-memory error): a moving one among them gives its ledger and lock. ``queues`` makes each device's copy
-    queues for a new ledger."""
+    queues for a new ledger; with the real ones (``queues_for``) the ledger shares each GPU's cache and the lock with
+    the other pipelines placed in this process (``moving.SharedCache``); the dry run's stand-ins keep their own."""
     moving = next((h for h in beside if ledger_of(h) is not None), None)
     # the ledger, made with the first moving hook: none for a plan without one, so no moving code is imported
     shared: list[Any] = [] if moving is None else [moving.ledger]
-    lock = CallLock() if moving is None else moving.lock
+    locks: list[CallLock] = [] if moving is None else [moving.lock]
 
     def ledger() -> Ledger:
         if not shared:
             from .moving import Ledger  # here: only a plan that moves weights needs the moving code
 
-            shared.append(Ledger(queues))
+            shared.append(Ledger(queues, shared=queues is queues_for))
         return shared[0]
 
     def make(p: Placement) -> PlacementHook:
         hook = HOOKS[p.mode](p, plan.execution_device, ledger() if p.mode in MOVING else None)
         if hook.moves_weights:
-            hook.lock = lock
+            if not locks:
+                locks.append(ledger().lock)
+            hook.lock = locks[0]
         return hook
 
     return make
+
+
+def give_back_kept() -> None:
+    """Evict what placed pipelines keep onloaded on their GPUs between calls (``moving.SharedCache``), before a plan
+    reads this machine's free memory: it is room their caches give up when short, not used memory; counted as used,
+    a pipeline planned after another's call would get a room smaller by the other's kept VAE, and the shared room
+    (the smallest) would shrink for both."""
+    moving = sys.modules.get(f"{__name__}.moving")  # not imported: no pipeline moves weights (issue 28)
+    if moving is not None:
+        moving.unload_shared()
 
 
 def ledger_of(hook: Any) -> Ledger | None:
@@ -156,5 +170,5 @@ def ledger_of(hook: Any) -> Ledger | None:
 
 
 __all__ = ["HOOKS", "MOVING", "CallLock", "GuidanceHook", "Ledger", "Moved", "OffloadHook", "PlacementHook",
-           "ReplicaHook", "SequenceHook", "SplitHook", "StreamHook", "hook_component", "hook_maker",
+           "ReplicaHook", "SequenceHook", "SplitHook", "StreamHook", "give_back_kept", "hook_component", "hook_maker",
            "unhook_component"]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -23,7 +25,7 @@ import torch
 from ..runtime.streams import Queues, queues_for
 from .mapped import Pages, Staging
 from .packing import Group
-from .resident import PlacementHook
+from .resident import CallLock, PlacementHook
 
 
 class Cached(Protocol):
@@ -36,6 +38,8 @@ class Cached(Protocol):
 
     def evict(self) -> None: ...
 
+    def unload(self) -> None: ...
+
 
 class Ledger:
     """What one dispatch onloads: an LRU cache per execution device, the device memory each holds for onloaded
@@ -43,10 +47,16 @@ class Ledger:
 
     Caches are keyed by device and room (``Placement.room``), so a plan remapped onto the CPU keeps one cache per
     original GPU (two GPUs of equal room then share one, which can only evict more).
+
+    ``shared`` (a placed pipeline's ledger, ``hooks.hook_maker``; not the dry run's): its cache on a CUDA device is
+    that device's one process-wide ``SharedCache``, so pipelines placed on one GPU evict each other's onloaded
+    components, and its hooks take turns with theirs by one process-wide ``lock``. Its own ``lock`` otherwise.
     """
 
-    def __init__(self, queues: Callable[[torch.device], Queues] = queues_for):
+    def __init__(self, queues: Callable[[torch.device], Queues] = queues_for, shared: bool = False):
         self.make_queues = queues  # the dry run passes its stand-in queues, which tell its tracker what is weights
+        self.shared = shared and torch.cuda.is_available()
+        self.lock = SHARED_LOCK if self.shared else CallLock()
         self.caches: dict[tuple[str, int], LruCache] = {}
         self.live: collections.Counter = collections.Counter()
         self.peak: collections.Counter = collections.Counter()
@@ -54,7 +64,10 @@ class Ledger:
         self._staging: dict[str, Staging] = {}
 
     def cache(self, device: str, room: int) -> LruCache:
-        return self.caches.setdefault((device, room), LruCache(room))
+        if (device, room) not in self.caches:
+            on_gpu = self.shared and torch.device(device).type == "cuda"
+            self.caches[device, room] = shared_cache(device) if on_gpu else LruCache(room)
+        return self.caches[device, room]
 
     def queues(self, device: torch.device) -> Queues:
         if str(device) not in self._queues:
@@ -76,8 +89,18 @@ class LruCache:
     """The offloaded components onloaded on one device, least recently used first, within ``room`` bytes."""
 
     def __init__(self, room: int):
-        self.room = room
+        self._room = room
         self.loaded: collections.OrderedDict[Cached, int] = collections.OrderedDict()
+
+    @property
+    def room(self) -> int:
+        return self._room
+
+    def join(self, hook: Cached, room: int) -> None:
+        """``hook`` onloads through this cache within ``room`` (its plan's): one ledger's cache has its own room."""
+
+    def leave(self, hook: Cached) -> None:
+        """``hook`` is detached: its room no longer counts."""
 
     def use(self, hook: Cached) -> None:
         if hook in self.loaded:
@@ -86,9 +109,9 @@ class LruCache:
         # its tensors' bytes at the dtype in use (a vae upcast to float32 counts its float32 bytes), as the plan's
         # room counts them: the buffer's alignment gaps (``layout.nbytes``) would put a component exactly as large
         # as its room over it, and evict it after every call (a quantized one, of many small tensors, by 0.3%)
-        size = hook.group.nbytes
+        size, room = hook.group.nbytes, self.room
         for other in list(self.loaded):
-            if sum(self.loaded.values()) + size <= self.room:
+            if sum(self.loaded.values()) + size <= room:
                 break
             self.drop(other)
             other.evict()
@@ -101,6 +124,62 @@ class LruCache:
     def over(self) -> bool:
         """Whether what is onloaded exceeds the room (a component larger than its room, onloaded for its call)."""
         return sum(self.loaded.values()) > self.room
+
+
+class SharedCache(LruCache):
+    """One GPU's cache shared by every placed pipeline that offloads onto it (``shared_cache``): the second
+    pipeline's onload evicts the first's kept VAE when room is short, and the other way round.
+
+    Its room is the smallest of its members' rooms. Each plan's room is what it saw free on the GPU less its own
+    resident weights and headroom: a plan made later saw the earlier pipelines' resident weights (and any component
+    they kept onloaded) as taken, so its room is the smaller one, and the only one still true once those weights
+    are there; the earlier plan's larger room counts memory they now take. The smallest is kept rather than the
+    last one's, which also holds for a plan made on a budget of its own. A member detached (``pipemap.reset``)
+    leaves, and the room is the smallest of the rest again. Headroom: the calls take turns (``SHARED_LOCK``), and
+    the room kept free for activations is the planned-last pipeline's; a pipeline that planned a larger headroom
+    than it gets no more than that.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        # weakly: a pipeline dropped without reset leaves by itself (its onloaded hooks stay until evicted)
+        self.rooms: weakref.WeakKeyDictionary[Cached, int] = weakref.WeakKeyDictionary()
+
+    @property
+    def room(self) -> int:
+        return min(self.rooms.values(), default=0)
+
+    def join(self, hook: Cached, room: int) -> None:
+        self.rooms[hook] = room
+
+    def leave(self, hook: Cached) -> None:
+        self.rooms.pop(hook, None)
+
+
+# one cache and one call lock per process for the GPUs placed pipelines offload onto; a cache lives while one of
+# its members' ledgers does (a test's fake CUDA gone with its pipelines leaves no cache behind)
+_SHARED: weakref.WeakValueDictionary[str, SharedCache] = weakref.WeakValueDictionary()
+_MAKING = threading.Lock()
+# One lock, not one per GPU: one pipeline's moving hooks took turns by one lock before, on every GPU; per-GPU locks
+# would let a pipeline offloading onto two GPUs run both at once, and two threads could take them in opposite orders.
+SHARED_LOCK = CallLock()
+
+
+def unload_shared() -> None:
+    """Evict what placed pipelines keep onloaded on their GPUs between calls (after a running call: the lock)."""
+    with SHARED_LOCK:
+        for cache in list(_SHARED.values()):
+            for hook in list(cache.loaded):
+                hook.unload()  # not one running: a call inside another (the lock is re-entrant) keeps its own
+
+
+def shared_cache(device: str) -> SharedCache:
+    """The process-wide cache of what placed pipelines keep onloaded on ``device``."""
+    with _MAKING:
+        cache = _SHARED.get(device)
+        if cache is None:
+            cache = _SHARED[device] = SharedCache()
+        return cache
 
 
 class MovingHook(PlacementHook):

@@ -36,6 +36,7 @@ class OffloadHook(MovingHook):
     def init_hook(self, module):
         self.group = Group(slots(module.modules()).values(), self.component)
         self.cache = self.ledger.cache(str(self.device), self.room)
+        self.cache.join(self, self.room)
         self.buffer: torch.Tensor | None = None
         self.copied = None  # the event of the copy into ``buffer``
         self.running = 0
@@ -84,6 +85,7 @@ class OffloadHook(MovingHook):
     def detach_hook(self, module):
         self.unwatch_conversions(module)
         self.cache.drop(self)
+        self.cache.leave(self)
         if self.group.loaded:
             self.evict()
         self.group.unpin()  # after the last copy out of its pinned buffer ran
