@@ -179,7 +179,8 @@ def test_a_sticky_device_error_makes_the_service_unready_and_refuse_work(service
         assert session.get("/health/live").status_code == 200  # alive: the orchestrator restarts it on readiness
         after = ask(session, prompt="a cat", seed=1, num_inference_steps=1)
         assert after.status_code == 503 and after.json()["error"]["code"] == "device_error"
-        assert session.get("/health").status_code == 200  # the old route keeps its meaning (draining or not)
+        health = session.get("/health")  # an orchestrator probing /health restarts it too
+        assert health.status_code == 503 and health.json()["status"] == "device_error"
 
 
 def test_a_plain_pipeline_error_leaves_the_service_ready(service):

@@ -81,6 +81,18 @@ def test_health_says_draining_once_the_worker_drains(service):
     assert draining.health() == {"status": "draining", "queue_depth": 0, "running": 0}
 
 
+def test_a_request_failing_with_a_sticky_device_error_breaks_the_service_and_a_plain_error_does_not(service):
+    # the worker answers a job by its future; a sticky CUDA error (every later call fails too) is noticed there,
+    # whoever asked (the app, Ray, a caller of Service): health says so, so an orchestrator restarts the process
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=30.0)  # its worker never started
+    _, plain = own.submit(GenerationRequest(prompt="a cat", size="32x32"))
+    plain.future.set_exception(RuntimeError("shapes do not match"))
+    assert own.broken is None and own.health()["status"] == "ok" and own.readiness() is None
+    _, sticky = own.submit(GenerationRequest(prompt="a cat", size="32x32"))
+    sticky.future.set_exception(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert own.health()["status"] == "device_error" and "illegal memory access" in own.readiness()
+
+
 def test_the_home_page_is_drawn_once_from_the_plan(service):
     page = service.home_page()
     assert page is service.home_page()  # made once, served many times

@@ -34,11 +34,6 @@ from .metrics import CONTENT_TYPE
 from .requests import parse
 from .service import Loading, Service
 
-# what a RuntimeError's text says when the device itself is broken: every later call fails too, so the service stops
-# taking work (readiness false) and the process must be restarted
-STICKY = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
-          "uncorrectable ecc error")
-
 
 async def generations(service: Service, request: Request) -> Response:
     """``POST /v1/images/generations``: one request's images as base64 PNGs; its status counted."""
@@ -124,8 +119,7 @@ def _failed(service: Service, err: Exception) -> Response:
     if type(err).__name__ == "OutOfMemoryError":  # torch's, after the retry a move to the host allowed
         return error(503, f"out of memory on the GPU, after moving weights to the host and retrying: {err}",
                      "server_busy", code="out_of_memory", headers={"Retry-After": "5"})
-    if isinstance(err, RuntimeError) and any(words in str(err).lower() for words in STICKY):
-        service.broken = f"{type(err).__name__}: {str(err)[:300]}"
+    if service.notice(err):
         return error(500, f"the device failed: {err}; the server takes no more work until it restarts",
                      "server_error", code="device_error")
     return error(500, f"the pipeline failed: {type(err).__name__}: {err}", "server_error", code="pipeline_error")
@@ -138,7 +132,8 @@ def _png(image) -> str:
 
 
 async def health(service: Service, request: Request) -> Response:
-    """``GET /health``: 200 while taking work, 503 while shutting down; queue depth and requests running."""
+    """``GET /health``: 200 while taking work, 503 while shutting down or after a sticky device error; queue depth
+    and requests running."""
     state = service.health()
     return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
 

@@ -62,6 +62,11 @@ class PipemapReplica:
     def __serve_build_asgi_app__(self):
         return create_app(self.service)
 
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose device failed for good (``Service.notice``) is restarted."""
+        if self.service.broken is not None:
+            raise RuntimeError(f"pipemap: the device failed: {self.service.broken}")
+
     def __del__(self):
         service = getattr(self, "service", None)
         if service is not None:  # Ray Serve has already waited for the replica's requests in flight

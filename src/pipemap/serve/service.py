@@ -109,6 +109,12 @@ def sizes_for(plan: Plan, folder: Path) -> Admission:
 _SURE = 16
 
 
+# what a RuntimeError's text says when the device itself is broken: every later call fails too, so the service stops
+# taking work (not ready, /health 503) and the process must be restarted
+STICKY = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
+          "uncorrectable ecc error")
+
+
 class Service:
     """A pipeline, the plan it runs on, and the queue in front of it. ``runner``: an ordered runner for the worker
     (``worker.run_sequential``); by default the pipeline's unordered one (``pipeline_runner``).
@@ -180,6 +186,7 @@ class Service:
         timeout = min(self.timeout, request.timeout or self.timeout)
         job = Job(generation.call, seed, generation.n, time.monotonic() + timeout, timeout)
         self.worker.submit(job)
+        job.future.add_done_callback(lambda done: done.cancelled() or self.notice(done.exception()))
         return generation, job
 
     def _check_room(self, generation: Generation) -> None:
@@ -244,8 +251,17 @@ class Service:
         return self._home
 
     def health(self) -> dict:
-        return {"status": "draining" if self.worker.draining else "ok", "queue_depth": self.worker.depth,
-                "running": self.worker.running}
+        status = "device_error" if self.broken is not None else "draining" if self.worker.draining else "ok"
+        return {"status": status, "queue_depth": self.worker.depth, "running": self.worker.running}
+
+    def notice(self, err: BaseException | None) -> bool:
+        """Whether ``err``, a request's failure, is a sticky device error (every later call on the device fails
+        too): then the service is ``broken``, takes no more work and says so in ``health``/``readiness``, so an
+        orchestrator restarts the process."""
+        if isinstance(err, RuntimeError) and any(words in str(err).lower() for words in STICKY):
+            self.broken = self.broken or f"{type(err).__name__}: {str(err)[:300]}"
+            return True
+        return False
 
     def readiness(self) -> str | None:
         """Why this service takes no work now (a sticky device error, a drain), or None when it is ready."""
