@@ -36,6 +36,14 @@ transformers_logging.set_verbosity_error()
 transformers_logging.disable_progress_bar()
 
 
+def pytest_collection_finish(session) -> None:
+    """Move what collection made (torch, diffusers, transformers, the test modules: about 480,000 objects) out of the
+    garbage collector's reach: each full ``gc.collect()`` (the fake CUDA's teardown, the tests of pinned memory
+    given back, the interpreter's own gen-2 passes) then walks only what the tests made, 0.001 s instead of 0.3-0.5 s
+    of CPU. Objects made later are collected as before; what collection made lives as long as the session anyway."""
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def tiny_folders(tmp_path_factory) -> dict[str, str]:
     """``{kind: folder}`` for each tiny pipeline kind, each with fp32 weights and an fp16 variant."""
