@@ -52,6 +52,13 @@ def tiny_folders(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def flux_folder(tmp_path_factory) -> str:
+    """The tiny Flux-like pipeline (``tiny.ALL_KINDS``' transformer one), saved once in fp32 for every test file
+    that reads it (never written)."""
+    return str(tiny.save("flux", tmp_path_factory.mktemp("flux") / "flux", variant_fp16=False))
+
+
+@pytest.fixture(scope="session")
 def reference_outputs(tiny_folders) -> dict[str, torch.Tensor]:
     """The plain diffusers output of each tiny pipeline's default call: what every mapped run must equal."""
     outputs = {}
