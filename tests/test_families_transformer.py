@@ -17,10 +17,9 @@ ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"}
 
 
 @pytest.fixture(scope="module")
-def flux(tmp_path_factory):
-    folder = tiny.save("flux", tmp_path_factory.mktemp("flux") / "flux", variant_fp16=False)
-    pipe = plain_pipeline(str(folder))
-    return str(folder), pipe, run(pipe, "flux")
+def flux(flux_folder):
+    pipe = plain_pipeline(flux_folder)
+    return flux_folder, pipe, run(pipe, "flux")
 
 
 def _plans(folder: str):

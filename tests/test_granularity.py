@@ -89,11 +89,6 @@ def _share(folder: str, component: str, share: float, extra: str | None) -> tupl
     return f"cuda:0={size},cuda:1={size},cpu=1GiB", size
 
 
-@pytest.fixture(scope="module")
-def flux_folder(tmp_path_factory) -> str:
-    return str(tiny.save("flux", tmp_path_factory.mktemp("flux") / "flux", variant_fp16=False))
-
-
 # the tiny Flux-like pipeline's CLIP token embedding (66 KB, one leaf) alone needs two buffers of 27% of its
 # transformer: its GPUs get 15% of the transformer plus the fewest bytes the CLIP encoder streams in
 @pytest.mark.slow

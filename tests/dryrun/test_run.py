@@ -32,11 +32,6 @@ def pipes(tiny_folders):
     return {kind: plain_pipeline(folder) for kind, folder in tiny_folders.items()}
 
 
-@pytest.fixture(scope="module")
-def flux_folder(tmp_path_factory):
-    return str(tiny.save("flux", tmp_path_factory.mktemp("flux")))
-
-
 def _strategies(kind: str, gpus: int) -> list:
     return [*pipemap.STRATEGIES, (MAPS if gpus == 2 else MAPS_3)[kind], {"vae": f"cuda:{gpus - 1}"}]
 
@@ -45,10 +40,13 @@ def _strategies(kind: str, gpus: int) -> list:
 @pytest.mark.parametrize(("kind", "gpus"), [*((kind, 2) for kind in tiny.KINDS), ("controlnet", 3)])  # 3: the most
 def test_every_strategy_runs_clean_on_stand_in_gpus(pipes, kind, gpus):  # models, a GPU each
     pipe = pipes[kind]
+    reports: dict = {}  # by placement: strategies that place alike (on these GPUs most do) share one dry run
     for strategy in _strategies(kind, gpus):
         plan = pipemap.plan(pipe, hardware=GPUS[gpus], strategy=strategy, headroom=0.0)
-        # the peaks only: no tiling advice, whose second dry run has its own test (tests/dryrun/test_trackers.py)
-        report = pipemap.simulate(pipe, plan, advice=False)
+        if plan.components not in reports:
+            # the peaks only: no tiling advice, whose second dry run has its own test (tests/dryrun/test_trackers.py)
+            reports[plan.components] = pipemap.simulate(pipe, plan, advice=False)
+        report = reports[plan.components]
         assert report.ok, (strategy, report.error)
         used = {p.execution_device for p in plan.components}
         assert len(used) >= 2 and used <= set(report.peak_bytes)
@@ -79,8 +77,9 @@ def _bytes_read() -> int:
 @pytest.mark.slow
 def test_folder_and_pipeline_give_the_same_figures(tiny_folders, pipes):
     plan = pipemap.plan(tiny_folders["sdxl"], hardware=GPUS[2], headroom=0.0)
-    from_folder = pipemap.simulate(tiny_folders["sdxl"], plan)
-    from_pipe = pipemap.simulate(pipes["sdxl"], plan)
+    # the figures only: no tiling advice (its second dry run has its own test, tests/dryrun/test_trackers.py)
+    from_folder = pipemap.simulate(tiny_folders["sdxl"], plan, advice=False)
+    from_pipe = pipemap.simulate(pipes["sdxl"], plan, advice=False)
     assert from_folder.peak_bytes == from_pipe.peak_bytes
     for device in plan.devices:  # the dry run also counts non-persistent buffers (position ids), not in the files
         assert device.used <= from_folder.weight_bytes[device.device] <= device.used * 1.01
@@ -180,8 +179,8 @@ def test_controlnet_passed_in_but_left_out_of_the_plan_is_caught(tiny_folders, p
 @pytest.mark.slow
 def test_larger_resolution_raises_the_activation_peak(pipes):
     plan = pipemap.plan(pipes["sdxl"], hardware=GPUS[2], headroom=0.0)
-    small = pipemap.simulate(pipes["sdxl"], plan, height=32, width=32)
-    large = pipemap.simulate(pipes["sdxl"], plan, height=64, width=64)
+    small = pipemap.simulate(pipes["sdxl"], plan, height=32, width=32, advice=False)  # the peaks only, as above
+    large = pipemap.simulate(pipes["sdxl"], plan, height=64, width=64, advice=False)
     denoiser = plan.device_map["unet"]
     assert large.activation_bytes[denoiser] > small.activation_bytes[denoiser]
     assert large.weight_bytes == small.weight_bytes
