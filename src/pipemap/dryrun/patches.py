@@ -298,3 +298,40 @@ def _made(out, args: tuple):
     if any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == out.untyped_storage()._cdata for a in args):
         return None
     return (tuple(out.shape), out.stride(), out.dtype, out.device)
+
+
+# ---- the disk tier's staging ring ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def staged_copies():
+    """The disk tier's staging ring moves no bytes between stand-ins that hold no known values.
+
+    ``hooks.mapped.Staging`` copies a group read from its file into a host slot tensor by tensor (three views of
+    each master, then a slice of the slot, a slice of the master and a copy per overlap): six operations a tensor
+    that allocate nothing on fake tensors, yet each passes every mode of the dry run (a 14B transformer streamed
+    from the disk: thousands a step, most of Wan 2.1's dry run). They are skipped where they change nothing: a
+    slot without a known value (``known``: a 64 MiB slot is above its limit) filled from fake masters. A small slot
+    keeps its known value and is filled as before, so known buffers (CLIP's ``position_ids``) reach the device. The
+    slots, the chunks' copies onto the device and their events run as before: every figure is the same. A master
+    that is not contiguous still takes the reshape that copies it (a host allocation the trackers count).
+    """
+    from ..hooks import mapped
+
+    fill, bytes_of = mapped._fill, mapped._bytes_of
+
+    def standin_bytes(tensor: torch.Tensor) -> torch.Tensor:
+        # viewed as bytes only when filled (below): the count of its bytes is the contiguous master's own
+        return tensor if isinstance(tensor, FakeTensor) and tensor.is_contiguous() else bytes_of(tensor)
+
+    def standin_fill(slot: torch.Tensor, start: int, end: int, sources) -> list[tuple[int, int]]:
+        if known.real_value(slot) is None and all(isinstance(data, FakeTensor) for _, data in sources):
+            return []  # copies into an unknown fake: no bytes, no allocation, no address read (``ram.address``)
+        return fill(slot, start, end, [(offset, bytes_of(data) if isinstance(data, FakeTensor) else data)
+                                       for offset, data in sources])
+
+    mapped._fill, mapped._bytes_of = standin_fill, standin_bytes
+    try:
+        yield
+    finally:
+        mapped._fill, mapped._bytes_of = fill, bytes_of
