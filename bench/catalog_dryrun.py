@@ -39,7 +39,9 @@ def one(name: str, machine: str, steps: int) -> str:
     wall, cpu = time.perf_counter(), time.process_time()
     report = pipemap.simulate(name, plan, steps=steps, **CALLS.get(name, {}))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    strategy = next((n.split(":")[1].split(" is ")[0].strip() for n in plan.notes if n.startswith("auto:")), "auto")
+    # the note naming the chosen strategy ("auto: X is the fastest plan that fits"), not the pricing note before it
+    strategy = next((n.split(":")[1].split(" is ")[0].strip() for n in plan.notes
+                     if n.startswith("auto:") and " is the fastest plan" in n), "auto")
     peaks = "; ".join(f"{d} {format_bytes(p)} ({report.peak_phase.get(d, '?')})"
                       for d, p in report.peak_bytes.items() if d != "cpu")
     verdict = "ok" if report.ok else f"FAILED: {report.error}"

@@ -174,3 +174,31 @@ def test_repeated_tiles_leaves_a_vae_without_tiling_and_puts_methods_back():
     with patches.repeated_tiles(vae, tracker):
         assert "forward" in vae.decoder.__dict__ and "blend_v" in vae.__dict__
     assert "forward" not in vae.decoder.__dict__ and "blend_v" not in vae.__dict__
+
+
+@pytest.mark.slow  # two tiled dry runs of a tiny Wan 2.1: about 10 s on 2 loaded cores
+def test_a_video_vae_tile_replays_the_frame_caches_it_fills(tmp_path, monkeypatch):
+    # Wan's decoder fills its list of each convolution's last frames (feat_cache) at every latent frame: a replayed
+    # tile refills it, so the next frame's call sees the caches the first tile left (without: 6 of 9 frames and a
+    # broadcast error in blend_h)
+    from diffusers.models.autoencoders import autoencoder_kl_wan
+
+    import families
+    from pipemap.dryrun.run import traced
+
+    pipe, call = families.build("wan_t2v", tmp_path)
+    plan = pipemap.plan(pipe, hardware="cuda:0=1GiB,cpu=4GiB")
+    call = {k: v for k, v in families.fresh(call).items() if k != "output_type"}
+    call.update(height=320, width=448, num_frames=9)  # latents 40x56, 3 frames: 2x3 tiles of 4 shapes
+    runs: list = []
+    original = autoencoder_kl_wan.WanDecoder3d.forward
+    monkeypatch.setattr(autoencoder_kl_wan.WanDecoder3d, "forward",
+                        lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
+    once, _, _ = traced(pipe, plan, steps=1, vae_tiling=True, call=call)
+    assert len(runs) == 4 * 3  # each tile shape's 3 frames
+    runs.clear()
+    monkeypatch.setattr(patches, "repeated_tiles", lambda vae, tracker: patches.contextlib.nullcontext())
+    every, _, _ = traced(pipe, plan, steps=1, vae_tiling=True, call=call)
+    assert len(runs) == 6 * 3
+    assert once.ok, once.error
+    assert _figures(once) == _figures(every)

@@ -43,6 +43,34 @@ _AUTOCAST = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm
              aten._scaled_dot_product_flash_attention.default}
 
 
+_LEAVES = frozenset({int, float, bool, str, type(None), torch.Size, torch.dtype, torch.device, torch.memory_format,
+                     torch.layout})  # leaves no tensor hides in: skipped without asking pytree
+
+
+def tensors_in(tree) -> list[torch.Tensor]:
+    """The tensors among ``tree``'s leaves, in ``tree_flatten``'s order: what a dispatch mode reads of an operation's
+    arguments or outputs. Plain tuples, lists and dicts are walked here, without building pytree's spec: every
+    operation of a dry run passes several modes, each of which looks (a third of a full-size dry run's time went to
+    pytree). Any other container is pytree's."""
+    found: list[torch.Tensor] = []
+    _collect(tree, found)
+    return found
+
+
+def _collect(tree, found: list[torch.Tensor]) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for item in tree:
+            _collect(item, found)
+    elif kind is dict:
+        for item in tree.values():
+            _collect(item, found)
+    elif isinstance(tree, torch.Tensor):
+        found.append(tree)
+    elif kind not in _LEAVES:  # a named tuple, an OrderedDict, a registered node: pytree walks it
+        found.extend(t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
 def real_value(tensor) -> torch.Tensor | None:
     """The real CPU value of a dry-run tensor, or None when it depends on weights. A real tensor is its own value."""
     if not isinstance(tensor, torch.Tensor):
@@ -74,9 +102,8 @@ class KnownValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        values = [self.value(t) for t in tensors]
-        if all(v is not None for v in values) and torch.Tag.nondeterministic_seeded not in func.tags:
+        tensors = tensors_in((args, kwargs))
+        if all(self.value(t) is not None for t in tensors) and torch.Tag.nondeterministic_seeded not in func.tags:
             return self._known(func, args, kwargs)
         if not tensors and kwargs.get("generator") is None and torch.Tag.nondeterministic_seeded in func.tags:
             return self._drawn(func, args, kwargs)
@@ -217,7 +244,7 @@ def _attach(fake_out, real_out) -> None:
 
 
 def _device_of(args, kwargs) -> torch.device:
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    tensors = tensors_in((args, kwargs))
     for tensor in tensors:
         if not (tensor.device.type == "cpu" and tensor.dim() == 0):
             return tensor.device
@@ -225,14 +252,23 @@ def _device_of(args, kwargs) -> torch.device:
 
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
-    schema = func._schema
     out: list[torch.Tensor] = []
-    for position, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = kwargs.get(argument.name) if argument.kwarg_only or position >= len(args) else args[position]
-        out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    for position, name, kwarg_only in _writes(func):
+        value = kwargs.get(name) if kwarg_only or position >= len(args) else args[position]
+        out.extend(tensors_in(value))
     return out
+
+
+_WRITES: dict = {}  # operation -> the arguments it writes (from its schema, read once: most write none)
+
+
+def _writes(func) -> tuple[tuple[int, str, bool], ...]:
+    found = _WRITES.get(func)
+    if found is None:
+        found = _WRITES[func] = tuple((position, a.name, a.kwarg_only) for position, a in
+                                      enumerate(func._schema.arguments)
+                                      if a.alias_info is not None and a.alias_info.is_write)
+    return found
 
 
 _READS = (torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__array__)

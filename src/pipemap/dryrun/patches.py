@@ -250,28 +250,69 @@ def repeated_tiles(vae, tracker: StorageTracker):
 
 
 def _once(call, tracker: StorageTracker):
-    """``call``, run once per signature of its arguments (``repeated_tiles``)."""
+    """``call``, run once per signature of its arguments (``repeated_tiles``). A list argument the call fills (a
+    video VAE's cache of each convolution's last frames, Wan's ``feat_cache`` and ``feat_idx``) is filled again by
+    a replay as the first call filled it: new tensors of the sizes it put there, the plain values it set."""
     seen: dict[tuple, tuple] = {}
 
     def run(*args, **kwargs):
         key = _signature((args, sorted(kwargs.items())))
+        lists = [a for a in (*args, *kwargs.values()) if type(a) is list]
         if key is not None and key in seen:
-            rises, made = seen[key]
+            rises, made, filled = seen[key]
             tracker.replay(rises)
+            first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            _refill(lists, filled, first)
             if isinstance(made, int):
                 return args[made]
             # made from an input, whose value is unknown: a factory call with no tensor input reads as a known value
             shape, stride, dtype, device = made
-            first = next(a for a in args if isinstance(a, torch.Tensor))
             return first.new_empty_strided(shape, stride, dtype=dtype, device=device)
+        before = [list(items) for items in lists]
         with tracker.window() as rises:
             out = call(*args, **kwargs)
         made = _made(out, args)
-        if key is not None and made is not None:
-            seen[key] = (rises, made)
+        filled = _filled(lists, before, (*args, *kwargs.values(), out))
+        if key is not None and made is not None and filled is not None:
+            seen[key] = (rises, made, filled)
         return out
 
     return functools.wraps(call)(run)
+
+
+def _filled(lists: list[list], before: list[list], tensors: tuple) -> list | None:
+    """What a call put in its list arguments, per list and index: a new tensor's sizes, strides, dtype and device,
+    or a plain value; None when a replay could not do the same (a list changed length, a view of an input kept)."""
+    inputs = {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
+    changes = []
+    for items, old in zip(lists, before, strict=True):
+        if len(items) != len(old):
+            return None
+        change = []
+        for index, (now, was) in enumerate(zip(items, old, strict=True)):
+            if now is was:
+                continue
+            if isinstance(now, torch.Tensor):
+                if now.untyped_storage()._cdata in inputs:
+                    return None
+                change.append((index, True, (tuple(now.shape), now.stride(), now.dtype, now.device)))
+            elif _signature(now) is not None and not isinstance(now, (list, tuple)):
+                change.append((index, False, now))
+            else:
+                return None
+        changes.append(change)
+    return changes
+
+
+def _refill(lists: list[list], filled: list, first: torch.Tensor) -> None:
+    """Each list as the first call left it: one new tensor at a time, each replacing (and freeing) the old one."""
+    for items, change in zip(lists, filled, strict=True):
+        for index, is_tensor, value in change:
+            if is_tensor:
+                shape, stride, dtype, device = value
+                items[index] = first.new_empty_strided(shape, stride, dtype=dtype, device=device)
+            else:
+                items[index] = value
 
 
 def _signature(value) -> tuple | None:
@@ -298,3 +339,40 @@ def _made(out, args: tuple):
     if any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == out.untyped_storage()._cdata for a in args):
         return None
     return (tuple(out.shape), out.stride(), out.dtype, out.device)
+
+
+# ---- the disk tier's staging ring ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def staged_copies():
+    """The disk tier's staging ring moves no bytes between stand-ins that hold no known values.
+
+    ``hooks.mapped.Staging`` copies a group read from its file into a host slot tensor by tensor (three views of
+    each master, then a slice of the slot, a slice of the master and a copy per overlap): six operations a tensor
+    that allocate nothing on fake tensors, yet each passes every mode of the dry run (a 14B transformer streamed
+    from the disk: thousands a step, most of Wan 2.1's dry run). They are skipped where they change nothing: a
+    slot without a known value (``known``: a 64 MiB slot is above its limit) filled from fake masters. A small slot
+    keeps its known value and is filled as before, so known buffers (CLIP's ``position_ids``) reach the device. The
+    slots, the chunks' copies onto the device and their events run as before: every figure is the same. A master
+    that is not contiguous still takes the reshape that copies it (a host allocation the trackers count).
+    """
+    from ..hooks import mapped
+
+    fill, bytes_of = mapped._fill, mapped._bytes_of
+
+    def standin_bytes(tensor: torch.Tensor) -> torch.Tensor:
+        # viewed as bytes only when filled (below): the count of its bytes is the contiguous master's own
+        return tensor if isinstance(tensor, FakeTensor) and tensor.is_contiguous() else bytes_of(tensor)
+
+    def standin_fill(slot: torch.Tensor, start: int, end: int, sources) -> list[tuple[int, int]]:
+        if known.real_value(slot) is None and all(isinstance(data, FakeTensor) for _, data in sources):
+            return []  # copies into an unknown fake: no bytes, no allocation, no address read (``ram.address``)
+        return fill(slot, start, end, [(offset, bytes_of(data) if isinstance(data, FakeTensor) else data)
+                                       for offset, data in sources])
+
+    mapped._fill, mapped._bytes_of = standin_fill, standin_bytes
+    try:
+        yield
+    finally:
+        mapped._fill, mapped._bytes_of = fill, bytes_of

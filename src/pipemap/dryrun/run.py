@@ -220,7 +220,8 @@ def _run(pipe, plan: Plan, mode: FakeTensorMode, call: dict, tracker_class: type
         with _progress(progress, phases, call_steps(pipe, call)), phases.watching(pipe.scheduler), \
                 standin.fused_attention(), standin.attention_kernels(), standin.standin_generators(), \
                 patches.module_conversions(tracker), patches.tensor_outputs(), patches.host_copies(), \
-                patches.safety_checks(pipe), patches.repeated_tiles(vae, tracker), components, mode, \
+                patches.staged_copies(), patches.safety_checks(pipe), patches.repeated_tiles(vae, tracker), \
+                components, mode, \
                 standin.StrictDevices(), tracker, counter or contextlib.nullcontext(), \
                 known.known_values(tracker.assume):  # innermost: the trackers see what it rewrites
             pipe(**call)

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from accelerate import init_empty_weights
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..errors import DeviceMixError, StandInError
 from ..inventory.folder import model_entry, read_model_index
@@ -25,6 +24,7 @@ from ..inventory.values import kept_fp32
 from ..plan import Plan
 from ..quantized import is_packed, restored, storage
 from ..quiet import quiet_progress
+from .known import tensors_in
 
 
 def devices_for(plan: Plan) -> dict[str, str]:
@@ -210,7 +210,7 @@ class StrictDevices(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in _COPIES:
-            tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            tensors = tensors_in((args, kwargs))
             devices = {str(t.device) for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)}
             if func in _INDEXING or func is torch.ops.aten.embedding.default:
                 devices = {d for d in devices if d != "cpu"} or devices

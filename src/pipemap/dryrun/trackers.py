@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 
 from ..quantized import storage
+from .known import tensors_in
 
 
 class StorageTracker(TorchDispatchMode):
@@ -148,7 +148,8 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         weight = self._allocating_weights or self._onloads_weight(func, args, out)
-        tree_map_only(torch.Tensor, lambda t: self._track(t, weight), out)
+        for tensor in tensors_in(out):
+            self._track(tensor, weight)
         return out
 
 
