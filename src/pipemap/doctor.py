@@ -14,6 +14,7 @@ import time
 
 import psutil
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__
 from .hardware import disk_cache_path, launch_cache_path, measured_disk_bandwidth, measured_kernel_seconds
@@ -217,9 +218,7 @@ def measure_kernel_seconds(device: str | None = None) -> float:
 
 def _kernels_of(model: torch.nn.Module, x: torch.Tensor) -> int:
     """The kernels one pass launches, as the dry run's counter counts them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from .dryrun.counter import launches_kernel
+    from .dryrun.counter import launches_kernel  # here: the doctor's other sections need no dry-run code
 
     class Count(TorchDispatchMode):
         kernels = 0

@@ -22,8 +22,13 @@ def _rooms(plan) -> set[int]:
 @pytest.mark.slow
 def test_two_pipelines_offloading_onto_one_gpu_alternate_calls(fake_cuda, tiny_folders, reference_outputs,
                                                                monkeypatch):
+    import fakecuda
+
     # planned on this machine as the fake shows it (no 512 MiB reserve: the fake has no CUDA context)
     monkeypatch.setattr(Hardware.detect.__func__, "__defaults__", (0,))
+    # each cudaMalloc exactly the block asked for: the scenario is the ledgers' arithmetic on MiB-sized components,
+    # which CUDA's 2 and 20 MiB segments would swallow whole (tests/test_fakecuda.py covers the segments)
+    monkeypatch.setattr(fakecuda, "segment_size", lambda size: -(-size // fakecuda.ROUND) * fakecuda.ROUND)
     fake_cuda.limit.update({0: 6 * MiB, 1: 3 * MiB})
     asked = {"strategy": "balanced_low_memory", "headroom": "2MiB"}
     sd = pipemap.load(tiny_folders["sd"], progress=False, **asked)
