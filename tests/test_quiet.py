@@ -66,6 +66,8 @@ def test_import_noise_is_dropped_and_the_rest_of_those_loggers_still_shows(caplo
     torchao.warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
     logging.getLogger("transformers.utils.import_utils").warning(
         "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`")
+    logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").warning(
+        "Unable to import `torchao` Tensor objects. This may affect loading checkpoints serialized with `torchao`")
     shown = [r.getMessage() for r in caplog.records]
     cuda_build = torch.version.cuda is not None  # there the kernels should load: a failure is news
     assert shown == ["another warning", "<enum 'X'> is an Enum subclass and is now natively supported (an error: "

@@ -11,11 +11,14 @@ from typing import Any
 # Lines libraries log when pipemap imports them that tell its user nothing, each by its logger and its words:
 # torchao's CUDA kernels (``_C_mxfp8``, ``_C_cutlass_90a``) fail to load on a CPU build of torch, as they must (on
 # a CUDA build that would be a real failure, and is shown); torchao registers enums that torch now handles itself;
-# transformers falls back to the PIL image processors without torchvision, which pipemap's pipelines use anyway.
+# transformers falls back to the PIL image processors without torchvision, which pipemap's pipelines use anyway;
+# diffusers (0.42) looks for tensor classes torchao 0.16+ moved (``torchao.dtypes.NF4Tensor``) at every import of its
+# torchao quantizer, with or without a torchao checkpoint in sight (loading one still fails loudly if it fails).
 NOISE = (
     ("torchao", "Failed to load"),
     ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
     ("transformers.utils.import_utils", "requires torchvision (not installed)"),
+    ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),
 )
 
 
