@@ -97,6 +97,35 @@ def test_a_folder_s_unet_on_a_worker_equals_plain_diffusers_follows_a_change_and
 
 
 @pytest.mark.slow
+def test_a_replaced_unet_stops_the_old_ones_workers_and_runs_on_its_own(on_workers):
+    import copy
+
+    pipe = tiny.build("sd")
+    pipe.set_progress_bar_config(disable=True)
+    call = _calls(pipe, "sd")[0]
+    other = copy.deepcopy(pipe.unet)  # before dispatch: a placed pipeline's models refuse deepcopy
+    with torch.no_grad():
+        other.conv_in.weight.mul_(0.5)
+    hook = _dispatched(pipe)
+    _images(pipe, call)
+    (old,) = hook.pids()
+    previous = pipe.unet  # kept, as a user keeps a model to swap back later: its workers must stop all the same
+    pipemap.replace_component(pipe, "unet", other)
+    deadline = time.monotonic() + 10
+    while _workers_alive([old]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _workers_alive([old]) == [] and previous.device.type == "cpu"  # stopped now, not when it is collected
+    got = _images(pipe, call)
+    new = pipe.unet._hf_hook
+    assert isinstance(new, ProcessReplicaHook) and new.pids() and new.pids() != [old]
+    pipemap.reset(pipe)
+    plain = tiny.build("sd")
+    plain.set_progress_bar_config(disable=True)
+    plain.unet = other
+    torch.testing.assert_close(got, _images(plain, call), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
 def test_a_worker_killed_between_calls_is_replaced_and_one_killed_during_a_call_raises_in_bounded_time(on_workers):
     pipe = tiny.build("sdxl")  # built in code: no folder, every tensor sent to the worker
     pipe.set_progress_bar_config(disable=True)

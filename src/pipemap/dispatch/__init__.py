@@ -106,15 +106,21 @@ def reset(pipe) -> None:
     pipes = [pipe, *_owners(pipe)]  # a from_pipe copy shares the models of the pipeline dispatch placed
     pipes += [c for p in list(pipes) for c in _copies(p) if all(c is not q for q in pipes)]
     for module in {id(m): m for p in pipes for m in _modules(p).values()}.values():
-        settle(module)  # what was changed in place on the GPU (a fused LoRA) kept in the CPU masters
-        release = getattr(getattr(module, "_hf_hook", None), "release", None)
-        if release is not None:  # worker processes (hooks/workers.py) stop here; a rehook keeps them
-            release(module)
-        unhook_component(module)
-        place_module(module, "cpu")
-        forget(module)
+        _take_back(module)
     for each in pipes:
         _give_back(each)
+
+
+def _take_back(module: torch.nn.Module) -> None:
+    """``module`` unhooked and back on the CPU, as before dispatch: what was changed in place on the GPU (a fused
+    LoRA) kept in its CPU masters, its worker processes stopped (``hooks/workers.py``; a rehook keeps them)."""
+    settle(module)
+    release = getattr(getattr(module, "_hf_hook", None), "release", None)
+    if release is not None:
+        release(module)
+    unhook_component(module)
+    place_module(module, "cpu")
+    forget(module)
 
 
 def _owners(pipe) -> list:
@@ -406,10 +412,7 @@ def replace_component(pipe, name: str, module) -> None:
         _check_room(plan, placement, module)
     old = getattr(pipe, name, None)
     if isinstance(old, torch.nn.Module):
-        settle(old)
-        unhook_component(old)
-        place_module(old, "cpu")
-        forget(old)
+        _take_back(old)  # its worker processes too: the new module gets its own
     setattr_of: Any = unguarded_class(pipe).__setattr__
     setattr_of(pipe, name, module)
     if module is None:
