@@ -22,6 +22,7 @@ of the denoiser sharing each call, is in hooks: a batch split (``hooks/replica.p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import threading
@@ -63,10 +64,7 @@ def iter_many(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_except
     >>> for out in pipemap.iter_many(pipe, ({"prompt": p} for p in prompts)):               # doctest: +SKIP
     ...     out.images[0].save(...)
     """
-    if not isinstance(workers, int) or workers < 1:
-        raise RunManyCallError("workers", workers, "give workers=N with N >= 1 requests in flight")
-    _check_hooks(pipe)
-    follow(pipe)  # the twins' calls do not follow (they share the models): a LoRA loaded since is placed once, here
+    _ready(pipe, workers)
     return _results(pipe, calls, workers, return_exceptions, memory)  # checked now, run as it is iterated
 
 
@@ -81,47 +79,62 @@ def iter_unordered(pipe, calls: Iterable[Mapping], workers: int = 2, *, return_e
     >>> for index, out in pipemap.dispatch.parallel.iter_unordered(pipe, calls, workers=2):  # doctest: +SKIP
     ...     answers[index] = out.images[0]
     """
+    _ready(pipe, workers)
+    return _unordered(pipe, calls, workers, return_exceptions, memory)
+
+
+def _ready(pipe, workers: int) -> None:
+    """Checked before a run of requests starts: ``workers``, the pipeline's hooks, and its models followed."""
     if not isinstance(workers, int) or workers < 1:
         raise RunManyCallError("workers", workers, "give workers=N with N >= 1 requests in flight")
     _check_hooks(pipe)
-    follow(pipe)
-    return _unordered(pipe, calls, workers, return_exceptions, memory)
+    follow(pipe)  # the twins' calls do not follow (they share the models): a LoRA loaded since is placed once, here
+
+
+@contextlib.contextmanager
+def _running(pipe, workers: int) -> Iterator[tuple[ThreadPoolExecutor, queue.SimpleQueue]]:
+    """The thread pool a run of requests uses and the pipeline's twins its threads take turns with; at the end the
+    pool is shut down (what was not started is cancelled) and the requests' own changes are no change."""
+    twins: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(workers):
+        twins.put(twin(pipe))
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="pipemap-run_many")
+    try:
+        yield pool, twins
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        _remember(pipe)
 
 
 def _unordered(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bool,
                memory: Admission | None) -> Iterator[tuple[int, Any]]:
     """The outcomes as they come: each submitted call's future reports to the feeder's own queue when it is done, so
     one queue carries the calls handed over (a Future), their ends (``(index, future)``) and the source's end."""
-    twins: queue.SimpleQueue = queue.SimpleQueue()
-    for _ in range(workers):
-        twins.put(twin(pipe))
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="pipemap-run_many")
     events: queue.SimpleQueue = queue.SimpleQueue()
+    with _running(pipe, workers) as (pool, twins):
 
-    def submit(index: int, call: dict) -> Future:
-        future = pool.submit(_run_one, twins, index, call, memory)
-        future.add_done_callback(lambda done: events.put((index, done)))
-        return future
+        def submit(index: int, call: dict) -> Future:
+            future = pool.submit(_run_one, twins, index, call, memory)
+            future.add_done_callback(lambda done: events.put((index, done)))
+            return future
 
-    feeder = _Feeder(calls, submit, workers, events)
-    try:
-        in_flight, ended = 0, False
-        while not ended or in_flight:
-            item = feeder.next()
-            if item is None:
-                ended = True
-            elif isinstance(item, Future):
-                in_flight += 1
-            else:
-                in_flight -= 1
-                try:
-                    yield item[0], _outcome(item[1], return_exceptions)
-                finally:
-                    feeder.done()
-    finally:
-        feeder.stop()
-        pool.shutdown(wait=True, cancel_futures=True)
-        _remember(pipe)
+        feeder = _Feeder(calls, submit, workers, events)
+        try:
+            in_flight, ended = 0, False
+            while not ended or in_flight:
+                item = feeder.next()
+                if item is None:
+                    ended = True
+                elif isinstance(item, Future):
+                    in_flight += 1
+                else:
+                    in_flight -= 1
+                    try:
+                        yield item[0], _outcome(item[1], return_exceptions)
+                    finally:
+                        feeder.done()
+        finally:
+            feeder.stop()
 
 
 def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bool,
@@ -129,24 +142,19 @@ def _results(pipe, calls: Iterable[Mapping], workers: int, return_exceptions: bo
     """Each request's outcome in order, each yielded as soon as it is done: ``calls`` is read on a thread of its own
     (``_Feeder``), so a source that blocks (a request queue whose client waits for its answer before sending the
     next) never holds back an answer already computed."""
-    twins: queue.SimpleQueue = queue.SimpleQueue()
-    for _ in range(workers):
-        twins.put(twin(pipe))
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="pipemap-run_many")
-    feeder = _Feeder(calls, lambda index, call: pool.submit(_run_one, twins, index, call, memory), 2 * workers)
-    try:
-        while True:
-            future = feeder.next()
-            if future is None:
-                return
-            try:
-                yield _outcome(future, return_exceptions)
-            finally:
-                feeder.done()
-    finally:
-        feeder.stop()
-        pool.shutdown(wait=True, cancel_futures=True)
-        _remember(pipe)
+    with _running(pipe, workers) as (pool, twins):
+        feeder = _Feeder(calls, lambda index, call: pool.submit(_run_one, twins, index, call, memory), 2 * workers)
+        try:
+            while True:
+                future = feeder.next()
+                if future is None:
+                    return
+                try:
+                    yield _outcome(future, return_exceptions)
+                finally:
+                    feeder.done()
+        finally:
+            feeder.stop()
 
 
 def _remember(pipe) -> None:
