@@ -448,3 +448,35 @@ def test_a_batch_is_formed_when_a_worker_is_free_so_a_job_dropped_meanwhile_neve
     pipe.gate.set()
     assert [job.future.result(30).images for job in jobs[:3]] == [["a"], ["b"], ["c"]]
     assert pipe.calls == [(("a", "b"), (0, 1)), (("c",), (2,))] and queue.dropped == 1 and not jobs[3].future.done()
+
+
+def test_a_batch_member_whose_client_leaves_while_the_batch_waits_for_memory_is_answered_dropped_and_left_out(worker):
+    # the batch (a, b) is formed and handed to the runner; its shape's dry run (the admission's measure) is under way
+    # when b's client hangs up: the call that runs holds a alone, and b is answered dropped without running
+    import functools
+
+    from pipemap.dispatch.parallel import iter_unordered
+    from pipemap.plan import DeviceUse, Placement, Plan
+    from pipemap.runtime.admission import Admission, Needs
+
+    measuring, measured = threading.Event(), threading.Event()
+
+    def measure(plan, call):
+        measuring.set()
+        assert measured.wait(60)
+        return Needs({"cuda:0": 1}, {})
+
+    plan = Plan("balanced", (Placement("unet", "cuda:0", 10),), (DeviceUse("cuda:0", 100, 100, 10),), "cuda:0")
+    pipe = _Batched()
+    runner = functools.partial(iter_unordered, workers=1, return_exceptions=True, memory=Admission(plan, measure))
+    queue = worker(pipe, runner=runner, max_batch=2, batch_window=30.0, ordered=False)
+    kept, left = _job("a", seed=1), _job("b", seed=2)
+    queue.submit(kept)
+    queue.submit(left)
+    queue.start()
+    assert measuring.wait(30)  # the batch waits for memory
+    queue.cancel(left)
+    measured.set()
+    assert kept.future.result(30).images == ["a"]
+    assert isinstance(left.future.exception(30), WorkDropped)
+    assert pipe.calls == [(("a",), (1,))] and queue.dropped == 1 and queue.batched == 0

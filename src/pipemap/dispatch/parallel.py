@@ -192,7 +192,7 @@ class _Feeder:
                     raise RunManyCallError(f"calls[{index}]", call, "each call is a dict of the pipeline's keyword "
                                            "arguments, e.g. {'prompt': 'a cat', 'generator': "
                                            "torch.Generator().manual_seed(0)}")
-                self._futures.put(self._submit(index, dict(call)))
+                self._futures.put(self._submit(index, call if isinstance(call, Settled) else dict(call)))
                 index += 1
         except BaseException as err:  # the source's error (or a bad call): raised to the reader in its turn
             self._futures.put(err)
@@ -218,14 +218,27 @@ class _Feeder:
 _END = object()
 
 
+class Settled(dict):
+    """A call with a last word once it may start (a twin is free and memory admits it): ``settle()`` gives the call
+    to run, made from what is still wanted then (serve drops the members of a batch whose clients hung up while the
+    batch waited), or raises to run nothing. A plain dict is run as it is."""
+
+    def settle(self) -> dict:
+        return self
+
+
+def settled(call: Mapping) -> Mapping:
+    return call.settle() if isinstance(call, Settled) else call
+
+
 def _run_one(twins: queue.SimpleQueue, index: int, call: dict, memory: Admission | None):
     pipe = twins.get()
     _local.request = index
     try:
         if memory is None:
-            return pipe(**call)
-        with memory.request(call, label=index):  # waits until its activations fit
-            return pipe(**call)
+            return pipe(**settled(call))
+        with memory.request(call, label=index):  # waits until its activations fit (a smaller settled call fits too)
+            return pipe(**settled(call))
     finally:
         _local.request = None
         twins.put(pipe)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..dispatch.parallel import Settled, settled
 from ..errors import DrainingError, QueueFullError, WorkDropped
 
 
@@ -42,7 +43,7 @@ def run_sequential(pipe, calls: Iterable[dict]) -> Iterator:
     """The plain runner: one call after another, a failed call's exception in its place."""
     for call in calls:
         try:
-            yield pipe(**call)
+            yield pipe(**settled(call))
         except Exception as error:  # noqa: BLE001 - a request's failure is its answer, not the worker's end
             yield error
 
@@ -264,7 +265,25 @@ class Worker:
 
     def _armed(self, group: list[Job]) -> dict:
         """The group's call with its generators (one per job, so each image is the one its seed makes alone), and a
-        step callback that stops it once no job of it is wanted."""
+        step callback that stops it once no job of it is wanted. Settled when it may start (``parallel.Settled``):
+        the jobs whose clients left while it waited for a worker or for memory are answered dropped and left out."""
+        return _Armed(self._call(group), group, self)
+
+    def _leave_out(self, group: list[Job]) -> dict:
+        """The call for ``group``'s jobs still wanted, the others answered dropped; ``group`` keeps the wanted ones
+        (their answers are the call's images in order). ``WorkDropped`` when none is wanted: nothing runs."""
+        kept = [job for job in group if job.wanted()]
+        if len(kept) == len(group):
+            return self._call(group)
+        if not kept:
+            raise WorkDropped(0)
+        for job in group:
+            if job not in kept:
+                self._answer(job, WorkDropped(0))
+        group[:] = kept
+        return self._call(group)
+
+    def _call(self, group: list[Job]) -> dict:
         seeded = [torch.Generator("cpu").manual_seed(job.seed) for job in group]
         call = {**batched_call(group), "generator": seeded if len(group) > 1 else seeded[0], "output_type": "pil"}
         if self._steps:
@@ -275,6 +294,17 @@ class Worker:
 
             call["callback_on_step_end"] = stop_when_unwanted
         return call
+
+
+class _Armed(Settled):
+    """A group's call as the runner is handed it; settled (``Worker._leave_out``) when it may start."""
+
+    def __init__(self, call: dict, group: list[Job], worker: Worker):
+        super().__init__(call)
+        self.group, self.worker = group, worker
+
+    def settle(self) -> dict:
+        return self.worker._leave_out(self.group)
 
 
 @dataclass(frozen=True)
