@@ -1,12 +1,21 @@
-"""Hushing library logs for the length of a block, where pipemap knows the warning is noise."""
+"""Hushing library logs for the length of a block, where pipemap knows the warning is noise; and the one lock for
+library code patched process-wide (``PATCHING``)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
+
+# accelerate's ``init_empty_weights`` (a dry run's stand-in models, the catalog's skeletons, diffusers' and
+# transformers' own loading) swaps ``torch.nn.Module.register_parameter`` process-wide while it builds, and a dry run
+# patches pipeline code (``dryrun.patches``): a load beside either could get meta weights, and two swaps interleaved
+# can leave the swap in place. Loads (``dispatch.loading``), dry runs (``dryrun.run``) and skeletons (``catalog``)
+# take turns on this lock (re-entrant, so a thread already holding it never waits for itself)
+PATCHING = threading.RLock()
 
 # Lines libraries log when pipemap imports them that tell its user nothing, each by its logger and its words:
 # torchao's CUDA kernels (``_C_mxfp8``, ``_C_cutlass_90a``) fail to load on a CPU build of torch, as they must (on

@@ -135,11 +135,11 @@ def test_load_takes_a_measured_headroom_as_plan_does(tiny_folders, reference_out
 @pytest.mark.slow  # a load and a second's wait: over 1.5 s on 2 cores
 def test_a_load_and_a_dry_run_take_turns(tiny_folders):
     # accelerate's init_empty_weights swaps Module.register_parameter process-wide: a load beside a dry run could
-    # build meta weights. Both take loading.PATCHING; here a dry run's hold of it keeps a load waiting until it ends
+    # build meta weights. Both take quiet.PATCHING; here a dry run's hold of it keeps a load waiting until it ends
     import threading
 
-    from pipemap.dispatch.loading import PATCHING
     from pipemap.dryrun import many
+    from pipemap.quiet import PATCHING
 
     assert many._DRY_RUNS is PATCHING
     plan = pipemap.plan(tiny_folders["sd"], hardware="cpu=1GiB")
@@ -152,3 +152,31 @@ def test_a_load_and_a_dry_run_take_turns(tiny_folders):
         assert loading.is_alive() and not loaded
     loading.join(60)
     assert loaded and all(p.device.type == "cpu" for p in loaded[0].unet.parameters())
+
+
+@pytest.mark.slow  # a dry run and a 3 s hold
+def test_a_dry_run_and_a_catalog_skeleton_wait_while_a_load_patches(tiny_folders):
+    # simulate's stand-in models and the catalog's skeletons are built under accelerate's init_empty_weights too:
+    # while a load holds quiet.PATCHING (here the test holds it, as load_onto does) neither runs; each ends after
+    # the hold (unheld, each takes well under 3 s on the tiny folder and the meta device)
+    import threading
+    import time
+
+    from pipemap import catalog
+    from pipemap.quiet import PATCHING
+
+    plan = pipemap.plan(tiny_folders["sd"], hardware="cpu=1GiB")
+    ended: list = []
+    catalog._skeleton.cache_clear()
+    jobs = [lambda: pipemap.simulate(tiny_folders["sd"], plan, advice=False),
+            lambda: catalog._skeleton("stable-diffusion-1.5", "vae")]
+    threads = [threading.Thread(target=lambda job=job: ended.append((job(), time.monotonic()))) for job in jobs]
+    with PATCHING:
+        for thread in threads:
+            thread.start()
+        time.sleep(3.0)
+        released = time.monotonic()
+    for thread in threads:
+        thread.join(120)
+    assert len(ended) == 2 and all(at >= released for _, at in ended)
+    assert any(getattr(result, "ok", False) for result, _ in ended)

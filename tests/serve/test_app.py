@@ -191,3 +191,42 @@ def test_a_plain_pipeline_error_leaves_the_service_ready(service):
         failed = _asked_failing_once(service, session, RuntimeError("injected: shapes do not match"))
         assert failed.json()["error"]["code"] == "pipeline_error"
         assert session.get("/health/ready").status_code == 200 and own.broken is None
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    from families import build
+
+    pipe, _ = build("wan_t2v")
+    folder = tmp_path_factory.mktemp("wan")
+    pipe.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_a_video_pipeline_answers_each_video_as_a_lossless_animated_webp_of_its_frames(wan_folder):
+    import base64
+    import io
+
+    import torch
+    from PIL import Image
+
+    from pipemap.serve import Background, Options
+    from pipemap.serve.app import VIDEO_FPS
+
+    service = Service.load(Options(wan_folder, timeout=300.0))
+    with Background(service) as url, httpx.Client(base_url=url, timeout=300) as session:
+        answer = session.post(GENERATIONS, json={"prompt": "a cat", "size": "16x16", "num_frames": 5,
+                                                 "num_inference_steps": 2, "seed": 3})
+    assert answer.status_code == 200, answer.text
+    (video,) = answer.json()["data"]
+    assert (video["mime_type"], video["frames"], video["fps"]) == ("image/webp", 5, VIDEO_FPS)
+    webp = Image.open(io.BytesIO(base64.b64decode(video["b64_json"])))
+    assert webp.format == "WEBP" and webp.n_frames == 5
+    got = []
+    for index in range(webp.n_frames):
+        webp.seek(index)
+        got.append(np.array(webp.convert("RGB")))
+    want = service.pipe(prompt="a cat", width=16, height=16, num_frames=5, num_inference_steps=2,
+                        generator=torch.Generator("cpu").manual_seed(3), output_type="pil").frames[0]
+    assert len(want) == 5 and all(np.array_equal(g, np.array(w)) for g, w in zip(got, want))  # lossless

@@ -480,3 +480,11 @@ def test_a_batch_member_whose_client_leaves_while_the_batch_waits_for_memory_is_
     assert kept.future.result(30).images == ["a"]
     assert isinstance(left.future.exception(30), WorkDropped)
     assert pipe.calls == [(("a",), (1,))] and queue.dropped == 1 and queue.batched == 0
+
+
+def test_a_batched_video_calls_share_is_its_own_video():
+    from pipemap.serve.worker import Share
+
+    videos = type("Out", (), {"frames": [["a0", "a1"], ["b0", "b1"]]})()
+    images = type("Out", (), {"images": ["a", "b"]})()
+    assert Share.of(videos, 1) == Share([], [["b0", "b1"]]) and Share.of(images, 0) == Share(["a"])

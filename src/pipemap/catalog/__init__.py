@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..counts import Counts
 from ..errors import NotAPipelineError
-from ..quiet import quiet_diffusers
+from ..quiet import PATCHING, quiet_diffusers
 from ..units import format_bytes
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def _skeleton(name: str, component: str) -> torch.nn.Module:
     cls, config = model_class(library, class_name), found.configs[component]
     # published configs carry keys the class no longer takes (Qwen-Image's "pooled_projection_dim"): diffusers
     # ignores them, as it does on from_pretrained, but warns; the catalog stores them verbatim, so hush that
-    with init_empty_weights(include_buffers=True), quiet_diffusers():
+    with PATCHING, init_empty_weights(include_buffers=True), quiet_diffusers():
         if issubclass(cls, PreTrainedModel):
             return cls._from_config(transformers_config(config))
         return cls.from_config(config)

@@ -10,7 +10,6 @@ parts (tokenizers, scheduler).
 from __future__ import annotations
 
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,8 @@ from ..inventory.live import live_component
 from ..inventory.values import Component, Inventory
 from ..modes import facts
 from ..plan import Plan
-from ..quiet import quiet_progress
+from ..quiet import PATCHING, quiet_progress
 from . import dispatch
-
-# accelerate's ``init_empty_weights`` (a dry run's stand-in models, diffusers' and transformers' own loading) swaps
-# ``torch.nn.Module.register_parameter`` process-wide while it builds: a load beside a dry run could get meta weights,
-# and two swaps interleaved can leave the swap in place. Loads and dry runs (``dryrun.many``) take turns on this lock
-# (re-entrant, so a thread already holding it never waits for itself)
-PATCHING = threading.RLock()
 
 
 def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.dtype | None, variant: str | None,

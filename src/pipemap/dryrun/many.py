@@ -20,10 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from ..dispatch.loading import PATCHING
 from ..errors import CallTooLargeError, SimulationFailedError
 from ..plan import Plan
-from ..quiet import quiet_diffusers, quiet_transformers
+from ..quiet import PATCHING, quiet_diffusers, quiet_transformers
 from ..runtime.admission import Lease, MemoryLedger, Needs, Ticket, call_shape, measured_call, too_large
 from ..units import format_bytes
 from . import standin

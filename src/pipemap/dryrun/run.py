@@ -34,6 +34,7 @@ from ..errors import CallArgumentError, PipelineMappedError, PipemapError, Simul
 from ..hooks import unhook_component
 from ..modes import Mode
 from ..plan import Plan
+from ..quiet import PATCHING
 from ..units import format_bytes
 from . import catalog as catalog_dryrun
 from . import known, patches, standin
@@ -43,6 +44,19 @@ from .report import Failure, SimulationReport, report_of
 from .trackers import ComponentTracker, PhasedTracker, PhaseTracker
 
 
+def _one_at_a_time(function):
+    """``function`` run holding ``quiet.PATCHING``: a dry run patches library code process-wide (stand-in models
+    built under accelerate's ``init_empty_weights``, ``patches``), so dry runs take turns with loads and each other."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        with PATCHING:
+            return function(*args, **kwargs)
+
+    return run
+
+
+@_one_at_a_time
 def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, advice: bool = True,
              **call_kwargs) -> SimulationReport:
     """The dry run behind ``pipemap.simulate`` (``api.simulate``, which checks its arguments and documents them):
@@ -54,6 +68,7 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, ad
     return report
 
 
+@_one_at_a_time
 def traced(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, call: Mapping | None = None,
            tracker: type[PhasedTracker] = PhasedTracker,
            progress: str | None = None) -> tuple[SimulationReport, PhasedTracker | None, object]:
@@ -77,6 +92,7 @@ def traced(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, call
     return report_of(counted, failure, plan, back, time.perf_counter() - start, made), counted, pipe
 
 
+@_one_at_a_time
 def count_work(source, plan: Plan, *, steps: int = 2, **call_kwargs) -> Counts:
     """The FLOPs, bytes and kernels of ``source``'s call as ``plan`` places it, per component, counted by a dry run
     of ``steps`` denoising steps (``dryrun.counter``), for a call of the steps ``num_inference_steps`` asks (the

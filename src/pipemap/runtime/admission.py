@@ -384,7 +384,7 @@ class Admission:
         # each shape's figures, the least recently used first dropped past MOST_SHAPES: a flood of sizes and prompt
         # lengths costs dry runs, never unbounded memory; ``_figures`` is read and written under ``_cache``, which no
         # dry run holds: a shape measured already never waits for another shape's dry run, nor a request's end for
-        # one (dry runs take turns on the dry-run wing's own lock, with loads: ``loading.PATCHING``)
+        # one (dry runs take turns on the dry-run wing's own lock, with loads: ``quiet.PATCHING``)
         self._figures: collections.OrderedDict[tuple, Needs] = collections.OrderedDict()
         self._corrected: set[tuple] = set()
         self._pending: dict[tuple, Future] = {}  # shapes being measured: a second request of one waits for it

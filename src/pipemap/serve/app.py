@@ -12,6 +12,8 @@ import contextlib
 import io
 import time
 
+import numpy as np
+from PIL import Image
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -70,8 +72,8 @@ async def _generate(service: Service, request: Request) -> Response:
                      "for fewer steps or images, or retry later", "timeout", code="timeout")
     except Exception as err:  # noqa: BLE001 - the pipeline failed on this request; the server goes on
         return _failed(service, err)
-    images = await run_in_threadpool(lambda: [_png(image) for image in output.images])
-    answer = {"created": int(time.time()), "seed": generation.seed, "data": [{"b64_json": i} for i in images]}
+    data = await run_in_threadpool(lambda: _data(output))
+    answer = {"created": int(time.time()), "seed": generation.seed, "data": data}
     headers = {"Warning": ", ".join(f'299 pipemap "{w}"' for w in generation.warnings)} if generation.warnings else {}
     return JSONResponse(answer, headers=headers)
 
@@ -125,9 +127,33 @@ def _failed(service: Service, err: Exception) -> Response:
     return error(500, f"the pipeline failed: {type(err).__name__}: {err}", "server_error", code="pipeline_error")
 
 
-def _png(image) -> str:
+def _data(output) -> list[dict]:
+    """The answer's ``data``: a PNG per image, or from a video pipeline (an output with ``frames``) one animated WebP
+    per video, lossless, with its mime type, frame count and frame rate (browsers and PIL play it; OpenAI's images
+    API has no video, so this follows its shape: one ``b64_json`` item per result)."""
+    frames = getattr(output, "frames", None)
+    if frames is None:
+        return [{"b64_json": _encoded(image, format="PNG")} for image in output.images]
+    return [{"b64_json": _encoded(video[0], format="WEBP", save_all=True, append_images=list(video[1:]),
+                                  lossless=True, duration=round(1000 / VIDEO_FPS), loop=0),
+             "mime_type": "image/webp", "frames": len(video), "fps": VIDEO_FPS} for video in map(_pictures, frames)]
+
+
+VIDEO_FPS = 16  # what diffusers' Wan examples export at (`export_to_video(output, "output.mp4", fps=16)`)
+
+
+def _pictures(video) -> list:
+    """A video's frames as PIL images: as given (``output_type="pil"``, which the worker asks for), or from an array
+    of ``frames x height x width x channels`` in [0, 1] (a pipeline that ignores it)."""
+    if isinstance(video, (list, tuple)) and all(hasattr(frame, "save") for frame in video):
+        return list(video)
+    array = np.asarray(video, dtype=np.float32)
+    return [Image.fromarray((frame.clip(0, 1) * 255).round().astype(np.uint8)) for frame in array]
+
+
+def _encoded(image, **save) -> str:
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    image.save(buffer, **save)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 

@@ -33,6 +33,19 @@ IGNORED = ("quality", "style", "background", "output_format", "output_compressio
            "stream", "input_fidelity")
 
 
+PER_PROMPT = ("num_images_per_prompt", "num_videos_per_prompt")  # results per prompt: a video pipeline's name second
+
+
+def per_prompt(parameters) -> str:
+    """The argument of a pipeline's ``__call__`` (``parameters``: its names) that asks for results per prompt."""
+    return next((name for name in PER_PROMPT if name in parameters), PER_PROMPT[0])
+
+
+def results_per_prompt(call) -> int:
+    """The results per prompt ``call`` asks for (1 when it leaves it to the pipeline)."""
+    return next((call[name] for name in PER_PROMPT if name in call), 1)
+
+
 class GenerationRequest(BaseModel):
     """``POST /v1/images/generations``: OpenAI's fields, then pipemap's extensions."""
 
@@ -121,7 +134,7 @@ class Limits:
     def check(self, request: GenerationRequest, seed: int) -> Generation:
         """The pipeline call ``request`` asks for, or a RequestError naming the field at fault."""
         self._caps(request)
-        call = {"prompt": request.prompt, "num_images_per_prompt": request.n}
+        call = {"prompt": request.prompt, per_prompt(self.parameters): request.n}
         if request.size is not None:
             call["width"], call["height"] = self._size(request.size)
         for name, argument in _EXTENSIONS.items():

@@ -27,7 +27,7 @@ from ..runtime.admission import Admission
 from .access import Access
 from .home import home_page
 from .metrics import Metrics
-from .requests import Generation, GenerationRequest, Limits, RequestError
+from .requests import Generation, GenerationRequest, Limits, RequestError, per_prompt, results_per_prompt
 from .worker import Job, Worker
 
 
@@ -140,7 +140,8 @@ class Service:
         self.broken: str | None = None  # a sticky device error: the process must be restarted
         self.created = int(time.time())
         pipe.set_progress_bar_config(disable=True)
-        self.workers = workers or workers_for(memory, self.running_plan, {"prompt": "a", "num_images_per_prompt": 1})
+        one = {"prompt": "a", per_prompt(self.limits.parameters): 1}
+        self.workers = workers or workers_for(memory, self.running_plan, one)
         self.worker = Worker(pipe, runner or pipeline_runner(self.workers, memory), max_queue, in_flight=self.workers,
                              max_batch=max_batch, batch_window=batch_window, fits=self.fits, ordered=runner is not None)
         self.metrics = Metrics(pipe, self.worker, memory)
@@ -335,7 +336,7 @@ def _work(call: dict, video: bool = False) -> int | None:
     frames, are the pipeline's default (a default is no figure to scale by)."""
     if "width" not in call or (video and "num_frames" not in call):
         return None
-    return call["width"] * call["height"] * call.get("num_images_per_prompt", 1) * call.get("num_frames", 1)
+    return call["width"] * call["height"] * results_per_prompt(call) * call.get("num_frames", 1)
 
 
 def make_plan(options: Options) -> Plan:

@@ -37,6 +37,7 @@ import torch
 
 from ..dispatch.parallel import Settled, settled
 from ..errors import DrainingError, QueueFullError, WorkDropped
+from .requests import results_per_prompt
 
 
 def run_sequential(pipe, calls: Iterable[dict]) -> Iterator:
@@ -246,7 +247,7 @@ class Worker:
             return
         self.batched += 1
         for index, job in enumerate(group):
-            share = outcome if isinstance(outcome, BaseException) else Share(outcome.images[index:index + 1])
+            share = outcome if isinstance(outcome, BaseException) else Share.of(outcome, index)
             self._answer(job, share)
 
     def _answer(self, job: Job, outcome) -> None:
@@ -309,9 +310,17 @@ class _Armed(Settled):
 
 @dataclass(frozen=True)
 class Share:
-    """One job's image of a batched call's output."""
+    """One job's image (or, from a video pipeline, its video: ``frames``) of a batched call's output."""
 
     images: list
+    frames: list | None = None
+
+    @classmethod
+    def of(cls, outcome, index: int) -> Share:
+        frames = getattr(outcome, "frames", None)
+        if frames is not None:
+            return cls([], frames[index:index + 1])
+        return cls(outcome.images[index:index + 1])
 
 
 _PROMPTS = ("prompt", "negative_prompt")
@@ -320,7 +329,7 @@ _PROMPTS = ("prompt", "negative_prompt")
 def batch_key(call: dict) -> tuple | None:
     """What calls run as one share: every argument but the prompts, and which prompts are given; None for a call
     that is not batched (several images: their latents come from one generator, which a batch cannot repeat)."""
-    if call.get("num_images_per_prompt", 1) != 1 or not isinstance(call.get("prompt"), str):
+    if results_per_prompt(call) != 1 or not isinstance(call.get("prompt"), str):
         return None
     return tuple(sorted((name, value if name not in _PROMPTS else None) for name, value in call.items()))
 
