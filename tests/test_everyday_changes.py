@@ -19,6 +19,7 @@ from pipemap.dispatch import planned
 from pipemap.errors import PipelineMappedError, PlanMismatchError
 from pipemap.hooks import changes
 from pipemap.hooks.changes import unchanged
+from pipemap.runtime.placed import placed as record_of
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +178,16 @@ def test_a_from_pipe_copy_with_a_controlnet_is_placed_on_the_same_plan(fake_cuda
     want = reference(**_controlnet_call(reference)).images
     torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), atol=1e-5, rtol=0)
     pipemap.follow(made)  # nothing left to place: no error, nothing moves
+    own = two_gpu_plan(made, "balanced")
+    pipemap.dispatch(made, own)  # the copy placed on a plan of its own; the original, sharing its models, follows
+    assert planned(made) == own and any(c is pipe for c in record_of(made).copies)
+    assert {p.component for p in planned(pipe).components} == {"unet", "vae", "text_encoder"}
+    assert all(planned(pipe).device_map[n] == own.device_map[n] for n in planned(pipe).device_map)
+    got = made(**_controlnet_call(made)).images
+    torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), atol=1e-5, rtol=0)
+    torch.testing.assert_close(images(pipe, "sd"), images(plain("sd"), "sd"), atol=1e-5, rtol=0)
     with pytest.raises(PipelineMappedError, match="pipemap.reset"):
-        pipemap.dispatch(made, two_gpu_plan(made, "balanced"))
+        pipemap.dispatch(made, own)  # placed by dispatch itself now: a second dispatch needs reset
     made.remove_all_hooks()  # diffusers' own undo: both reset, nothing half placed
     assert planned(pipe) is None
     assert all(getattr(m, "_hf_hook", None) is None for m in made.components.values())
@@ -271,3 +280,14 @@ def test_a_text_encoder_lora_then_encode_prompt_before_any_call(fake_cuda, tmp_p
     for got, want in zip(_encoded(pipe), _encoded(reference), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     pipemap.reset(pipe)
+
+
+def test_a_from_pipe_copy_dispatched_on_a_plan_that_does_not_fit_it_leaves_both_as_they_were(tiny_folders):
+    pipe = pipemap.load(tiny_folders["sd"], hardware="cpu=1GiB", progress=False)
+    before = planned(pipe)
+    made = _controlnet_copy(pipe)
+    with pytest.raises(PlanMismatchError) as refused:
+        pipemap.dispatch(made, before)  # the original's plan: no ControlNet in it
+    assert refused.value.component == "controlnet"
+    assert planned(pipe) is before and any(c is made for c in record_of(pipe).copies)
+    assert set(made.hf_device_map) == {*pipe.hf_device_map, "controlnet"}

@@ -68,8 +68,41 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     >>> plan = pipemap.plan(pipe, hardware="2x24GiB")                             # doctest: +SKIP
     >>> pipemap.dispatch(pipe, plan); pipe.hf_device_map                          # doctest: +SKIP
     {'text_encoder': 'cuda:1', 'text_encoder_2': 'cuda:1', 'unet': 'cuda:0', 'vae': 'cuda:1'}
+
+    A ``from_pipe`` copy of a placed pipeline runs on that pipeline's plan; dispatching the copy places it on
+    ``plan`` instead, and with it the models it shares: the pipeline it was copied from (and its other copies)
+    become copies of this one, on ``plan``. A pipeline that ``dispatch`` placed itself is refused: ``pipemap.reset``
+    it first.
     """
-    place(pipe, plan, check_transfers=check_transfers)
+    source = _copied_from(pipe)
+    if source is None:
+        place(pipe, plan, check_transfers=check_transfers)
+    else:
+        _replace_family(pipe, source, plan, check_transfers)
+
+
+def _copied_from(pipe):
+    """The placed pipeline ``pipe`` is a ``from_pipe`` copy of (its record lists ``pipe``), or None."""
+    return next((owner for owner in _owners(pipe) if any(c is pipe for c in _copies(owner))), None)
+
+
+def _replace_family(pipe, source, plan: Plan, check_transfers: bool) -> None:
+    """``pipe``, a copy of the placed ``source``, placed on ``plan``; ``source`` and its other copies made copies of
+    ``pipe``. Checked before anything moves; a placement that fails puts the family back on ``source``'s plan."""
+    old = planned(source)
+    assert old is not None
+    _check(pipe, plan, shared=True)
+    family = [source, *(c for c in _copies(source) if c is not pipe)]
+    reset(source)  # every model of the family unhooked and back on the CPU; each pipeline unmarked
+    try:
+        place(pipe, plan, check_transfers=check_transfers)
+    except Exception:
+        place(source, old, check_transfers=False)
+        for each in [pipe, *family[1:]]:
+            place_copy(source, each)
+        raise
+    for each in family:
+        place_copy(pipe, each)
 
 
 def place(pipe, plan: Plan, *, check_transfers: bool = True,
@@ -188,14 +221,16 @@ def _move_parameter(owner: torch.nn.Module, key: str, param: torch.nn.Parameter,
         owner._parameters[key] = torch.nn.Parameter(moved, requires_grad=param.requires_grad)
 
 
-def _check(pipe, plan: Plan) -> dict[str, torch.nn.Module]:
+def _check(pipe, plan: Plan, shared: bool = False) -> dict[str, torch.nn.Module]:
+    """``plan`` places exactly ``pipe``'s models, which nothing else hooks (``shared``: except pipemap, for a copy's
+    family about to be re-placed)."""
     check_pipeline(pipe, "dispatch")
     if not isinstance(plan, Plan):
         raise ArgumentTypeError("plan", plan, "a pipemap.Plan, as pipemap.plan() returns")
-    if planned(pipe) is not None:
+    if planned(pipe) is not None and not shared:
         raise PipelineMappedError("dispatching a pipeline that pipemap already placed")
     modules = _modules(pipe)
-    for name, module in modules.items():
+    for name, module in ({} if shared else modules).items():
         if isinstance(getattr(module, "_hf_hook", None), PlacementHook):
             raise PlanMismatchError(name, "pipemap placed it for another pipeline that shares it (a copy made with "
                                     "from_pipe or from its components): pipemap.follow(pipe) places this one on "
