@@ -604,3 +604,14 @@ def test_a_transformer_inventoried_from_its_config_carries_its_heads(tmp_path):
     heads = pipe.transformer.config.num_attention_heads
     assert {c.name: c.heads for c in pipemap.inspect(str(tmp_path)).models}["transformer"] == heads
     assert {c.name: c.heads for c in pipemap.inspect(pipe).models}["transformer"] == heads
+
+
+@pytest.mark.parametrize(("cpu", "kept"), [(16 * 2**30, int(16 * 2**30 * 0.10)), (64 * 2**30, 4 * 2**30),
+                                           (2**30, 0)])
+def test_the_cpu_keeps_a_default_headroom_for_the_system_and_the_process(cpu, kept):
+    # 10% of the CPU, at most 4 GiB; a CPU under 2 GiB cannot hold the process itself: a stated budget, taken whole
+    hw = Hardware.parse(f"1x8GiB,cpu={cpu}")
+    assert budgets(hw)["cpu"] == cpu - kept
+    assert budgets(hw, 0.0)["cpu"] == cpu - kept  # a number is the GPUs' headroom
+    assert budgets(hw, {"cpu": 0})["cpu"] == cpu  # named, it is the CPU's
+    assert budgets(hw, {"cpu": "1GiB"})["cpu"] == cpu - 2**30

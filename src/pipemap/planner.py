@@ -33,6 +33,14 @@ from .units import parse_bytes
 
 AUTO = "auto"
 DEFAULT_HEADROOM = 0.10  # of each GPU's memory, kept for activations until a dry run measures them
+# of the CPU's memory, at most CPU_HEADROOM_CAP: what the system and the process itself need beside the plan's host
+# copies (an idle desktop's OS takes 1.5-3 GiB; this process with torch and diffusers imported ~0.5 GiB, its call's
+# tensors more). Capped, so a large host is not kept idle. A CPU under CPU_HEADROOM_FROM cannot hold the process
+# itself: it is a budget stated for the plan (a test's cpu=1GiB, a stand-in), taken whole. headroom={"cpu": ...}
+# sets it
+DEFAULT_CPU_HEADROOM = 0.10
+CPU_HEADROOM_CAP = 4 * 2**30
+CPU_HEADROOM_FROM = 2 * 2**30
 
 
 _FRACTION = re.compile(r"^\s*(\d+\.\d*|\.\d+)\s*$", re.ASCII)  # "0.1" reads as the float it looks like
@@ -325,8 +333,9 @@ MIXED: dict[str, Strategy] = {
 def budgets(hw: Hardware, headroom=None) -> dict[str, int]:
     """Each device's budget: its memory less the headroom (a fraction of each GPU, bytes, or a per-device dict).
 
-    A dict sets the devices it names; the GPUs it leaves out keep the default 10%, the CPU none. A float or a string
-    with a decimal point (``"0.1"``) is a fraction; an int, or a string of digits with or without a unit
+    A dict sets the devices it names; the GPUs it leaves out keep the default 10%, the CPU its own default (10%, at
+    most 4 GiB, none under 2 GiB: ``_cpu_headroom``), which a number given for the GPUs leaves as it is. A float or
+    a string with a decimal point (``"0.1"``) is a fraction; an int, or a string of digits with or without a unit
     (``"2GiB"``, ``"100"``), is bytes.
     """
     check_headroom(headroom)
@@ -335,8 +344,13 @@ def budgets(hw: Hardware, headroom=None) -> dict[str, int]:
         if name not in hw.names:
             raise UnknownDeviceError(name, hw.names)
     default = DEFAULT_HEADROOM if headroom is None or given else headroom
-    return {d.name: d.memory - _reserve(d.memory, given.get(d.name, default if is_accelerator(d.name) else 0))
+    return {d.name: d.memory - _reserve(d.memory, given.get(d.name, default if is_accelerator(d.name) else
+                                                            _cpu_headroom(d.memory)))
             for d in hw.devices}
+
+
+def _cpu_headroom(memory: int) -> int:
+    return min(int(memory * DEFAULT_CPU_HEADROOM), CPU_HEADROOM_CAP) if memory >= CPU_HEADROOM_FROM else 0
 
 
 def check_headroom(headroom) -> None:

@@ -74,6 +74,7 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     become copies of this one, on ``plan``. A pipeline that ``dispatch`` placed itself is refused: ``pipemap.reset``
     it first.
     """
+    check_pipeline(pipe, "dispatch")
     source = _copied_from(pipe)
     if source is None:
         place(pipe, plan, check_transfers=check_transfers)
