@@ -28,17 +28,27 @@ from .packing import Group
 from .resident import CallLock, PlacementHook
 
 
-class Cached(Protocol):
-    """What ``LruCache`` asks of what it keeps (an ``offload.OffloadHook``): its group, onload and evict."""
+class Held(Protocol):
+    """What ``LruCache`` asks of what holds room in it (a stream hook's buffers, ``hold``): its ledger (its
+    pipeline), whether a call of it runs (then it is never evicted), evict and unload."""
+
+    ledger: Ledger
+
+    @property
+    def busy(self) -> bool: ...
+
+    def evict(self) -> None: ...
+
+    def unload(self) -> None: ...
+
+
+class Cached(Held, Protocol):
+    """What ``LruCache`` keeps onloaded (an ``offload.OffloadHook``): also its group and onload."""
 
     @property
     def group(self) -> Group: ...
 
     def onload(self) -> None: ...
-
-    def evict(self) -> None: ...
-
-    def unload(self) -> None: ...
 
 
 class Ledger:
@@ -62,6 +72,10 @@ class Ledger:
         self.peak: collections.Counter = collections.Counter()
         self._queues: dict[str, Queues] = {}
         self._staging: dict[str, Staging] = {}
+
+    def shared_on(self, device: torch.device) -> SharedCache | None:
+        """``device``'s process-wide cache when this ledger shares it (a placed pipeline's, on a GPU), else None."""
+        return shared_cache(str(device)) if self.shared and device.type == "cuda" else None
 
     def cache(self, device: str, room: int) -> LruCache:
         if (device, room) not in self.caches:
@@ -90,7 +104,8 @@ class LruCache:
 
     def __init__(self, room: int):
         self._room = room
-        self.loaded: collections.OrderedDict[Cached, int] = collections.OrderedDict()
+        self.loaded: collections.OrderedDict[Held, int] = collections.OrderedDict()
+        self.holding: weakref.WeakSet[Held] = weakref.WeakSet()  # the members in ``loaded`` by ``hold``
 
     @property
     def room(self) -> int:
@@ -109,21 +124,42 @@ class LruCache:
         # its tensors' bytes at the dtype in use (a vae upcast to float32 counts its float32 bytes), as the plan's
         # room counts them: the buffer's alignment gaps (``layout.nbytes``) would put a component exactly as large
         # as its room over it, and evict it after every call (a quantized one, of many small tensors, by 0.3%)
-        size, room = hook.group.nbytes, self.room
-        for other in list(self.loaded):
-            if sum(self.loaded.values()) + size <= room:
-                break
-            self.drop(other)
-            other.evict()
+        size = hook.group.nbytes
+        self._make_room(hook, size, lambda other: True)
         hook.onload()
         self.loaded[hook] = size
 
-    def drop(self, hook: Cached) -> None:
-        self.loaded.pop(hook, None)
+    def hold(self, hook: Held, size: int) -> None:
+        """``hook`` (a stream hook: its buffers for a call, then its kept pieces) holds ``size`` bytes here from now
+        (0: none). Room is made by evicting what other pipelines keep (least recently used first, never a running
+        one): its own pipeline's plan already put its buffers beside its own offloaded components, so those stay."""
+        self.drop(hook)
+        self.holding.discard(hook)
+        if size:
+            self._make_room(hook, size, lambda other: other.ledger is not hook.ledger)
+            self.loaded[hook] = size
+            self.holding.add(hook)
 
-    def over(self) -> bool:
+    def _make_room(self, hook: Held, size: int, evictable: Callable[[Held], bool]) -> None:
+        for other in list(self.loaded):
+            if self.taken(hook.ledger) + size <= self.room:
+                return
+            if other is not hook and not other.busy and evictable(other):
+                self.drop(other)
+                other.evict()
+
+    def taken(self, ledger: Ledger) -> int:
+        """The bytes onloaded here, as ``ledger``'s plan counts them against its room: its own stream buffers are
+        beside the room (planned apart), every other pipeline's are in it."""
+        return sum(size for h, size in self.loaded.items() if not (h in self.holding and h.ledger is ledger))
+
+    def drop(self, hook: Held) -> None:
+        self.loaded.pop(hook, None)
+        self.holding.discard(hook)
+
+    def over(self, ledger: Ledger) -> bool:
         """Whether what is onloaded exceeds the room (a component larger than its room, onloaded for its call)."""
-        return sum(self.loaded.values()) > self.room
+        return self.taken(ledger) > self.room
 
 
 class SharedCache(LruCache):
@@ -281,6 +317,11 @@ class MovingHook(PlacementHook):
 
     def unwatch_conversions(self, module: torch.nn.Module) -> None:
         module.__dict__.pop("_apply", None)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call of the component runs now (what it holds is then never evicted)."""
+        return False
 
     def unload(self) -> None:
         """Give back what is onloaded between calls (nothing while a call runs)."""

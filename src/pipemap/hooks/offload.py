@@ -56,7 +56,8 @@ class OffloadHook(MovingHook):
 
     def post_forward(self, module, output):
         self.running -= 1
-        if not self.running and self.cache.over():  # a room smaller than the component keeps none of it onloaded
+        # a room smaller than the component keeps none of it onloaded
+        if not self.running and self.cache.over(self.ledger):
             self.cache.drop(self)
             self.evict()
         return super().post_forward(module, output)
@@ -67,6 +68,10 @@ class OffloadHook(MovingHook):
             self.cache.drop(self)
             if self.group.loaded:
                 self.evict()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
 
     def onload(self) -> None:
         self.buffer, self.copied = self._onload(self.group)
