@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -42,7 +44,7 @@ from .inventory.values import Inventory, resolve_dtype
 from .modes import facts
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
-from .runtime.admission import Admission, cuda_peaks
+from .runtime.admission import Admission, cuda_peaks, shared_ledger
 from .runtime.placed import admission_of, keep_admission
 from .units import format_bytes, parse_bytes
 
@@ -305,12 +307,22 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
         return found
     from .dispatch.relief import relieve
 
+    # one ledger for the placed pipelines of this process: two on one GPU never exceed it together (issue 39)
+    pipe_ref, kept = weakref.ref(pipe), threading.Event()
     admission = Admission(counted, _measure(source, pipe, running), running=running,
                           relieve=functools.partial(relieve, pipe),
-                          allocator=cuda_peaks(counted, running))
+                          allocator=cuda_peaks(counted, running), ledger=shared_ledger(),
+                          alive=lambda: not kept.is_set() or _admits(pipe_ref, admission))
     admission.asked = plan
     keep_admission(pipe, admission)
+    kept.set()
     return admission
+
+
+def _admits(pipe_ref: weakref.ref, admission: Admission) -> bool:
+    """Whether ``admission`` is still its pipeline's (not reset, replaced or collected)."""
+    pipe = pipe_ref()
+    return pipe is not None and admission_of(pipe) is admission
 
 
 def call_needs(source, plan: Plan, call: dict):
