@@ -107,3 +107,40 @@ def test_a_streamed_pipeline_evicts_another_pipelines_offloaded_component(fake_c
     finally:
         for net in (a, b):
             unhook_component(net)
+
+
+@pytest.mark.slow
+def test_a_plan_moves_nothing_and_counts_what_other_pipelines_keep_as_free(fake_cuda, tiny_folders,
+                                                                           reference_outputs, monkeypatch):
+    # sd keeps its vae onloaded after its call; planning sdxl on this machine counts that memory as free without
+    # evicting it (a plan moves nothing), and plans exactly as after the eviction; loading sdxl then evicts it
+    import fakecuda
+    from pipemap.hooks import give_back_kept, kept_bytes
+
+    monkeypatch.setattr(Hardware.detect.__func__, "__defaults__", (0,))
+    monkeypatch.setattr(fakecuda, "segment_size", lambda size: -(-size // fakecuda.ROUND) * fakecuda.ROUND)
+    fake_cuda.limit.update({0: 6 * MiB, 1: 3 * MiB})
+    asked = {"strategy": "balanced_low_memory", "headroom": "2MiB"}
+    sd = pipemap.load(tiny_folders["sd"], progress=False, **asked)
+    torch.testing.assert_close(run(sd, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
+    vae = sd.vae._hf_hook
+    assert vae.group.loaded and kept_bytes()["cuda:0"] >= vae.group.nbytes
+    before = torch.cuda.memory_allocated(0)
+    kept = pipemap.plan(tiny_folders["sdxl"], **asked)
+    assert vae.group.loaded and list(vae.cache.loaded) == [vae]  # the plan moved nothing
+    assert torch.cuda.memory_allocated(0) == before
+    give_back_kept()
+    assert not vae.group.loaded and kept_bytes() == {}
+    after = pipemap.plan(tiny_folders["sdxl"], **asked)
+    def gpus(plan):  # the host's free RAM moves on its own between two plans
+        return [d for d in plan.devices if d.device != "cpu"]
+
+    assert gpus(kept) == gpus(after) and _rooms(kept) == _rooms(after)  # as if evicted first
+    torch.testing.assert_close(run(sd, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
+    assert vae.group.loaded
+    sdxl = pipemap.load(tiny_folders["sdxl"], plan=kept, progress=False)  # placing its weights evicts sd's vae
+    assert not vae.group.loaded
+    for kind, pipe in [("sdxl", sdxl), ("sd", sd)]:
+        torch.testing.assert_close(run(pipe, kind), reference_outputs[kind], atol=1e-5, rtol=0)
+    pipemap.reset(sd)
+    pipemap.reset(sdxl)

@@ -41,6 +41,14 @@ class Held(Protocol):
 
     def unload(self) -> None: ...
 
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The GPU buffers ``unload`` would free."""
+        ...
+
+    def block_bytes(self, buffer: torch.Tensor) -> int:
+        """The bytes the allocator counts for ``buffer``."""
+        ...
+
 
 class Cached(Held, Protocol):
     """What ``LruCache`` keeps onloaded (an ``offload.OffloadHook``): also its group and onload."""
@@ -209,6 +217,18 @@ def unload_shared() -> None:
                 hook.unload()  # not one running: a call inside another (the lock is re-entrant) keeps its own
 
 
+def kept_shared() -> dict[str, int]:
+    """The GPU bytes placed pipelines keep onloaded between calls, per device: what ``unload_shared`` would give
+    back, counted without moving anything (each buffer as the allocator counted it: ``MovingHook.block_bytes``)."""
+    kept: dict[str, int] = collections.Counter()
+    with SHARED_LOCK:
+        for device, cache in list(_SHARED.items()):
+            for hook in list(cache.loaded):
+                if not hook.busy:
+                    kept[device] += sum(hook.block_bytes(buffer) for buffer in hook.held_buffers())
+    return dict(kept)
+
+
 def shared_cache(device: str) -> SharedCache:
     """The process-wide cache of what placed pipelines keep onloaded on ``device``."""
     with _MAKING:
@@ -235,6 +255,7 @@ class MovingHook(PlacementHook):
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.queues = ledger.queues(self.device)
         self.from_files: dict[int, Pages] = {}  # id(group) -> its pages in a file's map, for groups on the disk
+        self.allocated: dict[int, int] = {}  # id(buffer) -> the bytes the CUDA allocator counted for it (``_alloc``)
 
     def _onload(self, group: Group, buffer: torch.Tensor | None = None, after=None, side: bool = False):
         """Copy ``group`` into ``buffer`` (a new one of its own when None) once ``after`` passed; returns the
@@ -298,11 +319,17 @@ class MovingHook(PlacementHook):
             self.ledger.staging(self.device).leave(self)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
+        before = torch.cuda.memory_allocated(self.device) if self.cuda else 0
         buffer = self.queues.alloc(nbytes)  # first: an allocation that fails (out of memory) is not counted
+        if self.cuda:  # the allocator's figure, bounded: another thread's allocation meanwhile is not counted
+            least = -(-nbytes // 512) * 512
+            self.allocated[id(buffer)] = min(max(least, torch.cuda.memory_allocated(self.device) - before),
+                                          least + 2**21)
         self.ledger.add(str(self.device), nbytes)
         return buffer
 
     def _free(self, buffer: torch.Tensor, copies=()) -> None:
+        self.allocated.pop(id(buffer), None)
         self.ledger.add(str(self.device), -buffer.numel())
         self.queues.free(buffer, copies)
 
@@ -325,6 +352,16 @@ class MovingHook(PlacementHook):
 
     def unload(self) -> None:
         """Give back what is onloaded between calls (nothing while a call runs)."""
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The GPU buffers ``unload`` would free now."""
+        return []
+
+    def block_bytes(self, buffer: torch.Tensor) -> int:
+        """The bytes the CUDA allocator counted for ``buffer`` (``_alloc``): a block's unsplit rest included (a
+        cached large block is not split for a rest under 1 MiB), so what its eviction gives back; else its size
+        at CUDA's 512-byte granularity."""
+        return self.allocated.get(id(buffer), -(-buffer.numel() // 512) * 512)
 
     def abort(self, module) -> None:
         """Undo what an unfinished call onloaded (its ``post_forward`` never ran)."""

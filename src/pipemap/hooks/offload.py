@@ -82,6 +82,9 @@ class OffloadHook(MovingHook):
         self._free(self.buffer, [self.copied])
         self.buffer = self.copied = None
 
+    def held_buffers(self) -> list[torch.Tensor]:
+        return [self.buffer] if self.buffer is not None and not self.running else []
+
     def unload(self) -> None:
         if self.group.loaded and not self.running:
             self.cache.drop(self)

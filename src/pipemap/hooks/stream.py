@@ -307,6 +307,9 @@ class StreamHook(MovingHook):
             self.kept_buffers = []
             self._hold(0)
 
+    def held_buffers(self) -> list[torch.Tensor]:
+        return [] if self.depth else [buffer for buffer, _ in self.kept_buffers]
+
     def evict(self) -> None:
         """Evicted from the GPU's shared cache by another pipeline (between its calls): its kept pieces go."""
         self.unload()
