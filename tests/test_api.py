@@ -480,3 +480,43 @@ def test_cli_headroom_takes_what_the_api_takes(tiny_folders, capsys):
     assert main(["plan", tiny_folders["sd"], "--hardware", "cuda:0=1GiB,cpu=4GiB", "--headroom",
                  '{"cuda:0": "256MiB"}', "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["devices"]["cuda:0"]["budget"] == 3 * 2**28
+
+
+@pytest.mark.slow
+def test_two_placed_pipelines_admit_their_requests_on_one_ledger():
+    # two tiny SD pipelines on the same tight GPU (remapped onto the CPU): run_many on both at once admits their
+    # requests on one ledger, so together they never hold more than the GPU's room: two requests at once in all,
+    # where a ledger each would admit two each (issue 39)
+    import threading
+
+    from pipemap import tiny
+    from pipemap.api import memory_for
+
+    plan = pipemap.plan(tiny.build("sd"), hardware="cuda:0=5MiB,cuda:1=4MiB,cpu=1GiB", headroom=0.0)
+    pipes = [tiny.build("sd") for _ in range(2)]
+    for pipe in pipes:
+        pipe.set_progress_bar_config(disable=True)
+        pipemap.dispatch(pipe, plan.remap({"cuda:0": "cpu", "cuda:1": "cpu"}))
+    admissions = [memory_for(pipe, plan) for pipe in pipes]
+    assert admissions[0] is not None and admissions[1] is not None
+    views = [admission.ledger for admission in admissions]
+    ledger = views[0].shared
+    assert views[1].shared is ledger and views[0] is not views[1]
+    calls = [dict(prompt=f"a tiny cat number {i}", num_inference_steps=2, height=32, width=32, output_type="np")
+             for i in range(3)]
+    threads = [threading.Thread(target=pipemap.run_many, args=(pipe, calls), kwargs={"workers": 4, "plan": plan})
+               for pipe in pipes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    memory = {d.device: d.memory for d in plan.devices}
+    # each pipeline's own history: its requests and component calls, each record the shared ledger's totals
+    assert [len(view.history) for view in views] == [3 * (1 + 2 + 2 + 1)] * 2
+    history = [record for view in views for record in view.history]
+    assert all(total <= memory[d] for record in history for d, total in record.total.items())
+    assert max(r.running for r in history) == 2 and ledger.held() == {d: 0 for d in ledger.memory}
+    pipemap.reset(pipes[1])  # its admission leaves the ledger with its pipeline's placement
+    ledger.room("cuda:0")  # the rooms read again: the members still placed
+    assert admissions[1] not in ledger.members and admissions[0] in ledger.members
+    pipemap.reset(pipes[0])

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,7 +36,7 @@ from .errors import (
     UnknownStrategyError,
 )
 from .hardware import Hardware
-from .hooks import give_back_kept
+from .hooks import give_back_kept, kept_bytes
 from .inventory import inventory_of
 from .inventory.files import check_weights_present
 from .inventory.folder import read_model_index
@@ -42,7 +44,7 @@ from .inventory.values import Inventory, resolve_dtype
 from .modes import facts
 from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
-from .runtime.admission import Admission, cuda_peaks
+from .runtime.admission import Admission, cuda_peaks, shared_ledger
 from .runtime.placed import admission_of, keep_admission
 from .units import format_bytes, parse_bytes
 
@@ -109,9 +111,7 @@ class Request:
 
     def machine(self) -> Hardware:
         """The hardware to plan for (this machine's when none was given), less ``max_memory``."""
-        if self.hardware is None:
-            give_back_kept()  # what placed pipelines keep onloaded between calls is room, not used memory
-        hw = self.hardware or Hardware.detect()
+        hw = self.hardware or _with_kept(Hardware.detect())
         return hw.with_max_memory(self.max_memory) if self.max_memory else hw
 
     def inventory(self) -> Inventory:
@@ -211,6 +211,7 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
         warnings.warn(f"pipemap: this machine lacks {', '.join(_lacking(plan, running))} of the plan: running the "
                       "same plan with them on the CPU (plan for this machine, or leave hardware= out, to use what it "
                       "has)", UserWarning, stacklevel=2)
+    give_back_kept()  # the plan counted what placed pipelines keep onloaded as free: its weights go there now
     return load_onto(folder, index, running, passed, request.dtype, request.variant, progress=progress,
                      check_transfers=check_transfers, kwargs=kwargs)
 
@@ -305,12 +306,22 @@ def memory_for(pipe, plan: Plan | None = None, *, source=None) -> Admission | No
         return found
     from .dispatch.relief import relieve
 
+    # one ledger for the placed pipelines of this process: two on one GPU never exceed it together (issue 39)
+    pipe_ref, kept = weakref.ref(pipe), threading.Event()
     admission = Admission(counted, _measure(source, pipe, running), running=running,
                           relieve=functools.partial(relieve, pipe),
-                          allocator=cuda_peaks(counted, running))
+                          allocator=cuda_peaks(counted, running), ledger=shared_ledger(),
+                          alive=lambda: not kept.is_set() or _admits(pipe_ref, admission))
     admission.asked = plan
     keep_admission(pipe, admission)
+    kept.set()
     return admission
+
+
+def _admits(pipe_ref: weakref.ref, admission: Admission) -> bool:
+    """Whether ``admission`` is still its pipeline's (not reset, replaced or collected)."""
+    pipe = pipe_ref()
+    return pipe is not None and admission_of(pipe) is admission
 
 
 def call_needs(source, plan: Plan, call: dict):
@@ -515,6 +526,17 @@ def _checked_map(mapping: Mapping) -> dict:
             raise ArgumentTypeError("strategy", dict(mapping), "a dict {component name: device}, names as strings")
         real_device(device)  # a bad device answers here, before any header is read
     return dict(mapping)
+
+
+def _with_kept(hw: Hardware) -> Hardware:
+    """This machine as detected, with what placed pipelines keep onloaded between calls counted as free: it is room
+    their caches give up when short, not used memory (counted as used, a pipeline planned after another's call would
+    get a room smaller by the other's kept VAE, and the shared room, the smallest, would shrink for both). Nothing
+    moves to plan: ``dispatch`` gives it back before it places weights (issue 39)."""
+    kept = kept_bytes()
+    if not kept:
+        return hw
+    return replace(hw, devices=tuple(replace(d, memory=d.memory + kept.get(d.name, 0)) for d in hw.devices))
 
 
 def _hardware(hardware: Hardware | str | None, max_memory: Mapping | None) -> Hardware | None:

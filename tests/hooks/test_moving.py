@@ -110,10 +110,12 @@ def test_ledger_keeps_one_cache_per_device_and_room_and_one_queues_per_device():
 
 
 class FakeHook:
-    """What ``LruCache`` asks of an offload hook: its group's size, and onload and evict."""
+    """What ``LruCache`` asks of an offload hook: its group's size, its ledger, whether it runs, onload and evict."""
 
-    def __init__(self, name: str, size: int, log: list):
-        self.name, self.log = name, log
+    busy = False
+
+    def __init__(self, name: str, size: int, log: list, ledger=None):
+        self.name, self.log, self.ledger = name, log, ledger
         self.group = type("Group", (), {"nbytes": size, "layout": type("Layout", (), {"nbytes": size})})()
 
     def onload(self):
@@ -136,6 +138,27 @@ def test_lru_cache_evicts_the_least_recently_used_first():
     big = FakeHook("big", 100, log)
     cache.use(big)  # room only for itself: every other leaves, oldest first
     assert log[-3:] == ["-a", "-c", "+big"] and list(cache.loaded) == [big]
+
+
+def test_a_hold_evicts_other_pipelines_idle_members_and_counts_against_their_room():
+    # a stream hook's buffers (``hold``) make room by evicting what other pipelines keep, least recently used
+    # first, never a running one nor its own pipeline's (its plan put its buffers beside them: issue 39)
+    log: list[str] = []
+    mine, theirs = object(), object()
+    cache = LruCache(100)
+    own, a, b = FakeHook("own", 30, log, mine), FakeHook("a", 30, log, theirs), FakeHook("b", 30, log, theirs)
+    for hook in (a, own, b):
+        cache.use(hook)
+    b.busy = True
+    streaming = FakeHook("stream", 50, log, mine)
+    cache.hold(streaming, 50)  # 90 + 50 > 100 and its own 30 stay: a leaves (60 + 50 > 100), b runs, so stays
+    assert log[-1] == "-a" and list(cache.loaded) == [own, b, streaming]
+    assert cache.taken(mine) == 60 and cache.taken(theirs) == 110 and cache.over(theirs) and not cache.over(mine)
+    b.busy = False
+    cache.use(FakeHook("c", 30, log, theirs))  # its pipeline counts the other's buffers: b and own leave
+    assert log[-3:] == ["-own", "-b", "+c"] and list(cache.loaded)[0] is streaming
+    cache.hold(streaming, 0)  # its call ended, keeping nothing
+    assert streaming not in cache.loaded and not cache.holding
 
 
 def test_lru_cache_drop_forgets_without_evicting():

@@ -290,3 +290,47 @@ def test_the_figures_kept_are_bounded_the_least_recently_used_dropped(monkeypatc
     for width in (8, 16, 24, 8, 32, 8, 16):  # 8 used again before 32 comes: 16 is the one dropped, then 24
         admission.needs({"width": width})
     assert measured == [8, 16, 24, 32, 16]
+
+
+def test_two_pipelines_admitted_on_one_shared_ledger_never_exceed_the_device_together():
+    # pipeline a planned 20 MB with 10 MB of weights; b planned after it, on the 10 MB a left free, with 4 MB of
+    # weights: 6 MB are left on the GPU for both one's and the other's activations. On one ledger (``api.memory_for``
+    # shares the process's), each request resting 2 MB with a 3 MB unet call: together they never hold more than
+    # 6 MB; each pipeline on a ledger of its own would admit up to 10 MB and 6 MB at once (issue 39)
+    from pipemap.runtime.admission import SharedLedger
+
+    shared = SharedLedger()
+    b_plan = Plan("balanced", (Placement("unet", "cuda:0", 4 * MB),), (DeviceUse("cuda:0", 10 * MB, 10 * MB, 4 * MB),),
+                  "cuda:0")
+    figures = needs(2 * MB, unet=3 * MB)
+    admissions = [Admission(plan, lambda plan, call: figures, ledger=shared) for plan in (_plan(), b_plan)]
+    assert shared.room("cuda:0") == 6 * MB and all(a.ledger.shared is shared for a in admissions)
+    held = {"now": 0, "most": 0}
+    count = threading.Lock()
+
+    def hold(size: int) -> None:
+        with count:
+            held["now"] += size
+            held["most"] = max(held["most"], held["now"])
+
+    def run(admission: Admission) -> None:
+        unet = _Hooked("unet")
+        for _ in range(4):
+            with admission.request({"prompt": "a"}):
+                hold(2 * MB)
+                for _ in range(2):
+                    component_call(unet, lambda hook: [hold(3 * MB), threading.Event().wait(0.002), hold(-3 * MB)])
+                hold(-2 * MB)
+
+    threads = [threading.Thread(target=run, args=(admissions[i % 2],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert held["now"] == 0 and 5 * MB <= held["most"] <= 6 * MB and shared.admitted == 16
+    assert shared.held() == {"cuda:0": 0} and all(a.waiting == 0 for a in admissions)
+    del admissions[1]  # b reset and collected: the room is a's alone again
+    import gc
+
+    gc.collect()
+    assert shared.room("cuda:0") == 10 * MB

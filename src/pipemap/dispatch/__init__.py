@@ -26,7 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
-from ..hooks import Moved, PlacementHook, hook_component, hook_maker, ledger_of, unhook_component
+from ..hooks import Moved, PlacementHook, give_back_kept, hook_component, hook_maker, ledger_of, unhook_component
 from ..hooks.changes import follow_component, forget, remember, settle, unchanged
 from ..hooks.resident import quiet
 from ..inventory.live import module_bytes, submodules
@@ -75,6 +75,7 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     it first.
     """
     check_pipeline(pipe, "dispatch")
+    give_back_kept()  # a plan counts what placed pipelines keep onloaded as free (``hooks.kept_bytes``): given back
     source = _copied_from(pipe)
     if source is None:
         place(pipe, plan, check_transfers=check_transfers)

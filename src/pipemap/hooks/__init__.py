@@ -163,6 +163,14 @@ def give_back_kept() -> None:
         moving.unload_shared()
 
 
+def kept_bytes() -> dict[str, int]:
+    """The GPU bytes placed pipelines keep onloaded between calls (``moving.SharedCache``), per device, counted
+    without moving them: a plan made on this machine counts them as free (``pipemap.plan`` moves nothing), and
+    ``dispatch`` gives them back (``give_back_kept``) before it places weights there."""
+    moving = sys.modules.get(f"{__name__}.moving")  # not imported: no pipeline moves weights (issue 28)
+    return moving.kept_shared() if moving is not None else {}
+
+
 def ledger_of(hook: Any) -> Ledger | None:
     """The ledger of a hook that moves weights, else None. Asked of the hook, not by ``isinstance(..., Ledger)``: a
     pipeline whose plan moves nothing then never imports the moving code (issue 28)."""
@@ -171,4 +179,4 @@ def ledger_of(hook: Any) -> Ledger | None:
 
 __all__ = ["HOOKS", "MOVING", "CallLock", "GuidanceHook", "Ledger", "Moved", "OffloadHook", "PlacementHook",
            "ReplicaHook", "SequenceHook", "SplitHook", "StreamHook", "give_back_kept", "hook_component", "hook_maker",
-           "unhook_component"]
+           "kept_bytes", "unhook_component"]

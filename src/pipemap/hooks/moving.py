@@ -28,17 +28,35 @@ from .packing import Group
 from .resident import CallLock, PlacementHook
 
 
-class Cached(Protocol):
-    """What ``LruCache`` asks of what it keeps (an ``offload.OffloadHook``): its group, onload and evict."""
+class Held(Protocol):
+    """What ``LruCache`` asks of what holds room in it (a stream hook's buffers, ``hold``): its ledger (its
+    pipeline), whether a call of it runs (then it is never evicted), evict and unload."""
+
+    ledger: Ledger
+
+    @property
+    def busy(self) -> bool: ...
+
+    def evict(self) -> None: ...
+
+    def unload(self) -> None: ...
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The GPU buffers ``unload`` would free."""
+        ...
+
+    def block_bytes(self, buffer: torch.Tensor) -> int:
+        """The bytes the allocator counts for ``buffer``."""
+        ...
+
+
+class Cached(Held, Protocol):
+    """What ``LruCache`` keeps onloaded (an ``offload.OffloadHook``): also its group and onload."""
 
     @property
     def group(self) -> Group: ...
 
     def onload(self) -> None: ...
-
-    def evict(self) -> None: ...
-
-    def unload(self) -> None: ...
 
 
 class Ledger:
@@ -62,6 +80,10 @@ class Ledger:
         self.peak: collections.Counter = collections.Counter()
         self._queues: dict[str, Queues] = {}
         self._staging: dict[str, Staging] = {}
+
+    def shared_on(self, device: torch.device) -> SharedCache | None:
+        """``device``'s process-wide cache when this ledger shares it (a placed pipeline's, on a GPU), else None."""
+        return shared_cache(str(device)) if self.shared and device.type == "cuda" else None
 
     def cache(self, device: str, room: int) -> LruCache:
         if (device, room) not in self.caches:
@@ -90,7 +112,8 @@ class LruCache:
 
     def __init__(self, room: int):
         self._room = room
-        self.loaded: collections.OrderedDict[Cached, int] = collections.OrderedDict()
+        self.loaded: collections.OrderedDict[Held, int] = collections.OrderedDict()
+        self.holding: weakref.WeakSet[Held] = weakref.WeakSet()  # the members in ``loaded`` by ``hold``
 
     @property
     def room(self) -> int:
@@ -109,21 +132,42 @@ class LruCache:
         # its tensors' bytes at the dtype in use (a vae upcast to float32 counts its float32 bytes), as the plan's
         # room counts them: the buffer's alignment gaps (``layout.nbytes``) would put a component exactly as large
         # as its room over it, and evict it after every call (a quantized one, of many small tensors, by 0.3%)
-        size, room = hook.group.nbytes, self.room
-        for other in list(self.loaded):
-            if sum(self.loaded.values()) + size <= room:
-                break
-            self.drop(other)
-            other.evict()
+        size = hook.group.nbytes
+        self._make_room(hook, size, lambda other: True)
         hook.onload()
         self.loaded[hook] = size
 
-    def drop(self, hook: Cached) -> None:
-        self.loaded.pop(hook, None)
+    def hold(self, hook: Held, size: int) -> None:
+        """``hook`` (a stream hook: its buffers for a call, then its kept pieces) holds ``size`` bytes here from now
+        (0: none). Room is made by evicting what other pipelines keep (least recently used first, never a running
+        one): its own pipeline's plan already put its buffers beside its own offloaded components, so those stay."""
+        self.drop(hook)
+        self.holding.discard(hook)
+        if size:
+            self._make_room(hook, size, lambda other: other.ledger is not hook.ledger)
+            self.loaded[hook] = size
+            self.holding.add(hook)
 
-    def over(self) -> bool:
+    def _make_room(self, hook: Held, size: int, evictable: Callable[[Held], bool]) -> None:
+        for other in list(self.loaded):
+            if self.taken(hook.ledger) + size <= self.room:
+                return
+            if other is not hook and not other.busy and evictable(other):
+                self.drop(other)
+                other.evict()
+
+    def taken(self, ledger: Ledger) -> int:
+        """The bytes onloaded here, as ``ledger``'s plan counts them against its room: its own stream buffers are
+        beside the room (planned apart), every other pipeline's are in it."""
+        return sum(size for h, size in self.loaded.items() if not (h in self.holding and h.ledger is ledger))
+
+    def drop(self, hook: Held) -> None:
+        self.loaded.pop(hook, None)
+        self.holding.discard(hook)
+
+    def over(self, ledger: Ledger) -> bool:
         """Whether what is onloaded exceeds the room (a component larger than its room, onloaded for its call)."""
-        return sum(self.loaded.values()) > self.room
+        return self.taken(ledger) > self.room
 
 
 class SharedCache(LruCache):
@@ -173,6 +217,18 @@ def unload_shared() -> None:
                 hook.unload()  # not one running: a call inside another (the lock is re-entrant) keeps its own
 
 
+def kept_shared() -> dict[str, int]:
+    """The GPU bytes placed pipelines keep onloaded between calls, per device: what ``unload_shared`` would give
+    back, counted without moving anything (each buffer as the allocator counted it: ``MovingHook.block_bytes``)."""
+    kept: dict[str, int] = collections.Counter()
+    with SHARED_LOCK:
+        for device, cache in list(_SHARED.items()):
+            for hook in list(cache.loaded):
+                if not hook.busy:
+                    kept[device] += sum(hook.block_bytes(buffer) for buffer in hook.held_buffers())
+    return dict(kept)
+
+
 def shared_cache(device: str) -> SharedCache:
     """The process-wide cache of what placed pipelines keep onloaded on ``device``."""
     with _MAKING:
@@ -199,6 +255,7 @@ class MovingHook(PlacementHook):
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.queues = ledger.queues(self.device)
         self.from_files: dict[int, Pages] = {}  # id(group) -> its pages in a file's map, for groups on the disk
+        self.allocated: dict[int, int] = {}  # id(buffer) -> the bytes the CUDA allocator counted for it (``_alloc``)
 
     def _onload(self, group: Group, buffer: torch.Tensor | None = None, after=None, side: bool = False):
         """Copy ``group`` into ``buffer`` (a new one of its own when None) once ``after`` passed; returns the
@@ -262,11 +319,17 @@ class MovingHook(PlacementHook):
             self.ledger.staging(self.device).leave(self)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
+        before = torch.cuda.memory_allocated(self.device) if self.cuda else 0
         buffer = self.queues.alloc(nbytes)  # first: an allocation that fails (out of memory) is not counted
+        if self.cuda:  # the allocator's figure, bounded: another thread's allocation meanwhile is not counted
+            least = -(-nbytes // 512) * 512
+            self.allocated[id(buffer)] = min(max(least, torch.cuda.memory_allocated(self.device) - before),
+                                          least + 2**21)
         self.ledger.add(str(self.device), nbytes)
         return buffer
 
     def _free(self, buffer: torch.Tensor, copies=()) -> None:
+        self.allocated.pop(id(buffer), None)
         self.ledger.add(str(self.device), -buffer.numel())
         self.queues.free(buffer, copies)
 
@@ -282,8 +345,23 @@ class MovingHook(PlacementHook):
     def unwatch_conversions(self, module: torch.nn.Module) -> None:
         module.__dict__.pop("_apply", None)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a call of the component runs now (what it holds is then never evicted)."""
+        return False
+
     def unload(self) -> None:
         """Give back what is onloaded between calls (nothing while a call runs)."""
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The GPU buffers ``unload`` would free now."""
+        return []
+
+    def block_bytes(self, buffer: torch.Tensor) -> int:
+        """The bytes the CUDA allocator counted for ``buffer`` (``_alloc``): a block's unsplit rest included (a
+        cached large block is not split for a rest under 1 MiB), so what its eviction gives back; else its size
+        at CUDA's 512-byte granularity."""
+        return self.allocated.get(id(buffer), -(-buffer.numel() // 512) * 512)
 
     def abort(self, module) -> None:
         """Undo what an unfinished call onloaded (its ``post_forward`` never ran)."""

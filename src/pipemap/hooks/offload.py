@@ -56,7 +56,8 @@ class OffloadHook(MovingHook):
 
     def post_forward(self, module, output):
         self.running -= 1
-        if not self.running and self.cache.over():  # a room smaller than the component keeps none of it onloaded
+        # a room smaller than the component keeps none of it onloaded
+        if not self.running and self.cache.over(self.ledger):
             self.cache.drop(self)
             self.evict()
         return super().post_forward(module, output)
@@ -68,6 +69,10 @@ class OffloadHook(MovingHook):
             if self.group.loaded:
                 self.evict()
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
     def onload(self) -> None:
         self.buffer, self.copied = self._onload(self.group)
 
@@ -76,6 +81,9 @@ class OffloadHook(MovingHook):
         assert self.buffer is not None  # evicted only when onloaded
         self._free(self.buffer, [self.copied])
         self.buffer = self.copied = None
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        return [self.buffer] if self.buffer is not None and not self.running else []
 
     def unload(self) -> None:
         if self.group.loaded and not self.running:

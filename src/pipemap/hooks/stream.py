@@ -143,6 +143,8 @@ class StreamHook(MovingHook):
         self.root_buffer: torch.Tensor | None = None
         self.kept_buffers: list[tuple[torch.Tensor, object]] = []  # (buffer, the event of the copy into it)
         self._tiers(list(paths), {paths[first[k]] for k, o in owner.items() if o == _START and k in first})
+        # a placed pipeline's buffers take their room in the GPU's shared cache, evicting other pipelines' (issue 39)
+        self.cache = self.ledger.shared_on(self.device)
         self.handles = [h for i in self.streamed for h in self._attach(i, blocks[i])]
         self.watch_conversions(module)
         return module
@@ -201,7 +203,16 @@ class StreamHook(MovingHook):
 
     # ---- one call: buffers in, blocks through them, buffers out
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.depth)
+
+    def _hold(self, size: int) -> None:
+        if self.cache is not None:
+            self.cache.hold(self, size)
+
     def _begin(self) -> None:
+        self._hold(self.charge)  # first: room made before its buffers are allocated
         waiting = self.kept[len(self.kept_buffers):]
         for group in waiting:
             self.kept_buffers.append(self._onload(group))
@@ -236,6 +247,7 @@ class StreamHook(MovingHook):
         if self.root_buffer is not None:
             self._free(self.root_buffer)
         self.buffers, self.root_buffer = [], None
+        self._hold(sum(buffer.numel() for buffer, _ in self.kept_buffers))  # its kept pieces stay till evicted
 
     def _enter(self, index: int, block, args) -> None:
         # evict_guess: _free_buffer always gives one
@@ -293,6 +305,14 @@ class StreamHook(MovingHook):
                 self._evict(group)
                 self._free(buffer, [copied])
             self.kept_buffers = []
+            self._hold(0)
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        return [] if self.depth else [buffer for buffer, _ in self.kept_buffers]
+
+    def evict(self) -> None:
+        """Evicted from the GPU's shared cache by another pipeline (between its calls): its kept pieces go."""
+        self.unload()
 
     def detach_hook(self, module):
         self.unwatch_conversions(module)

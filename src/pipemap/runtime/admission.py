@@ -28,6 +28,7 @@ import math
 import re
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -185,6 +186,7 @@ class Lease:
     needs: Needs
     shape: tuple = ()
     depth: int = 0
+    owner: object = None  # the ``Admission`` it runs under: on a shared ledger, whose history records it
 
 
 @dataclass(eq=False)
@@ -217,6 +219,7 @@ class MemoryLedger:
 
     def __init__(self, memory: Mapping[str, int], weights: Mapping[str, int], history: int = 4096):
         self.memory, self.weights = dict(memory), dict(weights)
+        self.changed = threading.Condition()  # what threads admitted on this ledger (``Admission``) wait on
         self.rest: collections.Counter = collections.Counter()
         self.extra: collections.Counter = collections.Counter()
         self.running: list[Lease] = []
@@ -231,6 +234,16 @@ class MemoryLedger:
 
     def room(self, device: str) -> int:
         return self.memory.get(device, 0) - self.weights.get(device, 0)
+
+    def join(self, owner: object, memory: Mapping[str, int], weights: Mapping[str, int],
+             alive: Callable[[], bool] | None = None) -> MemoryLedger:
+        """``owner`` (an ``Admission``) admits its requests here, over ``memory`` with ``weights`` on each device,
+        while ``alive()``; what it reads the ledger by. A ledger of its own was made with them already."""
+        return self
+
+    def reweigh(self, owner: object, weights: Mapping[str, int]) -> None:
+        """``owner``'s components were re-placed (``relief``): its devices now keep ``weights``."""
+        self.weights = dict(weights)
 
     def held(self) -> dict[str, int]:
         """Activation bytes reserved on each device now."""
@@ -299,6 +312,120 @@ class MemoryLedger:
             self.admitted += 1
         total = {d: self.weights.get(d, 0) + b for d, b in self.held().items()}
         self.history.append(Admitted(ticket.lease.label, ticket.component, total, len(self.running)))
+
+
+class SharedLedger(MemoryLedger):
+    """The ledger the placed pipelines of one process admit their requests on (``shared_ledger``): two pipelines on
+    one GPU each reserve their calls' activations from the same room, so together they never exceed it (issue 39).
+
+    Each device's room is the smallest its members plan there, as ``hooks.moving.SharedCache`` takes the smallest
+    offload room: a plan is made on the memory free when it is made, so a pipeline planned after another saw the
+    other's weights as taken, and its room is the one still true once both are placed. One ledger for every device,
+    not one per device: a request that spans two GPUs is admitted on both at once, in one queue. A member dropped
+    (its pipeline reset or collected) leaves by itself, and the rooms are the rest's again.
+    """
+
+    def __init__(self, history: int = 4096):
+        super().__init__({}, {}, history)
+        self.members: weakref.WeakKeyDictionary[object, _Member] = weakref.WeakKeyDictionary()
+        self.views: weakref.WeakKeyDictionary[object, LedgerView] = weakref.WeakKeyDictionary()
+
+    def join(self, owner: object, memory: Mapping[str, int], weights: Mapping[str, int],
+             alive: Callable[[], bool] | None = None) -> MemoryLedger:
+        with self.changed:
+            self.members[owner] = _Member(dict(memory), dict(weights), alive or (lambda: True))
+            self._smallest()
+            view = self.views[owner] = LedgerView(self, owner, self.history.maxlen or 0)
+            return view
+
+    def _admit(self, ticket: Ticket) -> None:
+        super()._admit(ticket)
+        view = self.views.get(ticket.lease.owner) if ticket.lease.owner is not None else None
+        if view is not None:
+            view.history.append(self.history[-1])
+
+    def reweigh(self, owner: object, weights: Mapping[str, int]) -> None:
+        with self.changed:
+            found = self.members.get(owner)
+            if found is not None:
+                self.members[owner] = _Member(found.memory, dict(weights), found.alive)
+                self._smallest()
+
+    def room(self, device: str) -> int:
+        self._smallest()  # a member collected since leaves its room behind
+        return super().room(device)
+
+    def _smallest(self) -> None:
+        """Each device's memory and weights: its member's with the smallest room there."""
+        memory: dict[str, int] = {}
+        weights: dict[str, int] = {}
+        for owner, member in list(self.members.items()):
+            if not member.alive():  # its pipeline reset: an admission in a reference cycle may outlive it a while
+                self.members.pop(owner, None)
+                continue
+            for device, size in member.memory.items():
+                held = member.weights.get(device, 0)
+                if device not in memory or size - held < memory[device] - weights[device]:
+                    memory[device], weights[device] = size, held
+        self.memory, self.weights = memory, weights
+
+
+class LedgerView(MemoryLedger):
+    """One pipeline's view of the shared ledger (its ``Admission.ledger``): the shared rule, rooms and reservations,
+    with the history of its own admissions (each record's totals the shared ledger's)."""
+
+    def __init__(self, shared: SharedLedger, owner: object, history: int):
+        self.shared, self.owner = shared, weakref.ref(owner)
+        self.history = collections.deque(maxlen=history)
+
+    # what ``Admission`` and its readers ask of a ledger, answered by the shared one
+    memory = property(lambda self: self.shared.memory)
+    weights = property(lambda self: self.shared.weights)
+    running = property(lambda self: self.shared.running)
+    waiting = property(lambda self: self.shared.waiting)
+    admitted = property(lambda self: self.shared.admitted)
+    waits = property(lambda self: self.shared.waits)
+    changed = property(lambda self: self.shared.changed)
+
+    def room(self, device: str) -> int:
+        return self.shared.room(device)
+
+    def held(self) -> dict[str, int]:
+        return self.shared.held()
+
+    def offer(self, ticket: Ticket) -> bool:
+        return self.shared.offer(ticket)
+
+    def grant(self) -> list[Ticket]:
+        return self.shared.grant()
+
+    def release(self, ticket: Ticket) -> None:
+        self.shared.release(ticket)
+
+    def reweigh(self, owner: object, weights: Mapping[str, int]) -> None:
+        self.shared.reweigh(owner, weights)
+
+
+@dataclass(frozen=True)
+class _Member:
+    """A pipeline's admission on the shared ledger: its plan's memory and weights per device, and whether it is
+    still its pipeline's."""
+
+    memory: dict[str, int]
+    weights: dict[str, int]
+    alive: Callable[[], bool]
+
+
+_SHARED: list[SharedLedger] = []
+_MAKING = threading.Lock()
+
+
+def shared_ledger() -> SharedLedger:
+    """The process's one ledger for placed pipelines' requests (``api.memory_for``)."""
+    with _MAKING:
+        if not _SHARED:
+            _SHARED.append(SharedLedger())
+        return _SHARED[0]
 
 
 # ---- threads on the ledger ------------------------------------------------------------------------------------
@@ -373,10 +500,13 @@ class Admission:
     """
 
     def __init__(self, plan: Plan, measure: Callable[[Plan, dict], Needs], *, running: Plan | None = None,
-                 relieve: Callable | None = None, allocator=None):
+                 relieve: Callable | None = None, allocator=None, ledger: MemoryLedger | None = None,
+                 alive: Callable[[], bool] | None = None):
         self.plan, self.running = plan, running or plan
         self.asked: Plan | None = None  # the plan it was asked for (``api.memory_for``), None: the pipeline's own
-        self.ledger = MemoryLedger.of(plan)
+        # its own ledger, or one it shares with other pipelines (``shared_ledger``), which it joins
+        own = MemoryLedger.of(plan) if ledger is None else ledger
+        self.ledger = own.join(self, {d.device: d.memory for d in plan.devices}, weights_ceiling(plan), alive)
         self.gate = Gate()
         self.moves: list = []  # ``relief.Relief`` values, oldest first
         self.unmeasured: dict[tuple, str] = {}  # shapes whose dry run failed: why (they run alone)
@@ -389,7 +519,7 @@ class Admission:
         self._corrected: set[tuple] = set()
         self._pending: dict[tuple, Future] = {}  # shapes being measured: a second request of one waits for it
         self._cache = threading.Lock()
-        self._changed = threading.Condition()
+        self._changed = self.ledger.changed  # shared with every pipeline on its ledger: a release wakes theirs
 
     @property
     def waiting(self) -> int:
@@ -452,7 +582,7 @@ class Admission:
         """Run one call under the ledger: wait until its ``rest`` fits, and hold it until the call ends; its
         components' calls (``component_call``) wait for their extra."""
         shape = call_shape(call)
-        lease = Lease(label, self.needs(call), shape)
+        lease = Lease(label, self.needs(call), shape, owner=self)
         ticket = Ticket(lease, None, dict(lease.needs.rest))
         self._wait(ticket)
         outer = getattr(_local, "lease", None)
@@ -515,7 +645,7 @@ class Admission:
             raise error
         with self._changed:
             self.plan, self.running = relief.plan, relief.running
-            self.ledger.weights = weights_ceiling(relief.plan)
+            self.ledger.reweigh(self, weights_ceiling(relief.plan))
             self.moves.append(relief)
             self._grant()
         if failure.tried:  # the dry run's figure was short by at least this: later calls of the shape reserve it
