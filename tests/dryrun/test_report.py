@@ -116,3 +116,18 @@ def test_a_notebook_shows_the_picture_then_the_text_escaped():
     html = report._repr_html_()
     assert html.index("<svg") < html.index("<pre>")
     assert "&lt;bad&gt; &amp; worse" in html and "<bad>" not in html
+
+
+@pytest.mark.slow  # a dry run: 2.5 s on 2 cores
+def test_the_weights_a_device_holds_count_a_streamed_components_resident_pieces(tiny_folders):
+    # the unet streamed on cuda:0 keeps 1018000 bytes of its pieces there from its first call on: weights held as a
+    # resident component's are (the table showed 0 B of weights where the ledger held them)
+    plan = pipemap.plan(tiny_folders["sd"], hardware="cuda:0=2MiB,cpu=1GiB", strategy="balanced_ultra_low_memory",
+                        headroom=0.0)
+    unet = plan.placement("unet")
+    assert unet.mode == "stream" and unet.resident_bytes > 0
+    resident = sum(p.bytes for p in plan.components if p.mode == "resident" and p.device == "cuda:0")
+    report = pipemap.simulate(tiny_folders["sd"], plan, advice=False)
+    assert report.ok, report.error
+    assert report.weight_bytes["cuda:0"] == resident + unet.resident_bytes
+    assert report.weight_peak_bytes["cuda:0"] >= report.weight_bytes["cuda:0"]

@@ -9,6 +9,7 @@ from html import escape
 
 import torch
 
+from ..modes import Mode
 from ..picture import Sample, Timeline
 from ..plan import Plan
 from ..units import format_bytes
@@ -85,6 +86,17 @@ class SimulationReport:
         return "\n".join(lines + list(self.advice))
 
 
+def _kept_pieces(plan: Plan) -> dict[str, int]:
+    """The bytes of the pieces each streamed component keeps on its execution device (``resident_blocks``): its hook
+    onloads them at the first call and holds them from then on, as a resident component's weights are held; the
+    tracker counted them among the onloads, so without this a device holding 14 GiB of them showed 0 B of weights."""
+    kept: dict[str, int] = {}
+    for p in plan.components:
+        if p.mode == Mode.STREAM:
+            kept[p.execution_device] = kept.get(p.execution_device, 0) + p.resident_bytes
+    return kept
+
+
 def report_of(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str], seconds: float,
             call: dict) -> SimulationReport:
     def keyed(figures: Mapping[str, int]) -> dict[str, int]:
@@ -97,6 +109,8 @@ def report_of(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, s
         return out
 
     peak, weights = keyed(tracker.peak), keyed(tracker.weights)
+    kept = _kept_pieces(plan)  # onloaded at the first call, then held as the placed weights are
+    weights = {d: weights.get(d, 0) + kept.get(d, 0) for d in peak}
     weights = {d: weights.get(d, 0) for d in peak}
     weight_peak, activations = keyed(tracker.weight_peak), keyed(tracker.activation_peak)
     if failure is not None:
