@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import replication
-from .cost import images_per_second, launch_note, predict, seconds_per_image
+from .cost import bytes_moved, images_per_second, launch_note, predict, seconds_per_image
 from .counts import Counts
 from .devices import is_accelerator, real_device
 from .errors import (
@@ -29,7 +29,7 @@ from .inventory.values import DENOISERS, Component, Inventory
 from .modes import Mode, Peak, device_use, facts, held
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .tiers import place_tiers
-from .units import parse_bytes
+from .units import format_bytes, parse_bytes
 
 AUTO = "auto"
 DEFAULT_HEADROOM = 0.10  # of each GPU's memory, kept for activations until a dry run measures them
@@ -556,13 +556,39 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
         largest = max(inventory.models, key=lambda c: c.bytes)
         room = max((budget[d.name] for d in hw.gpus), default=0)
         raise DoesNotFitError(largest.name, largest.bytes, room, AUTO, ())
+    fastest = fitting[0]
+    fitting = _least_moving_first(fitting, plans, inventory)
     best = plans[fitting[0].strategy]
-    why = f"auto: {fitting[0].strategy} is the fastest plan that fits ({fitting[0].seconds:.3g} s per image"
-    why += f"; next {fitting[1].strategy} at {fitting[1].seconds:.3g} s)" if len(fitting) > 1 else ")"
+    if fitting[0] is fastest:
+        why = f"auto: {fastest.strategy} is the fastest plan that fits ({fastest.seconds:.3g} s per image"
+        why += f"; next {fitting[1].strategy} at {fitting[1].seconds:.3g} s)" if len(fitting) > 1 else ")"
+    else:
+        why = (f"auto: {fitting[0].strategy} ({fitting[0].seconds:.3g} s per image), within {TIE:.0%} of the "
+               f"fastest ({fastest.strategy}, {fastest.seconds:.3g} s), moves the fewest bytes over the host link a "
+               f"call ({format_bytes(_moved(best, inventory))} against "
+               f"{format_bytes(_moved(plans[fastest.strategy], inventory))})")
     bound = launch_note(predict(best, inventory, hw.performance, counts=counts), hw.performance)
     disk = (f"auto: the disk tier priced at {hw.performance.disk_text}",) if best.host.disk else ()
     notes = (priced_by(counts), *((f"auto: {bound}",) if bound else ()), why, *disk)
     return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + notes)
+
+
+TIE = 0.03  # candidates priced this close are a tie: the cost model's own error on published figures is wider
+
+
+def _least_moving_first(fitting: list[Candidate], plans: Mapping[str, Plan], inventory: Inventory) -> list[Candidate]:
+    """``fitting`` (fastest first) with, among those priced within ``TIE`` of the fastest, the one that moves the
+    fewest bytes across the host link per call first: a plan that streams a denoiser at every step priced as fast as
+    one that copies a text encoder once (the copies hidden under compute in the model) still pins that much RAM and
+    shares the link, and loses where the overlap is less than priced."""
+    fastest = fitting[0].seconds or 0.0
+    tied = [c for c in fitting if (c.seconds or 0.0) <= fastest * (1 + TIE)]
+    chosen = min(tied, key=lambda c: (_moved(plans[c.strategy], inventory), c.seconds or 0.0))
+    return [chosen, *(c for c in fitting if c is not chosen)]
+
+
+def _moved(plan: Plan, inventory: Inventory) -> int:
+    return sum(bytes_moved(plan, inventory).values())
 
 
 def priced_by(counts: Counts | None) -> str:
