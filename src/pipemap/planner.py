@@ -537,7 +537,10 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
         peaks = tuple((d.device, d.used) for d in plans[name].devices if d.used)
         rate = images_per_second(plans[name], inventory, hw.performance, counts=counts)
         candidates.append(Candidate(name, seconds, peaks, "", rate))
-    fitting = sorted((c for c in candidates if c.seconds is not None), key=lambda c: c.seconds or 0.0)
+    # a plan that cuts calls across GPUs is kept only when it is faster than every plan that does not: at a tie the
+    # extra ranks, processes and collectives buy nothing
+    fitting = sorted((c for c in candidates if c.seconds is not None),
+                     key=lambda c: (c.seconds or 0.0, _splits_calls(plans[c.strategy])))
     if not fitting:
         largest = max(inventory.models, key=lambda c: c.bytes)
         room = max((budget[d.name] for d in hw.gpus), default=0)
@@ -549,6 +552,11 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
     disk = (f"auto: the disk tier priced at {hw.performance.disk_text}",) if best.host.disk else ()
     notes = (priced_by(counts), *((f"auto: {bound}",) if bound else ()), why, *disk)
     return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + notes)
+
+
+def _splits_calls(plan: Plan) -> bool:
+    """Whether a plan runs some component's calls on more than one GPU (its copies: ``Placement.replicas``)."""
+    return any(p.replicas for p in plan.components)
 
 
 def priced_by(counts: Counts | None) -> str:
