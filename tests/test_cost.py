@@ -12,7 +12,7 @@ from helpers import plain_pipeline, run
 from pipemap import Component, Hardware, Inventory, Placement
 from pipemap.cost import Workload, predict, seconds_per_image
 from pipemap.hooks import PlacementHook, SplitHook
-from pipemap.planner import MIXED, STRATEGIES
+from pipemap.planner import MIXED, STRATEGIES, TIE
 
 GIB = 2**30
 
@@ -105,7 +105,8 @@ def test_auto_fits_and_is_never_slower_than_a_fixed_strategy(sizes, gpus):
             fixed = pipemap.plan(inv, hardware=hw, strategy=name, headroom=0.0)
         except pipemap.DoesNotFitError:
             continue
-        assert best <= seconds_per_image(fixed, inv, hw.performance) + 1e-12
+        # never slower past a tie: within TIE, auto takes the plan moving fewer bytes over the host link
+        assert best <= seconds_per_image(fixed, inv, hw.performance) * (1 + TIE) + 1e-12
 
 
 # ---- the cost model --------------------------------------------------------------------------------------------

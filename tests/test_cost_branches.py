@@ -11,6 +11,7 @@ from pipemap import Component, Hardware, Inventory, Placement
 from pipemap.cost import (
     COLLECTIVE_LATENCY,
     EXCHANGE_ITEM_BYTES,
+    EXCHANGE_LATENCY,
     PROMPT_BYTES,
     REPLICA_BYTES_PER_TOKEN,
     Workload,
@@ -103,3 +104,37 @@ def test_a_split_call_shares_the_gpus_work_but_not_the_hosts_launches(mode):
     if mode == "replicated":
         assert split.transfer == pytest.approx(moved_per_image(placement, TRANSFORMER, CFG) / fast.peer_bandwidth
                                                + CFG.calls * COLLECTIVE_LATENCY)
+
+
+def test_a_sequence_split_prices_each_collective_and_the_input_broadcast_exactly():
+    # a made-up transformer: 4 attention layers 1024 wide, on a 1024 x 1024 call of one step without guidance
+    # (4096 latent tokens: 16 pixels a side each; 512 text tokens), split over two GPUs joined at 20 GB/s
+    small = Component("transformer", "diffusers", "FluxTransformer2DModel", 4 * GIB, True,
+                      blocks=tuple((f"blocks.{i}", GIB) for i in range(4)), attention_width=1024)
+    work = Workload(1024, 1024, 1, False, text_tokens=512)
+    placement = Placement("transformer", "cuda:0", small.bytes, "sequence", replicas=("cuda:1",))
+    tokens = 4096 + 512
+    sent = 4 * tokens / 2 * 1024 * 2 * 1 / 2  # q, k, v, out of its half, less the quarter it keeps
+    inputs = 4096 * REPLICA_BYTES_PER_TOKEN // 2 + PROMPT_BYTES  # the latents in and the prompt, to the other rank
+    moved = 2 * sent + inputs
+    assert moved_per_image(placement, small, work) == pytest.approx(moved)
+    cost = component_cost(placement, small, 2, PERF, work)
+    # the link carries one GPU's share at a time; 4 all-to-alls a layer, the broadcast and the gather a call
+    assert cost.transfer == pytest.approx(moved / 2 / 20e9 + 4 * 4 * EXCHANGE_LATENCY + 2 * COLLECTIVE_LATENCY)
+    assert cost.transfer == pytest.approx(moved / 4e10 + 16 * 50e-6 + 2 * 50e-6)  # the constants as stated
+
+
+@pytest.mark.parametrize("name", ["flux.1-dev", "stable-diffusion-1.5"])
+def test_auto_splits_no_call_across_gpus_when_the_host_sets_the_pace(name):
+    # GPUs so fast that every call waits for the host's launches: a second GPU's process launches the same kernels,
+    # so a split call is no faster, and its collectives make it slower: auto keeps every call on one GPU
+    inventory = pipemap.inspect(name, dtype=torch.bfloat16)
+    fast = Hardware.parse("2x80GiB,cpu=128GiB,flops=1000P,mem_bw=1000TB")
+    chosen = pipemap.plan(inventory, hardware=fast, strategy="auto")
+    assert all(not p.replicas for p in chosen.components)
+    priced = {c.strategy: c.seconds for c in chosen.candidates}
+    assert priced["parallel"] >= priced["balanced"] == min(s for s in priced.values() if s is not None)
+    assert "launch-bound" in " ".join(chosen.notes)
+    # the same pipeline on datasheet GPUs: the split pays where the GPU's work sets the pace (flux.1-dev)
+    slow = pipemap.plan(inventory, hardware=Hardware.parse("2x80GiB,cpu=128GiB"), strategy="auto")
+    assert any(p.replicas for p in slow.components) == (name == "flux.1-dev")

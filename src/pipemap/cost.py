@@ -57,10 +57,14 @@ KERNELS_PER_MODULE_ONCE = 1.8
 # counters, a small tensor compared at most): a few Python operations per input, and a thread hand-over
 VERIFY_SECONDS = 100e-6
 # A sequence split: every attention layer exchanges queries, keys, values and its output (Ulysses all-to-all) in 16
-# bits, each exchange a meeting of the GPUs' threads and a copy across them
+# bits, each exchange one collective between the GPUs' ranks (NCCL between worker processes, ``hooks/workers.py``;
+# threads meeting in one process, ``hooks/exchange.py``): NCCL's small-message all-to-all latency over NVLink is
+# 20-30 us (nccl-tests' alltoall_perf), the rank's launch and wait around it as much again. Not fitted.
 EXCHANGED_TENSORS = 4
 EXCHANGE_ITEM_BYTES = 2
 EXCHANGE_LATENCY = 50e-6
+# and at each call its inputs are broadcast to the other ranks and its output gathered back: two collectives more
+SEQUENCE_CALL_COLLECTIVES = 2
 # A batch cut across copies meets once a call: the parts gathered (an all-gather of the outputs) and the inputs
 # broadcast, each a small collective: NCCL's small-message latency over NVLink is 10-30 us (nccl-tests), the host's
 # hand-over around it as much again
@@ -681,7 +685,8 @@ def sequence_cost(placement: Placement, component: Component, share: float, move
     gpus = 1 + len(placement.replicas)
     calls = calls_per_image(component, work)
     layers = max(1, len(component.blocks))
-    transfer = moved / gpus / perf.peer_bandwidth + calls * layers * EXCHANGED_TENSORS * EXCHANGE_LATENCY
+    latency = calls * (layers * EXCHANGED_TENSORS * EXCHANGE_LATENCY + SEQUENCE_CALL_COLLECTIVES * COLLECTIVE_LATENCY)
+    transfer = moved / gpus / perf.peer_bandwidth + latency
     return Cost(component.name, share, transfer, share + transfer)
 
 

@@ -551,7 +551,10 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
         peaks = tuple((d.device, d.used) for d in plans[name].devices if d.used)
         rate = images_per_second(plans[name], inventory, hw.performance, counts=counts)
         candidates.append(Candidate(name, seconds, peaks, "", rate))
-    fitting = sorted((c for c in candidates if c.seconds is not None), key=lambda c: c.seconds or 0.0)
+    # a plan that cuts calls across GPUs is kept only when it is faster than every plan that does not: at a tie the
+    # extra ranks, processes and collectives buy nothing
+    fitting = sorted((c for c in candidates if c.seconds is not None),
+                     key=lambda c: (c.seconds or 0.0, _splits_calls(plans[c.strategy])))
     if not fitting:
         largest = max(inventory.models, key=lambda c: c.bytes)
         room = max((budget[d.name] for d in hw.gpus), default=0)
@@ -583,12 +586,18 @@ def _least_moving_first(fitting: list[Candidate], plans: Mapping[str, Plan], inv
     shares the link, and loses where the overlap is less than priced."""
     fastest = fitting[0].seconds or 0.0
     tied = [c for c in fitting if (c.seconds or 0.0) <= fastest * (1 + TIE)]
-    chosen = min(tied, key=lambda c: (_moved(plans[c.strategy], inventory), c.seconds or 0.0))
+    chosen = min(tied, key=lambda c: (_moved(plans[c.strategy], inventory), _splits_calls(plans[c.strategy]),
+                                      c.seconds or 0.0))
     return [chosen, *(c for c in fitting if c is not chosen)]
 
 
 def _moved(plan: Plan, inventory: Inventory) -> int:
     return sum(bytes_moved(plan, inventory).values())
+
+
+def _splits_calls(plan: Plan) -> bool:
+    """Whether a plan runs some component's calls on more than one GPU (its copies: ``Placement.replicas``)."""
+    return any(p.replicas for p in plan.components)
 
 
 def priced_by(counts: Counts | None) -> str:
