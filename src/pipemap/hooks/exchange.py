@@ -6,8 +6,9 @@ attention, of the outputs after it) through torch's functional collectives on a 
 group. torch offers such groups only across processes (gloo, NCCL: one rank per process, with a launcher), while
 pipemap drives every GPU from the one process that holds the pipeline and its hooks, and the dry run runs the same
 call on stand-in devices. So the ranks here are threads, and the two collectives Ulysses needs are copies between
-their tensors: each rank puts its input in a shared slot, all meet, each takes its part (a ``copy_`` across devices,
-which orders itself after both devices' current streams), all meet again before the slots are reused.
+their tensors: each rank copies its parts to the other ranks' devices itself (through ``transfer.move_tensor``, so
+a pair the copy check found corrupting is staged through host memory), puts them in a shared slot, all meet, each
+takes what was pushed to it, all meet again before the slots are reused.
 
 The group is a ``torch.distributed.ProcessGroup`` registered by name, so torch's functional collectives (and their
 fake-tensor rules, which the dry run relies on: under ``FakeTensorMode`` a collective only shapes its output, so
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from ..runtime.transfer import move_tensor
+
 _NAMES = itertools.count()
 _C10D: Any = torch._C._distributed_c10d  # the registry of groups by name, which torch's functional collectives read
 
@@ -36,6 +39,7 @@ class Exchange:
         self.ranks = ranks
         self.slots: list[object] = [None] * ranks
         self.barrier = threading.Barrier(ranks)
+        self.devices: dict[str, list[torch.device]] = {}  # each rank's device, by device type: where to push parts
 
     def swap(self, rank: int, value) -> list:
         """Every rank's ``value``, in rank order, once all ranks have given theirs."""
@@ -51,6 +55,19 @@ class Exchange:
     def renew(self) -> None:
         self.slots = [None] * self.ranks
         self.barrier = threading.Barrier(self.ranks)
+        self.devices = {}
+
+    def push(self, rank: int, device: torch.device, parts: list) -> list:
+        """Every rank's part for ``rank``, in rank order: each rank copies its parts to the others' devices itself
+        (``parts[r]`` for rank ``r``) before they meet. A copy between GPUs runs on the source GPU's current stream,
+        so the source pushing keeps each GPU's copies on its own stream at its own point (a rank pulling would queue
+        them on the other rank's stream, behind whatever that rank enqueued since: the GPUs take turns); and
+        ``move_tensor`` stages a pair the copy check found corrupting through host memory."""
+        devices = self.devices.get(device.type)
+        if devices is None:  # every rank misses together: the map is set only after a meeting all of them attend
+            devices = self.devices[device.type] = self.swap(rank, device)
+        moved = [[move_tensor(t, devices[r]) for t in part] for r, part in enumerate(parts)]
+        return [mine[rank] for mine in self.swap(rank, moved)]
 
 
 class ThreadGroup(dist.ProcessGroup):
@@ -73,20 +90,21 @@ class ThreadGroup(dist.ProcessGroup):
         return self._name
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
-        parts = self.exchange.swap(self._rank, input.split(list(input_split_sizes)))
-        output.copy_(torch.cat([p[self._rank].to(output.device) for p in parts]))
+        parts = input.split(list(input_split_sizes))
+        arrived = self.exchange.push(self._rank, output.device, [[p] for p in parts])
+        output.copy_(torch.cat([part for part, in arrived]))
         return _done([output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        parts = self.exchange.swap(self._rank, inputs)
+        arrived = self.exchange.push(self._rank, outputs[0].device, [list(inputs)] * self.size())
         for i, output in enumerate(outputs):
-            output.copy_(torch.cat([p[i].to(output.device) for p in parts]))
+            output.copy_(torch.cat([part[i] for part in arrived]))
         return _done(outputs)
 
     def allgather(self, output_lists, inputs, opts=None):  # torch.distributed.all_gather (an attention mask)
-        parts = self.exchange.swap(self._rank, inputs)
+        arrived = self.exchange.push(self._rank, inputs[0].device, [list(inputs)] * self.size())
         for i, outputs in enumerate(output_lists):
-            for output, part in zip(outputs, parts):
+            for output, part in zip(outputs, arrived):
                 output.copy_(part[i])
         return _done([t for outputs in output_lists for t in outputs])
 
