@@ -51,3 +51,31 @@ def test_the_exchange_stages_a_pair_the_copy_check_found_corrupting(fake_cuda):
     for rank, (swapped, gathered) in enumerate(results):
         torch.testing.assert_close(swapped, torch.cat([p[4 * rank:4 * rank + 4] for p in plain]), atol=0, rtol=0)
         torch.testing.assert_close(gathered, torch.cat(plain), atol=0, rtol=0)
+
+
+def test_a_rank_ahead_does_not_queue_the_other_gpus_kernels_behind_its_own(fake_cuda):
+    groups = thread_groups(2, "test")
+    x = [torch.ones(8, 8, device=f"cuda:{rank}") for rank in range(2)]
+    ahead, seen = threading.Event(), {}
+
+    def work(rank):
+        compute = torch.cuda.current_stream(rank)
+        first = torch.empty(8, 8, device=f"cuda:{rank}")
+        groups[rank].all_to_all_single(first, x[rank], [4, 4], [4, 4])
+        if rank == 1:  # rank 1 runs ahead: its next kernel, then its next exchange's push
+            _ = x[1] @ x[1]
+            seen["kernel"] = compute.clock[compute.id]
+            ahead.set()
+        else:
+            ahead.wait(30)
+            threading.Event().wait(0.2)  # rank 1 has pushed and waits at the meeting
+            _ = first @ x[0]  # rank 0's own next kernel
+            seen["rank 0 saw of rank 1"] = compute.clock.get(torch.cuda.current_stream(1).id, 0)
+        groups[rank].all_to_all_single(torch.empty(8, 8, device=f"cuda:{rank}"), x[rank], [4, 4], [4, 4])
+
+    try:
+        _on_threads(2, work)
+    finally:
+        release(groups)
+    # pushed on the compute streams, rank 1's copy would fence cuda:0's stream behind rank 1's kernel (GPUs take turns)
+    assert seen["rank 0 saw of rank 1"] < seen["kernel"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,12 +41,16 @@ class Exchange:
         self.slots: list[object] = [None] * ranks
         self.barrier = threading.Barrier(ranks)
         self.devices: dict[str, list[torch.device]] = {}  # each rank's device, by device type: where to push parts
+        self.streams: dict[tuple[str, str], Any] = {}  # the copies' streams, by (their GPU, the GPU sending)
 
-    def swap(self, rank: int, value) -> list:
-        """Every rank's ``value``, in rank order, once all ranks have given theirs."""
+    def swap(self, rank: int, value, between: Callable[[], None] | None = None) -> list:
+        """Every rank's ``value``, in rank order, once all ranks have given theirs (``between`` runs while all are
+        still met)."""
         self.slots[rank] = value
         self.barrier.wait()
         values = list(self.slots)
+        if between is not None:
+            between()
         self.barrier.wait()  # nobody overwrites a slot before every rank has read it
         return values
 
@@ -59,15 +64,41 @@ class Exchange:
 
     def push(self, rank: int, device: torch.device, parts: list) -> list:
         """Every rank's part for ``rank``, in rank order: each rank copies its parts to the others' devices itself
-        (``parts[r]`` for rank ``r``) before they meet. A copy between GPUs runs on the source GPU's current stream,
-        so the source pushing keeps each GPU's copies on its own stream at its own point (a rank pulling would queue
-        them on the other rank's stream, behind whatever that rank enqueued since: the GPUs take turns); and
-        ``move_tensor`` stages a pair the copy check found corrupting through host memory."""
+        (``parts[r]`` for rank ``r``) before they meet, through ``move_tensor`` (a pair the copy check found
+        corrupting is staged through host memory).
+
+        On CUDA a copy between GPUs runs on the source's current stream and fences the destination's current stream
+        behind it; on the compute streams that would queue one rank's kernels behind the other's (the GPUs take
+        turns). So, as NCCL does, the copies run on streams of the exchange's own (one out of each GPU, one inbox
+        per pair), ordered with the compute streams by events only where the data needs it."""
         devices = self.devices.get(device.type)
         if devices is None:  # every rank misses together: the map is set only after a meeting all of them attend
             devices = self.devices[device.type] = self.swap(rank, device)
-        moved = [[move_tensor(t, devices[r]) for t in part] for r, part in enumerate(parts)]
-        return [mine[rank] for mine in self.swap(rank, moved)]
+        if device.type != "cuda":
+            moved = [[move_tensor(t, devices[r]) for t in part] for r, part in enumerate(parts)]
+            return [mine[rank] for mine in self.swap(rank, moved)]
+        compute, out = torch.cuda.current_stream(device), self._stream(device, device)
+        inboxes = [self._stream(device, d) for d in devices if d != device]
+        for inbox in inboxes:  # what was pushed here before is read; its memory may be reused by the next push
+            inbox.wait_stream(compute)
+        out.wait_stream(compute)  # the parts are computed
+        moved = [part if devices[r] == device else self._moved(part, out, self._stream(devices[r], device))
+                 for r, part in enumerate(parts)]
+
+        def received():
+            for inbox in inboxes:  # every push into this GPU is queued by now, and no later one yet
+                compute.wait_stream(inbox)
+            compute.wait_stream(out)  # the parts are not overwritten before they left
+
+        return [mine[rank] for mine in self.swap(rank, moved, received)]
+
+    def _stream(self, device: torch.device, source: torch.device):
+        return self.streams.setdefault((str(device), str(source)), torch.cuda.Stream(device))
+
+    @staticmethod
+    def _moved(part: list, out, inbox) -> list:
+        with torch.cuda.stream(out), torch.cuda.stream(inbox):
+            return [move_tensor(t, inbox.device) for t in part]
 
 
 class ThreadGroup(dist.ProcessGroup):
