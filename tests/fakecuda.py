@@ -46,10 +46,13 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed._functional_collectives as _funcol
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 aten = torch.ops.aten
+# the op torch's functional collectives end with (a result that waits on first use); the fake hands it the CudaTensor
+_WRAP_COLLECTIVE = torch.ops._c10d_functional._wrap_tensor_autograd.default
 ROUND = 512  # the caching allocator's block granularity (kMinBlockSize)
 SMALL = 2**20  # requests up to this come from the small pool (kSmallSize)
 SMALL_SEGMENT = 2 * 2**20  # a small pool's segment (kSmallBuffer)
@@ -481,6 +484,8 @@ class FakeCuda:
     # ---- ops, and copies between the host and the devices and between devices
 
     def run(self, func, args, kwargs):
+        if func is _WRAP_COLLECTIVE:  # torch's functional collectives: the result waits on first use, as on CUDA
+            return _funcol.AsyncCollectiveTensor(args[0])
         if func is aten._to_copy.default:
             return self.to_copy(args[0], kwargs)
         if func is aten.copy_.default:

@@ -178,3 +178,21 @@ def test_a_failing_rank_releases_the_ranks_waiting_for_it():
         assert _on_threads(2, work)[0] == "released"
     finally:
         release(groups)
+
+
+# ---- under the fake CUDA (tests/fakecuda.py) --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_tiny_flux_split_over_two_fake_gpus_equals_plain_with_no_race(fake_cuda):
+    import fakecuda
+
+    pipe, call = tiny_flux()
+    plain = _run(pipe, call)
+    pipemap.dispatch(pipe, with_copy(pipe, "sequence"))
+    hook = pipe.transformer._hf_hook
+    assert isinstance(hook, SequenceHook) and [str(r.device) for r in hook.ranks] == ["cuda:0", "cuda:1"]
+    split = _run(pipe, call)
+    assert hook.whole == 0  # both fake GPUs computed their half of the tokens, exchanging through the collectives
+    torch.testing.assert_close(fakecuda.host(split), plain, **TOLERANCE)
+    pipemap.reset(pipe)

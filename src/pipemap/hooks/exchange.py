@@ -6,8 +6,9 @@ attention, of the outputs after it) through torch's functional collectives on a 
 group. torch offers such groups only across processes (gloo, NCCL: one rank per process, with a launcher), while
 pipemap drives every GPU from the one process that holds the pipeline and its hooks, and the dry run runs the same
 call on stand-in devices. So the ranks here are threads, and the two collectives Ulysses needs are copies between
-their tensors: each rank puts its input in a shared slot, all meet, each takes its part (a ``copy_`` across devices,
-which orders itself after both devices' current streams), all meet again before the slots are reused.
+their tensors: each rank copies its parts to the other ranks' devices itself (through ``transfer.move_tensor``, so
+a pair the copy check found corrupting is staged through host memory), puts them in a shared slot, all meet, each
+takes what was pushed to it, all meet again before the slots are reused.
 
 The group is a ``torch.distributed.ProcessGroup`` registered by name, so torch's functional collectives (and their
 fake-tensor rules, which the dry run relies on: under ``FakeTensorMode`` a collective only shapes its output, so
@@ -18,11 +19,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+
+from ..runtime.transfer import move_tensor
 
 _NAMES = itertools.count()
 _C10D: Any = torch._C._distributed_c10d  # the registry of groups by name, which torch's functional collectives read
@@ -36,12 +40,17 @@ class Exchange:
         self.ranks = ranks
         self.slots: list[object] = [None] * ranks
         self.barrier = threading.Barrier(ranks)
+        self.devices: dict[str, list[torch.device]] = {}  # each rank's device, by device type: where to push parts
+        self.streams: dict[tuple[str, str], Any] = {}  # the copies' streams, by (their GPU, the GPU sending)
 
-    def swap(self, rank: int, value) -> list:
-        """Every rank's ``value``, in rank order, once all ranks have given theirs."""
+    def swap(self, rank: int, value, between: Callable[[], None] | None = None) -> list:
+        """Every rank's ``value``, in rank order, once all ranks have given theirs (``between`` runs while all are
+        still met)."""
         self.slots[rank] = value
         self.barrier.wait()
         values = list(self.slots)
+        if between is not None:
+            between()
         self.barrier.wait()  # nobody overwrites a slot before every rank has read it
         return values
 
@@ -51,6 +60,45 @@ class Exchange:
     def renew(self) -> None:
         self.slots = [None] * self.ranks
         self.barrier = threading.Barrier(self.ranks)
+        self.devices = {}
+
+    def push(self, rank: int, device: torch.device, parts: list) -> list:
+        """Every rank's part for ``rank``, in rank order: each rank copies its parts to the others' devices itself
+        (``parts[r]`` for rank ``r``) before they meet, through ``move_tensor`` (a pair the copy check found
+        corrupting is staged through host memory).
+
+        On CUDA a copy between GPUs runs on the source's current stream and fences the destination's current stream
+        behind it; on the compute streams that would queue one rank's kernels behind the other's (the GPUs take
+        turns). So, as NCCL does, the copies run on streams of the exchange's own (one out of each GPU, one inbox
+        per pair), ordered with the compute streams by events only where the data needs it."""
+        devices = self.devices.get(device.type)
+        if devices is None:  # every rank misses together: the map is set only after a meeting all of them attend
+            devices = self.devices[device.type] = self.swap(rank, device)
+        if device.type != "cuda":
+            moved = [[move_tensor(t, devices[r]) for t in part] for r, part in enumerate(parts)]
+            return [mine[rank] for mine in self.swap(rank, moved)]
+        compute, out = torch.cuda.current_stream(device), self._stream(device, device)
+        inboxes = [self._stream(device, d) for d in devices if d != device]
+        for inbox in inboxes:  # what was pushed here before is read; its memory may be reused by the next push
+            inbox.wait_stream(compute)
+        out.wait_stream(compute)  # the parts are computed
+        moved = [part if devices[r] == device else self._moved(part, out, self._stream(devices[r], device))
+                 for r, part in enumerate(parts)]
+
+        def received():
+            for inbox in inboxes:  # every push into this GPU is queued by now, and no later one yet
+                compute.wait_stream(inbox)
+            compute.wait_stream(out)  # the parts are not overwritten before they left
+
+        return [mine[rank] for mine in self.swap(rank, moved, received)]
+
+    def _stream(self, device: torch.device, source: torch.device):
+        return self.streams.setdefault((str(device), str(source)), torch.cuda.Stream(device))
+
+    @staticmethod
+    def _moved(part: list, out, inbox) -> list:
+        with torch.cuda.stream(out), torch.cuda.stream(inbox):
+            return [move_tensor(t, inbox.device) for t in part]
 
 
 class ThreadGroup(dist.ProcessGroup):
@@ -73,20 +121,21 @@ class ThreadGroup(dist.ProcessGroup):
         return self._name
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
-        parts = self.exchange.swap(self._rank, input.split(list(input_split_sizes)))
-        output.copy_(torch.cat([p[self._rank].to(output.device) for p in parts]))
+        parts = input.split(list(input_split_sizes))
+        arrived = self.exchange.push(self._rank, output.device, [[p] for p in parts])
+        output.copy_(torch.cat([part for part, in arrived]))
         return _done([output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        parts = self.exchange.swap(self._rank, inputs)
+        arrived = self.exchange.push(self._rank, outputs[0].device, [list(inputs)] * self.size())
         for i, output in enumerate(outputs):
-            output.copy_(torch.cat([p[i].to(output.device) for p in parts]))
+            output.copy_(torch.cat([part[i] for part in arrived]))
         return _done(outputs)
 
     def allgather(self, output_lists, inputs, opts=None):  # torch.distributed.all_gather (an attention mask)
-        parts = self.exchange.swap(self._rank, inputs)
+        arrived = self.exchange.push(self._rank, inputs[0].device, [list(inputs)] * self.size())
         for i, outputs in enumerate(output_lists):
-            for output, part in zip(outputs, parts):
+            for output, part in zip(outputs, arrived):
                 output.copy_(part[i])
         return _done([t for outputs in output_lists for t in outputs])
 
