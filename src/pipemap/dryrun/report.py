@@ -54,6 +54,12 @@ class SimulationReport:
     # host copies left in their files (the disk tier): weights the run read through the files' maps, not RAM
     disk_bytes: int = 0
 
+    def weights_held(self, device: str) -> int:
+        """The table's weights on ``device``: the most weight bytes it held at once, as the memory ledger reserves
+        them (``simulate_many``): what was there at the start and what hooks onloaded and kept, such as a streamed
+        model's resident blocks, which are placed at its first call, and those in flight beside them."""
+        return max(self.weight_bytes.get(device, 0), self.weight_peak_bytes.get(device, 0))
+
     def picture(self) -> Timeline:
         """Each device's memory over the call: the budget line, the peak marked with its phase and component
         (``report.picture().svg()``; ``pipemap simulate ... --svg run.svg``)."""
@@ -72,7 +78,7 @@ class SimulationReport:
         lines.append(f"{'device':<10}{'weights':>12}{'activations':>13}{'peak':>12}{'memory':>12}  peak set by")
         memory = {d.device: d.memory for d in self.plan.devices}
         for device in self.peak_bytes:
-            lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>12}"
+            lines.append(f"{device:<10}{format_bytes(self.weights_held(device)):>12}"
                          f"{format_bytes(self.activation_bytes[device]):>13}"
                          f"{format_bytes(self.peak_bytes[device]):>12}{format_bytes(memory.get(device, 0)):>12}"
                          f"  {self.peak_phase.get(device, '')}{'  (bound)' if device in self.bound_peaks else ''}")
