@@ -299,7 +299,7 @@ def bench_load(ctx: Context) -> list[Row]:
             rows.append(Row("load", label, metric, ours, peer, unit, target, note))
         pairs = [pair for name in LOADERS for r in runs[name] for pair in r["pairs"]]
         rows.append(Row("load", label, "load time, warm, paired", statistics.median(p["pipemap"] for p in pairs),
-                        statistics.median(p["diffusers"] for p in pairs), "s", "<= 1.0",
+                        statistics.median(p["diffusers"] for p in pairs), "s", LOAD_TIME_TARGET,
                         f"{len(pairs)} pairs in {2 * repeats} processes; median of pair ratios",
                         statistics.median(p["pipemap"] / p["diffusers"] for p in pairs)))
     ratios = {(r.pipeline, r.metric): r.ratio if r.ratio is not None else float("nan") for r in rows}
@@ -317,13 +317,16 @@ def load_scale(ctx: Context) -> int:
     return 8 if ctx.quick else RAM_SCALE
 
 
-# (metric, key in the child's report, unit, target); RSS keys are bytes above the post-import baseline
+# (metric, key in the child's report, unit, target); RSS keys are bytes above the post-import baseline. The targets
+# as issue 38 restated them: pipemap's CPU load is diffusers' from_pretrained plus its plan, so parity is the floor;
+# at most 1.05x for time and 1.02x for memory
+LOAD_TIME_TARGET, LOAD_RSS_TARGET = "<= 1.05", "<= 1.02"
 LOAD_METRICS = (
-    ("load time, first in process", "first", "s", "<= 1.0"),
+    ("load time, first in process", "first", "s", LOAD_TIME_TARGET),
     ("load time, warm", "warm", "s", ""),  # medians of each loader's own loads: see "warm, paired"
-    ("peak RSS above imports", "peak", "MiB", "<= 1.0"),
-    ("anon RSS after load", "anon", "MiB", "<= 1.0"),
-    ("peak RSS, weights touched", "touched", "MiB", "<= 1.0"),
+    ("peak RSS above imports", "peak", "MiB", LOAD_RSS_TARGET),
+    ("anon RSS after load", "anon", "MiB", LOAD_RSS_TARGET),
+    ("peak RSS, weights touched", "touched", "MiB", LOAD_RSS_TARGET),
 )
 
 

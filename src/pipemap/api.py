@@ -204,7 +204,8 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
     inventory = with_passed(request.inventory(), passed)  # headers only: checks before any load
     if plan is None:
         plan = request.plan(inventory)
-    check_weights_present(folder, index, request.variant if request.variant is not None else plan.variant, passed)
+    check_weights_present(folder, index, request.variant if request.variant is not None else plan.variant, passed,
+                          inventory)
     running = runnable(plan)  # as the command line runs it: GPUs this machine lacks on the CPU, and said so
     check_plan_fits(running, inventory)
     if running is not plan:

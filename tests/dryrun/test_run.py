@@ -5,10 +5,14 @@ measured."""
 from __future__ import annotations
 
 import importlib
+import io
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import tqdm.std
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pipemap
@@ -16,8 +20,8 @@ from helpers import plain_pipeline
 from pipemap import tiny
 from pipemap.dispatch import planned
 from pipemap.dryrun import standin
-from pipemap.dryrun.run import _fake_pipeline, dry_call
-from pipemap.dryrun.trackers import StorageTracker
+from pipemap.dryrun.run import _fake_pipeline, _progress, dry_call
+from pipemap.dryrun.trackers import Phase, StorageTracker
 
 # tiny models: unet 3.0 MiB, vae 2.5, controlnet 1.6, text encoders 0.2 each
 GPUS = {2: "2x5MiB,cpu=1GiB", 3: "3x4MiB,cpu=1GiB"}
@@ -216,3 +220,32 @@ def test_measured_headroom_reserves_the_dry_run_peak(tiny_folders):
 def test_measure_needs_a_pipeline_not_an_inventory(tiny_folders):
     with pytest.raises(pipemap.HeadroomError):
         pipemap.plan(pipemap.inspect(tiny_folders["sd"]), hardware=GPUS[2], headroom="measure")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_dry_run_over_a_few_seconds_shows_its_progress_on_a_terminal_and_a_quick_one_nothing(monkeypatch):
+    # issue 38: the README's dry run printed nothing for minutes. tqdm's clock is moved by hand, not waited on
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+    for elapsed, shown in ((1.0, False), (3.5, True)):
+        stderr = _Terminal()
+        monkeypatch.setattr(sys, "stderr", stderr)
+        phases = SimpleNamespace(steps_done=0, on_change=None)
+        with _progress("dry run flux.1-dev", phases, 2):
+            clock[0] += elapsed
+            phases.steps_done = 1
+            phases.on_change(Phase("denoising", 1))
+        assert phases.on_change is None  # let go at the end
+        text = stderr.getvalue()
+        assert ("dry run flux.1-dev" in text and "1/2" in text and "denoising (step 1)" in text) == shown, text
+    piped = io.StringIO()  # not a terminal (a log file, CI): never a bar
+    monkeypatch.setattr(sys, "stderr", piped)
+    phases = SimpleNamespace(steps_done=0, on_change=None)
+    with _progress("dry run", phases, 2):
+        clock[0] += 10
+        phases.on_change(Phase("denoising", 1))
+    assert piped.getvalue() == ""

@@ -10,7 +10,7 @@ import pytest
 
 import pipemap
 from helpers import plain_pipeline
-from pipemap.inventory.files import read_header
+from pipemap.inventory.files import check_weights_present, read_header, variant_of
 
 
 def _header_bytes(inventory) -> dict[str, int]:
@@ -96,3 +96,24 @@ def _bytes_read() -> int:
         if line.startswith("rchar:"):
             return int(line.split()[1])
     raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_the_weights_check_reads_no_header_the_inventory_already_read(tmp_path, tiny_folders):
+    folder = tmp_path / "sized"
+    shutil.copytree(tiny_folders["sd"], folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    sized = pipemap.inspect(folder)
+    files = sorted(f for f in folder.rglob("*.safetensors") if variant_of(f) is None)  # not the fp16 variant's
+    assert {f for c in sized.models for f, _ in c.ends} == {str(f.relative_to(folder)) for f in files}
+    idle = -_bytes_read() + _bytes_read()
+    before = _bytes_read()
+    check_weights_present(folder, index, None, sized=sized)
+    assert _bytes_read() - before - idle == 0  # sizes from stat, ends from the inventory: not one byte read
+    before = _bytes_read()
+    check_weights_present(folder, index, None)  # without it, every header is read again
+    assert _bytes_read() - before - idle >= sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+    vae = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    vae.write_bytes(vae.read_bytes()[:-1])  # cut after sizing: the carried end still catches it
+    with pytest.raises(pipemap.CheckpointError) as err:
+        check_weights_present(folder, index, None, sized=sized)
+    assert err.value.path == str(vae) and "truncated" in err.value.reason

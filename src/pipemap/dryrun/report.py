@@ -9,7 +9,6 @@ from html import escape
 
 import torch
 
-from ..modes import Mode
 from ..picture import Sample, Timeline
 from ..plan import Plan
 from ..units import format_bytes
@@ -55,6 +54,12 @@ class SimulationReport:
     # host copies left in their files (the disk tier): weights the run read through the files' maps, not RAM
     disk_bytes: int = 0
 
+    def weights_held(self, device: str) -> int:
+        """The table's weights on ``device``: the most weight bytes it held at once, as the memory ledger reserves
+        them (``simulate_many``): what was there at the start and what hooks onloaded and kept, such as a streamed
+        model's resident blocks, which are placed at its first call, and those in flight beside them."""
+        return max(self.weight_bytes.get(device, 0), self.weight_peak_bytes.get(device, 0))
+
     def picture(self) -> Timeline:
         """Each device's memory over the call: the budget line, the peak marked with its phase and component
         (``report.picture().svg()``; ``pipemap simulate ... --svg run.svg``)."""
@@ -73,7 +78,7 @@ class SimulationReport:
         lines.append(f"{'device':<10}{'weights':>12}{'activations':>13}{'peak':>12}{'memory':>12}  peak set by")
         memory = {d.device: d.memory for d in self.plan.devices}
         for device in self.peak_bytes:
-            lines.append(f"{device:<10}{format_bytes(self.weight_bytes[device]):>12}"
+            lines.append(f"{device:<10}{format_bytes(self.weights_held(device)):>12}"
                          f"{format_bytes(self.activation_bytes[device]):>13}"
                          f"{format_bytes(self.peak_bytes[device]):>12}{format_bytes(memory.get(device, 0)):>12}"
                          f"  {self.peak_phase.get(device, '')}{'  (bound)' if device in self.bound_peaks else ''}")
@@ -84,17 +89,6 @@ class SimulationReport:
         for note in dict.fromkeys(self.bound_peaks.values()):
             lines.append(f"(bound): a peak at most this high; the dry run assumed {note}")
         return "\n".join(lines + list(self.advice))
-
-
-def _kept_pieces(plan: Plan) -> dict[str, int]:
-    """The bytes of the pieces each streamed component keeps on its execution device (``resident_blocks``): its hook
-    onloads them at the first call and holds them from then on, as a resident component's weights are held; the
-    tracker counted them among the onloads, so without this a device holding 14 GiB of them showed 0 B of weights."""
-    kept: dict[str, int] = {}
-    for p in plan.components:
-        if p.mode == Mode.STREAM:
-            kept[p.execution_device] = kept.get(p.execution_device, 0) + p.resident_bytes
-    return kept
 
 
 def report_of(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, str], seconds: float,
@@ -109,8 +103,6 @@ def report_of(tracker, failure: Failure | None, plan: Plan, back: Mapping[str, s
         return out
 
     peak, weights = keyed(tracker.peak), keyed(tracker.weights)
-    kept = _kept_pieces(plan)  # onloaded at the first call, then held as the placed weights are
-    weights = {d: weights.get(d, 0) + kept.get(d, 0) for d in peak}
     weights = {d: weights.get(d, 0) for d in peak}
     weight_peak, activations = keyed(tracker.weight_peak), keyed(tracker.activation_peak)
     if failure is not None:

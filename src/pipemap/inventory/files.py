@@ -17,7 +17,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..quantized import quantization_state
-from .values import kept_fp32
+from .values import Inventory, kept_fp32
 
 # safetensors dtype codes -> bytes per element
 _ELEMENT_BYTES = {
@@ -90,10 +90,10 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
     read counters) and is the format's documented layout. The weights need not follow (a header-only fetch):
     ``check_weights_present`` is what loading asks.
     """
-    return _header(path)[0]
+    return header_and_end(path)[0]
 
 
-def _header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+def header_and_end(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
     """``read_header`` and the byte the file's tensors end at, as the header places them."""
     try:
         with open(path, "rb", buffering=0) as f:  # unbuffered: a buffered read(8) reads 8 KiB of weights
@@ -121,20 +121,33 @@ def _header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
 
 
 def check_weights_present(folder: Path, index: Mapping[str, Any], variant: str | None,
-                          skip: Collection[str] = ()) -> None:
+                          skip: Collection[str] = (), sized: Inventory | None = None) -> None:
     """Every weights file of ``folder``'s components (but ``skip``, passed in built) holds the bytes its header
     places, else a ``CheckpointError`` naming it, before any load. Planning and the dry run read headers only, so a
     folder fetched header-only (the first bytes of each file) plans; loading reads the weights, and an interrupted
-    download would fail there only after reading the rest."""
+    download would fail there only after reading the rest. ``sized``: the inventory ``load`` planned from, whose
+    components carry each file's end (``Component.ends``), so no header is read a second time."""
+    known = {c.name: c.ends for c in sized.models} if sized is not None and sized.variant == variant else {}
     for name, entry in index.items():
         if name.startswith("_") or name in skip or not isinstance(entry, list) or not (folder / name).is_dir():
             continue
-        for path in weight_files(folder / name, variant) if entry[0] is not None else []:
-            end, size = _header(path)[1], os.path.getsize(path)
+        ends = known.get(name) or file_ends(folder, name, weight_files(folder / name, variant)
+                                            if entry[0] is not None else [])
+        for file, end in ends:
+            path = folder / file
+            try:
+                size = os.path.getsize(path)
+            except OSError as err:
+                raise CheckpointError(str(path), str(err)) from err
             if end > size:
                 raise CheckpointError(str(path), f"the file is truncated: its header places tensors up to byte "
                                       f"{end}, the file has {size} bytes (a header-only fetch plans and dry-runs; "
                                       "loading needs the weights)")
+
+
+def file_ends(folder: Path, name: str, files: Collection[Path]) -> tuple[tuple[str, int], ...]:
+    """``(file below folder, the byte its tensors end at)`` for component ``name``'s ``files``, from their headers."""
+    return tuple((f"{name}/{f.name}", header_and_end(f)[1]) for f in files)
 
 
 def _is_shape(shape: object) -> bool:

@@ -17,7 +17,7 @@ import torch
 from ..errors import NotAPipelineError, VariantNotFoundError
 from ..granularity import finest_in_flight
 from ..quantized import quantization_method
-from .files import file_bytes, read_header, tensor_bytes, variant_of, weight_files
+from .files import file_bytes, header_and_end, tensor_bytes, variant_of, weight_files
 from .trees import attention_width, block_tree, split_blocks
 from .values import Component, Inventory, dtype_name, heads_of
 
@@ -87,14 +87,16 @@ def _weighted_component(folder: Path, name: str, library: str, class_name: str, 
     at = dtype if dtype is not None else default_dtype(folder / name, library)
     keep = keep_in_fp32(library, class_name, at)
     quantized = quantization_method(_config(folder / name)) is not None
-    headers = {key: meta for f in files for key, meta in read_header(f).items()}
+    read = [header_and_end(f) for f in files]  # each file's end too: ``load``'s check reads no header again
+    headers = {key: meta for header, _ in read for key, meta in header.items()}
     sizes = {key: tensor_bytes(meta, key, at, keep, quantized) for key, meta in headers.items()}
     tree = block_tree(sizes)
     mappable = library in _WEIGHTED_LIBRARIES and all(sizes[k] == file_bytes(m) for k, m in headers.items())
     return Component(name, library, class_name, sum(sizes.values()), True, in_flight=finest_in_flight(tree),
                      blocks=split_blocks(sizes), tree=tree, attention_width=attention_width(sizes, at.itemsize),
                      files=tuple(f"{name}/{f.name}" for f in files) if mappable else (),
-                     heads=heads_of(_config(folder / name)))
+                     heads=heads_of(_config(folder / name)),
+                     ends=tuple((f"{name}/{f.name}", end) for f, (_, end) in zip(files, read, strict=True)))
 
 
 def check_entry(folder: Path, name: str, library: object, class_name: object) -> None:

@@ -46,6 +46,9 @@ class Component:
     # a transformer's attention heads (its config's ``num_attention_heads``; 0: unknown): a sequence split gives
     # each GPU a share of them, so it is planned only on GPU counts that divide them
     heads: int = 0
+    # per weights file: (path below the pipeline folder, the byte its header places its tensors up to), read with the
+    # headers that size it, so ``load`` checks the files hold their bytes without reading a header twice
+    ends: tuple[tuple[str, int], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.calls_per_image:
