@@ -152,6 +152,26 @@ def test_a_placed_pipeline_refuses_deepcopy_and_pickle_naming_reset():
     assert copy.deepcopy(pipe) is not pipe
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_deepcopy_and_pickle_are_refused_by_name_in_every_mode_and_leave_the_pipeline_as_it_ran(strategy):
+    # kept a refusal (issue 39 allows it): a copy's weights would have to be read back from every mode (offloaded,
+    # streamed, disk tier, replicated) without touching the placed original, which only pipemap.reset does, in place
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    pipe, _ = placed("sd", strategy)
+    before = images(pipe, "sd")
+    shared = StableDiffusionImg2ImgPipeline.from_pipe(pipe)  # a from_pipe copy holds the same placed models
+    for each in (pipe, shared):
+        for name, make in (("copy.deepcopy", copy.deepcopy), ("pickl", pickle.dumps)):
+            with pytest.raises(PipelineMappedError, match="pipemap.reset") as caught:
+                make(each)
+            assert name in caught.value.operation
+    torch.testing.assert_close(images(pipe, "sd"), before, atol=0, rtol=0)
+    assert strays(pipe) == []
+
+
 def _controlnet_copy(pipe):
     from diffusers import StableDiffusionControlNetPipeline
 
