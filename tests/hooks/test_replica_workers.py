@@ -194,3 +194,27 @@ def test_workers_exit_when_the_caller_s_process_dies():
     while _workers_alive([pid]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _workers_alive([pid]) == []
+
+
+@pytest.mark.slow
+def test_a_pair_the_copy_check_staged_runs_its_replica_workers_staged_and_equal_to_plain(on_workers, tmp_path):
+    from pipemap.hooks.workers import P2P_ENV
+    from pipemap.runtime import transfer
+
+    folder = tiny.save("sd", tmp_path / "sd", variant_fp16=False)
+    plain, pipe = DiffusionPipeline.from_pretrained(folder), DiffusionPipeline.from_pretrained(folder)
+    for each in (plain, pipe):
+        each.set_progress_bar_config(disable=True)
+    call = tiny.default_call(plain, "sd")
+    want = _images(plain, call)
+    transfer.stage_pair("cpu", "cpu")  # the verdict for the ranks' pair once remapped (both planned GPUs are cpu)
+    try:
+        hook = _dispatched(pipe)
+        torch.testing.assert_close(_images(pipe, call), want, atol=1e-4, rtol=0)
+        workers = hook.workers
+        assert workers is not None and workers.staged and workers.served  # a staged worker computed
+        assert [h["staged"] for h in workers.hellos] == [True] and workers.hellos[0][P2P_ENV] == "1"
+        assert "through host memory" in workers.describe()
+    finally:
+        pipemap.reset(pipe)
+        transfer.clear_staged()
