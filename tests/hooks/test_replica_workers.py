@@ -51,6 +51,11 @@ def _dispatched(pipe) -> ProcessReplicaHook:
     return hook
 
 
+def plan_bytes(pipe) -> int:
+    plan = pipemap.plan(pipe, hardware=TWO_GPUS, strategy="parallel", headroom=0.0)
+    return plan.placement("unet").bytes
+
+
 def _workers_alive(pids: list[int]) -> list[int]:
     return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
@@ -207,6 +212,7 @@ def test_a_pair_the_copy_check_staged_runs_its_replica_workers_staged_and_equal_
         each.set_progress_bar_config(disable=True)
     call = tiny.default_call(plain, "sd")
     want = _images(plain, call)
+    planned = plan_bytes(pipe)
     transfer.stage_pair("cpu", "cpu")  # the verdict for the ranks' pair once remapped (both planned GPUs are cpu)
     try:
         hook = _dispatched(pipe)
@@ -215,6 +221,8 @@ def test_a_pair_the_copy_check_staged_runs_its_replica_workers_staged_and_equal_
         assert workers is not None and workers.staged and workers.served  # a staged worker computed
         assert [h["staged"] for h in workers.hellos] == [True] and workers.hellos[0][P2P_ENV] == "1"
         assert "through host memory" in workers.describe()
+        # what the worker holds on its device (cuda:1 in the plan) is the plan's figure for the unet's copy there
+        assert workers.held() == [planned]
     finally:
         pipemap.reset(pipe)
         transfer.clear_staged()

@@ -542,6 +542,10 @@ class Workers:
             self._finish(_send(self._live_group(), sent, r.rank, self.home), r, "sync")
             self._receive(r, "sync")
 
+    def held(self) -> list[int]:
+        """Per worker: the bytes its copy's parameters and buffers hold (on its device; the plan's figure for it)."""
+        return [self._ask(r, ("held",), "sync") for r in self.ranks]
+
     # -- calls --
 
     def split(self) -> None:
@@ -759,6 +763,9 @@ class _Worker:
         if kind == "digests":
             held = _named_tensors(self.module) if self.module is not None else {}
             pipe.send(("digests", {n: (tuple(t.shape), t.dtype, digest(t)) for n, t in held.items()}))
+        elif kind == "held":  # the bytes of the copy's parameters and buffers (what the plan counts on this device)
+            held = _named_tensors(self.module) if self.module is not None else {}
+            pipe.send(("held", sum(t.numel() * t.element_size() for t in held.values())))
         elif kind == "module":
             self._module(*rest)
             pipe.send(("synced", os.getpid()))
