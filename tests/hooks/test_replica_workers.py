@@ -51,6 +51,11 @@ def _dispatched(pipe) -> ProcessReplicaHook:
     return hook
 
 
+def plan_bytes(pipe) -> int:
+    plan = pipemap.plan(pipe, hardware=TWO_GPUS, strategy="parallel", headroom=0.0)
+    return plan.placement("unet").bytes
+
+
 def _workers_alive(pids: list[int]) -> list[int]:
     return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
@@ -194,3 +199,30 @@ def test_workers_exit_when_the_caller_s_process_dies():
     while _workers_alive([pid]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _workers_alive([pid]) == []
+
+
+@pytest.mark.slow
+def test_a_pair_the_copy_check_staged_runs_its_replica_workers_staged_and_equal_to_plain(on_workers, tmp_path):
+    from pipemap.hooks.workers import P2P_ENV
+    from pipemap.runtime import transfer
+
+    folder = tiny.save("sd", tmp_path / "sd", variant_fp16=False)
+    plain, pipe = DiffusionPipeline.from_pretrained(folder), DiffusionPipeline.from_pretrained(folder)
+    for each in (plain, pipe):
+        each.set_progress_bar_config(disable=True)
+    call = tiny.default_call(plain, "sd")
+    want = _images(plain, call)
+    planned = plan_bytes(pipe)
+    transfer.stage_pair("cpu", "cpu")  # the verdict for the ranks' pair once remapped (both planned GPUs are cpu)
+    try:
+        hook = _dispatched(pipe)
+        torch.testing.assert_close(_images(pipe, call), want, atol=1e-4, rtol=0)
+        workers = hook.workers
+        assert workers is not None and workers.staged and workers.served  # a staged worker computed
+        assert [h["staged"] for h in workers.hellos] == [True] and workers.hellos[0][P2P_ENV] == "1"
+        assert "through host memory" in workers.describe()
+        # what the worker holds on its device (cuda:1 in the plan) is the plan's figure for the unet's copy there
+        assert workers.held() == [planned]
+    finally:
+        pipemap.reset(pipe)
+        transfer.clear_staged()

@@ -133,3 +133,35 @@ def test_a_call_names_the_tensors_the_worker_holds_from_the_last_call_and_sends_
         frozen = torch.randn(2, 3)
     inputs.packed(((step,), {"encoder_hidden_states": frozen}))
     assert [t.shape for t in inputs.packed(((step,), {"encoder_hidden_states": frozen}))[1]] == [torch.Size([2, 3])]
+
+
+@pytest.mark.slow
+def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_compute():
+    from pipemap.hooks.workers import P2P_ENV, Source, Workers, caller_state
+    from pipemap.runtime import transfer
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    cpu = torch.device("cpu")
+    workers = Workers("m", cpu, (cpu,))
+    transfer.stage_pair("cpu", "cpu")  # the verdict the copy check records for a corrupting pair (rank 0 -> rank 1)
+    try:
+        workers.sync(module, Source.of(module))
+        assert workers.staged and workers.hellos[0]["staged"] and workers.hellos[0][P2P_ENV] == "1"
+        assert P2P_ENV not in os.environ  # rank 0 set it only while its communicator started
+        assert "through host memory" in workers.describe() and "copy check" in workers.describe()
+        x = torch.randn(4, 3)
+        with torch.no_grad():
+            (out,) = workers.receive(workers.send([((x,), {})], caller_state()))
+        torch.testing.assert_close(out, module(x), atol=0, rtol=0)
+    finally:
+        workers.close()
+        transfer.clear_staged()
+    unstaged = Workers("m", cpu, (cpu,))
+    try:
+        unstaged.sync(module, Source.of(module))
+        assert not unstaged.staged and unstaged.hellos[0] == {"pid": unstaged.pids()[0], "staged": False,
+                                                             P2P_ENV: os.environ.get(P2P_ENV)}
+        assert unstaged.describe() == "'m': ranks on cpu, cpu, exchanging directly"
+    finally:
+        unstaged.close()

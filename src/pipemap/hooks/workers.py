@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import WorkerCallError, WorkerDiedError, WorkersOptionError
+from ..runtime import transfer
 
 ENV = "PIPEMAP_WORKERS"
 TIMEOUT_ENV = "PIPEMAP_WORKER_TIMEOUT"
@@ -306,6 +307,48 @@ def _group(store: dist.Store, rank: int, size: int, device: torch.device, second
     return group
 
 
+P2P_ENV = "NCCL_P2P_DISABLE"
+
+
+def staged_ranks(devices: tuple[torch.device, ...]) -> bool:
+    """Whether the ranks on ``devices`` (rank 0's first) must exchange through host memory: the copy check
+    (``runtime.transfer``) staged a pair of them, either way. NCCL then runs with peer-to-peer off for the group
+    (``NCCL_P2P_DISABLE``, set in every rank while its communicator starts); gloo's tensors go through the host
+    anyway, so on the CPU the verdict only shows in what the workers report (``Workers.staged``)."""
+    names = [transfer.endpoint(d) for d in devices]
+    pairs = transfer.staged_pairs()
+    return any((a, b) in pairs for i, a in enumerate(names) for j, b in enumerate(names) if i != j)
+
+
+@contextlib.contextmanager
+def _p2p_off(staged: bool):
+    """``NCCL_P2P_DISABLE=1`` in this process while a staged group starts (NCCL reads it when the communicator is
+    made), the caller's own value back afterwards."""
+    if not staged:
+        yield
+        return
+    before = os.environ.get(P2P_ENV)
+    os.environ[P2P_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(P2P_ENV, None)
+        else:
+            os.environ[P2P_ENV] = before
+
+
+def _joined(store: dist.Store, rank: int, size: int, device: torch.device, seconds: float, name: str,
+            staged: bool) -> Any:
+    """``_group``, with NCCL's peer-to-peer off when ``staged``: the communicator is made at once (a one-element
+    all-reduce every rank runs) so that it reads the setting while it is set."""
+    with _p2p_off(staged):
+        group = _group(store, rank, size, device, seconds, name)
+        if staged and device.type == "cuda":
+            group.allreduce([torch.zeros(1, device=device)]).wait()
+    return group
+
+
 def _forget(group: Any) -> None:
     with contextlib.suppress(Exception):
         _C10D._unregister_process_group(group.group_name)
@@ -411,6 +454,8 @@ class Workers:
         self.outstanding: list[Call] = []  # calls sent whose outputs were not received yet, oldest first
         self.served: list[int] = []  # the pid of the process that computed each output received (tests read it)
         self.sent: list[int] = []  # per worker synced last: how many tensors it was sent (the others it kept)
+        self.staged = False  # the copy check staged a pair of these ranks: they exchange through host memory
+        self.hellos: list[dict] = []  # per worker started last: what it reported at start (tests read it)
 
     @property
     def running(self) -> bool:
@@ -418,6 +463,15 @@ class Workers:
 
     def pids(self) -> list[int]:
         return [r.pid for r in self.ranks]
+
+    def describe(self) -> str:
+        """One line for an explanation: the ranks' devices and how they exchange (the copy check's verdict)."""
+        devices = ", ".join(str(d) for d in (self.home, *self.devices))
+        if not self.staged:
+            return f"{self.component!r}: ranks on {devices}, exchanging directly"
+        how = "NCCL with peer-to-peer off" if self.home.type == "cuda" else "gloo, through the host anyway"
+        return (f"{self.component!r}: ranks on {devices}, exchanging through host memory ({how}): the copy check "
+                "found a pair of these devices corrupting direct copies")
 
     # -- lifetime --
 
@@ -429,19 +483,23 @@ class Workers:
         self.store = dist.TCPStore("127.0.0.1", port, size, is_master=True,
                                    timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
+        self.staged = staged = staged_ranks((self.home, *self.devices))
         try:
             for rank, device in enumerate(self.devices, start=1):
                 ours, theirs = context.Pipe()
                 process = context.Process(target=serve, name=f"pipemap-{self.component}-rank{rank}", daemon=True,
                                           args=(rank, size, port, str(device), os.getpid(), theirs, source, seconds,
-                                                name))
+                                                name, staged))
                 with _without_main():
                     process.start()
                 theirs.close()
                 self.ranks.append(_Rank(rank, device, process, ours, process.pid or 0))
+            self.hellos = []
             for r in self.ranks:  # each has loaded its copy from the folder: only now join the group
-                r.pid = self._receive(r, "start")
-            self.group = _group(self.store, 0, size, self.home, seconds, name)
+                hello = self._receive(r, "start")
+                r.pid = hello["pid"]
+                self.hellos.append(hello)
+            self.group = _joined(self.store, 0, size, self.home, seconds, name, staged)
         except BaseException:
             self.close()
             raise
@@ -483,6 +541,10 @@ class Workers:
             r.pipe.send(("module", data, metas(sent)))
             self._finish(_send(self._live_group(), sent, r.rank, self.home), r, "sync")
             self._receive(r, "sync")
+
+    def held(self) -> list[int]:
+        """Per worker: the bytes its copy's parameters and buffers hold (on its device; the plan's figure for it)."""
+        return [self._ask(r, ("held",), "sync") for r in self.ranks]
 
     # -- calls --
 
@@ -644,7 +706,7 @@ class OnWorkers:
 
 
 def serve(rank: int, size: int, port: int, device_name: str, parent: int, pipe, source: Source,
-          seconds: float, name: str) -> None:
+          seconds: float, name: str, staged: bool = False) -> None:
     """A worker process: load the copy, join the group, then answer rank 0's messages until told to stop or until
     rank 0's process is gone."""
     _watch(parent)
@@ -655,9 +717,11 @@ def serve(rank: int, size: int, port: int, device_name: str, parent: int, pipe, 
         module = source.load(device)
     except Exception:  # files it cannot read alone (a variant's names, say): every tensor is then sent
         module = None
-    pipe.send(("ready", os.getpid()))
+    with _p2p_off(staged):
+        hello = {"pid": os.getpid(), "staged": staged, P2P_ENV: os.environ.get(P2P_ENV)}
+    pipe.send(("ready", hello))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=seconds))
-    group = _group(store, rank, size, device, seconds, name)
+    group = _joined(store, rank, size, device, seconds, name, staged)
     worker = _Worker(group, device, module)
     while True:
         try:
@@ -699,6 +763,9 @@ class _Worker:
         if kind == "digests":
             held = _named_tensors(self.module) if self.module is not None else {}
             pipe.send(("digests", {n: (tuple(t.shape), t.dtype, digest(t)) for n, t in held.items()}))
+        elif kind == "held":  # the bytes of the copy's parameters and buffers (what the plan counts on this device)
+            held = _named_tensors(self.module) if self.module is not None else {}
+            pipe.send(("held", sum(t.numel() * t.element_size() for t in held.values())))
         elif kind == "module":
             self._module(*rest)
             pipe.send(("synced", os.getpid()))
