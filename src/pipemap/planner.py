@@ -567,8 +567,8 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
         why += f"; next {fitting[1].strategy} at {fitting[1].seconds:.3g} s)" if len(fitting) > 1 else ")"
     else:
         why = (f"auto: {fitting[0].strategy} ({fitting[0].seconds:.3g} s per image), within {TIE:.0%} of the "
-               f"fastest ({fastest.strategy}, {fastest.seconds:.3g} s), moves the fewest bytes over the host link a "
-               f"call ({format_bytes(_moved(best, inventory))} against "
+               f"fastest ({fastest.strategy}, {fastest.seconds:.3g} s), moves the fewest bytes between devices an "
+               f"image ({format_bytes(_moved(best, inventory))} against "
                f"{format_bytes(_moved(plans[fastest.strategy], inventory))})")
     bound = launch_note(predict(best, inventory, hw.performance, counts=counts), hw.performance)
     disk = (f"auto: the disk tier priced at {hw.performance.disk_text}",) if best.host.disk else ()
@@ -581,7 +581,8 @@ TIE = 0.03  # candidates priced this close are a tie: the cost model's own error
 
 def _least_moving_first(fitting: list[Candidate], plans: Mapping[str, Plan], inventory: Inventory) -> list[Candidate]:
     """``fitting`` (fastest first) with, among those priced within ``TIE`` of the fastest, the one that moves the
-    fewest bytes across the host link per call first: a plan that streams a denoiser at every step priced as fast as
+    fewest bytes between devices per image first (``cost.bytes_moved``: host copies and activations between GPUs),
+    then the one that splits no call: a plan that streams a denoiser at every step priced as fast as
     one that copies a text encoder once (the copies hidden under compute in the model) still pins that much RAM and
     shares the link, and loses where the overlap is less than priced."""
     fastest = fitting[0].seconds or 0.0
