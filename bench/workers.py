@@ -7,9 +7,14 @@ Per pipeline call, medians: wall time, the caller's process CPU time (rank 0: wi
 rank's compute, with processes only its own share), and the CPU time of all ranks (caller and workers).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/workers.py [--repeats 7] [--scale 8] [--steps 4]
+    python bench/workers.py --device cuda --out DIR     # on a GPU machine: the planned GPUs onto its GPUs
 
-Prints a table and appends it to bench/RESULTS.md. On the CPU the ranks also compute on the host, so these figures
-are host time including compute; a GPU run (bench/gpu_check.sh) separates them.
+Prints a table and appends it to bench/RESULTS.md (with ``--out``, writes it there as workers.md instead). On the
+CPU the ranks also compute on the host, so these figures are host time including compute. With ``--device cuda``
+the plan's cuda:0 and cuda:1 go to the machine's first two GPUs; where it has one, both go onto it (the one-GPU
+control: the copies share its compute, and the worker joins rank 0 over gloo through host memory, as NCCL takes
+one rank per GPU). The pipelines here are small enough that a call on a GPU is bound by its host: its wall time and
+each rank's CPU time are the per-rank host time the issue asks for (the CPU time also counts CUDA's spin-waits).
 """
 
 from __future__ import annotations
@@ -34,6 +39,18 @@ HERE = Path(__file__).resolve().parent
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 
 
+def onto(device: str) -> dict[str, str]:
+    """Where the plan's two GPUs go: the CPU, or this machine's GPUs (both onto its one, where it has one)."""
+    if device == "cpu":
+        return ON_CPU
+    return {"cuda:0": "cuda:0", "cuda:1": "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _cpu(workers: list[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in workers)
 
@@ -46,8 +63,10 @@ def timed(pipe, call: dict, repeats: int, component: str) -> tuple[float, float,
     workers = [psutil.Process(pid) for pid in getattr(hook, "pids", list)()]
     walls, cpus, alls = [], [], []
     for _ in range(repeats):
+        _sync()
         wall, cpu, every = time.perf_counter(), time.process_time(), _cpu(workers)
         pipe(**dict(call, generator=torch.Generator().manual_seed(0)))
+        _sync()
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
         alls.append(cpus[-1] + _cpu(workers) - every)
@@ -77,18 +96,47 @@ def case(kind: str, scale: int, steps: int):
     return pipe, call, "transformer", "sequence"
 
 
-def measure(kind: str, scale: int, steps: int, repeats: int) -> dict[str, tuple[float, float, float]]:
-    found = {}
+def measure(kind: str, scale: int, steps: int, repeats: int, device: str = "cpu"
+            ) -> dict[str, tuple[float, float, float] | str]:
+    """Per way of running the other rank (none: plain), its figures (``timed``), or the error that stopped it."""
+    found: dict[str, tuple[float, float, float] | str] = {}
     for ranks in ("plain", "thread", "process"):
         pipe, call, component, mode = case(kind, scale, steps)
-        if ranks != "plain":
-            os.environ["PIPEMAP_WORKERS"] = ranks
-            pipemap.dispatch(pipe, with_copy(pipe, mode, component).remap(ON_CPU))
-        found[ranks] = timed(pipe, call, repeats, component)
-        if ranks != "plain":
-            pipemap.reset(pipe)
+        try:
+            if ranks == "plain":
+                pipe.to(onto(device)["cuda:0"])
+            else:
+                os.environ["PIPEMAP_WORKERS"] = ranks
+                pipemap.dispatch(pipe, with_copy(pipe, mode, component).remap(onto(device)))
+            found[ranks] = timed(pipe, call, repeats, component)
+        except Exception as err:  # a row that says why, the others still measured
+            found[ranks] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        finally:
+            if ranks != "plain":
+                pipemap.reset(pipe)
     os.environ.pop("PIPEMAP_WORKERS", None)
     return found
+
+
+def table_rows(name: str, found: dict[str, tuple[float, float, float] | str]) -> list[str]:
+    plain = found.get("plain")
+    rows = []
+    for ranks, figures in found.items():
+        if isinstance(figures, str) or isinstance(plain, str) or plain is None:
+            rows.append(f"| {name} | {ranks} | {figures if isinstance(figures, str) else 'plain failed'} "
+                        "| | | | | |")
+            continue
+        (wall, cpu, every), (plain_wall, plain_cpu, _) = figures, plain
+        rows.append(f"| {name} | {ranks} | {wall:.3f} | {cpu:.3f} | {every:.3f} | "
+                    f"{wall / plain_wall:.2f} | {cpu / plain_cpu:.2f} | {every / plain_cpu:.2f} |")
+    return rows
+
+
+def describe_machine(args) -> str:
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return (f"`bench/workers.py --device {args.device} --repeats {args.repeats} --scale {args.scale} --steps "
+            f"{args.steps}`: {os.cpu_count()} cores, GPUs {gpus or 'none'}, torch {torch.__version__}; the plan's "
+            f"GPUs onto {onto(args.device)}")
 
 
 def main() -> None:
@@ -97,19 +145,27 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=8, help="channel multiplier of the mid-size pipeline")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--out", type=Path, help="write the table to OUT/workers.md (RESULTS.md untouched)")
+    parser.add_argument("--only", help="comma-separated pipelines of the table (sd, flux, flux-true-cfg)")
     args = parser.parse_args()
     rows = ["| pipeline | ranks | wall per call (s) | caller CPU (s) | all ranks' CPU (s) | wall / plain | "
             "caller CPU / plain | all CPU / plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     cases = [("sd", 1, "replicated"), ("sd", args.scale, "replicated"), ("flux", 1, "sequence"),
-             ("flux-true-cfg", 1, "guidance")]
+             ("flux", args.scale, "sequence"), ("flux-true-cfg", 1, "guidance")]
+    only = set(args.only.split(",")) if args.only else None
     for kind, scale, mode in cases:
-        found = measure(kind, scale, args.steps, args.repeats)
-        plain_wall, plain_cpu, _ = found["plain"]
-        for ranks, (wall, cpu, every) in found.items():
-            rows.append(f"| {kind} x{scale}, {mode} | {ranks} | {wall:.3f} | {cpu:.3f} | {every:.3f} | "
-                        f"{wall / plain_wall:.2f} | {cpu / plain_cpu:.2f} | {every / plain_cpu:.2f} |")
+        if only is not None and kind not in only:
+            continue
+        found = measure(kind, scale, args.steps, args.repeats, args.device)
+        rows += table_rows(f"{kind} x{scale}, {mode}", found)
+        print("\n".join(rows[-3:]), flush=True)
     table = "\n".join(rows)
     print(table)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "workers.md").write_text(f"{describe_machine(args)}\n\n{table}\n", encoding="utf-8")
+        return
     if args.no_record:
         return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -53,6 +53,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 aten = torch.ops.aten
 # the op torch's functional collectives end with (a result that waits on first use); the fake hands it the CudaTensor
 _WRAP_COLLECTIVE = torch.ops._c10d_functional._wrap_tensor_autograd.default
+# gloo's all-gather into one tensor reads a GPU tensor's memory as the host's: a segfault on CUDA (the H200, torch
+# 2.11), where its all-to-all stages GPU tensors through the host itself
+_GATHER_INTO = torch.ops._c10d_functional.all_gather_into_tensor.default
 ROUND = 512  # the caching allocator's block granularity (kMinBlockSize)
 SMALL = 2**20  # requests up to this come from the small pool (kSmallSize)
 SMALL_SEGMENT = 2 * 2**20  # a small pool's segment (kSmallBuffer)
@@ -486,6 +489,9 @@ class FakeCuda:
     def run(self, func, args, kwargs):
         if func is _WRAP_COLLECTIVE:  # torch's functional collectives: the result waits on first use, as on CUDA
             return _funcol.AsyncCollectiveTensor(args[0])
+        if func is _GATHER_INTO and torch._C._distributed_c10d._resolve_process_group(args[2]).name() == "gloo":
+            raise RuntimeError("gloo's all-gather into a tensor was given a GPU tensor: it reads it as host memory "
+                               "(a segfault on CUDA) (fake CUDA)")
         if func is aten._to_copy.default:
             return self.to_copy(args[0], kwargs)
         if func is aten.copy_.default:

@@ -79,3 +79,22 @@ def test_a_rank_ahead_does_not_queue_the_other_gpus_kernels_behind_its_own(fake_
         release(groups)
     # pushed on the compute streams, rank 1's copy would fence cuda:0's stream behind rank 1's kernel (GPUs take turns)
     assert seen["rank 0 saw of rank 1"] < seen["kernel"]
+
+
+def test_the_thread_group_answers_torchs_old_name_for_the_all_to_all():
+    """torch 2.11 and older look a Python group's all-to-all up as ``alltoall_base`` only (the H200 found the
+    thread path's sequence split failing there): the old name exchanges as the new one does."""
+    groups = thread_groups(2, "test-old-name")
+    inputs = [torch.arange(4.0) + 10 * rank for rank in range(2)]
+
+    def work(rank):
+        out = torch.empty(4)
+        groups[rank].alltoall_base(out, inputs[rank], [2, 2], [2, 2])
+        return out
+
+    try:
+        results = _on_threads(2, work)
+    finally:
+        release(groups)
+    for rank, out in enumerate(results):
+        torch.testing.assert_close(out, torch.cat([p[2 * rank:2 * rank + 2] for p in inputs]), atol=0, rtol=0)

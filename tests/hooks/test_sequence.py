@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 
+import fakecuda
 import pipemap
 from families import build, fresh, output
 from helpers import pipeline_state, plain_pipeline, run, with_copy
@@ -17,7 +18,7 @@ from pipemap import tiny
 from pipemap.errors import DispatchError, PlanMismatchError
 from pipemap.hooks import SequenceHook
 from pipemap.hooks.exchange import release, thread_groups
-from pipemap.hooks.sequence import gather
+from pipemap.hooks.sequence import all_gather_op, gather
 
 ON_CPU = {f"cuda:{i}": "cpu" for i in range(4)}
 TOLERANCE = {"atol": 1e-4, "rtol": 0}
@@ -196,3 +197,39 @@ def test_the_tiny_flux_split_over_two_fake_gpus_equals_plain_with_no_race(fake_c
     assert hook.whole == 0  # both fake GPUs computed their half of the tokens, exchanging through the collectives
     torch.testing.assert_close(fakecuda.host(split), plain, **TOLERANCE)
     pipemap.reset(pipe)
+
+
+def test_the_all_gather_is_torchs_under_either_name():
+    import types
+
+    def old(*args):  # torch 2.11's name, the only one it has
+        return "old"
+
+    def new(*args):
+        return "new"
+
+    assert all_gather_op(types.SimpleNamespace(all_gather_tensor=old))() == "old"
+    assert all_gather_op(types.SimpleNamespace(all_gather_tensor=old, all_gather_single=new))() == "new"
+
+
+def test_a_gloo_group_over_ranks_sharing_a_gpu_gathers_through_the_host(fake_cuda):
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from pipemap.hooks.workers import _forget, _group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    group = _group(store, 0, 1, torch.device("cuda:0"), 30.0, "pipemap-test-gloo-gather", gloo=True)
+    try:
+        assert group.name() == "gloo"
+        x = torch.arange(6.0).reshape(1, 6).to("cuda:0")
+        joined = gather(x, 1, group)
+        assert joined.device == torch.device("cuda:0")
+        torch.testing.assert_close(fakecuda.host(joined), torch.arange(6.0).reshape(1, 6), atol=0, rtol=0)
+    finally:
+        _forget(group)

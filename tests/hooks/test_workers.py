@@ -161,7 +161,17 @@ def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_c
     try:
         unstaged.sync(module, Source.of(module))
         assert not unstaged.staged and unstaged.hellos[0] == {"pid": unstaged.pids()[0], "staged": False,
-                                                             P2P_ENV: os.environ.get(P2P_ENV)}
+                                                             "gloo": False, P2P_ENV: os.environ.get(P2P_ENV)}
         assert unstaged.describe() == "'m': ranks on cpu, cpu, exchanging directly"
     finally:
         unstaged.close()
+
+
+def test_ranks_sharing_a_gpu_run_on_gloo_through_the_host_as_nccl_takes_one_rank_per_gpu():
+    from pipemap.hooks.workers import shared_gpu, wire
+
+    cuda0, cuda1, cpu = torch.device("cuda:0"), torch.device("cuda:1"), torch.device("cpu")
+    assert shared_gpu((cuda0, cuda0)) and shared_gpu((torch.device("cuda"), cuda0))
+    assert shared_gpu((cuda0, cuda1, cuda1))
+    assert not shared_gpu((cuda0, cuda1)) and not shared_gpu((cpu, cpu)) and not shared_gpu((cuda0, cpu))
+    assert wire(cuda0, True) == cpu and wire(cuda0, False) == cuda0 and wire(cpu, False) == cpu

@@ -126,6 +126,11 @@ class ThreadGroup(dist.ProcessGroup):
         output.copy_(torch.cat([part for part, in arrived]))
         return _done([output])
 
+    # torch 2.11 and older look a Python group's all-to-all up under its old name only (torch's PyProcessGroup
+    # trampoline), then fall back to a backend this group has none of ("No backend type associated with device type
+    # cuda", found on the H200): both names, as torch 2.13 looks up the new one first
+    alltoall_base = all_to_all_single
+
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         arrived = self.exchange.push(self._rank, outputs[0].device, [list(inputs)] * self.size())
         for i, output in enumerate(outputs):

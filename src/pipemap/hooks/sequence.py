@@ -207,5 +207,18 @@ class _Gather(ContextParallelGatherHook):
 
 def gather(x: torch.Tensor, dim: int, group: ThreadGroup) -> torch.Tensor:
     """Every rank's ``x`` joined along ``dim``, in rank order."""
-    joined = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, group))
+    home = x.device
+    if home.type != "cpu" and group.name() == "gloo":  # two ranks on one GPU (``workers.shared_gpu``): gloo's
+        x = x.cpu()  # all-gather read a GPU tensor as host memory (a segfault on the H200): through the host
+    joined = funcol.wait_tensor(_all_gather(x.contiguous(), 0, group)).to(home)
     return torch.cat(joined.chunk(group.size(), dim=0), dim=dim) if dim else joined
+
+
+def all_gather_op(functional: Any = funcol) -> Any:
+    """torch's functional all-gather: ``all_gather_single`` since torch 2.13 (``all_gather_tensor`` is deprecated
+    there), ``all_gather_tensor`` in torch 2.11 and older, which lack the new name (the H200 run of bench/workers.py
+    found it); the same op either way."""
+    return getattr(functional, "all_gather_single", None) or functional.all_gather_tensor
+
+
+_all_gather = all_gather_op()

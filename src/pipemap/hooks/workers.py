@@ -285,13 +285,16 @@ _C10D: Any = torch._C._distributed_c10d  # the registry of groups by name, which
 _NAMES = itertools.count()
 
 
-def _group(store: dist.Store, rank: int, size: int, device: torch.device, seconds: float, name: str) -> Any:
+def _group(store: dist.Store, rank: int, size: int, device: torch.device, seconds: float, name: str,
+           gloo: bool = False) -> Any:
     """A process group of its own (no default group: the user's torch.distributed stays untouched): NCCL on CUDA,
-    gloo elsewhere, registered under ``name`` so that torch's functional collectives (a sequence split's Ulysses
-    attention) find it; ``_forget`` unregisters it."""
+    gloo elsewhere or where ``gloo`` (ranks sharing a GPU, ``shared_gpu``: gloo then serves CUDA tensors through
+    host memory, and the CPU tensors point-to-point traffic stages there), registered under ``name`` so that torch's
+    functional collectives (a sequence split's Ulysses attention) find it; ``_forget`` unregisters it."""
     timeout = datetime.timedelta(seconds=seconds)
     prefix = dist.PrefixStore("pipemap", store)
-    if device.type == "cuda":
+    types = [torch.device(device.type)]
+    if device.type == "cuda" and not gloo:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         backend: Any = dist.ProcessGroupNCCL(prefix, rank, size, options)
@@ -299,12 +302,27 @@ def _group(store: dist.Store, rank: int, size: int, device: torch.device, second
     else:
         backend = dist.ProcessGroupGloo(prefix, rank, size, timeout)
         kind = dist.ProcessGroup.BackendType.GLOO
+        types = list(dict.fromkeys([*types, torch.device("cpu")]))
     group = dist.ProcessGroup(prefix, rank, size)
     group._set_default_backend(kind)
-    group._register_backend(torch.device(device.type), kind, backend)
+    for kind_of_device in types:
+        group._register_backend(kind_of_device, kind, backend)
     group._set_group_name(cast(Any, name))  # torch types it GroupName: a str
     _C10D._register_process_group(name, group)
     return group
+
+
+def shared_gpu(devices: tuple[torch.device, ...]) -> bool:
+    """Whether two of the ranks on ``devices`` sit on one GPU (a plan for two GPUs remapped onto one, as the GPU
+    check's one-GPU control does): NCCL takes one rank per GPU ("Duplicate GPU detected"), so such a group runs on
+    gloo, through host memory."""
+    gpus = [(d.index or 0) for d in devices if d.type == "cuda"]
+    return len(set(gpus)) < len(gpus)
+
+
+def wire(device: torch.device, gloo: bool) -> torch.device:
+    """Where a rank's tensors sit while they travel point to point: the host where gloo carries a GPU's."""
+    return torch.device("cpu") if gloo else device
 
 
 P2P_ENV = "NCCL_P2P_DISABLE"
@@ -339,12 +357,12 @@ def _p2p_off(staged: bool):
 
 
 def _joined(store: dist.Store, rank: int, size: int, device: torch.device, seconds: float, name: str,
-            staged: bool) -> Any:
+            staged: bool, gloo: bool = False) -> Any:
     """``_group``, with NCCL's peer-to-peer off when ``staged``: the communicator is made at once (a one-element
     all-reduce every rank runs) so that it reads the setting while it is set."""
     with _p2p_off(staged):
-        group = _group(store, rank, size, device, seconds, name)
-        if staged and device.type == "cuda":
+        group = _group(store, rank, size, device, seconds, name, gloo)
+        if staged and device.type == "cuda" and not gloo:
             group.allreduce([torch.zeros(1, device=device)]).wait()
     return group
 
@@ -360,17 +378,20 @@ def _send(group: Any, tensors: list[torch.Tensor], peer: int, device: torch.devi
     for tag, tensor in enumerate(tensors):
         if tensor.numel() == 0:
             continue
-        works.append((group.send([tensor.to(device).contiguous()], peer, tag), tensor))
+        sent = tensor.to(device).contiguous()  # kept with its work until sent
+        works.append((group.send([sent], peer, tag), sent))
     return works
 
 
-def _receive_tensors(group: Any, wanted: list[Meta], peer: int, device: torch.device
-                     ) -> list[torch.Tensor]:
-    tensors = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in wanted]
+def _receive_tensors(group: Any, wanted: list[Meta], peer: int, device: torch.device,
+                     through: torch.device | None = None) -> list[torch.Tensor]:
+    """The tensors ``wanted`` from ``peer``, received on ``through`` (``wire``: the host where gloo carries a GPU's)
+    and on ``device`` when returned."""
+    tensors = [torch.empty(m.shape, dtype=m.dtype, device=through or device) for m in wanted]
     works = [group.recv([t], peer, tag) for tag, t in enumerate(tensors) if t.numel()]
     for work in works:
         work.wait()
-    return tensors
+    return [t.to(device) for t in tensors]
 
 
 def _alive(r: _Rank) -> bool:
@@ -455,6 +476,8 @@ class Workers:
         self.served: list[int] = []  # the pid of the process that computed each output received (tests read it)
         self.sent: list[int] = []  # per worker synced last: how many tensors it was sent (the others it kept)
         self.staged = False  # the copy check staged a pair of these ranks: they exchange through host memory
+        self.gloo = False  # two ranks share a GPU (``shared_gpu``): gloo carries the tensors, through the host
+        self.wire = home  # where rank 0's tensors travel from (``wire``)
         self.hellos: list[dict] = []  # per worker started last: what it reported at start (tests read it)
 
     @property
@@ -467,6 +490,9 @@ class Workers:
     def describe(self) -> str:
         """One line for an explanation: the ranks' devices and how they exchange (the copy check's verdict)."""
         devices = ", ".join(str(d) for d in (self.home, *self.devices))
+        if self.gloo:
+            return (f"{self.component!r}: ranks on {devices}, two on one GPU: exchanging through host memory over "
+                    "gloo (NCCL takes one rank per GPU)")
         if not self.staged:
             return f"{self.component!r}: ranks on {devices}, exchanging directly"
         how = "NCCL with peer-to-peer off" if self.home.type == "cuda" else "gloo, through the host anyway"
@@ -484,12 +510,14 @@ class Workers:
                                    timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
         self.staged = staged = staged_ranks((self.home, *self.devices))
+        self.gloo = gloo = shared_gpu((self.home, *self.devices))
+        self.wire = wire(self.home, gloo)
         try:
             for rank, device in enumerate(self.devices, start=1):
                 ours, theirs = context.Pipe()
                 process = context.Process(target=serve, name=f"pipemap-{self.component}-rank{rank}", daemon=True,
                                           args=(rank, size, port, str(device), os.getpid(), theirs, source, seconds,
-                                                name, staged))
+                                                name, staged, gloo))
                 with _without_main():
                     process.start()
                 theirs.close()
@@ -499,7 +527,7 @@ class Workers:
                 hello = self._receive(r, "start")
                 r.pid = hello["pid"]
                 self.hellos.append(hello)
-            self.group = _joined(self.store, 0, size, self.home, seconds, name, staged)
+            self.group = _joined(self.store, 0, size, self.home, seconds, name, staged, gloo)
         except BaseException:
             self.close()
             raise
@@ -539,7 +567,7 @@ class Workers:
             data, sent = packed(plain, keep)
             self.sent.append(len(sent))
             r.pipe.send(("module", data, metas(sent)))
-            self._finish(_send(self._live_group(), sent, r.rank, self.home), r, "sync")
+            self._finish(_send(self._live_group(), sent, r.rank, self.wire), r, "sync")
             self._receive(r, "sync")
 
     def held(self) -> list[int]:
@@ -566,7 +594,7 @@ class Workers:
         for r, part in zip(call.ranks, parts):
             data, tensors, names = r.inputs.packed(part)
             self._post(r, ("call", data, metas(tensors), names, state, reply, expected), "call")
-            call.works += self._guarded(functools.partial(_send, self._live_group(), tensors, r.rank, self.home),
+            call.works += self._guarded(functools.partial(_send, self._live_group(), tensors, r.rank, self.wire),
                                         r, "call")
         return call
 
@@ -585,8 +613,8 @@ class Workers:
     def _output(self, r: _Rank):
         data, wanted, pid = self._receive(r, "call")
         self.served.append(pid)
-        tensors = self._guarded(functools.partial(_receive_tensors, self._live_group(), wanted, r.rank, self.home),
-                                r, "call")
+        tensors = self._guarded(functools.partial(_receive_tensors, self._live_group(), wanted, r.rank, self.home,
+                                                  self.wire), r, "call")
         return unpacked(data, tensors)
 
     # -- waiting, bounded --
@@ -706,7 +734,7 @@ class OnWorkers:
 
 
 def serve(rank: int, size: int, port: int, device_name: str, parent: int, pipe, source: Source,
-          seconds: float, name: str, staged: bool = False) -> None:
+          seconds: float, name: str, staged: bool = False, gloo: bool = False) -> None:
     """A worker process: load the copy, join the group, then answer rank 0's messages until told to stop or until
     rank 0's process is gone."""
     _watch(parent)
@@ -718,11 +746,11 @@ def serve(rank: int, size: int, port: int, device_name: str, parent: int, pipe, 
     except Exception:  # files it cannot read alone (a variant's names, say): every tensor is then sent
         module = None
     with _p2p_off(staged):
-        hello = {"pid": os.getpid(), "staged": staged, P2P_ENV: os.environ.get(P2P_ENV)}
+        hello = {"pid": os.getpid(), "staged": staged, "gloo": gloo, P2P_ENV: os.environ.get(P2P_ENV)}
     pipe.send(("ready", hello))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=seconds))
-    group = _joined(store, rank, size, device, seconds, name, staged)
-    worker = _Worker(group, device, module)
+    group = _joined(store, rank, size, device, seconds, name, staged, gloo)
+    worker = _Worker(group, device, module, wire(device, gloo))
     while True:
         try:
             message = pipe.recv()
@@ -755,6 +783,7 @@ class _Worker:
     group: Any
     device: torch.device
     module: torch.nn.Module | None
+    through: torch.device  # where its tensors travel (``wire``)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the last call's tensors, by the caller's names
 
     def handle(self, message: tuple, pipe) -> None:
@@ -787,18 +816,18 @@ class _Worker:
             data, tensors = packed(output)
             # the header first: rank 0 allocates from it, then receives the tensors
             pipe.send(("output", (data, metas(tensors), os.getpid())))
-            for work, _tensor in _send(self.group, tensors, 0, self.device):
+            for work, _tensor in _send(self.group, tensors, 0, self.through):
                 work.wait()
         else:
             raise ValueError(f"unknown message {kind!r}")
 
     def _module(self, data: bytes, wanted: list[Meta]) -> None:
-        received = _receive_tensors(self.group, wanted, 0, self.device)
+        received = _receive_tensors(self.group, wanted, 0, self.device, self.through)
         kept = _named_tensors(self.module) if self.module is not None else {}
         self.module = unpacked(data, received, kept).to(self.device).eval()
 
     def _call(self, data: bytes, wanted: list[Meta], names: list[str], state: tuple):
-        received = _receive_tensors(self.group, wanted, 0, self.device)
+        received = _receive_tensors(self.group, wanted, 0, self.device, self.through)
         (args, kwargs), self.inputs = received_inputs(data, received, names, self.inputs)
         if self.module is None:
             raise RuntimeError("no copy of the component was sent to this worker")
