@@ -97,8 +97,8 @@ def test_an_unchanged_pipeline_is_checked_without_hashing_its_models(monkeypatch
     assert all(unchanged(m) for m in models_of(pipe).values())
     hashed: list[torch.nn.Module] = []
     taken = changes.signature
-    monkeypatch.setattr(changes, "signature", lambda module, state=None: hashed.append(module) or taken(module,
-                                                                                                         state))
+    monkeypatch.setattr(changes, "signature", lambda module, state=None, **kw: hashed.append(module) or taken(
+        module, state, **kw))
     images(pipe, "sd")
     assert hashed == []
     images(pipe, "sd", callback_on_step_end=_at_step(0, lambda p: p.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)))

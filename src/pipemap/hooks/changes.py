@@ -58,19 +58,21 @@ class Signature:
     digest: int
 
 
-def signature(module: torch.nn.Module, state: bool | None = None) -> Signature:
+def signature(module: torch.nn.Module, state: bool | None = None, into: list[torch.Tensor] | None = None
+              ) -> Signature:
     """``module`` as its hook last saw it: an onloaded tensor counts as its CPU master, so onloading and evicting
     change nothing, and an in-place write into the master (``load_state_dict``) changes its version. ``state``: the
     modules' plain state too (``_state``); None: where its hook keeps copies of it (``_with_state``).
 
     One hash per module, of tuples built in comprehensions: every dispatch and every pipeline call takes this of
-    every component, and a hash per tensor and a sorted state were a third of its time (issue 28: load time)."""
+    every component, and a hash per tensor and a sorted state were a third of its time (issue 28: load time).
+    ``into``: a list the tensors are added to, as their masters (``Seen`` takes them in the same walk)."""
     masters = _masters(getattr(module, "_hf_hook", None))
     state = _with_state(module) if state is None else state
     tensors = modules = digest = 0
     for sub in submodules(module):
         found = sub.__dict__
-        params, buffers = _held(found["_parameters"], masters), _held(found["_buffers"], masters)
+        params, buffers = _held(found["_parameters"], masters, into), _held(found["_buffers"], masters, into)
         children = tuple([(name, id(child)) for name, child in found["_modules"].items()])
         digest = hash((digest, id(sub), type(sub), params, buffers, children, _state(found) if state else 0))
         tensors += len(params) + len(buffers)
@@ -78,12 +80,16 @@ def signature(module: torch.nn.Module, state: bool | None = None) -> Signature:
     return Signature(tensors, modules, digest)
 
 
-def _held(store: dict[str, torch.Tensor | None], masters: dict[int, torch.Tensor]) -> tuple[tuple[str, int, int], ...]:
-    """``(key, identity, version)`` of each tensor in a module's ``_parameters`` or ``_buffers``, as its master."""
+def _held(store: dict[str, torch.Tensor | None], masters: dict[int, torch.Tensor],
+          into: list[torch.Tensor] | None = None) -> tuple[tuple[str, int, int], ...]:
+    """``(key, identity, version)`` of each tensor in a module's ``_parameters`` or ``_buffers``, as its master;
+    each added to ``into`` where given."""
     if not store:
         return ()
     if masters:
         store = {key: masters.get(id(tensor), tensor) for key, tensor in store.items()}
+    if into is not None:
+        into += [tensor for tensor in store.values() if tensor is not None]
     return tuple([(key, id(tensor), tensor._version) for key, tensor in store.items() if tensor is not None])
 
 
@@ -132,9 +138,9 @@ class Seen:
     __slots__ = ("signature", "epoch", "tensors", "versions")
 
     def __init__(self, module: torch.nn.Module):
-        self.signature = signature(module)
+        self.tensors: list[torch.Tensor] = []  # as their masters, like the signature: onloading changes nothing
+        self.signature = signature(module, into=self.tensors)  # one walk for both (issue 38: load time)
         self.epoch = epoch()
-        self.tensors = _tensors(module)  # as their masters, like the signature: onloading changes nothing
         self.versions = _versions(self.tensors)
 
     def unchanged(self) -> bool:
@@ -144,15 +150,6 @@ class Seen:
         """What a call of the model wrote into its own tensors is no change (the signature's versions are not
         compared again unless the counter moves; then the whole signature is)."""
         self.versions = _versions(self.tensors)
-
-
-def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    masters = _masters(getattr(module, "_hf_hook", None))
-    found = []
-    for sub in submodules(module):
-        for store in (sub._parameters, sub._buffers):
-            found += [masters.get(id(t), t) for t in store.values() if t is not None]
-    return found
 
 
 def _versions(tensors: list[torch.Tensor]) -> int:

@@ -383,14 +383,18 @@ def watch_changes() -> None:
 
 
 def _on_registration(module, name, value) -> None:
-    changed()
+    global _epoch
+    if not getattr(_local, "quiet", 0):  # ``changed``, inlined: it runs at every module, parameter and buffer set
+        _epoch = next(_counter)
 
 
 def _watched_setattr(setattr_of):
     @functools.wraps(setattr_of)
     def __setattr__(self, name: str, value) -> None:
+        global _epoch
         setattr_of(self, name, value)
-        changed()
+        if not getattr(_local, "quiet", 0):  # ``changed``, inlined: every attribute set on any module in the
+            _epoch = next(_counter)  # process comes here, a load's thousands too (issue 38: load time)
 
     return __setattr__
 
