@@ -23,6 +23,8 @@ def machine(monkeypatch):
 
     def make(spec: str = "cpu=1GiB") -> None:
         monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls, reserve=0: Hardware.parse(spec)))
+        # the GPUs alone, as ``runnable`` asks for them
+        monkeypatch.setattr(pipemap.api, "gpu_names", lambda: [n for n in Hardware.parse(spec).names if n != "cpu"])
 
     make()
     return make

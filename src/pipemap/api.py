@@ -35,7 +35,7 @@ from .errors import (
     SimulationFailedError,
     UnknownStrategyError,
 )
-from .hardware import Hardware
+from .hardware import Hardware, gpu_names
 from .hooks import give_back_kept, kept_bytes
 from .inventory import inventory_of
 from .inventory.files import check_weights_present
@@ -474,7 +474,7 @@ def runnable(plan: Plan) -> Plan:
     """``plan`` with the GPUs this machine lacks remapped onto the CPU, every mode kept: the one rule of ``load``,
     ``run``, ``demo`` and ``serve`` (a plan made for another machine runs here, slowly, and they say so). A stand-in
     ``meta:N`` is left as it is, for ``load`` to refuse."""
-    local = set(Hardware.detect().names)
+    local = set(gpu_names())  # the GPUs alone: ``Hardware.detect`` also reads RAM and the doctor's figures
     missing = {d.device: "cpu" for d in plan.devices if d.device.startswith("cuda:") and d.device not in local}
     return plan.remap(missing) if missing else plan
 

@@ -6,6 +6,7 @@ machine (CUDA's free memory, the available RAM); everything else here is plain v
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -216,20 +217,36 @@ def launch_cache_path() -> Path:
 
 def measured_kernel_seconds() -> float | None:
     """The host's seconds a kernel launch ``pipemap doctor`` measured on this machine, or None."""
-    try:
-        value = json.loads(launch_cache_path().read_text()).get("kernel_seconds")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+    return _measured(launch_cache_path(), "kernel_seconds")
 
 
 def measured_disk_bandwidth() -> float | None:
     """The disk read speed ``pipemap doctor`` measured on this machine (bytes per second), or None."""
+    return _measured(disk_cache_path(), "disk_bw")
+
+
+def _measured(path: Path, key: str) -> float | None:
+    """``key`` of the doctor's JSON file at ``path``: a positive number, or None. Read again only when the file
+    changed (its size and time): every plan and load asks (issue 38: load time)."""
     try:
-        value = json.loads(disk_cache_path().read_text()).get("disk_bw")
+        stat = path.stat()
+    except OSError:
+        return None
+    return _read_measured(str(path), stat.st_mtime_ns, stat.st_size, key)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_measured(path: str, mtime: int, size: int, key: str) -> float | None:
+    try:
+        value = json.loads(Path(path).read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def gpu_names() -> list[str]:
+    """This machine's CUDA GPUs by name (``cuda:0``, ...), nothing else detected."""
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,14 @@ def test_qwen_image_s_second_branch_runs_on_a_worker_equals_plain_and_a_dead_wor
     monkeypatch.setenv(ENV, "process")
     pipe, call = families.true_cfg("qwen_image", STEPS)
     plain = output(pipe(**fresh(call)))
-    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    plan = with_copy(pipe, "guidance")
+    dry = pipemap.simulate(pipe, plan, steps=2, advice=False,
+                           **{k: v for k, v in fresh(call).items() if k not in ("generator", "num_inference_steps")})
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
     hook = pipe.transformer._hf_hook
     assert isinstance(hook, ProcessGuidanceHook) and hook.replicas == [] and hook.workers is not None
+    # what the worker holds on its device is what the dry run's stand-in for cuda:1 held, and the plan's figure
+    assert hook.workers.held() == [dry.weights_held("cuda:1")] == [plan.placement("transformer").bytes]
     (pid,) = hook.pids()
     assert pid != os.getpid()
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)

@@ -35,9 +35,13 @@ def test_the_tiny_flux_split_with_a_worker_process_equals_plain_and_runs_whole_w
     call = dict(tiny.default_call(pipe, "flux", output_type="pt"))
     odd = dict(call, max_sequence_length=31)  # 31 text tokens: no even share for two ranks
     plain, plain_odd = _run(pipe, call), _run(pipe, odd)
-    pipemap.dispatch(pipe, with_copy(pipe, "sequence").remap(ON_CPU))
+    plan = with_copy(pipe, "sequence")
+    dry = pipemap.simulate(pipe, plan, advice=False, **{k: v for k, v in call.items() if k != "generator"})
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
     hook = pipe.transformer._hf_hook
     assert isinstance(hook, ProcessSequenceHook) and hook.workers is not None and len(hook.ranks) == 1
+    # what the worker holds on its device is what the dry run's stand-in for cuda:1 held, and the plan's figure
+    assert hook.workers.held() == [dry.weights_held("cuda:1")] == [plan.placement("transformer").bytes]
     (pid,) = hook.pids()
     assert pid != os.getpid()
     tokens: list[int] = []
