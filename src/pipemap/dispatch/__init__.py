@@ -265,7 +265,13 @@ def _check_movable(name: str, module: torch.nn.Module) -> None:
 
 
 def check_pipeline(pipe, operation: str) -> None:
-    """A diffusers pipeline (anything with a ``components`` dict), or an ``ArgumentTypeError`` naming ``operation``."""
+    """A diffusers pipeline (anything with a ``components`` dict), or an ``ArgumentTypeError`` naming ``operation``.
+    A diffusers pipeline class (its ``components`` a property) passes without building the dict: diffusers
+    builds it anew at each read, from the signature of ``__init__`` (issue 38: load time)."""
+    kind = type(pipe)
+    if getattr(kind, "config_name", None) == "model_index.json" and isinstance(getattr(kind, "components", None),
+                                                                               property):
+        return
     if not isinstance(getattr(pipe, "components", None), dict):
         raise ArgumentTypeError(f"{operation}(pipe)", pipe, "a loaded diffusers pipeline (DiffusionPipeline)")
 
