@@ -180,3 +180,28 @@ def test_a_dry_run_and_a_catalog_skeleton_wait_while_a_load_patches(tiny_folders
         thread.join(120)
     assert len(ended) == 2 and all(at >= released for _, at in ended)
     assert any(getattr(result, "ok", False) for result, _ in ended)
+
+
+def test_load_walks_no_model_it_loaded_onto_the_cpu_and_dispatch_still_moves_one_planned_on_a_gpu(
+        tiny_folders, reference_outputs, monkeypatch, fake_cuda):
+    import importlib
+
+    placing = importlib.import_module("pipemap.dispatch")  # the package, not the function it exports
+    walked: list[str] = []
+    place = placing._place
+    monkeypatch.setattr(placing, "_place", lambda module, p, moves=None: walked.append(p.component) or place(
+        module, p, moves))
+    folder = tiny_folders["sd"]
+    plan = pipemap.plan(folder, hardware="cuda:0=1GiB,cpu=4GiB", strategy={"unet": "cuda:0", "text_encoder": "cpu",
+                                                                            "vae": "cpu"})
+    pipe = pipemap.load(folder, plan=plan, progress=False)
+    assert walked == ["unet"]  # the two loaded onto the CPU, where they stay whole: nothing to walk
+    assert {t.device.type for m in (pipe.text_encoder, pipe.vae) for t in m.state_dict().values()} == {"cpu"}
+    assert {t.device for t in pipe.unet.parameters()} == {torch.device("cuda:0")}
+    torch.testing.assert_close(run(pipe, "sd"), reference_outputs["sd"], atol=1e-5, rtol=0)
+    pipemap.reset(pipe)
+    # named as loaded but planned on a GPU: dispatch places it all the same
+    pipe = plain_pipeline(folder)
+    walked.clear()
+    pipemap.dispatch(pipe, plan, loaded=frozenset({"unet", "vae"}))
+    assert walked == ["text_encoder", "unet"] and {t.device for t in pipe.unet.parameters()} == {torch.device("cuda:0")}
