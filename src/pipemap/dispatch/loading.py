@@ -98,7 +98,7 @@ def load_component(folder: Path, name: str, library: str, class_name: str, devic
     fetched from the Hub. A plain diffusers pipeline loads on the CPU and is moved, so it keeps PyTorch's layers;
     kernelizing here would change its outputs, and fail offline (``HF_HUB_OFFLINE=1``) where diffusers loads."""
     cls = component_class(library, class_name, folder, name, trust_remote_code)
-    options: dict[str, Any] = {"subfolder": name}
+    options: dict[str, Any] = {}
     if library == "transformers":
         options["use_kernels"] = use_kernels
     if device != "cpu":  # the CPU is where from_pretrained loads anyway; a device_map there only adds a dispatch
@@ -107,7 +107,9 @@ def load_component(folder: Path, name: str, library: str, class_name: str, devic
         options["dtype"] = dtype
     if variant is not None and _has_variant(folder / name, variant):
         options["variant"] = variant
-    return cls.from_pretrained(folder, **options)
+    # the subfolder's own path, as diffusers' pipeline loader passes it (``load_sub_model``): from the folder with
+    # ``subfolder=`` each library resolves every file it looks for anew (2% of a tiny load, issue 38)
+    return cls.from_pretrained(folder / name, **options)
 
 
 def _custom_code(library: str) -> bool:
