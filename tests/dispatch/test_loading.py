@@ -203,5 +203,5 @@ def test_load_walks_no_model_it_loaded_onto_the_cpu_and_dispatch_still_moves_one
     # named as loaded but planned on a GPU: dispatch places it all the same
     pipe = plain_pipeline(folder)
     walked.clear()
-    pipemap.dispatch(pipe, plan, loaded=frozenset({"unet", "vae"}))
+    placing.place(pipe, plan, loaded=frozenset({"unet", "vae"}))
     assert walked == ["text_encoder", "unet"] and {t.device for t in pipe.unet.parameters()} == {torch.device("cuda:0")}

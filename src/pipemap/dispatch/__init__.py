@@ -58,7 +58,7 @@ class Move:
         getattr(self.owner, self.store)[self.key] = self.original
 
 
-def dispatch(pipe, plan: Plan, *, check_transfers: bool = True, loaded: frozenset[str] = frozenset()) -> None:
+def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     """Place and hook every component of ``pipe`` as ``plan`` says; the pipeline's own call then runs unchanged.
 
     When the plan spans two GPUs or more, copies between them are checked first (``pipemap.check_transfers``,
@@ -69,8 +69,6 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True, loaded: frozense
     >>> pipemap.dispatch(pipe, plan); pipe.hf_device_map                          # doctest: +SKIP
     {'text_encoder': 'cuda:1', 'text_encoder_2': 'cuda:1', 'unet': 'cuda:0', 'vae': 'cuda:1'}
 
-    ``loaded``: models ``pipemap.load`` just loaded onto the CPU, where their plan keeps them whole (nothing to move).
-
     A ``from_pipe`` copy of a placed pipeline runs on that pipeline's plan; dispatching the copy places it on
     ``plan`` instead, and with it the models it shares: the pipeline it was copied from (and its other copies)
     become copies of this one, on ``plan``. A pipeline that ``dispatch`` placed itself is refused: ``pipemap.reset``
@@ -80,7 +78,7 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True, loaded: frozense
     give_back_kept()  # a plan counts what placed pipelines keep onloaded as free (``hooks.kept_bytes``): given back
     source = _copied_from(pipe)
     if source is None:
-        place(pipe, plan, check_transfers=check_transfers, loaded=loaded)
+        place(pipe, plan, check_transfers=check_transfers)
     else:
         _replace_family(pipe, source, plan, check_transfers)
 
@@ -111,7 +109,9 @@ def _replace_family(pipe, source, plan: Plan, check_transfers: bool) -> None:
 
 def place(pipe, plan: Plan, *, check_transfers: bool = True,
           queues: Callable[[torch.device], Queues] = queues_for, loaded: frozenset[str] = frozenset()) -> None:
-    """``dispatch``, with ``queues`` making each device's copy queues (the dry run passes its stand-in queues)."""
+    """``dispatch``, with ``queues`` making each device's copy queues (the dry run passes its stand-in queues), and
+    ``loaded`` the models ``pipemap.load`` itself just loaded: those its plan keeps on the CPU whole are there
+    already, every tensor (``from_pretrained`` loads there), so they are not walked (issue 38: load time)."""
     modules = _check(pipe, plan)
     if check_transfers:  # runs (cached) only when the plan spans two GPUs or more; stages corrupted pairs
         ensure_safe_transfers(plan_devices(plan))  # every GPU it copies between: execution GPUs and shards too

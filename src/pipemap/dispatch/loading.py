@@ -17,13 +17,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ArgumentTypeError, PlanMismatchError, UnknownDeviceError
+from ..hardware import gpu_names
 from ..inventory.folder import component_class
 from ..inventory.live import live_component
 from ..inventory.values import Component, Inventory
 from ..modes import facts
 from ..plan import Plan
 from ..quiet import PATCHING, quiet_progress
-from . import dispatch
+from . import place
 
 
 def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.dtype | None, variant: str | None,
@@ -34,24 +35,18 @@ def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.
     dtype = dtype if dtype is not None else _plan_dtype(plan)
     variant = variant if variant is not None else plan.variant
     with PATCHING, quiet_progress():
-        pipe = _load_onto(folder, index, plan, passed, dtype, variant, progress, kwargs)
-    dispatch(pipe, plan, check_transfers=check_transfers, loaded=_on_the_cpu(plan, index, passed))
+        pipe, loaded = _load_onto(folder, index, plan, passed, dtype, variant, progress, kwargs)
+    # ``place``, not ``dispatch``: a pipeline just loaded is no from_pipe copy, and ``load`` gave back what placed
+    # pipelines kept; ``loaded`` spares the walk of the models loaded here onto the CPU they stay on
+    place(pipe, plan, check_transfers=check_transfers, loaded=loaded)
     return pipe
-
-
-def _on_the_cpu(plan: Plan, index: dict, passed: dict) -> frozenset[str]:
-    """The models ``_load_onto`` loaded itself onto the CPU that stay there whole: ``from_pretrained`` put every
-    tensor of theirs there, so dispatch has nothing to move and need not walk them (issue 38: load time)."""
-    return frozenset(p.component for p in plan.components
-                     if p.device == "cpu" and not p.shards and _load_device(p) == "cpu"
-                     and p.component not in passed and not _custom_code(index[p.component][0]))
 
 
 def check_plan_fits(plan: Plan, inventory: Inventory) -> None:
     """The plan places exactly the folder's models, on devices this machine has, as ``dispatch`` will check; here
     before any weight is loaded."""
     check_plan_models(plan, {c.name for c in inventory.models}, "folder")
-    here = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+    here = ["cpu", *gpu_names()]
     for p in plan.components:
         for device in (p.device, p.execution_device, *(d for _, d, _ in p.shards), *p.replicas):
             if device not in here:
@@ -71,7 +66,8 @@ def check_plan_models(plan: Plan, models: set[str], source: str) -> None:
 
 
 def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, variant, progress: bool, kwargs: dict):
-    """Each planned model loaded onto its device, then the pipeline assembled around them."""
+    """Each planned model loaded onto its device, then the pipeline assembled around them; with the names of the
+    models loaded here (the others diffusers loaded, or the caller passed in)."""
     kwargs = dict(kwargs)
     kernels = kwargs.pop("use_kernels", False)
     models = {}
@@ -84,7 +80,8 @@ def _load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype, varia
     from diffusers import DiffusionPipeline  # here, not at import: it pulls in every pipeline class
 
     extra = {"dtype": dtype} if dtype is not None else {}
-    return DiffusionPipeline.from_pretrained(folder, **models, **passed, variant=variant, **extra, **kwargs)
+    return (DiffusionPipeline.from_pretrained(folder, **models, **passed, variant=variant, **extra, **kwargs),
+            frozenset(models))
 
 
 def load_component(folder: Path, name: str, library: str, class_name: str, device: str,

@@ -383,9 +383,7 @@ def watch_changes() -> None:
 
 
 def _on_registration(module, name, value) -> None:
-    global _epoch
-    if not getattr(_local, "quiet", 0):  # ``changed``, inlined: it runs at every module, parameter and buffer set
-        _epoch = next(_counter)
+    changed()
 
 
 def _watched_setattr(setattr_of):
