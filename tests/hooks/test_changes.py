@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pipemap.dispatch import _place
-from pipemap.hooks import Ledger, OffloadHook, ReplicaHook, hook_component, unhook_component
+from pipemap.hooks import Ledger, OffloadHook, ReplicaHook, changes, hook_component, unhook_component
 from pipemap.hooks.changes import follow_component, groups, remember, settle, signature
 from pipemap.plan import Placement
 
@@ -129,3 +129,52 @@ def test_a_plain_state_change_is_followed_only_where_the_hook_keeps_copies():
     torch.testing.assert_close(replicated(x), halves, atol=0, rtol=0)  # both halves at the new scale
     unhook_component(offloaded)
     unhook_component(replicated)
+
+
+def _replicated() -> tuple[Scaled, Placement]:
+    model = Scaled()
+    hook_component(model, ReplicaHook("model", "cpu", "cpu", ("cpu",)))
+    remember(model)
+    return model, Placement("model", "cpu", 1 << 20, "replicated", "cpu", replicas=("cpu",))
+
+
+def test_a_placed_model_is_signed_just_before_the_next_change_to_any_module_lands(monkeypatch):
+    """Placing takes no signature (a load, and calls that change nothing, hash no model): the first change to any
+    module takes it first, of the model as placed. A change to another model is then no change of this one; a change
+    to this one, made first after placing or later, is followed."""
+    torch.manual_seed(0)
+    signed: list[torch.nn.Module] = []
+    taken = changes.signature
+    monkeypatch.setattr(changes, "signature", lambda module, state=None: signed.append(module) or taken(module, state))
+    model, copies = _replicated()
+    model(torch.randn(2, 8))  # a call that changes nothing takes none either
+    assert signed == []
+    Scaled()  # building another module sets its attributes: the first change since placing
+    assert signed == [model]
+    assert not follow_component(model, copies, _place)  # the counter moved for another model
+    model.scale = 0.5  # the record made again just above is signed before this lands
+    assert follow_component(model, copies, _place) and model._hf_hook.replicas[0].scale == 0.5
+    first, copies = _replicated()
+    first.scale = 0.25  # the first change after placing is to the model itself
+    assert follow_component(first, copies, _place) and first._hf_hook.replicas[0].scale == 0.25
+    unhook_component(model)
+    unhook_component(first)
+
+
+def test_an_in_place_write_before_the_signature_is_taken_is_followed():
+    """A write into a tensor moves no counter, only its version: the signature taken after it (at the next change
+    of any module, or when follow asks) cannot be the model as placed, so it equals none and the copies are made
+    again from the model as written."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    for then in (lambda: None, Scaled):  # follow asks first; another module changes first
+        model, copies = _replicated()
+        with torch.no_grad():
+            model.first.weight.mul_(2)
+        then()
+        assert model.__dict__["_pipemap_seen"].signature is changes.CHANGED
+        assert follow_component(model, copies, _place)
+        copy = model._hf_hook.replicas[0]
+        torch.testing.assert_close(copy.first.weight, model.first.weight, atol=0, rtol=0)
+        unhook_component(model)
+        torch.testing.assert_close(copy(x), model(x), atol=0, rtol=0)

@@ -21,6 +21,7 @@ its original.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from ..inventory.live import submodules
 from ..plan import Placement
 from ..quantized import restored, storage
 from ..runtime.transfer import move_tensor
-from .resident import PlacementHook, epoch, hook_component, quiet, unhook_component, watch_changes
+from .resident import PlacementHook, epoch, hook_component, quiet, unhook_component, unsigned, watch_changes
 
 if TYPE_CHECKING:
     from .packing import Group
@@ -58,21 +59,19 @@ class Signature:
     digest: int
 
 
-def signature(module: torch.nn.Module, state: bool | None = None, into: list[torch.Tensor] | None = None
-              ) -> Signature:
+def signature(module: torch.nn.Module, state: bool | None = None) -> Signature:
     """``module`` as its hook last saw it: an onloaded tensor counts as its CPU master, so onloading and evicting
     change nothing, and an in-place write into the master (``load_state_dict``) changes its version. ``state``: the
     modules' plain state too (``_state``); None: where its hook keeps copies of it (``_with_state``).
 
     One hash per module, of tuples built in comprehensions: every dispatch and every pipeline call takes this of
-    every component, and a hash per tensor and a sorted state were a third of its time (issue 28: load time).
-    ``into``: a list the tensors are added to, as their masters (``Seen`` takes them in the same walk)."""
+    every component, and a hash per tensor and a sorted state were a third of its time (issue 28: load time)."""
     masters = _masters(getattr(module, "_hf_hook", None))
     state = _with_state(module) if state is None else state
     tensors = modules = digest = 0
     for sub in submodules(module):
         found = sub.__dict__
-        params, buffers = _held(found["_parameters"], masters, into), _held(found["_buffers"], masters, into)
+        params, buffers = _held(found["_parameters"], masters), _held(found["_buffers"], masters)
         children = tuple([(name, id(child)) for name, child in found["_modules"].items()])
         digest = hash((digest, id(sub), type(sub), params, buffers, children, _state(found) if state else 0))
         tensors += len(params) + len(buffers)
@@ -80,16 +79,13 @@ def signature(module: torch.nn.Module, state: bool | None = None, into: list[tor
     return Signature(tensors, modules, digest)
 
 
-def _held(store: dict[str, torch.Tensor | None], masters: dict[int, torch.Tensor],
-          into: list[torch.Tensor] | None = None) -> tuple[tuple[str, int, int], ...]:
-    """``(key, identity, version)`` of each tensor in a module's ``_parameters`` or ``_buffers``, as its master;
-    each added to ``into`` where given."""
+def _held(store: dict[str, torch.Tensor | None], masters: dict[int, torch.Tensor]
+          ) -> tuple[tuple[str, int, int], ...]:
+    """``(key, identity, version)`` of each tensor in a module's ``_parameters`` or ``_buffers``, as its master."""
     if not store:
         return ()
     if masters:
         store = {key: masters.get(id(tensor), tensor) for key, tensor in store.items()}
-    if into is not None:
-        into += [tensor for tensor in store.values() if tensor is not None]
     return tuple([(key, id(tensor), tensor._version) for key, tensor in store.items() if tensor is not None])
 
 
@@ -133,23 +129,59 @@ def groups(hook: Any) -> list[Group]:
 class Seen:
     """A component as last placed: its ``Signature``, and what the cheap check at each call reads (``unchanged``):
     the change counter then (``resident.epoch``) and the sum of its tensors' version counters (each only grows, so
-    an in-place write into any of them, ``load_state_dict`` or ``weight.mul_(2)``, moves the sum)."""
+    an in-place write into any of them, ``load_state_dict`` or ``weight.mul_(2)``, moves the sum).
 
-    __slots__ = ("signature", "epoch", "tensors", "versions")
+    The signature is taken late: just before the next change to any module lands (``resident.unsigned``), or when
+    asked for. Until the counter moves no module changed, so the model is still as placed, but for in-place writes,
+    which the version sum tells: if it moved, the signature is ``CHANGED``, equal to none. A load, and calls that
+    change nothing, then hash no model (issue 38: load time)."""
+
+    __slots__ = ("_signature", "epoch", "tensors", "versions", "_module", "__weakref__")
 
     def __init__(self, module: torch.nn.Module):
-        self.tensors: list[torch.Tensor] = []  # as their masters, like the signature: onloading changes nothing
-        self.signature = signature(module, into=self.tensors)  # one walk for both (issue 38: load time)
+        self.tensors = _tensors(module)  # as their masters, like the signature: onloading changes nothing
         self.epoch = epoch()
         self.versions = _versions(self.tensors)
+        self._signature: Signature | object | None = None
+        self._module = weakref.ref(module)
+        unsigned(self)
+
+    @property
+    def signature(self) -> Signature | object:
+        if self._signature is None:
+            self.sign()
+        return self._signature
+
+    def sign(self) -> None:
+        """Take the signature now (no change has landed since placing, unless the counter moved: see above)."""
+        if self._signature is not None:
+            return
+        module = self._module()
+        placed_as_now = self.epoch == epoch() and _versions(self.tensors) == self.versions
+        self._signature = signature(module) if module is not None and placed_as_now else CHANGED
 
     def unchanged(self) -> bool:
         return self.epoch == epoch() and _versions(self.tensors) == self.versions
 
     def settle(self) -> None:
         """What a call of the model wrote into its own tensors is no change (the signature's versions are not
-        compared again unless the counter moves; then the whole signature is)."""
+        compared again unless the counter moves; then the whole signature is). A signature not taken yet is then
+        taken with them: the call's check found the model as placed, so only the call wrote them."""
         self.versions = _versions(self.tensors)
+
+
+CHANGED = object()  # the signature of a model changed before its signature was taken: equal to no signature
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``module``, as its master where its hook has it onloaded."""
+    masters = _masters(getattr(module, "_hf_hook", None))
+    found = []
+    for sub in submodules(module):
+        for store in (sub.__dict__["_parameters"], sub.__dict__["_buffers"]):
+            if store:
+                found += [masters.get(id(t), t) for t in store.values() if t is not None]
+    return found
 
 
 def _versions(tensors: list[torch.Tensor]) -> int:

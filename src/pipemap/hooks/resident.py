@@ -12,6 +12,7 @@ import contextlib
 import functools
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -332,6 +333,29 @@ _epoch = 0
 _local = threading.local()
 _installed = threading.Lock()
 _watching: list[bool] = []
+# the records of models placed since the counter last moved whose signature is not taken yet (``changes.Seen``): each
+# is taken just before the next change lands, the first time the counter moves. A load and a call that changes
+# nothing then hash no model (the signature was a third of what dispatch added to a load, issue 38). By ``id``, each a
+# weak reference: a dict's truth is what the hot ``__setattr__`` below asks, and a dropped model's record goes with it
+_unsigned: dict[int, weakref.ref] = {}
+_signing = threading.Lock()
+
+
+def unsigned(seen) -> None:
+    """``seen`` (with a ``sign()``) signed just before the next change to any module lands."""
+    _unsigned[id(seen)] = weakref.ref(seen)
+
+
+def _sign_waiting() -> None:
+    """Sign every record waiting (``unsigned``), before the change that called this lands; under a lock, so that a
+    change another thread makes meanwhile waits for the signatures (it would be taken into them)."""
+    with _signing:
+        waiting = list(_unsigned.values())
+        _unsigned.clear()
+        for ref in waiting:
+            seen = ref()
+            if seen is not None:
+                seen.sign()
 
 
 def epoch() -> int:
@@ -343,6 +367,8 @@ def changed() -> None:
     """Move the change counter (a change made where no hook of torch sees it: a pipeline's loader method)."""
     global _epoch
     if not getattr(_local, "quiet", 0):
+        if _unsigned:
+            _sign_waiting()
         _epoch = next(_counter)  # a fresh value, never one a check recorded: no lost update can hide a change
 
 
@@ -383,16 +409,20 @@ def watch_changes() -> None:
 
 
 def _on_registration(module, name, value) -> None:
-    changed()
+    changed()  # torch calls these before the module, parameter or buffer is set: the signatures waiting see it not
 
 
 def _watched_setattr(setattr_of):
     @functools.wraps(setattr_of)
     def __setattr__(self, name: str, value) -> None:
         global _epoch
+        if getattr(_local, "quiet", 0):
+            setattr_of(self, name, value)
+            return
+        if _unsigned:  # ``changed``, inlined: every attribute set on any module in the process comes here, a load's
+            _sign_waiting()  # thousands too (issue 38: load time); the signatures waiting taken before it lands
         setattr_of(self, name, value)
-        if not getattr(_local, "quiet", 0):  # ``changed``, inlined: every attribute set on any module in the
-            _epoch = next(_counter)  # process comes here, a load's thousands too (issue 38: load time)
+        _epoch = next(_counter)
 
     return __setattr__
 
