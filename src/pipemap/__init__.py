@@ -34,6 +34,7 @@ from .errors import (
     PipemapWarning,
     PlanFormatError,
     PlanMismatchError,
+    RayPlacementError,
     RunManyCallError,
     SimulationFailedError,
     UnknownComponentError,
@@ -122,6 +123,6 @@ __all__ = [
     "TransferReport", "UnsafeTransferWarning", "check_transfers", "HeadroomError", "SimulationFailedError", "stats",
     "current_request", "iter_many", "run_many", "estimate", "Estimate", "Request",
     "simulate_many", "ManyReport", "CallTooLargeError", "HostMemoryError", "HostUse", "WeightsFileChangedError",
-    "WorkerCallError", "WorkerDiedError", "WorkersOptionError",
+    "WorkerCallError", "WorkerDiedError", "WorkersOptionError", "RayPlacementError",
     "Mode",
 ]

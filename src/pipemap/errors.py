@@ -367,6 +367,20 @@ class WorkerDiedError(PipemapError, RuntimeError):
         )
 
 
+class RayPlacementError(PipemapError, RuntimeError):
+    """``PIPEMAP_WORKERS=ray``: Ray could not place the workers' bundles (``bundles``, one per worker) on one node
+    (``STRICT_PACK``) within ``timeout_s``; ``available``: what the cluster had free then."""
+
+    def __init__(self, component: str, bundles: list[dict[str, float]], available: dict[str, float],
+                 timeout_s: float):
+        self.component, self.bundles, self.available, self.timeout_s = component, list(bundles), available, timeout_s
+        super().__init__(
+            f"Ray could not place the workers of {component!r} ({len(self.bundles)} bundles {self.bundles}, all on one "
+            f"node) within {timeout_s:g} s; the cluster has {available} free: free those resources, add a node with "
+            "them, or set PIPEMAP_WORKERS=process to start the workers on this machine without Ray"
+        )
+
+
 class WorkerCallError(PipemapError, RuntimeError):
     """An exception inside a worker process of a split denoiser; ``remote_traceback`` is the worker's traceback."""
 

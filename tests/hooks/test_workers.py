@@ -5,6 +5,7 @@ workers run in ``test_replica_workers.py``, ``test_guidance_workers.py``, ``test
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -18,11 +19,14 @@ def test_workers_mode_defaults_to_threads_and_refuses_other_words(monkeypatch):
     assert workers_mode() == "thread"
     monkeypatch.setenv(ENV, " Process ")
     assert workers_mode() == "process"
-    monkeypatch.setenv(ENV, "ray")
+    monkeypatch.setenv(ENV, "RAY")
+    assert workers_mode() == "ray"
+    monkeypatch.setenv(ENV, "mpi")
     with pytest.raises(WorkersOptionError) as caught:
         workers_mode()
     assert isinstance(caught.value, PipemapError) and isinstance(caught.value, ValueError)
-    assert (caught.value.variable, caught.value.value, caught.value.accepted) == (ENV, "ray", ("thread", "process"))
+    assert (caught.value.variable, caught.value.value) == (ENV, "mpi")
+    assert caught.value.accepted == ("thread", "process", "ray")
 
 
 def test_the_timeout_is_read_in_seconds_and_must_be_positive(monkeypatch):
@@ -160,8 +164,9 @@ def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_c
     unstaged = Workers("m", cpu, (cpu,))
     try:
         unstaged.sync(module, Source.of(module))
-        assert not unstaged.staged and unstaged.hellos[0] == {"pid": unstaged.pids()[0], "staged": False,
-                                                             "gloo": False, P2P_ENV: os.environ.get(P2P_ENV)}
+        assert not unstaged.staged and unstaged.hellos[0] == {
+            "pid": unstaged.pids()[0], "host": socket.gethostname(), "staged": False, "gloo": False,
+            P2P_ENV: os.environ.get(P2P_ENV)}
         assert unstaged.describe() == "'m': ranks on cpu, cpu, exchanging directly"
     finally:
         unstaged.close()

@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray", reason="the Ray Serve tests need ray: pip insta
 httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
 from ray import serve  # noqa: E402
 
+from pipemap.hooks.workers import ENV  # noqa: E402
 from pipemap.serve import Options  # noqa: E402
 from pipemap.serve.deployment import (  # noqa: E402
     AutoscaleSpecError,
@@ -30,7 +31,9 @@ from pipemap.serve.deployment import (  # noqa: E402
     autoscaling,
     gpus,
     ray_init_options,
+    worker_ranks,
 )
+from pipemap.serve.service import make_plan  # noqa: E402
 
 GENERATIONS = "/v1/images/generations"
 
@@ -45,6 +48,25 @@ def test_a_replica_asks_for_the_gpus_its_plan_uses(tiny_folders):
     assert options.ray_actor_options["num_gpus"] == 2
     assert options._deployment_config.autoscaling_config.min_replicas == 1
     assert options._deployment_config.autoscaling_config.max_replicas == 3
+
+
+def test_with_ray_workers_a_replica_that_splits_its_denoiser_gets_a_strict_pack_bundle_per_worker(
+        tiny_folders, monkeypatch):
+    options = Options(tiny_folders["sd"], hardware="2x64MiB,cpu=1GiB", strategy="parallel", headroom=0.0)
+    assert worker_ranks(make_plan(options)) == 1  # the unet copied onto cuda:1: one worker rank
+    monkeypatch.setenv(ENV, "ray")
+    bound = application(options)._bound_deployment
+    # bundle 0 the replica's own (its CPU and both GPUs of its plan), then one CPU for the worker actor
+    assert bound._replica_config.placement_group_bundles == [{"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0}]
+    assert bound._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert bound.ray_actor_options["runtime_env"] == {"env_vars": {ENV: "ray"}}  # the replica runs them on Ray
+    monkeypatch.setenv(ENV, "process")  # worker processes the replica starts itself: no bundles
+    bound = application(options)._bound_deployment
+    assert bound._replica_config.placement_group_bundles is None
+    assert bound.ray_actor_options["runtime_env"] == {"env_vars": {ENV: "process"}}
+    monkeypatch.setenv(ENV, "ray")
+    assert application(Options(tiny_folders["sd"], hardware="cpu=4GiB"))._bound_deployment._replica_config \
+        .placement_group_bundles is None  # nothing split: no workers
 
 
 def test_the_queue_limit_and_the_grace_follow_the_options(tiny_folders):

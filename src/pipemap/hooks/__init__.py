@@ -85,10 +85,11 @@ class _Hooks(Mapping):
 
 
 def _on_workers() -> bool:
-    """Whether split denoisers run their other ranks in worker processes (``PIPEMAP_WORKERS=process``)."""
+    """Whether split denoisers run their other ranks in worker processes (``PIPEMAP_WORKERS=process``, or ``ray``:
+    the same processes as Ray actors)."""
     from .workers import workers_mode  # here: only a plan with copies of its denoiser reads it
 
-    return workers_mode() == "process"
+    return workers_mode() != "thread"
 
 
 HOOKS: Mapping[str, Callable[[Placement, str, Any], PlacementHook]] = _Hooks()

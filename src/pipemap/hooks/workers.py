@@ -60,12 +60,13 @@ from ..runtime import transfer
 
 ENV = "PIPEMAP_WORKERS"
 TIMEOUT_ENV = "PIPEMAP_WORKER_TIMEOUT"
-MODES = ("thread", "process")
+MODES = ("thread", "process", "ray")  # "ray": the worker processes as Ray actors (``ray_workers.py``)
 _POLL_S = 0.05  # how often a wait on a pipe looks at the worker's liveness
 
 
 def workers_mode() -> str:
-    """How a split denoiser's other ranks run: ``"thread"`` (the default) or ``"process"`` (``PIPEMAP_WORKERS``)."""
+    """How a split denoiser's other ranks run: ``"thread"`` (the default), ``"process"`` (a process per rank, which
+    pipemap starts) or ``"ray"`` (the same processes as Ray actors in one placement group) (``PIPEMAP_WORKERS``)."""
     mode = os.environ.get(ENV, "thread").strip().lower() or "thread"
     if mode not in MODES:
         raise WorkersOptionError(ENV, mode, MODES)
@@ -395,9 +396,87 @@ def _receive_tensors(group: Any, wanted: list[Meta], peer: int, device: torch.de
 
 
 def _alive(r: _Rank) -> bool:
-    """Whether worker ``r`` still runs: its sentinel (a pipe end the child holds) is closed once it exits, even
-    where someone else reaped it (``Process.is_alive`` would then say it lives)."""
-    return not multiprocessing.connection.wait([r.process.sentinel], timeout=0)
+    return r.process.alive()
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a worker is started with: its rank of ``size``, the rendezvous (``host``, ``port``: rank 0's store), its
+    device, where it loads its first copy from, the waits' bound, the group's name, and how the group exchanges
+    (``staged``: through host memory, the copy check's verdict; ``gloo``: ranks sharing a GPU)."""
+
+    rank: int
+    size: int
+    host: str
+    port: int
+    device: str
+    source: Source
+    seconds: float
+    name: str
+    staged: bool = False
+    gloo: bool = False
+
+
+@dataclass(frozen=True)
+class _Spawned:
+    """A worker started with ``spawn``, as rank 0 watches and stops it (``ray_workers.Actor`` is the other kind)."""
+
+    process: Any  # a multiprocessing Process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid or 0
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def alive(self) -> bool:
+        """Its sentinel (a pipe end the child holds) is closed once it exits, even where someone else reaped it
+        (``Process.is_alive`` would then say it lives)."""
+        return not multiprocessing.connection.wait([self.process.sentinel], timeout=0)
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout=timeout)
+
+    def greet(self, hello: dict) -> None:
+        pass  # its pid is known from the start
+
+    def stop(self) -> None:
+        """Wait for it to end (it was asked to), then kill it."""
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+
+
+class _Spawn:
+    """Starts each worker as a child process (``spawn``): ``PIPEMAP_WORKERS=process``."""
+
+    host = "127.0.0.1"
+
+    def launch(self, component: str, start: Start, index: int) -> tuple[_Spawned, Any]:
+        """Worker ``index`` (0 for rank 1) started; its handle and rank 0's end of its pipe."""
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        process = context.Process(target=serve, name=f"pipemap-{component}-rank{start.rank}", daemon=True,
+                                  args=(start, theirs, os.getpid()))
+        with _without_main():
+            process.start()
+        theirs.close()
+        return _Spawned(process), ours
+
+    def close(self) -> None:
+        pass
+
+
+def launcher(component: str, devices: tuple[torch.device, ...]) -> Any:
+    """What starts the workers on ``devices``, as ``PIPEMAP_WORKERS`` says: child processes, or Ray actors."""
+    if workers_mode() == "ray":
+        from .ray_workers import RayLauncher  # here: Ray is imported only where asked for
+
+        return RayLauncher(component, devices, timeout_s(), serve)
+    return _Spawn()
 
 
 _SPAWNING = threading.Lock()
@@ -424,9 +503,9 @@ def _without_main():
             multiprocessing.spawn.get_preparation_data = prepare
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -439,8 +518,8 @@ class _Rank:
 
     rank: int
     device: torch.device
-    process: Any
-    pipe: Any
+    process: Any  # its handle: ``_Spawned``, or ``ray_workers.Actor``
+    pipe: Any  # a ``multiprocessing`` connection: send, recv, poll, close
     pid: int = 0
     inputs: Inputs = field(default_factory=Inputs)  # its last call's tensors, which the next call may name
 
@@ -479,6 +558,7 @@ class Workers:
         self.gloo = False  # two ranks share a GPU (``shared_gpu``): gloo carries the tensors, through the host
         self.wire = home  # where rank 0's tensors travel from (``wire``)
         self.hellos: list[dict] = []  # per worker started last: what it reported at start (tests read it)
+        self.launcher: Any = None  # what started them (``launcher``): it frees what it holds at close
 
     @property
     def running(self) -> bool:
@@ -504,28 +584,26 @@ class Workers:
     def start(self, source: Source) -> None:
         self.close()
         seconds = timeout_s()
-        port, size = _free_port(), 1 + len(self.devices)
+        size = 1 + len(self.devices)
         name = f"pipemap-{self.component}-{os.getpid()}-{next(_NAMES)}"
-        self.store = dist.TCPStore("127.0.0.1", port, size, is_master=True,
-                                   timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
-        context = multiprocessing.get_context("spawn")
         self.staged = staged = staged_ranks((self.home, *self.devices))
         self.gloo = gloo = shared_gpu((self.home, *self.devices))
         self.wire = wire(self.home, gloo)
         try:
-            for rank, device in enumerate(self.devices, start=1):
-                ours, theirs = context.Pipe()
-                process = context.Process(target=serve, name=f"pipemap-{self.component}-rank{rank}", daemon=True,
-                                          args=(rank, size, port, str(device), os.getpid(), theirs, source, seconds,
-                                                name, staged, gloo))
-                with _without_main():
-                    process.start()
-                theirs.close()
-                self.ranks.append(_Rank(rank, device, process, ours, process.pid or 0))
+            self.launcher = launcher(self.component, self.devices)
+            host = self.launcher.host
+            port = _free_port(host)
+            self.store = dist.TCPStore(host, port, size, is_master=True,
+                                       timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
+            for index, device in enumerate(self.devices):
+                start = Start(index + 1, size, host, port, str(device), source, seconds, name, staged, gloo)
+                handle, pipe = self.launcher.launch(self.component, start, index)
+                self.ranks.append(_Rank(index + 1, device, handle, pipe, handle.pid))
             self.hellos = []
             for r in self.ranks:  # each has loaded its copy from the folder: only now join the group
                 hello = self._receive(r, "start")
                 r.pid = hello["pid"]
+                r.process.greet(hello)
                 self.hellos.append(hello)
             self.group = _joined(self.store, 0, size, self.home, seconds, name, staged, gloo)
         except BaseException:
@@ -533,21 +611,20 @@ class Workers:
             raise
 
     def close(self) -> None:
-        """Stop every worker (asked first, then killed) and free the group and its port."""
+        """Stop every worker (asked first, then killed) and free the group, its port and what the launcher holds."""
         ranks, self.ranks = self.ranks, []
         for r in ranks:
             with contextlib.suppress(OSError, ValueError):
                 r.pipe.send(("stop",))
         for r in ranks:
-            r.process.join(timeout=5)
-            if r.process.is_alive():
-                r.process.kill()
-                r.process.join(timeout=5)
+            r.process.stop()
             with contextlib.suppress(OSError):
                 r.pipe.close()
+        if self.launcher is not None:
+            self.launcher.close()
         if self.group is not None:
             _forget(self.group)
-        self.group = self.store = None
+        self.group = self.store = self.launcher = None
         self.outstanding = []
 
     # -- the workers' copies --
@@ -733,24 +810,27 @@ class OnWorkers:
 # ---- a worker's end ----------------------------------------------------------------------------------------------
 
 
-def serve(rank: int, size: int, port: int, device_name: str, parent: int, pipe, source: Source,
-          seconds: float, name: str, staged: bool = False, gloo: bool = False) -> None:
+def serve(start: Start, pipe, parent: int | None) -> None:
     """A worker process: load the copy, join the group, then answer rank 0's messages until told to stop or until
-    rank 0's process is gone."""
-    _watch(parent)
-    device = torch.device(device_name)
+    rank 0 is gone (its end of ``pipe`` closed; where ``parent`` is rank 0's pid, also when this process's parent
+    changes: a child process outlives nothing of its parent's)."""
+    if parent is not None:
+        _watch(parent)
+    device = torch.device(start.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        module = source.load(device)
+        module = start.source.load(device)
     except Exception:  # files it cannot read alone (a variant's names, say): every tensor is then sent
         module = None
-    with _p2p_off(staged):
-        hello = {"pid": os.getpid(), "staged": staged, "gloo": gloo, P2P_ENV: os.environ.get(P2P_ENV)}
+    with _p2p_off(start.staged):
+        hello = {"pid": os.getpid(), "host": socket.gethostname(), "staged": start.staged, "gloo": start.gloo,
+                 P2P_ENV: os.environ.get(P2P_ENV)}
     pipe.send(("ready", hello))
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=seconds))
-    group = _joined(store, rank, size, device, seconds, name, staged, gloo)
-    worker = _Worker(group, device, module, wire(device, gloo))
+    store = dist.TCPStore(start.host, start.port, start.size, is_master=False,
+                          timeout=datetime.timedelta(seconds=start.seconds))
+    group = _joined(store, start.rank, start.size, device, start.seconds, start.name, start.staged, start.gloo)
+    worker = _Worker(group, device, module, wire(device, start.gloo))
     while True:
         try:
             message = pipe.recv()

@@ -18,6 +18,8 @@ from ray import serve
 
 from ..devices import normalize_device
 from ..errors import AutoscaleSpecError
+from ..hooks.ray_workers import ray_init_options
+from ..hooks.workers import ENV, workers_mode
 from ..plan import Plan
 from .app import create_app
 from .service import Options, Service, default_workers, make_plan
@@ -32,6 +34,31 @@ def gpus(plan: Plan) -> int:
     return sum(1 for device in used if normalize_device(device) not in ("cpu", "disk"))
 
 
+def worker_ranks(plan: Plan) -> int:
+    """How many worker ranks a replica's split denoiser starts: one per copy of it on another device."""
+    return max((len(p.replicas) for p in plan.components), default=0)
+
+
+def actor_options(plan: Plan, num_cpus: float) -> dict:
+    """A replica's ``ray_actor_options``: its GPUs and CPUs, and how its split denoiser runs its other ranks (the
+    driver's ``PIPEMAP_WORKERS``, which a replica on another node would not see)."""
+    options: dict = {"num_gpus": gpus(plan), "num_cpus": num_cpus}
+    if ENV in os.environ:
+        options["runtime_env"] = {"env_vars": {ENV: os.environ[ENV]}}
+    return options
+
+
+def worker_bundles(plan: Plan, num_cpus: float) -> dict:
+    """With ``PIPEMAP_WORKERS=ray``, a replica whose plan splits its denoiser is deployed in a placement group of
+    its own (``STRICT_PACK``: one node): bundle 0 the replica's (its CPUs and every GPU of its plan), then a CPU for
+    each worker rank (``hooks/ray_workers.py``: the worker actors take those bundles and share the replica's GPUs)."""
+    ranks = worker_ranks(plan)
+    if workers_mode() != "ray" or not ranks:
+        return {}
+    own = {"CPU": float(num_cpus), **({"GPU": float(gpus(plan))} if gpus(plan) else {})}
+    return {"placement_group_bundles": [own, *[{"CPU": 1.0}] * ranks], "placement_group_strategy": "STRICT_PACK"}
+
+
 def autoscaling(text: str, max_ongoing: int) -> dict:
     """Ray Serve's ``autoscaling_config`` for ``MIN:MAX``: scale so each replica has about one batch in flight
     beyond the one it runs, out of the ``max_ongoing`` it takes."""
@@ -40,14 +67,6 @@ def autoscaling(text: str, max_ongoing: int) -> dict:
         raise AutoscaleSpecError(text)
     return {"min_replicas": int(match[1]), "max_replicas": int(match[2]),
             "target_ongoing_requests": max(1, min(2, max_ongoing)), "upscale_delay_s": 5, "downscale_delay_s": 60}
-
-
-def ray_init_options(address: str | None, public: bool) -> dict:
-    """``ray.init``'s arguments: a cluster's address as given; a local Ray on loopback unless ``public``."""
-    options: dict = {"address": address, "ignore_reinit_error": True}
-    if address is None and not public:
-        options.update(_node_ip_address="127.0.0.1", dashboard_host="127.0.0.1")
-    return options
 
 
 @serve.ingress()
@@ -87,8 +106,9 @@ def application(options: Options, replicas: int = 1, autoscale: str | None = Non
     deployment = serve.deployment(PipemapReplica, name="pipemap", max_ongoing_requests=max_ongoing,
                                   max_queued_requests=options.max_queue,
                                   graceful_shutdown_timeout_s=options.timeout + 5,
-                                  ray_actor_options={"num_gpus": gpus(plan), "num_cpus": num_cpus},
-                                  health_check_period_s=2, health_check_timeout_s=30, **scaling)
+                                  ray_actor_options=actor_options(plan, num_cpus),
+                                  health_check_period_s=2, health_check_timeout_s=30, **scaling,
+                                  **worker_bundles(plan, num_cpus))
     # ray annotates the decorator form's return, but given the class it returns the Deployment
     return deployment.bind(options, plan.to_dict())  # type: ignore[attr-defined, unused-ignore]
 
