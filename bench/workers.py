@@ -96,11 +96,14 @@ def case(kind: str, scale: int, steps: int):
     return pipe, call, "transformer", "sequence"
 
 
-def measure(kind: str, scale: int, steps: int, repeats: int, device: str = "cpu"
+RANKS = ("plain", "thread", "process")  # with --ray also "ray": the worker process as a Ray actor
+
+
+def measure(kind: str, scale: int, steps: int, repeats: int, device: str = "cpu", ranks_of: tuple[str, ...] = RANKS
             ) -> dict[str, tuple[float, float, float] | str]:
     """Per way of running the other rank (none: plain), its figures (``timed``), or the error that stopped it."""
     found: dict[str, tuple[float, float, float] | str] = {}
-    for ranks in ("plain", "thread", "process"):
+    for ranks in ranks_of:
         pipe, call, component, mode = case(kind, scale, steps)
         try:
             if ranks == "plain":
@@ -148,7 +151,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--out", type=Path, help="write the table to OUT/workers.md (RESULTS.md untouched)")
     parser.add_argument("--only", help="comma-separated pipelines of the table (sd, flux, flux-true-cfg)")
+    parser.add_argument("--ray", action="store_true", help="also the worker as a Ray actor (PIPEMAP_WORKERS=ray; "
+                        "a local Ray of this machine's CPUs is started)")
     args = parser.parse_args()
+    ranks_of = (*RANKS, "ray") if args.ray else RANKS
+    if args.ray:
+        import ray
+
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     rows = ["| pipeline | ranks | wall per call (s) | caller CPU (s) | all ranks' CPU (s) | wall / plain | "
             "caller CPU / plain | all CPU / plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     cases = [("sd", 1, "replicated"), ("sd", args.scale, "replicated"), ("flux", 1, "sequence"),
@@ -157,9 +167,9 @@ def main() -> None:
     for kind, scale, mode in cases:
         if only is not None and kind not in only:
             continue
-        found = measure(kind, scale, args.steps, args.repeats, args.device)
+        found = measure(kind, scale, args.steps, args.repeats, args.device, ranks_of)
         rows += table_rows(f"{kind} x{scale}, {mode}", found)
-        print("\n".join(rows[-3:]), flush=True)
+        print("\n".join(rows[-len(ranks_of):]), flush=True)
     table = "\n".join(rows)
     print(table)
     if args.out is not None:
@@ -171,13 +181,14 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = (f"\n## {now} — `bench/workers.py --repeats {args.repeats} --scale {args.scale} --steps {args.steps}`\n\n"
+    header = (f"\n## {now} — `bench/workers.py --repeats {args.repeats} --scale {args.scale} --steps {args.steps}"
+              f"{' --ray' if args.ray else ''}{' --only ' + args.only if args.only else ''}`\n\n"
               f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
               f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n"
               f"- versions: torch {torch.__version__}, git {commit}\n"
               "- strategy parallel's three modes on 2 GPUs remapped onto the CPU (sd: the CFG batch cut in halves; "
               "flux: tokens split; flux with true CFG: each step's second branch started ahead); process: the second "
-              "rank a worker process (gloo), thread: a thread of the caller\n\n")
+              "rank a worker process (gloo), ray: the same as a Ray actor, thread: a thread of the caller\n\n")
     with open(HERE / "RESULTS.md", "a", encoding="utf-8") as results:
         results.write(header + table + "\n")
 

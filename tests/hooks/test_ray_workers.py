@@ -157,3 +157,20 @@ def test_the_tiny_flux_sequence_split_on_a_ray_actor_equals_plain(on_ray):
     assert type(hook.workers.ranks[0].process).__name__ == "Actor"
     pipemap.reset(pipe)
     assert _gone([pid])
+
+
+@pytest.mark.slow
+def test_qwen_image_s_second_guidance_branch_on_a_ray_actor_equals_plain(on_ray):
+    import families
+    from families import fresh, output
+
+    pipe, call = families.true_cfg("qwen_image", 3)
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    (pid,) = hook.pids()
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)
+    assert (hook.hits, hook.misses) == (2, 0) and hook.workers.served == [pid, pid]  # steps 2 and 3 on the actor
+    assert pid != os.getpid() and type(hook.workers.ranks[0].process).__name__ == "Actor"
+    pipemap.reset(pipe)
+    assert _gone([pid])
