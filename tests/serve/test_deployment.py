@@ -31,6 +31,7 @@ from pipemap.serve.deployment import (  # noqa: E402
     autoscaling,
     gpus,
     ray_init_options,
+    replica_gpus,
     worker_ranks,
 )
 from pipemap.serve.service import make_plan  # noqa: E402
@@ -67,6 +68,20 @@ def test_with_ray_workers_a_replica_that_splits_its_denoiser_gets_a_strict_pack_
     monkeypatch.setenv(ENV, "ray")
     assert application(Options(tiny_folders["sd"], hardware="cpu=4GiB"))._bound_deployment._replica_config \
         .placement_group_bundles is None  # nothing split: no workers
+
+
+def test_a_local_ray_without_the_plan_s_gpus_runs_them_on_the_cpu_as_serve_does_without_ray(tiny_folders,
+                                                                                           monkeypatch):
+    # a local Ray is this machine: a replica asking for GPUs it lacks would wait for ever (Ray's autoscaler: "No
+    # available node types can fulfill resource request {'GPU': 2.0}"); it asks for none and runs them on the CPU
+    options = Options(tiny_folders["sd"], hardware="2x64MiB,cpu=1GiB", strategy="parallel", headroom=0.0)
+    plan = make_plan(options)
+    assert (replica_gpus(plan, here=0.0), replica_gpus(plan, here=1.0), replica_gpus(plan, here=2.0)) == (0, 0, 2)
+    assert replica_gpus(plan, here=None) == 2  # a cluster's replicas ask, and wait for a node that has them
+    monkeypatch.setenv(ENV, "ray")
+    bound = application(options, gpus_here=0.0, plan=plan)._bound_deployment
+    assert bound.ray_actor_options["num_gpus"] == 0
+    assert bound._replica_config.placement_group_bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
 
 
 def test_the_queue_limit_and_the_grace_follow_the_options(tiny_folders):

@@ -39,23 +39,32 @@ def worker_ranks(plan: Plan) -> int:
     return max((len(p.replicas) for p in plan.components), default=0)
 
 
-def actor_options(plan: Plan, num_cpus: float) -> dict:
+def replica_gpus(plan: Plan, here: float | None = None) -> int:
+    """The GPUs a replica asks Ray for: its plan's (``gpus``); none where the Ray is this machine's own (``here``:
+    the GPUs a local Ray has) and it has fewer. The replica then runs the plan's GPUs on the CPU, as ``pipemap
+    serve`` without Ray does (``api.runnable``), instead of waiting for ever for GPUs no node will have. A cluster's
+    (``here`` None) may add nodes with them: its replicas ask and wait."""
+    need = gpus(plan)
+    return 0 if here is not None and here < need else need
+
+
+def actor_options(plan: Plan, num_cpus: float, num_gpus: int) -> dict:
     """A replica's ``ray_actor_options``: its GPUs and CPUs, and how its split denoiser runs its other ranks (the
     driver's ``PIPEMAP_WORKERS``, which a replica on another node would not see)."""
-    options: dict = {"num_gpus": gpus(plan), "num_cpus": num_cpus}
+    options: dict = {"num_gpus": num_gpus, "num_cpus": num_cpus}
     if ENV in os.environ:
         options["runtime_env"] = {"env_vars": {ENV: os.environ[ENV]}}
     return options
 
 
-def worker_bundles(plan: Plan, num_cpus: float) -> dict:
+def worker_bundles(plan: Plan, num_cpus: float, num_gpus: int) -> dict:
     """With ``PIPEMAP_WORKERS=ray``, a replica whose plan splits its denoiser is deployed in a placement group of
     its own (``STRICT_PACK``: one node): bundle 0 the replica's (its CPUs and every GPU of its plan), then a CPU for
     each worker rank (``hooks/ray_workers.py``: the worker actors take those bundles and share the replica's GPUs)."""
     ranks = worker_ranks(plan)
     if workers_mode() != "ray" or not ranks:
         return {}
-    own = {"CPU": float(num_cpus), **({"GPU": float(gpus(plan))} if gpus(plan) else {})}
+    own = {"CPU": float(num_cpus), **({"GPU": float(num_gpus)} if num_gpus else {})}
     return {"placement_group_bundles": [own, *[{"CPU": 1.0}] * ranks], "placement_group_strategy": "STRICT_PACK"}
 
 
@@ -92,12 +101,15 @@ class PipemapReplica:
             service.worker.drain()
 
 
-def application(options: Options, replicas: int = 1, autoscale: str | None = None, num_cpus: float = 1.0):
-    """The Ray Serve application for ``options``: the plan made here, each replica asking for its GPUs.
+def application(options: Options, replicas: int = 1, autoscale: str | None = None, num_cpus: float = 1.0,
+                gpus_here: float | None = None, plan: Plan | None = None):
+    """The Ray Serve application for ``options``: the plan made here, each replica asking for its GPUs (none where
+    ``gpus_here``, a local Ray's GPUs, are too few: ``replica_gpus``); ``plan``: the one made for ``options``.
 
     >>> serve.run(application(Options("path/to/sdxl", hardware="2x24GiB"), autoscale="1:4"))   # doctest: +SKIP
     """
-    plan = make_plan(options)
+    plan = plan or make_plan(options)
+    num_gpus = replica_gpus(plan, gpus_here)
     # a request waits in Ray's router rather than being refused by a replica whose own queue is full
     max_ongoing = options.max_queue + (options.workers or default_workers(plan))
     scaling = {"autoscaling_config": autoscaling(autoscale, max_ongoing)} if autoscale else {"num_replicas": replicas}
@@ -106,9 +118,9 @@ def application(options: Options, replicas: int = 1, autoscale: str | None = Non
     deployment = serve.deployment(PipemapReplica, name="pipemap", max_ongoing_requests=max_ongoing,
                                   max_queued_requests=options.max_queue,
                                   graceful_shutdown_timeout_s=options.timeout + 5,
-                                  ray_actor_options=actor_options(plan, num_cpus),
+                                  ray_actor_options=actor_options(plan, num_cpus, num_gpus),
                                   health_check_period_s=2, health_check_timeout_s=30, **scaling,
-                                  **worker_bundles(plan, num_cpus))
+                                  **worker_bundles(plan, num_cpus, num_gpus))
     # ray annotates the decorator form's return, but given the class it returns the Deployment
     return deployment.bind(options, plan.to_dict())  # type: ignore[attr-defined, unused-ignore]
 
@@ -118,9 +130,16 @@ def run_on_ray(options: Options, host: str, port: int, replicas: int = 1, autosc
     """``pipemap serve --ray``: deploy on the Ray cluster ``ray.init`` finds (``RAY_ADDRESS``) or a local one, and
     keep serving until Ctrl-C or SIGTERM. A local one binds its own ports (GCS, object store, dashboard) to
     127.0.0.1 unless ``public``: they run any code sent to them."""
-    ray.init(**ray_init_options(os.environ.get("RAY_ADDRESS"), public))
+    address = os.environ.get("RAY_ADDRESS")
+    ray.init(**ray_init_options(address, public))
+    here = ray.cluster_resources().get("GPU", 0.0) if address is None else None  # a local Ray: this machine
+    plan = make_plan(options)
+    app = application(options, replicas, autoscale, gpus_here=here, plan=plan)
+    if replica_gpus(plan, here) < gpus(plan):
+        print(f"pipemap: this machine has {here:g} GPUs, fewer than the plan's: each replica runs them on the CPU "
+              "(plan for this machine, or leave --hardware out, to use what it has)", flush=True)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(options, replicas, autoscale), name="pipemap", route_prefix="/")
+    serve.run(app, name="pipemap", route_prefix="/")
     print(f"pipemap: serving on Ray at http://{host}:{port} (POST /v1/images/generations)", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
