@@ -344,9 +344,9 @@ class WeightsFileChangedError(CheckpointError):
 class WorkersOptionError(PipemapError, ValueError):
     """An environment setting of the worker processes that cannot be read."""
 
-    def __init__(self, variable: str, value: object, accepted: tuple[str, ...]):
-        self.variable, self.value, self.accepted = variable, value, tuple(accepted)
-        super().__init__(f"{variable}={value!r} is not understood: set it to one of {', '.join(self.accepted)}")
+    def __init__(self, variable: str, value: object, accepted: tuple[str, ...], why: str = "is not understood"):
+        self.variable, self.value, self.accepted, self.why = variable, value, tuple(accepted), why
+        super().__init__(f"{variable}={value!r} {why}: set it to one of {', '.join(self.accepted)}")
 
 
 class WorkerDiedError(PipemapError, RuntimeError):

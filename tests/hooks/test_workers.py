@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -27,6 +28,11 @@ def test_workers_mode_defaults_to_threads_and_refuses_other_words(monkeypatch):
     assert isinstance(caught.value, PipemapError) and isinstance(caught.value, ValueError)
     assert (caught.value.variable, caught.value.value) == (ENV, "mpi")
     assert caught.value.accepted == ("thread", "process", "ray")
+    monkeypatch.setenv(ENV, "ray")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    with pytest.raises(WorkersOptionError, match=r"needs Ray, which is not installed \(pip install") as caught:
+        workers_mode()  # where Ray is not installed: said at once, not an ImportError at the first call
+    assert caught.value.accepted == ("thread", "process")
 
 
 def test_the_timeout_is_read_in_seconds_and_must_be_positive(monkeypatch):

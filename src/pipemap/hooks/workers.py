@@ -37,6 +37,7 @@ import atexit
 import contextlib
 import datetime
 import functools
+import importlib.util
 import io
 import itertools
 import multiprocessing
@@ -70,6 +71,9 @@ def workers_mode() -> str:
     mode = os.environ.get(ENV, "thread").strip().lower() or "thread"
     if mode not in MODES:
         raise WorkersOptionError(ENV, mode, MODES)
+    if mode == "ray" and importlib.util.find_spec("ray") is None:
+        raise WorkersOptionError(ENV, mode, ("thread", "process"), "needs Ray, which is not installed (pip install "
+                                 "-e '.[ray]' in pipemap's checkout)")
     return mode
 
 
