@@ -86,9 +86,15 @@ CASES = {
     E.WeightsFileChangedError: (("/m/x.safetensors", "unet", "9 bytes became 3"),
                                 {"path": "/m/x.safetensors", "component": "unet", "reason": "9 bytes became 3"},
                                 ["'unet'", "9 bytes became 3", "put the file back", "rename it over the old one"]),
-    E.WorkersOptionError: (("PIPEMAP_WORKERS", "ray", ("thread", "process")),
-                           {"variable": "PIPEMAP_WORKERS", "value": "ray", "accepted": ("thread", "process")},
-                           ["PIPEMAP_WORKERS='ray'", "one of thread, process"]),
+    E.WorkersOptionError: (("PIPEMAP_WORKERS", "mpi", ("thread", "process", "ray")),
+                           {"variable": "PIPEMAP_WORKERS", "value": "mpi", "accepted": ("thread", "process", "ray"),
+                            "why": "is not understood"},
+                           ["PIPEMAP_WORKERS='mpi' is not understood", "one of thread, process, ray"]),
+    E.RayPlacementError: (("unet", [{"CPU": 1.0, "GPU": 1.0}], {"CPU": 8.0}, 120.0),
+                          {"component": "unet", "bundles": [{"CPU": 1.0, "GPU": 1.0}], "available": {"CPU": 8.0},
+                           "timeout_s": 120.0},
+                          ["workers of 'unet'", "{'CPU': 1.0, 'GPU': 1.0}", "all on one node", "within 120 s",
+                           "{'CPU': 8.0} free", "PIPEMAP_WORKERS=process"]),
     E.WorkerDiedError: (("unet", "cuda:1", 42, "call", -9, None),
                         {"component": "unet", "device": "cuda:1", "pid": 42, "phase": "call", "exitcode": -9,
                          "timeout_s": None},
@@ -122,8 +128,8 @@ CASES = {
 }
 # errors in what pipemap was asked to do at run time, not in what the user gave
 RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError, E.WorkerDiedError,
-           E.WorkerCallError, E.UnwaitedCopyError, E.BufferReuseError, E.DeviceMixError, E.StandInError,
-           E.UnknownValueError}
+           E.WorkerCallError, E.RayPlacementError, E.UnwaitedCopyError, E.BufferReuseError, E.DeviceMixError,
+           E.StandInError, E.UnknownValueError}
 # the service's own states (its queue full, shutting down, a timed-out request's work dropped): neither the user's
 # input nor a failed run; HTTP answers them 429, 503 and 504
 SERVICE = {E.QueueFullError, E.DrainingError, E.WorkDropped}
