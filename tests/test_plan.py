@@ -186,6 +186,10 @@ def test_explain_ranks_the_candidates_and_says_when_there_were_none():
     assert lines[1].split()[:3] == ["parallel", "1.5", "1.2"] and lines[2].split()[:3] == ["balanced", "-", "-"]
     assert "does not fit" in lines[2] and lines[-1] == "auto: parallel is the fastest"
     assert plan(SDXL_LIKE, TWO_GPUS).explain() == "strategy 'balanced' was asked for; no other plan was weighed"
+    asked = plan(SDXL_LIKE, TWO_GPUS, strategy="parallel")  # what parallel did with the denoiser is said too
+    assert asked.explain().splitlines() == ["strategy 'parallel' was asked for; no other plan was weighed",
+                                            *[n for n in asked.notes if n.startswith("parallel: no replicas: ")]]
+    assert len(asked.explain().splitlines()) == 2
 
 
 # sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100

@@ -267,9 +267,11 @@ class Plan:
     def explain(self) -> str:
         """Why this plan: the candidates ``"auto"`` weighed, their predicted seconds per image, images per second
         with requests overlapped (``run_many``) and per-device peaks, and which won. Plans from a fixed strategy
-        have no candidates and say so."""
+        have no candidates and say so; what ``"parallel"`` did with the denoiser (its ``parallel:`` note: copies,
+        split tokens, or why none) is said either way."""
+        told = [n for n in self.notes if n.startswith(("auto:", "parallel:"))]
         if not self.candidates:
-            return f"strategy {self.strategy!r} was asked for; no other plan was weighed"
+            return "\n".join([f"strategy {self.strategy!r} was asked for; no other plan was weighed", *told])
         ranked = sorted(self.candidates, key=lambda c: (c.seconds is None, c.seconds or 0.0))
         lines = [f"{'strategy':<34}{'s/image':>10}{'images/s':>10}  peaks per device"]
         for c in ranked:
@@ -279,7 +281,7 @@ class Plan:
             lines.append(f"{c.strategy:<34}{figure}{rate}  {peaks or c.reason}")
         lines.append("s/image: one request at a time; images/s: requests overlapped (pipemap.run_many), paced by "
                      "the busiest device")
-        return "\n".join(lines + [n for n in self.notes if n.startswith(("auto:", "parallel:"))])
+        return "\n".join(lines + told)
 
     def picture(self, moved: Mapping[str, int] | None = None) -> Picture:
         """The plan drawn: each device a bar of its memory (``print(plan.picture())`` in a terminal,
