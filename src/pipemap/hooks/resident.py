@@ -347,15 +347,18 @@ def unsigned(seen) -> None:
 
 
 def _sign_waiting() -> None:
-    """Sign every record waiting (``unsigned``), before the change that called this lands; under a lock, so that a
-    change another thread makes meanwhile waits for the signatures (it would be taken into them)."""
+    """Sign every record waiting (``unsigned``), before the change that called this lands; under a lock, and each
+    record left waiting until it is signed, so that a change another thread makes meanwhile finds it waiting and
+    waits for the lock (it would be taken into the signatures)."""
     with _signing:
-        waiting = list(_unsigned.values())
-        _unsigned.clear()
-        for ref in waiting:
+        waiting = list(_unsigned.items())
+        for _, ref in waiting:
             seen = ref()
             if seen is not None:
                 seen.sign()
+        for key, ref in waiting:
+            if _unsigned.get(key) is ref:
+                del _unsigned[key]
 
 
 def epoch() -> int:
