@@ -3,6 +3,9 @@ change: written back, re-packed, re-hooked; on small modules placed on the CPU."
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from pipemap.dispatch import _place
@@ -178,3 +181,26 @@ def test_an_in_place_write_before_the_signature_is_taken_is_followed():
         torch.testing.assert_close(copy.first.weight, model.first.weight, atol=0, rtol=0)
         unhook_component(model)
         torch.testing.assert_close(copy(x), model(x), atol=0, rtol=0)
+
+
+def test_a_change_another_thread_makes_while_a_signature_is_taken_waits_for_it(monkeypatch):
+    """The first change after placing signs what waits; a change made meanwhile by another thread lands only after
+    that signature is taken, else the signature would hold it and the change would never be followed."""
+    torch.manual_seed(0)
+    model, copies = _replicated()
+    signing, taken = threading.Event(), changes.signature
+
+    def slow(module, state=None):
+        signing.set()
+        time.sleep(0.3)  # the other thread's change comes now
+        return taken(module, state)
+
+    monkeypatch.setattr(changes, "signature", slow)
+    signer = threading.Thread(target=Scaled)  # building a module: the first change since placing
+    signer.start()
+    assert signing.wait(5)
+    model.scale = 0.5
+    signer.join()
+    monkeypatch.setattr(changes, "signature", taken)
+    assert follow_component(model, copies, _place) and model._hf_hook.replicas[0].scale == 0.5
+    unhook_component(model)
