@@ -7,7 +7,8 @@
 #    doctor; LIMIT seconds, install included), its options after the folder;
 # 2. bench/workers.py --device cuda into $OUT (workers.md, workers.log): the host time per call of each way a split
 #    denoiser's other rank runs (plain, thread, worker process), per rank. On one GPU both planned GPUs go onto it
-#    and a worker joins over gloo through the host; on two, over NCCL (never run yet).
+#    and a worker joins over gloo through the host; on two, over NCCL (never run yet). With RAY=1 (Ray installed on
+#    the machine: its wheel is over the carry limit), also the worker as a Ray actor (PIPEMAP_WORKERS=ray).
 # The wheels go into a folder of this call's own: pip --target keeps what an earlier call on a warm machine put in
 # a shared one (the H200's first run imported a stale transformers so). bench/README.md says how to read both.
 set -uo pipefail
@@ -20,4 +21,5 @@ PY=${PYTHON:-python3}
 LIMIT=${LIMIT:-420} bash bench/gpu_check.sh "$out/gc" "$@"
 echo "== bench/workers.py --device cuda"
 PYTHONPATH="$SITE:$PWD/src" timeout -k 10 "${WORKERS_LIMIT:-170}" "$PY" -X faulthandler bench/workers.py --device cuda \
-    --repeats 5 --scale 8 --steps 4 --out "$out" 2>&1 | tee "$out/workers.log" | grep -v "UserWarning\|F.linear"
+    --repeats 5 --scale 8 --steps 4 --out "$out" ${RAY:+--ray} 2>&1 | tee "$out/workers.log" \
+    | grep -v "UserWarning\|F.linear"
