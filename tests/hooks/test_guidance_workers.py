@@ -64,3 +64,22 @@ def test_qwen_image_s_second_branch_runs_on_a_worker_equals_plain_and_a_dead_wor
     assert second != pid
     pipemap.reset(pipe)
     assert _gone(second) and not hasattr(pipe.transformer, "_hf_hook")
+
+
+@pytest.mark.slow
+def test_wan_planned_parallel_runs_its_second_branch_on_a_worker_and_equals_plain(monkeypatch):
+    # the planner's own parallel plan (not a hand-made one): Wan calls its transformer once per guidance branch
+    monkeypatch.setenv(ENV, "process")
+    pipe, call = families.true_cfg("wan_t2v", STEPS)
+    plain = output(pipe(**fresh(call)))
+    plan = pipemap.plan(pipe, hardware="2x64MiB,cpu=1GiB", strategy="parallel", headroom=0.0)
+    assert (plan.placement("transformer").mode, plan.placement("transformer").replicas) == ("guidance", ("cuda:1",))
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    assert isinstance(hook, ProcessGuidanceHook)
+    (pid,) = hook.pids()
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)
+    assert (hook.hits, hook.misses) == (STEPS - 1, 0) and hook.workers.served == [pid] * (STEPS - 1)
+    assert pid != os.getpid()
+    pipemap.reset(pipe)
+    assert _gone(pid)
