@@ -28,7 +28,9 @@ worker's call raises ``WorkerCallError`` with its traceback. Workers stop when t
 
 Opt-in for now: with ``PIPEMAP_WORKERS=process``, ``hooks.HOOKS`` gives the replicated mode, guidance branches and
 the sequence split their worker variants (``replica_workers.py``, ``guidance_workers.py``, ``sequence_workers.py``);
-the default stays the threads until the workers have been measured on GPUs.
+the default stays the threads until the workers have run over NCCL on two GPUs. ``PIPEMAP_WORKERS=ray`` is the same
+with each worker a Ray actor (``ray_workers.py``): only the start differs (``launcher``: a ``_Spawn``, or a
+``ray_workers.RayLauncher``; each gives a handle to watch and stop the worker, and its connection).
 """
 
 from __future__ import annotations
