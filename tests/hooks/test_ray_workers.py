@@ -187,3 +187,18 @@ def test_qwen_image_s_second_guidance_branch_on_a_ray_actor_equals_plain(on_ray)
     assert pid != os.getpid() and type(hook.workers.ranks[0].process).__name__ == "Actor"
     pipemap.reset(pipe)
     assert _gone([pid])
+
+
+def test_a_worker_on_a_gpu_asks_ray_for_one_and_sees_rank_0_s_gpus(fake_cuda, monkeypatch):
+    # the CUDA branch of the launcher, under the tests' fake CUDA (two GPUs): a driver holding no Ray GPUs gives each
+    # GPU rank a bundle with a GPU; every rank sees rank 0's GPUs, so the plan's cuda:1 is the one rank 0 means
+    from pipemap.hooks.ray_workers import _bundle, _visible
+
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    assert _bundle(torch.device("cuda:1")) == {"CPU": 1.0, "GPU": 1.0} and _bundle(CPU) == {"CPU": 1.0}
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0, 1])  # a Serve replica holding its plan's GPUs: shared
+    assert _bundle(torch.device("cuda:1")) == {"CPU": 1.0}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _visible() == "0,1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # what Ray set for a replica given GPUs 3 and 5
+    assert _visible() == "3,5"

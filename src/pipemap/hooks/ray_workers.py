@@ -74,6 +74,9 @@ class RankActor:
         return os.getpid()
 
 
+_REMOTE_RANK: Any = ray.remote(RankActor)  # made once: each ``ray.remote`` of the class would export it anew
+
+
 class Actor:
     """A worker actor as rank 0 watches and stops it (``workers._Spawned`` is the other kind)."""
 
@@ -180,7 +183,7 @@ class RayLauncher:
         listener = socket.create_server((self.host, 0))
         token = secrets.token_bytes(_TOKEN_BYTES)
         bundle = self.group.bundle_specs[self.first + index]
-        actor: Any = ray.remote(RankActor).options(
+        actor: Any = _REMOTE_RANK.options(
             name=None, max_restarts=0, max_concurrency=2, num_cpus=bundle.get("CPU", 0),
             num_gpus=bundle.get("GPU", 0), scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=self.first + index)).remote()
@@ -206,7 +209,6 @@ def _visible() -> str:
     if found is not None:
         return found
     return ",".join(str(i) for i in range(torch.cuda.device_count()))
-
 
 
 def _zombie(pid: int) -> bool:

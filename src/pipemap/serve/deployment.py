@@ -48,7 +48,7 @@ def replica_gpus(plan: Plan, here: float | None = None) -> int:
     return 0 if here is not None and here < need else need
 
 
-def actor_options(plan: Plan, num_cpus: float, num_gpus: int) -> dict:
+def actor_options(num_cpus: float, num_gpus: int) -> dict:
     """A replica's ``ray_actor_options``: its GPUs and CPUs, and how its split denoiser runs its other ranks (the
     driver's ``PIPEMAP_WORKERS``, which a replica on another node would not see)."""
     options: dict = {"num_gpus": num_gpus, "num_cpus": num_cpus}
@@ -118,7 +118,7 @@ def application(options: Options, replicas: int = 1, autoscale: str | None = Non
     deployment = serve.deployment(PipemapReplica, name="pipemap", max_ongoing_requests=max_ongoing,
                                   max_queued_requests=options.max_queue,
                                   graceful_shutdown_timeout_s=options.timeout + 5,
-                                  ray_actor_options=actor_options(plan, num_cpus, num_gpus),
+                                  ray_actor_options=actor_options(num_cpus, num_gpus),
                                   health_check_period_s=2, health_check_timeout_s=30, **scaling,
                                   **worker_bundles(plan, num_cpus, num_gpus))
     # ray annotates the decorator form's return, but given the class it returns the Deployment
