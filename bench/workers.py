@@ -36,14 +36,14 @@ import pipemap
 from pipemap import tiny
 
 HERE = Path(__file__).resolve().parent
-ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 
 
-def onto(device: str) -> dict[str, str]:
-    """Where the plan's two GPUs go: the CPU, or this machine's GPUs (both onto its one, where it has one)."""
+def onto(device: str, gpus: int = 2) -> dict[str, str]:
+    """Where the plan's GPUs go: the CPU, or this machine's GPUs (several onto one where it has fewer)."""
     if device == "cpu":
-        return ON_CPU
-    return {"cuda:0": "cuda:0", "cuda:1": "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"}
+        return {f"cuda:{i}": "cpu" for i in range(gpus)}
+    have = max(1, torch.cuda.device_count())
+    return {f"cuda:{i}": f"cuda:{i % have}" for i in range(gpus)}
 
 
 def _sync() -> None:
@@ -73,44 +73,50 @@ def timed(pipe, call: dict, repeats: int, component: str) -> tuple[float, float,
     return statistics.median(walls), statistics.median(cpus), statistics.median(alls)
 
 
-def with_copy(pipe, mode: str, component: str) -> pipemap.Plan:
-    """Every component on cuda:0, ``component`` with a copy on cuda:1 in ``mode`` (as tests/helpers.py does)."""
+def with_copy(pipe, mode: str, component: str, copies: int = 1) -> pipemap.Plan:
+    """Every component on cuda:0, ``component`` with a copy on each of cuda:1.. in ``mode`` (as tests/helpers.py
+    does)."""
     models = [n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)]
-    plan = pipemap.plan(pipe, hardware="2x4GiB,cpu=16GiB", strategy=dict.fromkeys(models, "cuda:0"), headroom=0.0)
-    size = plan.placement(component).bytes
-    parts = tuple(dataclasses.replace(p, mode=mode, replicas=("cuda:1",)) if p.component == component else p
+    plan = pipemap.plan(pipe, hardware=f"{1 + copies}x4GiB,cpu=16GiB", strategy=dict.fromkeys(models, "cuda:0"),
+                        headroom=0.0)
+    size, gpus = plan.placement(component).bytes, tuple(f"cuda:{i}" for i in range(1, 1 + copies))
+    parts = tuple(dataclasses.replace(p, mode=mode, replicas=gpus) if p.component == component else p
                   for p in plan.components)
-    devices = tuple(dataclasses.replace(d, used=d.used + size) if d.device == "cuda:1" else d for d in plan.devices)
+    devices = tuple(dataclasses.replace(d, used=d.used + size) if d.device in gpus else d for d in plan.devices)
     return dataclasses.replace(plan, strategy="parallel", components=parts, devices=devices)
 
 
 def case(kind: str, scale: int, steps: int):
-    """The pipeline, its call, the component split and its mode."""
+    """The pipeline, its call and the component split."""
     pipe = tiny.build("flux" if kind != "sd" else "sd", scale=scale)
     pipe.set_progress_bar_config(disable=True)
     call = dict(tiny.default_call(pipe, "flux" if kind != "sd" else "sd"), num_inference_steps=steps)
     if kind == "sd":
-        return pipe, call, "unet", "replicated"
+        return pipe, call, "unet"
     if kind == "flux-true-cfg":  # two transformer calls a step: guidance branches
-        return pipe, dict(call, negative_prompt="blurry", true_cfg_scale=2.0), "transformer", "guidance"
-    return pipe, call, "transformer", "sequence"
+        return pipe, dict(call, negative_prompt="blurry", true_cfg_scale=2.0), "transformer"
+    return pipe, call, "transformer"
+
+
+COPIES = {"guidance_sequence": 3}  # a plan for four GPUs: each guidance branch split over two; the rest two
 
 
 RANKS = ("plain", "thread", "process")  # with --ray also "ray": the worker process as a Ray actor
 
 
-def measure(kind: str, scale: int, steps: int, repeats: int, device: str = "cpu", ranks_of: tuple[str, ...] = RANKS
-            ) -> dict[str, tuple[float, float, float] | str]:
-    """Per way of running the other rank (none: plain), its figures (``timed``), or the error that stopped it."""
+def measure(kind: str, scale: int, steps: int, repeats: int, device: str = "cpu", ranks_of: tuple[str, ...] = RANKS,
+            mode: str = "sequence") -> dict[str, tuple[float, float, float] | str]:
+    """Per way of running the other ranks (none: plain), its figures (``timed``), or the error that stopped it."""
     found: dict[str, tuple[float, float, float] | str] = {}
+    copies = COPIES.get(mode, 1)
     for ranks in ranks_of:
-        pipe, call, component, mode = case(kind, scale, steps)
+        pipe, call, component = case(kind, scale, steps)
         try:
             if ranks == "plain":
                 pipe.to(onto(device)["cuda:0"])
             else:
                 os.environ["PIPEMAP_WORKERS"] = ranks
-                pipemap.dispatch(pipe, with_copy(pipe, mode, component).remap(onto(device)))
+                pipemap.dispatch(pipe, with_copy(pipe, mode, component, copies).remap(onto(device, 1 + copies)))
             found[ranks] = timed(pipe, call, repeats, component)
         except Exception as err:  # a row that says why, the others still measured
             found[ranks] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
@@ -162,12 +168,13 @@ def main() -> None:
     rows = ["| pipeline | ranks | wall per call (s) | caller CPU (s) | all ranks' CPU (s) | wall / plain | "
             "caller CPU / plain | all CPU / plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     cases = [("sd", 1, "replicated"), ("sd", args.scale, "replicated"), ("flux", 1, "sequence"),
-             ("flux", args.scale, "sequence"), ("flux-true-cfg", 1, "guidance")]
+             ("flux", args.scale, "sequence"), ("flux-true-cfg", 1, "guidance"),
+             ("flux-true-cfg", 1, "guidance_sequence"), ("flux-true-cfg", args.scale, "guidance_sequence")]
     only = set(args.only.split(",")) if args.only else None
     for kind, scale, mode in cases:
         if only is not None and kind not in only:
             continue
-        found = measure(kind, scale, args.steps, args.repeats, args.device, ranks_of)
+        found = measure(kind, scale, args.steps, args.repeats, args.device, ranks_of, mode)
         rows += table_rows(f"{kind} x{scale}, {mode}", found)
         print("\n".join(rows[-len(ranks_of):]), flush=True)
     table = "\n".join(rows)
@@ -186,9 +193,10 @@ def main() -> None:
               f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
               f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n"
               f"- versions: torch {torch.__version__}, git {commit}\n"
-              "- strategy parallel's three modes on 2 GPUs remapped onto the CPU (sd: the CFG batch cut in halves; "
-              "flux: tokens split; flux with true CFG: each step's second branch started ahead); process: the second "
-              "rank a worker process (gloo), ray: the same as a Ray actor, thread: a thread of the caller\n\n")
+              "- strategy parallel's modes on 2 GPUs (guidance_sequence: 4) remapped onto the CPU (sd: the CFG "
+              "batch cut in halves; flux: tokens split; flux with true CFG: each step's second branch started ahead; "
+              "guidance_sequence: each branch's tokens split over two GPUs); process: the other ranks worker "
+              "processes (gloo), ray: the same as Ray actors, thread: threads of the caller\n\n")
     with open(HERE / "RESULTS.md", "a", encoding="utf-8") as results:
         results.write(header + table + "\n")
 

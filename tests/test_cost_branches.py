@@ -138,3 +138,23 @@ def test_auto_splits_no_call_across_gpus_when_the_host_sets_the_pace(name):
     # the same pipeline on datasheet GPUs: the split pays where the GPU's work sets the pace (flux.1-dev)
     slow = pipemap.plan(inventory, hardware=Hardware.parse("2x80GiB,cpu=128GiB"), strategy="auto")
     assert any(p.replicas for p in slow.components) == (name == "flux.1-dev")
+
+
+def test_both_branches_split_on_four_gpus_hide_one_call_a_step_and_share_each_call_by_half():
+    plain, _ = _cost("resident", CFG)
+    split, half = _cost("sequence", CFG)  # each call's tokens over two GPUs: what each half does
+    cost, placement = _cost("guidance_sequence", CFG, copies=3)
+    kept = 1 - (CFG.steps - 1) / CFG.calls  # 11 calls of 20 wait: those the second half does not hide
+    assert cost.compute == pytest.approx(split.compute * kept)
+    assert cost.transfer == pytest.approx(split.transfer * kept + (
+        (CFG.steps - 1) * CFG.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES) / PERF.peer_bandwidth)
+    assert moved_per_image(placement, TRANSFORMER, CFG) == pytest.approx(
+        moved_per_image(half, TRANSFORMER, CFG) + moved_per_image(_cost("guidance", CFG)[1], TRANSFORMER, CFG))
+    # faster than either alone on the GPUs it uses, slower than a perfect 4x
+    assert plain.total / 4 < cost.total < min(split.total, _cost("guidance", CFG)[0].total)
+    busy = device_seconds(pipemap.Plan("parallel", (placement,), (), "cuda:0", "bfloat16"),
+                          Inventory("t", "WanPipeline", (TRANSFORMER,), "bfloat16"), PERF, CFG)
+    assert busy == pytest.approx({f"cuda:{i}": cost.total for i in range(4)})
+    distilled = Workload(1024, 1024, 10, False, text_tokens=512)  # one call a step: only the split helps
+    assert _cost("guidance_sequence", distilled, copies=3)[0].total == pytest.approx(
+        _cost("sequence", distilled)[0].total)

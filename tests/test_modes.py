@@ -33,7 +33,7 @@ ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 
 def test_every_mode_has_a_row_and_every_row_a_mode():
     assert set(TABLE) == set(Mode) == {"resident", "offload", "stream", "split", "replicated", "guidance",
-                                        "sequence"}
+                                        "sequence", "guidance_sequence"}
     assert all(row.mode is mode for mode, row in TABLE.items())
 
 

@@ -140,7 +140,8 @@ def test_device_map_and_placement():
 def test_a_placement_runs_where_it_lives_unless_told_otherwise():
     assert Placement("vae", "cuda:1", 20).execution_device == "cuda:1"
     assert Placement("vae", "cpu", 20, "offload", "cuda:0").execution_device == "cuda:0"
-    assert set(MODES) == {"resident", "offload", "stream", "split", "replicated", "guidance", "sequence"}
+    assert set(MODES) == {"resident", "offload", "stream", "split", "replicated", "guidance", "sequence",
+                          "guidance_sequence"}
 
 
 def test_remap_moves_shards_replicas_and_merges_the_devices():

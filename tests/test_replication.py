@@ -9,7 +9,7 @@ import pipemap
 from helpers import replica_inventory
 from pipemap import Component, Inventory
 from pipemap.plan import Placement
-from pipemap.replication import batches_guidance, parallel_modes, plan_notes, replicable, splits_sequence
+from pipemap.replication import batches_guidance, copy_counts, parallel_modes, plan_notes, replicable, splits_sequence
 
 
 def test_parallel_gives_no_replicas_to_a_pipeline_it_cannot_read_and_says_why():
@@ -119,3 +119,23 @@ def test_a_plan_without_copies_is_the_balanced_plan():
     assert plan.device_map == pipemap.plan(inv, hardware="cuda:0=200,cuda:1=150,cpu=10000", headroom=0.0).device_map
     assert plan.notes[-1] == plan_notes(inv, {p.component: p for p in plan.components})[0]
     assert "no two GPUs hold a copy of the transformer (100 B)" in plan.notes[-1]
+
+
+@pytest.mark.parametrize(("mode", "gpus", "heads", "counts"), [
+    ("guidance", 4, 24, [2]),
+    ("sequence", 8, 24, [8, 4, 2]),
+    ("sequence", 8, 3, []),  # Ulysses gives each GPU a share of the heads
+    ("guidance_sequence", 3, 24, []),  # two branches of at least two GPUs each
+    ("guidance_sequence", 8, 40, [8, 4]),  # each branch split over 4, or over 2
+    ("guidance_sequence", 16, 0, [16, 8, 4]),  # heads unknown: any power of two
+    ("replicated", 3, 0, [3, 2]),
+])
+def test_copy_counts_are_the_gpu_counts_each_mode_can_run_on(mode, gpus, heads, counts):
+    assert copy_counts(mode, gpus, heads) == counts
+
+
+def test_with_four_gpus_a_pipeline_calling_once_per_branch_may_split_each_branch():
+    inv = Inventory("test", "WanPipeline", (_model("text_encoder", "UMT5EncoderModel"),
+                                             _model("transformer", "WanTransformer3DModel", 10**10)), "bfloat16")
+    assert "guidance_sequence" not in {m for _, m in parallel_modes(inv, gpus=2)}
+    assert {m for _, m in parallel_modes(inv, gpus=4)} == {"guidance", "sequence", "guidance_sequence"}

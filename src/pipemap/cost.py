@@ -28,7 +28,7 @@ from .devices import is_accelerator
 from .granularity import LOOSE, Block
 from .hardware import Performance
 from .inventory.values import PER_STEP, Component, Inventory
-from .modes import Peak, facts
+from .modes import Mode, Peak, branch_devices, facts
 from .plan import Placement, Plan
 
 COPY_LATENCY = 10e-6  # seconds per copy beyond its bytes: the launch, the event, the hook around the block
@@ -534,6 +534,26 @@ def _sequence_price(x: _Priced) -> Cost:
     return sequence_cost(x.placement, x.component, share, x.moved, x.perf, x.work)
 
 
+def _guidance_sequence_price(x: _Priced) -> Cost:
+    """Each branch split across its half of the GPUs (``sequence_cost`` at that half), the second branch of each
+    step after the first hidden behind the first as guidance branches at once hide it (``guidance_cost``)."""
+    within = _first_branch(x.placement)
+    share = shared_compute(x.counted.total(x.steps), x.perf, x.on_gpu, 1 + len(within.replicas))
+    split = sequence_cost(within, x.component, share, _sequence_moved(within, x.component, x.work), x.perf, x.work)
+    if not x.work.guidance:
+        return split
+    kept = 1 - (x.work.steps - 1) / x.work.calls  # the share of the calls not hidden
+    transfer = split.transfer * kept + guidance_moved(x.work) / x.perf.peer_bandwidth
+    compute = split.compute * kept
+    return Cost(x.component.name, compute, transfer, compute + transfer + x.work.calls * VERIFY_SECONDS)
+
+
+def _first_branch(placement: Placement) -> Placement:
+    """A ``"guidance_sequence"`` placement's first branch as the sequence split it is (``modes.branch_devices``)."""
+    first, _ = branch_devices(placement.device, placement.replicas)
+    return replace(placement, mode=Mode.SEQUENCE, replicas=first[1:])
+
+
 def _in_place_price(x: _Priced) -> Cost:
     """Split: activations to each run of shards and back; resident: none."""
     transfer = x.moved / x.perf.peer_bandwidth
@@ -837,11 +857,14 @@ def _busy_split(busy: dict[str, float], p: Placement, cost: Cost) -> None:
 
 # each pricing kind (``modes.ModeFacts.cost``): its seconds, its bytes moved per image, the devices it keeps busy
 _PRICES = {"resident": _in_place_price, "onload": _onload_price, "stream": _stream_price, "split": _in_place_price,
-           "replicated": _replicated_price, "guidance": _guidance_price, "sequence": _sequence_price}
+           "replicated": _replicated_price, "guidance": _guidance_price, "sequence": _sequence_price,
+           "guidance_sequence": _guidance_sequence_price}
 _MOVED = {"resident": lambda p, c, w: 0, "onload": lambda p, c, w: c.bytes, "stream": _stream_moved,
           "split": _split_moved, "replicated": _replicated_moved, "guidance": lambda p, c, w: guidance_moved(w),
-          "sequence": _sequence_moved}
+          "sequence": _sequence_moved,
+          "guidance_sequence": lambda p, c, w: _sequence_moved(_first_branch(p), c, w) + guidance_moved(w)}
 _BUSY = {"replicated": _busy_on_copies, "sequence": _busy_on_copies, "guidance": _busy_guidance,
+         "guidance_sequence": _busy_on_copies,
          "split": _busy_split}
 PRICING_KINDS = frozenset(_PRICES)  # what a mode's row may name as its cost (``tests/test_modes.py``)
 

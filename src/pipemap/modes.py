@@ -25,6 +25,7 @@ class Mode(str, Enum):
     REPLICATED = "replicated"
     GUIDANCE = "guidance"
     SEQUENCE = "sequence"
+    GUIDANCE_SEQUENCE = "guidance_sequence"
 
     def __str__(self) -> str:  # the plain name in messages and f-strings, as the strings were
         return self.value
@@ -149,6 +150,19 @@ def _sequence_text(p: Placed) -> str:
     return "sequence: tokens split over " + ", ".join((p.device, *p.replicas)) + _disk(p)
 
 
+def branch_devices(device: str, replicas: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A ``"guidance_sequence"`` placement's two branches: the GPUs that split each step's first call's tokens
+    (``device`` first, where the output lands) and those that split its second (the first of them its output's)."""
+    share = (1 + len(replicas)) // 2
+    return (device, *replicas[:share - 1]), replicas[share - 1:]
+
+
+def _guidance_sequence_text(p: Placed) -> str:
+    first, second = branch_devices(p.device, p.replicas)
+    return (f"guidance_sequence: 1st branch's tokens split over {', '.join(first)}, 2nd's over {', '.join(second)}"
+            + _disk(p))
+
+
 _HOOKS = "pipemap.hooks."
 # Keyed by the mode's string, not by ``Mode``: an enum takes no member at run time, so a test registers a made-up
 # mode as a row here (``register``) and a placement keeps its mode as a plain string; the built-in rows are ``Mode``s
@@ -170,6 +184,9 @@ TABLE: dict[str, ModeFacts] = {row.mode: row for row in (
     ModeFacts(Mode.SEQUENCE, False, True, "device", (_HOOKS + "sequence", "SequenceHook"),
               (_HOOKS + "sequence_workers", "ProcessSequenceHook"), "sequence", "copy: share of tokens", "hatch",
               Peak.HELD, False, _sequence_text),
+    ModeFacts(Mode.GUIDANCE_SEQUENCE, False, True, "device", (_HOOKS + "guidance_sequence", "GuidanceSequenceHook"),
+              (_HOOKS + "guidance_sequence_workers", "ProcessGuidanceSequenceHook"), "guidance_sequence",
+              "copy: a branch's share of tokens", "hatch", Peak.HELD, False, _guidance_sequence_text),
 )}
 
 

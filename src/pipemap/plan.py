@@ -43,6 +43,9 @@ class Placement:
     ``"guidance"``: resident on ``device`` with a copy on ``replicas[0]``, which runs each step's second guidance
     branch while ``device`` runs the first (``hooks/guidance.py``). ``"sequence"``: resident on ``device`` with a
     copy on each of ``replicas``; each call's tokens are split across all of them (``hooks/sequence.py``).
+    ``"guidance_sequence"``: both at once on 4 GPUs or more (``modes.branch_devices``): ``device`` and the first
+    half of ``replicas`` split each step's first guidance call's tokens, the other half its second call's, started
+    ahead as ``"guidance"`` starts it (``hooks/guidance_sequence.py``).
 
     A streamed component's pieces: ``blocks`` ((module path, bytes), ...), as fine as its room needs; of them
     ``resident_blocks`` (paths; ``""``: the tensors outside every piece) stay on its execution device,

@@ -278,26 +278,16 @@ def _split_across(name: str, size: int, blocks: tuple[tuple[str, int], ...], ord
 
 
 def _parallel(request: Problem) -> dict[str, str | Place]:
-    """A copy of the denoiser on as many GPUs as can hold one beside the rest (as many as its mode uses: two for
-    guidance branches, a power of two for a sequence split), placed around them as balanced places them; each call
-    then runs across the copies as its mode says (``replication``). Balanced where no two GPUs can (``notes`` say
-    why)."""
+    """A copy of the denoiser on as many GPUs as can hold one beside the rest (as many as its mode uses:
+    ``replication.copy_counts``), placed around them as balanced places them; each call then runs across the copies
+    as its mode says (``replication``). Balanced where no two GPUs can (``notes`` say why)."""
     for name, mode in request.parallel:
-        for count in _copy_counts(mode, len(request.rooms), request.heads) if name in dict(request.components) else ():
+        counts = replication.copy_counts(mode, len(request.rooms), request.heads)
+        for count in counts if name in dict(request.components) else ():
             placed = _replicated(request, name, count, mode)
             if placed is not None:
                 return placed
     return _balanced(request)
-
-
-def _copy_counts(mode: str, gpus: int, heads: int = 0) -> list[int]:
-    """How many GPUs a mode may run the denoiser on, the most first; a sequence split only where its ``heads``
-    divide among them (unknown: 0)."""
-    if mode == Mode.GUIDANCE:
-        return [2] if gpus >= 2 else []
-    if mode == Mode.SEQUENCE:
-        return [n for n in replication.SEQUENCE_GPUS if n <= gpus and (not heads or heads % n == 0)]
-    return list(range(gpus, 1, -1))
 
 
 def _replicated(request: Problem, name: str, count: int, mode: str = Mode.REPLICATED
@@ -402,7 +392,7 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         in_flight = tuple((c.name, c.in_flight) for c in inventory.models)
         blocks = tuple((c.name, c.blocks) for c in inventory.models)
         trees = tuple((c.name, c.tree) for c in inventory.models)
-        parallel = replication.parallel_modes(inventory, hw.performance) if name == "parallel" else ()
+        parallel = replication.parallel_modes(inventory, hw.performance, len(gpus)) if name == "parallel" else ()
         heads = replication.denoiser_heads(inventory)
         placed = _run(name, Problem(rest, gpus, name, calls, in_flight, blocks, trees, parallel, heads))
         notes += replication.plan_notes(inventory, placed) if name == "parallel" else []

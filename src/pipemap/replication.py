@@ -10,6 +10,8 @@ Three ways a second GPU speeds up one image, by what the pipeline's calls of its
   on the copy while the first runs.
 - ``sequence``: the denoiser's class carries diffusers' context-parallel plan (``_cp_plan``: Flux, Qwen-Image, Wan,
   LTX): each call's tokens are split across the copies, attention exchanging keys and values.
+- ``guidance_sequence``: both of the last two, on 4 GPUs or more: each guidance branch's tokens split across half of
+  the GPUs (vLLM-Omni's and xDiT's CFG parallel with Ulysses inside).
 
 Where more than one applies, the cost model's seconds per image at the pipeline's default call order them.
 """
@@ -19,17 +21,17 @@ from __future__ import annotations
 import functools
 import inspect as pyinspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .cost import component_cost, workload_for
 from .hardware import Performance
 from .inventory.values import DENOISERS, Component, Inventory
-from .modes import Mode
+from .modes import Mode, branch_devices
 from .plan import Placement
 from .units import format_bytes
 
-MODES = (Mode.REPLICATED, Mode.GUIDANCE, Mode.SEQUENCE)
+MODES = (Mode.REPLICATED, Mode.GUIDANCE, Mode.SEQUENCE, Mode.GUIDANCE_SEQUENCE)
 SEQUENCE_GPUS = (8, 4, 2)  # Ulysses gives each GPU a share of the heads: 24 (Flux, Qwen-Image), 40 (Wan) divide
 # model classes whose context-parallel path in diffusers 0.42 does not give the plain outputs, and why
 SEQUENCE_BROKEN = {
@@ -67,9 +69,11 @@ def splits_sequence(class_name: str | None) -> bool:
     return isinstance(cls, type) and bool(getattr(cls, "_cp_plan", None)) and class_name not in SEQUENCE_BROKEN
 
 
-def parallel_modes(inventory: Inventory, perf: Performance | None = None) -> tuple[tuple[str, str], ...]:
-    """``(denoiser, mode)`` for each way strategy ``"parallel"`` may use more GPUs for it, the fastest first by the
-    cost model at the pipeline's default call (with two GPUs); nothing when there is no denoiser.
+def parallel_modes(inventory: Inventory, perf: Performance | None = None, gpus: int = 2
+                   ) -> tuple[tuple[str, str], ...]:
+    """``(denoiser, mode)`` for each way strategy ``"parallel"`` may use more of ``gpus`` GPUs for it, the fastest
+    first by the cost model at the pipeline's default call, each mode on as many of them as it can use
+    (``copy_counts``); nothing when there is no denoiser.
 
     >>> parallel_modes(pipemap.inspect("qwen-image"))                # doctest: +SKIP
     (('transformer', 'guidance'), ('transformer', 'sequence'))
@@ -79,20 +83,43 @@ def parallel_modes(inventory: Inventory, perf: Performance | None = None) -> tup
         return ()
     component = next(c for c in inventory.models if c.name == denoiser)
     figures = perf or Performance()
-    modes = sorted(_applicable(inventory, component), key=lambda m: _seconds(inventory, component, m, figures))
+    counts = {m: copy_counts(m, gpus, component.heads) for m in _applicable(inventory, component)}
+    modes = sorted((m for m, n in counts.items() if n), key=lambda m: _seconds(inventory, component, m, figures,
+                                                                                 counts[m][0]))
     return tuple((denoiser, m) for m in modes)
+
+
+def copy_counts(mode: str, gpus: int, heads: int = 0) -> list[int]:
+    """How many of ``gpus`` GPUs a mode may run the denoiser on, the most first: two for guidance branches, a
+    power of two dividing the attention ``heads`` (unknown: 0) for a sequence split, twice that for both at once
+    (each branch split across half of them), any number from two for a batch split."""
+    count = _COUNTS.get(mode)
+    return count(gpus, heads) if count is not None else list(range(gpus, 1, -1))
+
+
+def _sequence_counts(gpus: int, heads: int, branches: int) -> list[int]:
+    return [branches * n for n in SEQUENCE_GPUS if branches * n <= gpus and (not heads or heads % n == 0)]
+
+
+_COUNTS: dict[str, Callable[[int, int], list[int]]] = {
+    Mode.GUIDANCE: lambda gpus, heads: [2] if gpus >= 2 else [],
+    Mode.SEQUENCE: lambda gpus, heads: _sequence_counts(gpus, heads, 1),
+    Mode.GUIDANCE_SEQUENCE: lambda gpus, heads: _sequence_counts(gpus, heads, 2)}
 
 
 def _applicable(inventory: Inventory, component: Component) -> list[str]:
     batched = batches_guidance(inventory.pipeline_class)
     modes: list[str] = [Mode.REPLICATED] if batched else [Mode.GUIDANCE] if batched is False else []
-    return modes + ([Mode.SEQUENCE] if splits_sequence(component.class_name) else [])
+    if splits_sequence(component.class_name):
+        modes += [Mode.SEQUENCE, Mode.GUIDANCE_SEQUENCE] if batched is False else [Mode.SEQUENCE]
+    return modes
 
 
-def _seconds(inventory: Inventory, component: Component, mode: str, perf: Performance) -> float:
+def _seconds(inventory: Inventory, component: Component, mode: str, perf: Performance, gpus: int) -> float:
     dtype_bytes = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(inventory.dtype or "", 4)
-    pair = Placement(component.name, "cuda:0", component.bytes, mode, replicas=("cuda:1",))
-    return component_cost(pair, component, dtype_bytes, perf, workload_for(inventory)).total
+    copies = Placement(component.name, "cuda:0", component.bytes, mode,
+                       replicas=tuple(f"cuda:{i}" for i in range(1, gpus)))
+    return component_cost(copies, component, dtype_bytes, perf, workload_for(inventory)).total
 
 
 def _denoiser(inventory: Inventory) -> str | None:
@@ -134,14 +161,36 @@ def plan_notes(inventory: Inventory, placed: Mapping[str, Any]) -> list[str]:
 
 
 def _what_runs_where(denoiser: str, mode: str, home: str, copies: tuple[str, ...]) -> str:
+    return _RUNS_WHERE.get(mode, _batch_split)(denoiser, home, copies)
+
+
+def _guidance_branches(denoiser: str, home: str, copies: tuple[str, ...]) -> str:
+    return (f"parallel: {denoiser} guidance branches at once: {home} runs each step's first call (conditional), "
+            f"{copies[0]} its second (unconditional), started from the inputs the first call brings with the "
+            "step before's negative prompt, and used only when the second call's inputs are exactly those")
+
+
+def _branches_split(denoiser: str, home: str, copies: tuple[str, ...]) -> str:
+    first, second = branch_devices(home, copies)
+    return (f"parallel: {denoiser} guidance branches at once, each split by its tokens: {', '.join(first)} run "
+            f"each step's first call (conditional), {', '.join(second)} its second (unconditional), started from "
+            "the inputs the first call brings with the step before's negative prompt and used only when the "
+            "second call's inputs are exactly those; each half's attention exchanges within the half "
+            "(diffusers' context-parallel plan, Ulysses attention)")
+
+
+def _tokens_split(denoiser: str, home: str, copies: tuple[str, ...]) -> str:
     gpus = ", ".join((home, *copies))
-    if mode == Mode.GUIDANCE:
-        return (f"parallel: {denoiser} guidance branches at once: {home} runs each step's first call (conditional), "
-                f"{copies[0]} its second (unconditional), started from the inputs the first call brings with the "
-                "step before's negative prompt, and used only when the second call's inputs are exactly those")
-    if mode == Mode.SEQUENCE:
-        return (f"parallel: {denoiser} tokens split across {gpus}: each GPU computes its share of every call's "
-                "tokens, attention exchanging queries, keys and values between them (diffusers' context-parallel "
-                f"plan, Ulysses attention); {home} returns the output")
+    return (f"parallel: {denoiser} tokens split across {gpus}: each GPU computes its share of every call's "
+            "tokens, attention exchanging queries, keys and values between them (diffusers' context-parallel "
+            f"plan, Ulysses attention); {home} returns the output")
+
+
+def _batch_split(denoiser: str, home: str, copies: tuple[str, ...]) -> str:
+    gpus = ", ".join((home, *copies))
     return (f"parallel: {denoiser} replicated on {gpus}; each call's batch (guidance, images per prompt) is split "
             "across the copies")
+
+
+_RUNS_WHERE: dict[str, Callable[[str, str, tuple[str, ...]], str]] = {
+    Mode.GUIDANCE: _guidance_branches, Mode.GUIDANCE_SEQUENCE: _branches_split, Mode.SEQUENCE: _tokens_split}

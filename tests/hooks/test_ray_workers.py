@@ -189,6 +189,26 @@ def test_qwen_image_s_second_guidance_branch_on_a_ray_actor_equals_plain(on_ray)
     assert _gone([pid])
 
 
+@pytest.mark.slow
+def test_wan_s_branches_each_split_over_two_ranks_on_three_ray_actors_equal_plain(on_ray):
+    # a plan for four GPUs: rank 0 here and a Ray actor per other GPU, each half of the ranks a group of its own
+    import families
+    from families import fresh, output
+
+    pipe, call = families.true_cfg("wan_t2v", 3)
+    plain = output(pipe(**fresh(call)))
+    plan = with_copy(pipe, "guidance_sequence", hardware="4x64MiB,cpu=1GiB", copies=3)
+    pipemap.dispatch(pipe, plan.remap({f"cuda:{i}": "cpu" for i in range(4)}))
+    hook = pipe.transformer._hf_hook
+    pids = hook.pids()
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)
+    assert (hook.hits, hook.misses, hook.whole) == (2, 0, 0)
+    assert [hook.workers.served.count(p) for p in pids] == [4, 2, 2]  # the first half's rank 1; the second half
+    assert {type(r.process).__name__ for r in hook.workers.ranks} == {"Actor"} and os.getpid() not in pids
+    pipemap.reset(pipe)
+    assert _gone(pids)
+
+
 def test_a_worker_on_a_gpu_asks_ray_for_one_and_sees_rank_0_s_gpus(fake_cuda, monkeypatch):
     # the CUDA branch of the launcher, under the tests' fake CUDA (two GPUs): a driver holding no Ray GPUs gives each
     # GPU rank a bundle with a GPU; every rank sees rank 0's GPUs, so the plan's cuda:1 is the one rank 0 means

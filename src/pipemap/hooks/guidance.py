@@ -77,12 +77,17 @@ class GuidanceHook(CopiesHook):
     """
 
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
-        super().__init__(component, device, execution_device, replicas[:1])
+        super().__init__(component, device, execution_device, self.copied(replicas))
         self.hits = self.misses = 0
         self._threads: dict[int, Branches] = {}
         self._moved: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
         self._home: torch.nn.Module | None = None
         self._made: Signature | None = None  # the model's signature when the copy was made from it
+
+    @staticmethod
+    def copied(replicas: tuple[str, ...]) -> tuple[str, ...]:
+        """The devices of ``replicas`` this hook keeps a copy on: the first (the second branch's)."""
+        return replicas[:1]
 
     def init_hook(self, module):
         module = super().init_hook(module)

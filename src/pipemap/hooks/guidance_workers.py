@@ -16,12 +16,12 @@ from typing import Any
 
 from torch.utils._pytree import tree_unflatten
 
-from ..errors import PipemapError
+from ..errors import PipemapError, Unsplittable
 from .changes import signature
 from .guidance import GuidanceHook, Inputs
 from .replica_workers import plain_copy
 from .resident import outside_graphs
-from .workers import Call, OnWorkers, Source, Workers, caller_state, workers_for
+from .workers import Call, OnWorkers, Raised, Source, Workers, caller_state, workers_for
 
 
 class ProcessGuidanceHook(OnWorkers, GuidanceHook):
@@ -73,13 +73,17 @@ class ProcessGuidanceHook(OnWorkers, GuidanceHook):
 
 class Ahead:
     """A call started ahead on the worker: its output received when asked for (a hit), else dropped by the next
-    send (a miss). Its failure (a dead worker) raises where the result is asked for, so the call runs here."""
+    send (a miss). Its failure (a dead worker; tokens a split branch could not divide) raises where the result is
+    asked for, so the call runs here."""
 
     def __init__(self, workers: Workers, call: Call):
         self.workers, self.call = workers, call
 
     def result(self):
-        return self.workers.receive(self.call)[0]
+        output = self.workers.receive(self.call)[0]
+        if isinstance(output, Raised):
+            raise Unsplittable(output.message)
+        return output
 
 
 class Failed:

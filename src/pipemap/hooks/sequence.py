@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, cast
 
 import torch
@@ -70,26 +71,40 @@ class SequenceHook(CopiesHook):
         return module
 
     def run(self, *args, **kwargs):
-        exchange = self.groups[0].exchange
-        exchange.renew()
         state, inputs = CallerState.capture((self.device, *self.replica_devices)), (args, kwargs)
-        others = [self.start(_rank_run(exchange, functools.partial(call_on, copy, device, self.device, inputs, state)),
-                             device) for copy, device in zip(self.ranks[1:], self.replica_devices)]
-        output, failures = None, []
+        others = [functools.partial(call_on, copy, device, None, inputs, state)
+                  for copy, device in zip(self.ranks[1:], self.replica_devices)]
         try:
-            output = _rank_run(exchange, functools.partial(self.ranks[0], *args, **kwargs))()
-        except BaseException as err:
-            failures.append(err)
-        failures += [e for e in (job.exception() for job in others) if e is not None]  # every rank done first
-        if any(isinstance(e, Unsplittable) for e in failures):
+            return run_ranks(self.start, self.groups[0].exchange, functools.partial(self.ranks[0], *args, **kwargs),
+                             others, self.replica_devices)
+        except Unsplittable:
             self.whole += 1
             return self.forward_own(*args, **kwargs)
-        if failures:  # the rank that failed first, not those it released from the exchange
-            raise next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), failures[0])
-        return output
 
     def __getstate__(self):
         return {**super().__getstate__(), "ranks": [], "groups": []}
+
+
+def run_ranks(start: Callable[[Callable[[], Any], torch.device], Future], exchange: Exchange,
+              first: Callable[[], Any], others: Sequence[Callable[[], Any]], devices: tuple[torch.device, ...]) -> Any:
+    """One split call: ``first`` (rank 0) in this thread, each of ``others`` started on its device of ``devices``
+    (``start``: a hook's pool), all meeting at ``exchange``; rank 0's output once every rank is done. A call whose
+    tokens do not divide raises ``Unsplittable`` (the caller runs it whole); otherwise the rank that failed first
+    raises, not those it released from the exchange."""
+    exchange.renew()
+    jobs = [start(_rank_run(exchange, job), device) for job, device in zip(others, devices)]
+    output, failures = None, []
+    try:
+        output = _rank_run(exchange, first)()
+    except BaseException as err:
+        failures.append(err)
+    failures += [e for e in (job.exception() for job in jobs) if e is not None]  # every rank done first
+    unsplit = next((e for e in failures if isinstance(e, Unsplittable)), None)
+    if unsplit is not None:
+        raise unsplit
+    if failures:
+        raise next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), failures[0])
+    return output
 
 
 def _rank_run(exchange: Exchange, call: Callable[[], Any]) -> Callable[[], Any]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
+
 from .replica_workers import plain_copy
 from .resident import outside_graphs
 from .sequence import SequenceHook, Unsplittable, check_splittable, enable_split
@@ -47,23 +49,11 @@ class ProcessSequenceHook(OnWorkers, SequenceHook):
         return module
 
     def run(self, *args, **kwargs):
-        workers = self._running()
-        call = workers.send([(args, kwargs)] * len(self.replica_devices), caller_state(), reply=False,
-                            expected=(Unsplittable,))
         try:
-            output = self.ranks[0](*args, **kwargs)
+            return split_on_workers(self._running(), self.ranks[0], (), args, kwargs)
         except Unsplittable:
-            answers = workers.receive(call)  # every rank met it at the same layer, before any exchange
-            if not all(isinstance(a, Raised) for a in answers):
-                workers.close()
-                raise
             self.whole += 1
             return self.forward_own(*args, **kwargs)
-        except BaseException:
-            workers.close()  # ranks left inside an exchange: new workers at the next call
-            raise
-        workers.receive(call)
-        return output
 
     def _ranks(self, module) -> None:
         """Workers given the module and made ranks 1..; rank 0 a copy here sharing the module's weights."""
@@ -88,6 +78,27 @@ class ProcessSequenceHook(OnWorkers, SequenceHook):
     def __repr__(self) -> str:
         copies = ", ".join(str(d) for d in self.replica_devices)
         return f"ProcessSequenceHook({self.component!r}, device={self.device}, workers=[{copies}])"
+
+
+def split_on_workers(workers: Workers, home: torch.nn.Module, to: tuple[int, ...], args: tuple, kwargs: dict):
+    """One split call: the whole inputs sent to the worker ranks ``to`` (every worker where empty), rank 0's copy
+    ``home`` run here meanwhile; its output, once the workers are done (they keep theirs). ``Unsplittable`` where
+    the tokens do not divide (every rank met it at the same layer, before any exchange: the caller runs it whole);
+    any other failure stops the workers (ranks left inside an exchange: new ones at the next call)."""
+    count = len(to) or len(workers.devices)
+    call = workers.send([(args, kwargs)] * count, caller_state(), reply=False, expected=(Unsplittable,), to=to)
+    try:
+        output = home(*args, **kwargs)
+    except Unsplittable:
+        answers = workers.receive(call)
+        if not all(isinstance(a, Raised) for a in answers):
+            workers.close()
+        raise
+    except BaseException:
+        workers.close()
+        raise
+    workers.receive(call)
+    return output
 
 
 outside_graphs(ProcessSequenceHook)

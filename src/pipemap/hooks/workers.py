@@ -374,6 +374,15 @@ def _joined(store: dist.Store, rank: int, size: int, device: torch.device, secon
     return group
 
 
+def subgroup(store: dist.Store, members: tuple[int, ...], rank: int, device: torch.device, seconds: float,
+             name: str, staged: bool, gloo: bool) -> Any:
+    """The group of the ranks ``members`` (``rank``: one of them, in the whole group's numbering) over the whole
+    group's store: only those ranks take part in making it. Its own collectives (a branch's sequence split) never
+    wait for the other ranks'."""
+    store = dist.PrefixStore(name, store)
+    return _joined(store, members.index(rank), len(members), device, seconds, name, staged, gloo)
+
+
 def _forget(group: Any) -> None:
     with contextlib.suppress(Exception):
         _C10D._unregister_process_group(group.group_name)
@@ -518,7 +527,7 @@ def _free_port(host: str = "127.0.0.1") -> int:
 # ---- rank 0's end ------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # one worker is itself only (``Workers.send`` looks a call's ranks up)
 class _Rank:
     """One worker as rank 0 sees it."""
 
@@ -556,6 +565,8 @@ class Workers:
         self.component, self.home, self.devices = component, home, devices
         self.ranks: list[_Rank] = []
         self.group: Any = None  # a ProcessGroup with a gloo or NCCL backend (``_group``)
+        self.name = ""  # the group's name: its subgroups' names start with it
+        self.subgroups: list[Any] = []  # rank 0's subgroups (``split``): forgotten at close
         self.store: dist.TCPStore | None = None
         self.outstanding: list[Call] = []  # calls sent whose outputs were not received yet, oldest first
         self.served: list[int] = []  # the pid of the process that computed each output received (tests read it)
@@ -591,7 +602,7 @@ class Workers:
         self.close()
         seconds = timeout_s()
         size = 1 + len(self.devices)
-        name = f"pipemap-{self.component}-{os.getpid()}-{next(_NAMES)}"
+        name = self.name = f"pipemap-{self.component}-{os.getpid()}-{next(_NAMES)}"
         self.staged = staged = staged_ranks((self.home, *self.devices))
         self.gloo = gloo = shared_gpu((self.home, *self.devices))
         self.wire = wire(self.home, gloo)
@@ -628,9 +639,11 @@ class Workers:
                 r.pipe.close()
         if self.launcher is not None:
             self.launcher.close()
-        if self.group is not None:
-            _forget(self.group)
+        for group in [self.group, *self.subgroups]:
+            if group is not None:
+                _forget(group)
         self.group = self.store = self.launcher = None
+        self.subgroups = []
         self.outstanding = []
 
     # -- the workers' copies --
@@ -659,24 +672,48 @@ class Workers:
 
     # -- calls --
 
-    def split(self) -> None:
-        """Make each worker's copy its rank of a sequence split over the group (``sequence.enable_split``)."""
+    def split(self, halves: tuple[tuple[int, ...], ...] = ()) -> Any:
+        """Make each worker's copy its rank of a sequence split (``sequence.enable_split``) over the whole group, or
+        over its own of ``halves`` (disjoint lists of ranks, each a group of its own: ``subgroup``); rank 0's group
+        (None where rank 0 is in none of them)."""
+        if not halves:
+            for r in self.ranks:
+                self._ask(r, ("split", r.rank, None, ""), "sync")
+            return self.group
+        names = [f"{self.name}-part{next(_NAMES)}" for _ in halves]
+        for r in self.ranks:  # every member asked before any joins: making a group waits for all its members
+            members, name = next((m, n) for m, n in zip(halves, names) if r.rank in m)
+            self._post(r, ("split", r.rank, members, name), "sync")
+        mine, store = None, self.store
+        assert store is not None  # set by start, before any sync
+        for members, name in zip(halves, names):
+            if 0 in members:
+                mine = self._guarded(functools.partial(subgroup, store, members, 0, self.home, timeout_s(), name,
+                                                       self.staged, self.gloo), None, "sync")
+                self.subgroups.append(mine)
         for r in self.ranks:
-            self._ask(r, ("split", r.rank), "sync")
+            self._receive(r, "sync")
+        return mine
 
-    def send(self, parts: list[tuple[tuple, dict]], state: tuple, reply: bool = True,
-             expected: tuple[type, ...] = ()) -> Call:
-        """Start one call per worker: ``parts[i]`` (args, kwargs) to rank i + 1, under the caller's ``state``. A
-        call whose outputs nobody asked for (a guidance branch started ahead and missed) is received first.
-        ``reply=False``: the outputs stay in the workers (a sequence split's ranks each hold the gathered whole);
-        an exception of a class in ``expected`` comes back as a ``Raised`` output, the workers kept."""
-        while self.outstanding:
-            self.receive(self.outstanding[0])
-        call = Call(self.ranks[:len(parts)])
+    def send(self, parts: list[tuple[tuple, dict]], state: tuple, reply: bool | tuple[bool, ...] = True,
+             expected: tuple[type, ...] = (), to: tuple[int, ...] = ()) -> Call:
+        """Start one call per worker: ``parts[i]`` (args, kwargs) to rank i + 1 (to rank ``to[i]`` where given),
+        under the caller's ``state``. A call to any of these ranks whose outputs nobody asked for (a guidance branch
+        started ahead and missed) is received first; calls to other ranks run on. ``reply=False`` (per part where a
+        tuple): the outputs stay in the workers (a sequence split's ranks each hold the gathered whole); an exception
+        of a class in ``expected`` comes back as a ``Raised`` output, the workers kept."""
+        ranks = [self.ranks[i - 1] for i in to] if to else self.ranks[:len(parts)]
+        while True:
+            earlier = next((c for c in self.outstanding if any(r in ranks for r in c.ranks)), None)
+            if earlier is None:
+                break
+            self.receive(earlier)
+        call = Call(ranks)
         self.outstanding.append(call)
-        for r, part in zip(call.ranks, parts):
+        replies = reply if isinstance(reply, tuple) else (reply,) * len(parts)
+        for r, part, answer in zip(call.ranks, parts, replies):
             data, tensors, names = r.inputs.packed(part)
-            self._post(r, ("call", data, metas(tensors), names, state, reply, expected), "call")
+            self._post(r, ("call", data, metas(tensors), names, state, answer, expected), "call")
             call.works += self._guarded(functools.partial(_send, self._live_group(), tensors, r.rank, self.wire),
                                         r, "call")
         return call
@@ -688,13 +725,13 @@ class Workers:
         self.outstanding.remove(call)
         try:
             self._finish(call.works, None, "call")
-            return [self._output(r) for r in call.ranks]
+            return [self._output(r, call.ranks) for r in call.ranks]
         except BaseException:
             self.close()
             raise
 
-    def _output(self, r: _Rank):
-        data, wanted, pid = self._receive(r, "call")
+    def _output(self, r: _Rank, peers: list[_Rank]):
+        data, wanted, pid = self._receive(r, "call", peers)
         self.served.append(pid)
         tensors = self._guarded(functools.partial(_receive_tensors, self._live_group(), wanted, r.rank, self.home,
                                                   self.wire), r, "call")
@@ -716,12 +753,14 @@ class Workers:
         except (OSError, ValueError) as err:
             raise self._died(r, phase) from err
 
-    def _receive(self, r: _Rank, phase: str):
-        """The worker's next answer: waited for while it lives, for at most the timeout."""
+    def _receive(self, r: _Rank, phase: str, peers: list[_Rank] | None = None):
+        """The worker's next answer: waited for while it and its ``peers`` in this call live (a rank waiting in a
+        collective for a dead peer would wait out the group's timeout), for at most the timeout."""
         deadline = time.monotonic() + timeout_s()
         while not r.pipe.poll(_POLL_S):
-            if not _alive(r):
-                raise self._died(r, phase)
+            gone = next((p for p in (r, *(peers or ())) if not _alive(p)), None)
+            if gone is not None:
+                raise self._died(gone, phase)
             if time.monotonic() > deadline:
                 raise self._died(r, phase, timed_out=True)
         try:
@@ -836,7 +875,7 @@ def serve(start: Start, pipe, parent: int | None) -> None:
     store = dist.TCPStore(start.host, start.port, start.size, is_master=False,
                           timeout=datetime.timedelta(seconds=start.seconds))
     group = _joined(store, start.rank, start.size, device, start.seconds, start.name, start.staged, start.gloo)
-    worker = _Worker(group, device, module, wire(device, start.gloo))
+    worker = _Worker(group, device, module, wire(device, start.gloo), start, store)
     while True:
         try:
             message = pipe.recv()
@@ -870,6 +909,8 @@ class _Worker:
     device: torch.device
     module: torch.nn.Module | None
     through: torch.device  # where its tensors travel (``wire``)
+    start: Start | None = None  # what it was started with (a subgroup's bounds and exchange)
+    store: Any = None  # rank 0's store (a subgroup is made over it)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the last call's tensors, by the caller's names
 
     def handle(self, message: tuple, pipe) -> None:
@@ -889,7 +930,9 @@ class _Worker:
 
             if self.module is None:
                 raise RuntimeError("no copy of the component was sent to this worker")
-            enable_split(self.module, rest[0], self.group)
+            rank, members, name = rest
+            group = self.group if members is None else self._subgroup(rank, members, name)
+            enable_split(self.module, rank if members is None else members.index(rank), group)
             pipe.send(("split", os.getpid()))
         elif kind == "call":
             data, wanted, names, state, reply, expected = rest
@@ -906,6 +949,12 @@ class _Worker:
                 work.wait()
         else:
             raise ValueError(f"unknown message {kind!r}")
+
+    def _subgroup(self, rank: int, members: tuple[int, ...], name: str) -> Any:
+        start = self.start
+        if start is None or self.store is None:
+            raise RuntimeError("this worker was started without a store to make a subgroup over")
+        return subgroup(self.store, members, rank, self.device, start.seconds, name, start.staged, start.gloo)
 
     def _module(self, data: bytes, wanted: list[Meta]) -> None:
         received = _receive_tensors(self.group, wanted, 0, self.device, self.through)

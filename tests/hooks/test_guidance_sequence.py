@@ -1,0 +1,168 @@
+"""Guidance branches at once, each split by its tokens (``hooks/guidance_sequence.py``, mode
+``"guidance_sequence"``): on four stand-in GPUs (the dry run), remapped onto the CPU (outputs equal the plain
+pipeline's), under the fake CUDA with four GPUs (no race), and planned by strategy ``"parallel"`` on four GPUs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import families
+import pipemap
+from families import fresh, output
+from helpers import pipeline_state, with_copy
+from pipemap import tiny
+from pipemap.hooks.guidance_sequence import GuidanceSequenceHook
+from pipemap.modes import facts
+
+FOUR = "4x64MiB,cpu=1GiB"
+ON_CPU = {f"cuda:{i}": "cpu" for i in range(4)}
+STEPS = 3
+TOLERANCE = {"atol": 1e-4, "rtol": 0}
+
+
+def four_gpus(pipe):
+    """Everything on cuda:0, the transformer's first branch split over cuda:0 and cuda:1, its second over cuda:2
+    and cuda:3."""
+    return with_copy(pipe, "guidance_sequence", hardware=FOUR, copies=3)
+
+
+def flux_true_cfg():
+    pipe = tiny.build("flux")  # 2 attention heads: one for each GPU of a half
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(tiny.default_call(pipe, "flux", output_type="pt"), negative_prompt="blurry", true_cfg_scale=2.0,
+                num_inference_steps=STEPS)
+    return pipe, call
+
+
+def _tokens_seen(branches: list[list[torch.nn.Module]], seen: list[tuple[int, int, str, int]]) -> list:
+    """A forward pre-hook on each rank's copy: (its branch, its rank, the thread, the tokens of its share)."""
+    def record(branch, rank):
+        return lambda m, a, k: seen.append((branch, rank, threading.current_thread().name, _tokens(a, k)))
+
+    return [_share_point(copy).register_forward_pre_hook(record(branch, rank), with_kwargs=True)
+            for branch, ranks in enumerate(branches) for rank, copy in enumerate(ranks)]
+
+
+def _share_point(model: torch.nn.Module) -> torch.nn.Module:
+    """The output projection: its input is this rank's share of the tokens (the ``_cp_plan`` of Flux and Wan
+    gathers them after it)."""
+    return model.proj_out
+
+
+def _tokens(args, kwargs) -> int:
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    return int(hidden.shape[1]) if hidden is not None else -1
+
+
+# ---- on four stand-in GPUs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_dry_run_computes_both_halves_on_their_stand_ins_within_budget():
+    pipe, call = families.true_cfg("wan_t2v", STEPS)
+    plan = four_gpus(pipe)
+    extra = {k: v for k, v in call.items() if k not in ("prompt", "generator", "output_type", "num_inference_steps")}
+    report = pipemap.simulate(pipe, plan, steps=STEPS, **extra)
+    assert report.ok, report.error
+    copy = plan.placement("transformer").bytes
+    for gpu in ("cuda:1", "cuda:2", "cuda:3"):  # a copy on each, and each computed its share of a branch
+        assert report.weight_bytes[gpu] >= copy
+        assert report.activation_bytes[gpu] > 0 and report.peak_phase[gpu].startswith("denoising")
+    for device in plan.devices:
+        assert report.peak_bytes[device.device] <= device.budget
+
+
+# ---- remapped onto the CPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", [lambda: families.true_cfg("wan_t2v", STEPS), flux_true_cfg],
+                         ids=["wan_t2v", "flux_true_cfg"])
+def test_each_branch_splits_over_its_half_and_equals_plain(build):
+    pipe, call = build()
+    whole: list[int] = []
+    handle = _share_point(pipe.transformer).register_forward_pre_hook(
+        lambda m, a, k: whole.append(_tokens(a, k)), with_kwargs=True)
+    plain = output(pipe(**fresh(call)))
+    handle.remove()
+    before = pipeline_state(pipe)
+    pipemap.dispatch(pipe, four_gpus(pipe).remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    assert isinstance(hook, GuidanceSequenceHook) and hook.share == 2
+    assert [len(ranks) for ranks in hook.branches] == [2, 2] and len(hook.replicas) == 3
+    seen: list[tuple[int, int, str, int]] = []
+    handles = _tokens_seen(hook.branches, seen)
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
+    assert (hook.hits, hook.misses, hook.whole) == (STEPS - 1, 0, 0)  # the first step has none before it
+    # the first half ran both calls of the first step and the first call of each later one, on both its ranks; the
+    # second half each later step's second call, started ahead
+    assert [sum(1 for b, *_ in seen if b == branch) for branch in (0, 1)] == [2 * (STEPS + 1), 2 * (STEPS - 1)]
+    assert len(whole) == 2 * STEPS and {tokens for *_, tokens in seen} == {whole[0] // 2}  # half the tokens each
+    threads = {(b, r): {t for b2, r2, t, _ in seen if (b2, r2) == (b, r)} for b in (0, 1) for r in (0, 1)}
+    assert threads.pop((0, 0)) == {threading.current_thread().name}  # rank 0 of the first half: the caller's
+    assert all(t.startswith("pipemap-transformer") for names in threads.values() for t in names)
+    for handle in handles:
+        handle.remove()
+    pipemap.reset(pipe)
+    assert pipeline_state(pipe) == before
+
+
+def test_a_call_whose_tokens_do_not_divide_runs_whole_and_equals_plain():
+    pipe, call = flux_true_cfg()
+    call = dict(call, max_sequence_length=31)  # 31 text tokens: no even share for the two GPUs of a half
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, four_gpus(pipe).remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
+    # every call ran whole here: the first branch's own, and the second branch's after its call ahead missed
+    assert hook.whole == 2 * STEPS and (hook.hits, hook.misses) == (0, STEPS - 1)
+
+
+def test_dispatch_refuses_heads_that_do_not_divide_among_a_half_and_leaves_the_pipeline_as_it_was():
+    pipe, _ = families.build("qwen_image")  # 3 attention heads: no even share for the two GPUs of a half
+    before = pipeline_state(pipe)
+    with pytest.raises(pipemap.errors.DispatchError, match="3 attention heads do not divide among 2 GPUs"):
+        pipemap.dispatch(pipe, four_gpus(pipe).remap(ON_CPU))
+    assert pipeline_state(pipe) == before
+
+
+# ---- under the fake CUDA (tests/fakecuda.py) ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_tiny_flux_over_four_fake_gpus_equals_plain_with_no_race(fake_cuda):
+    import fakecuda
+
+    fake_cuda.gpus = 4
+    pipe, call = flux_true_cfg()
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, four_gpus(pipe))
+    hook = pipe.transformer._hf_hook
+    assert [[str(next(r.parameters()).device) for r in ranks] for ranks in hook.branches] == [
+        ["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    result = output(pipe(**fresh(call)))
+    assert (hook.hits, hook.whole) == (STEPS - 1, 0)  # the second half's results used, every call split
+    torch.testing.assert_close(fakecuda.host(result), plain, **TOLERANCE)
+    pipemap.reset(pipe)
+
+
+# ---- planned ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("hardware", "mode", "copies"), [
+    ("2x141GiB,cpu=1TiB", "guidance", ("cuda:1",)),
+    ("4x141GiB,cpu=1TiB", "guidance_sequence", ("cuda:1", "cuda:2", "cuda:3")),
+])
+def test_parallel_plans_wan_s_branches_split_on_four_gpus(hardware, mode, copies):
+    plan = pipemap.plan("wan2.1-t2v-14b", hardware=hardware, strategy="parallel")
+    placement = plan.placement("transformer")
+    assert (placement.mode, placement.replicas) == (mode, copies)
+    assert pipemap.Plan.from_json(plan.to_json()) == plan
+    if mode == "guidance_sequence":
+        assert "cuda:0, cuda:1 run each step's first call (conditional), cuda:2, cuda:3 its second" in plan.notes[-1]
+        assert "1st branch's tokens split over cuda:0, cuda:1, 2nd's over cuda:2, cuda:3" in facts(mode).text(placement)
+        for gpu in copies:  # a whole copy on each GPU
+            assert next(d for d in plan.devices if d.device == gpu).used >= placement.bytes
+

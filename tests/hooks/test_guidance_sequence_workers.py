@@ -1,0 +1,100 @@
+"""Guidance branches at once, each split by its tokens, on worker processes (``hooks/guidance_sequence_workers.py``):
+a plan for four GPUs remapped onto the CPU keeps one rank per planned GPU, this process and three workers, each half
+a gloo group of its own; outputs equal the plain pipeline's. Slow: each test starts three workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+import families
+import pipemap
+from families import fresh, output
+from helpers import with_copy
+from pipemap.hooks.guidance_sequence_workers import ProcessGuidanceSequenceHook
+from pipemap.hooks.workers import ENV, TIMEOUT_ENV
+
+ON_CPU = {f"cuda:{i}": "cpu" for i in range(4)}
+STEPS = 3
+TOLERANCE = {"atol": 1e-4, "rtol": 0}
+
+
+def _gone(pids: list[int], within_s: float = 10) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_wan_s_halves_run_on_three_workers_at_once_equal_plain_and_a_dead_worker_is_replaced(monkeypatch):
+    monkeypatch.setenv(ENV, "process")
+    monkeypatch.setenv(TIMEOUT_ENV, "60")
+    pipe, call = families.true_cfg("wan_t2v", STEPS)
+    plain = output(pipe(**fresh(call)))
+    plan = with_copy(pipe, "guidance_sequence", hardware="4x64MiB,cpu=1GiB", copies=3)
+    extra = {k: v for k, v in fresh(call).items() if k not in ("generator", "num_inference_steps")}
+    dry = pipemap.simulate(pipe, plan, steps=2, advice=False, **extra)
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    assert isinstance(hook, ProcessGuidanceSequenceHook) and hook.replicas == [] and hook.workers is not None
+    # what each worker holds is what the dry run's stand-in for its GPU held: the plan's figure and Wan's rotary
+    # tables (buffers no file holds)
+    held = hook.workers.held()
+    assert held == [dry.weights_held(f"cuda:{i}") for i in (1, 2, 3)] and min(held) >= plan.placement(
+        "transformer").bytes
+    first, second, third = pids = hook.pids()
+    assert len(set(pids)) == 3 and os.getpid() not in pids
+    # while rank 0 computes a later step's first branch, that step's second is on the second half: both outstanding
+    outstanding: list[int] = []
+    handle = hook.home.register_forward_pre_hook(lambda m, a: outstanding.append(len(hook.workers.outstanding)))
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
+    handle.remove()
+    assert (hook.hits, hook.misses, hook.whole) == (STEPS - 1, 0, 0)
+    assert outstanding == [1, 1] + [2] * (STEPS - 1)
+    # rank 1 answered every first-half call (both calls of step 1, the first of each later one); ranks 2 and 3
+    # each later step's second call
+    served = hook.workers.served
+    assert [served.count(p) for p in pids] == [STEPS + 1, STEPS - 1, STEPS - 1]
+
+    os.kill(third, signal.SIGKILL)  # between calls: the next call starts new workers
+    assert _gone([third])
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
+    renewed = hook.pids()
+    assert len(renewed) == 3 and not set(renewed) & {first, second, third}
+    assert _gone([first, second])
+    pipemap.reset(pipe)
+    assert _gone(renewed) and not hasattr(pipe.transformer, "_hf_hook")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_a_call_costs_a_miss_within_the_timeout_never_a_hang(monkeypatch):
+    monkeypatch.setenv(ENV, "process")
+    monkeypatch.setenv(TIMEOUT_ENV, "30")
+    pipe, call = families.true_cfg("wan_t2v", STEPS)
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance_sequence", hardware="4x64MiB,cpu=1GiB", copies=3).remap(ON_CPU))
+    hook = pipe.transformer._hf_hook
+    victim = hook.pids()[2]  # the second half's rank 1
+
+    def kill_once(module, args):  # a later step's first branch runs here while its second runs on the other half
+        if hook.hits + hook.misses == 1:
+            handle.remove()
+            os.kill(victim, signal.SIGKILL)
+
+    handle = hook.home.register_forward_pre_hook(kill_once)
+    started = time.monotonic()
+    # the second half's call fails (its rank 1 gone): a miss, the branch runs here, on new workers
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
+    assert hook.misses >= 1
+    assert time.monotonic() - started < 90 and _gone([victim])
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)  # new workers
+    pipemap.reset(pipe)
+
