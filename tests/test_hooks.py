@@ -10,6 +10,7 @@ import pipemap
 from helpers import pipeline_state, plain_pipeline, run
 from pipemap import hooks
 from pipemap.hooks import HOOKS, MOVING, Ledger, hook_maker, stream
+from pipemap.hooks.guidance_sequence import GuidanceSequenceHook
 from pipemap.plan import MODES, DeviceUse, Placement, Plan
 from pipemap.runtime import streams
 
@@ -22,11 +23,12 @@ PLACEMENTS = {
     "replicated": Placement("controlnet", "cpu", 10, "replicated", replicas=("cpu",)),
     "guidance": Placement("transformer_2", "cpu", 10, "guidance", replicas=("cpu",)),
     "sequence": Placement("image_encoder", "cpu", 10, "sequence", replicas=("cpu",)),
+    "guidance_sequence": Placement("transformer_3", "cpu", 10, "guidance_sequence", replicas=("cpu",) * 3),
 }
 CLASSES = {"resident": hooks.PlacementHook, "offload": hooks.OffloadHook, "stream": hooks.StreamHook,
            "split": hooks.SplitHook, "replicated": hooks.ReplicaHook, "guidance": hooks.GuidanceHook,
-           "sequence": hooks.SequenceHook}
-PLAN = Plan("balanced", tuple(PLACEMENTS.values()), (DeviceUse("cpu", 1000, 1000, 210),), "cpu")
+           "sequence": hooks.SequenceHook, "guidance_sequence": GuidanceSequenceHook}
+PLAN = Plan("balanced", tuple(PLACEMENTS.values()), (DeviceUse("cpu", 1000, 1000, 240),), "cpu")
 
 
 def test_every_mode_has_a_hook_and_every_hook_a_mode():

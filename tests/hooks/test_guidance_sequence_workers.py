@@ -4,6 +4,7 @@ a gloo group of its own; outputs equal the plain pipeline's. Slow: each test sta
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
@@ -39,6 +40,7 @@ def test_wan_s_halves_run_on_three_workers_at_once_equal_plain_and_a_dead_worker
     monkeypatch.setenv(TIMEOUT_ENV, "60")
     pipe, call = families.true_cfg("wan_t2v", STEPS)
     plain = output(pipe(**fresh(call)))
+    twin = copy.deepcopy(pipe)  # the plain pipeline a change after placing is made to as well
     plan = with_copy(pipe, "guidance_sequence", hardware="4x64MiB,cpu=1GiB", copies=3)
     extra = {k: v for k, v in fresh(call).items() if k not in ("generator", "num_inference_steps")}
     dry = pipemap.simulate(pipe, plan, steps=2, advice=False, **extra)
@@ -63,6 +65,16 @@ def test_wan_s_halves_run_on_three_workers_at_once_equal_plain_and_a_dead_worker
     # each later step's second call
     served = hook.workers.served
     assert [served.count(p) for p in pids] == [STEPS + 1, STEPS - 1, STEPS - 1]
+
+    # a change after placing (load_state_dict into one weight) reaches every worker: only that tensor is sent, and
+    # the halves are made anew over the same workers
+    changed = {"proj_out.weight": twin.transformer.proj_out.weight.detach() * 0.5}
+    for each in (twin, pipe):
+        each.transformer.load_state_dict(changed, strict=False)
+    torch.testing.assert_close(output(pipe(**fresh(call))), output(twin(**fresh(call))), **TOLERANCE)
+    hook = pipe.transformer._hf_hook
+    assert hook.pids() == pids and hook.workers.sent == [1, 1, 1] and (hook.hits, hook.whole) == (STEPS - 1, 0)
+    plain = output(twin(**fresh(call)))
 
     os.kill(third, signal.SIGKILL)  # between calls: the next call starts new workers
     assert _gone([third])

@@ -680,6 +680,9 @@ class Workers:
             for r in self.ranks:
                 self._ask(r, ("split", r.rank, None, ""), "sync")
             return self.group
+        for group in self.subgroups:  # a split made anew (a followed change): the halves' last groups go
+            _forget(group)
+        self.subgroups = []
         names = [f"{self.name}-part{next(_NAMES)}" for _ in halves]
         for r in self.ranks:  # every member asked before any joins: making a group waits for all its members
             members, name = next((m, n) for m, n in zip(halves, names) if r.rank in m)
@@ -911,6 +914,7 @@ class _Worker:
     through: torch.device  # where its tensors travel (``wire``)
     start: Start | None = None  # what it was started with (a subgroup's bounds and exchange)
     store: Any = None  # rank 0's store (a subgroup is made over it)
+    part: Any = None  # its subgroup, where a split made one: forgotten when a new split makes another
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the last call's tensors, by the caller's names
 
     def handle(self, message: tuple, pipe) -> None:
@@ -954,7 +958,10 @@ class _Worker:
         start = self.start
         if start is None or self.store is None:
             raise RuntimeError("this worker was started without a store to make a subgroup over")
-        return subgroup(self.store, members, rank, self.device, start.seconds, name, start.staged, start.gloo)
+        if self.part is not None:
+            _forget(self.part)
+        self.part = subgroup(self.store, members, rank, self.device, start.seconds, name, start.staged, start.gloo)
+        return self.part
 
     def _module(self, data: bytes, wanted: list[Meta]) -> None:
         received = _receive_tensors(self.group, wanted, 0, self.device, self.through)
