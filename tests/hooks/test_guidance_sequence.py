@@ -109,6 +109,18 @@ def test_each_branch_splits_over_its_half_and_equals_plain(build):
     assert pipeline_state(pipe) == before
 
 
+def test_requests_overlapped_by_run_many_keep_their_own_branches_and_halves():
+    pipe, call = families.true_cfg("wan_t2v", STEPS)
+    calls = [dict(call, prompt=p) for p in ("a tiny cat", "a tiny dog", "a tiny bird")]
+    plain = [output(pipe(**fresh(c))) for c in calls]
+    pipemap.dispatch(pipe, four_gpus(pipe).remap(ON_CPU))
+    results = pipemap.run_many(pipe, [fresh(c) for c in calls], workers=2)
+    for got, want in zip(results, plain, strict=True):
+        torch.testing.assert_close(output(got), want, **TOLERANCE)
+    hook = pipe.transformer._hf_hook
+    assert hook.hits > 0 and hook.whole == 0
+
+
 def test_a_call_whose_tokens_do_not_divide_runs_whole_and_equals_plain():
     pipe, call = flux_true_cfg()
     call = dict(call, max_sequence_length=31)  # 31 text tokens: no even share for the two GPUs of a half
