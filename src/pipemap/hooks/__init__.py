@@ -12,6 +12,8 @@ guidance       GuidanceHook     guidance.py   each step's second guidance branch
                                               used only when the call that arrives has exactly its inputs
 sequence       SequenceHook     sequence.py   the call's tokens split across copies on several GPUs, attention
                                               exchanging keys and values (diffusers' context parallelism)
+guidance_      GuidanceSeq-     guidance_     both: each step's first call's tokens split across half the GPUs,
+sequence       uenceHook        sequence.py   its second call's across the other half, started ahead
 =============  ===============  ============  ====================================================================
 
 Every hook derives from ``PlacementHook`` (``resident.py``, which also attaches and removes hooks). ``moving.py`` is
