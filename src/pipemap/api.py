@@ -46,6 +46,7 @@ from .plan import Plan
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
 from .runtime.admission import Admission, cuda_peaks, shared_ledger
 from .runtime.placed import admission_of, keep_admission
+from .runtime.transfer import exchange_notes
 from .units import format_bytes, parse_bytes
 
 # The dry run, the catalog, the cost model, the memory ledger and run_many are imported by the verbs that use them,
@@ -131,9 +132,12 @@ class Request:
         inventory = inventory or self.inventory()
         strategy = self.strategy if self.strategy is not None else "balanced"
         if self.measured:
-            return measured_plan(self.source, inventory, hw, strategy, self.call)
-        counts = self.known_counts(inventory) if strategy == AUTO else None
-        return plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts)
+            made = measured_plan(self.source, inventory, hw, strategy, self.call)
+        else:
+            counts = self.known_counts(inventory) if strategy == AUTO else None
+            made = plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts)
+        told = exchange_notes(made)  # what the copy check found for the copies' exchanges, where it ran
+        return replace(made, notes=(*made.notes, *told)) if told else made
 
     def known_counts(self, inventory: Inventory) -> Counts | None:
         """The default call's counted work, if known without a dry run (the catalog's record, this process, the

@@ -271,8 +271,9 @@ class Plan:
         """Why this plan: the candidates ``"auto"`` weighed, their predicted seconds per image, images per second
         with requests overlapped (``run_many``) and per-device peaks, and which won. Plans from a fixed strategy
         have no candidates and say so; what ``"parallel"`` did with the denoiser (its ``parallel:`` note: copies,
-        split tokens, or why none) is said either way."""
-        told = [n for n in self.notes if n.startswith(("auto:", "parallel:"))]
+        split tokens, or why none) and how its copies exchange where the copy check staged a pair of their GPUs
+        (``exchange:``) are said either way."""
+        told = [n for n in self.notes if n.startswith(("auto:", "parallel:", "exchange:"))]
         if not self.candidates:
             return "\n".join([f"strategy {self.strategy!r} was asked for; no other plan was weighed", *told])
         ranked = sorted(self.candidates, key=lambda c: (c.seconds is None, c.seconds or 0.0))

@@ -156,6 +156,24 @@ def clear_staged() -> None:
     _WARNED.clear()
 
 
+def exchange_notes(plan) -> list[str]:
+    """A line for each placement whose copies exchange between a pair of devices this process stages (the copy
+    check found direct copies corrupting): its ranks exchange through host memory there. Read from what was found,
+    never running the check (``ensure_safe_transfers`` runs it at dispatch)."""
+    staged = staged_pairs()
+    lines = []
+    for p in plan.components if staged else ():
+        devices = [endpoint(d) for d in (p.device, *p.replicas)]
+        pairs = sorted({(a, b) for a in devices for b in devices if (a, b) in staged})
+        if p.replicas and pairs:
+            found = ", ".join(f"{a} -> {b}" for a, b in pairs)
+            lines.append(f"exchange: {p.component}'s copies on {', '.join(dict.fromkeys(devices))} exchange through "
+                         f"host memory, as the copy check found direct copies {found} corrupting on this machine "
+                         "(worker processes: NCCL with peer-to-peer off; threads: each copy staged through pinned "
+                         "memory)")
+    return lines
+
+
 def endpoint(device: str | int | torch.device) -> str:
     """The canonical name of a transfer endpoint: ``normalize_device``'s, except that ``"cpu:N"`` (N >= 1) stays,
     naming a stand-in endpoint on the real CPU.
