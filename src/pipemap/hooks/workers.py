@@ -26,8 +26,9 @@ worker's call raises ``WorkerCallError`` with its traceback. Workers stop when t
 (``stop_workers``, called by ``dispatch.reset``), when the component is garbage-collected, at the interpreter's exit
 (``atexit``), and by themselves when rank 0's process dies (the pipe closes; a watchdog compares the parent's pid).
 
-Opt-in for now: with ``PIPEMAP_WORKERS=process``, ``hooks.HOOKS`` gives the replicated mode, guidance branches and
-the sequence split their worker variants (``replica_workers.py``, ``guidance_workers.py``, ``sequence_workers.py``);
+Opt-in for now: with ``PIPEMAP_WORKERS=process``, ``hooks.HOOKS`` gives the replicated mode, guidance branches,
+the sequence split and both at once their worker variants (``replica_workers.py``, ``guidance_workers.py``,
+``sequence_workers.py``, ``guidance_sequence_workers.py``: each half of its ranks a subgroup, ``Workers.split``);
 the default stays the threads until the workers have run over NCCL on two GPUs. ``PIPEMAP_WORKERS=ray`` is the same
 with each worker a Ray actor (``ray_workers.py``): only the start differs (``launcher``: a ``_Spawn``, or a
 ``ray_workers.RayLauncher``; each gives a handle to watch and stop the worker, and its connection).
