@@ -28,6 +28,17 @@ import pipemap  # noqa: E402
 from helpers import moving, plain_pipeline  # noqa: E402
 from pipemap import tiny  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _a_ledger_of_its_own(monkeypatch):
+    """Each test's placed pipelines share a memory ledger of their own. The process's one ledger (issue 39: placed
+    pipelines never exceed a GPU together) would otherwise count a pipeline an earlier test on the same worker left
+    placed and not yet collected: its 5 MiB GPUs shrank the next test's room (a CI run, ordered by xdist)."""
+    from pipemap.runtime import admission
+
+    monkeypatch.setattr(admission, "_SHARED", [])
+
+
 torch.set_num_threads(1)
 hub_constants.HF_HOME = os.environ["HF_HOME"]  # in case a plugin imported huggingface_hub before this file ran
 diffusers_logging.set_verbosity_error()
