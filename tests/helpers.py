@@ -10,6 +10,7 @@ import io
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import torch
@@ -141,3 +142,15 @@ def with_copy(pipe, mode: str, component: str = "transformer", hardware: str = "
                   for p in plan_.components)
     devices = tuple(dataclasses.replace(d, used=d.used + size) if d.device in gpus else d for d in plan_.devices)
     return dataclasses.replace(plan_, strategy="parallel", components=parts, devices=devices)
+
+
+def processes_gone(pids: list[int], within_s: float = 10) -> bool:
+    """Whether every process of ``pids`` has exited (or is a zombie its parent has not reaped) within ``within_s``."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

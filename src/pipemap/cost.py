@@ -540,12 +540,9 @@ def _guidance_sequence_price(x: _Priced) -> Cost:
     within = _first_branch(x.placement)
     share = shared_compute(x.counted.total(x.steps), x.perf, x.on_gpu, 1 + len(within.replicas))
     split = sequence_cost(within, x.component, share, _sequence_moved(within, x.component, x.work), x.perf, x.work)
-    if not x.work.guidance:
-        return split
-    kept = 1 - (x.work.steps - 1) / x.work.calls  # the share of the calls not hidden
-    transfer = split.transfer * kept + guidance_moved(x.work) / x.perf.peer_bandwidth
-    compute = split.compute * kept
-    return Cost(x.component.name, compute, transfer, compute + transfer + x.work.calls * VERIFY_SECONDS)
+    both = guidance_cost(x.component, split.compute, guidance_moved(x.work), x.perf, x.work)
+    exchanges = split.transfer * waited_share(x.work)  # a hidden call's exchanges are hidden with it
+    return replace(both, transfer=both.transfer + exchanges, total=both.total + exchanges)
 
 
 def _first_branch(placement: Placement) -> Placement:
@@ -676,9 +673,15 @@ def guidance_cost(component: Component, compute: float, moved: float, perf: Perf
     guidance (one call a step) gains nothing."""
     if not work.guidance:
         return Cost(component.name, compute, 0.0, compute)
-    hidden = compute * (work.steps - 1) / work.calls
+    waited = compute * waited_share(work)
     transfer = moved / perf.peer_bandwidth
-    return Cost(component.name, compute - hidden, transfer, compute - hidden + transfer + work.calls * VERIFY_SECONDS)
+    return Cost(component.name, waited, transfer, waited + transfer + work.calls * VERIFY_SECONDS)
+
+
+def waited_share(work: Workload) -> float:
+    """The share of an image's denoiser calls that guidance branches at once do not hide: all but one call of each
+    step after the first (all of them without true guidance)."""
+    return 1 - (work.steps - 1) / work.calls if work.guidance else 1.0
 
 
 def exchanged_per_call(component: Component, work: Workload, gpus: int) -> float:

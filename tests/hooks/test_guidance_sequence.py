@@ -4,6 +4,7 @@ pipeline's), under the fake CUDA with four GPUs (no race), and planned by strate
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -107,6 +108,34 @@ def test_each_branch_splits_over_its_half_and_equals_plain(build):
         handle.remove()
     pipemap.reset(pipe)
     assert pipeline_state(pipe) == before
+
+
+@pytest.mark.parametrize("name", ["wan_i2v", "flux_kontext"])
+def test_more_families_calling_once_per_branch_with_a_context_parallel_plan_equal_plain(name):
+    pipe, call = families.true_cfg(name, STEPS)
+    if name == "flux_kontext":
+        call = dict(call, negative_prompt="blurry", true_cfg_scale=3.0)
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, four_gpus(pipe).remap(ON_CPU))
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
+    hook = pipe.transformer._hf_hook
+    assert (hook.hits, hook.whole) == (STEPS - 1, 0)
+
+
+def _halving_the_output_projection(pipe, step, timestep, tensors):
+    with torch.no_grad():
+        pipe.transformer.proj_out.weight.mul_(0.5)  # in place, between steps (a weight edit, a fused LoRA)
+    return {}
+
+
+def test_weights_changed_by_a_step_callback_reach_every_rank_and_equal_plain():
+    pipe, call = families.true_cfg("wan_t2v", STEPS)
+    call = dict(call, callback_on_step_end=_halving_the_output_projection)
+    twin = copy.deepcopy(pipe)
+    plain = output(twin(**fresh(call)))
+    pipemap.dispatch(pipe, four_gpus(pipe).remap(ON_CPU))
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
+    torch.testing.assert_close(pipe.transformer.proj_out.weight, twin.transformer.proj_out.weight, atol=0, rtol=0)
 
 
 def test_requests_overlapped_by_run_many_keep_their_own_branches_and_halves():

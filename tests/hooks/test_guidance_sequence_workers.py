@@ -9,14 +9,13 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 import torch
 
 import families
 import pipemap
 from families import fresh, output
-from helpers import with_copy
+from helpers import processes_gone, with_copy
 from pipemap.hooks.guidance_sequence_workers import ProcessGuidanceSequenceHook
 from pipemap.hooks.workers import ENV, TIMEOUT_ENV
 
@@ -25,23 +24,19 @@ STEPS = 3
 TOLERANCE = {"atol": 1e-4, "rtol": 0}
 
 
-def _gone(pids: list[int], within_s: float = 10) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
+def _wan(monkeypatch, timeout_s: int):
+    """The tiny Wan with true CFG, its plain output, and its plan for four GPUs; worker processes asked for."""
+    monkeypatch.setenv(ENV, "process")
+    monkeypatch.setenv(TIMEOUT_ENV, str(timeout_s))
+    pipe, call = families.true_cfg("wan_t2v", STEPS)
+    plain = output(pipe(**fresh(call)))
+    return pipe, call, plain, with_copy(pipe, "guidance_sequence", hardware="4x64MiB,cpu=1GiB", copies=3)
 
 
 @pytest.mark.slow
 def test_wan_s_halves_run_on_three_workers_at_once_equal_plain_and_a_dead_worker_is_replaced(monkeypatch):
-    monkeypatch.setenv(ENV, "process")
-    monkeypatch.setenv(TIMEOUT_ENV, "60")
-    pipe, call = families.true_cfg("wan_t2v", STEPS)
-    plain = output(pipe(**fresh(call)))
+    pipe, call, plain, plan = _wan(monkeypatch, 60)
     twin = copy.deepcopy(pipe)  # the plain pipeline a change after placing is made to as well
-    plan = with_copy(pipe, "guidance_sequence", hardware="4x64MiB,cpu=1GiB", copies=3)
     extra = {k: v for k, v in fresh(call).items() if k not in ("generator", "num_inference_steps")}
     dry = pipemap.simulate(pipe, plan, steps=2, advice=False, **extra)
     pipemap.dispatch(pipe, plan.remap(ON_CPU))
@@ -77,22 +72,19 @@ def test_wan_s_halves_run_on_three_workers_at_once_equal_plain_and_a_dead_worker
     plain = output(twin(**fresh(call)))
 
     os.kill(third, signal.SIGKILL)  # between calls: the next call starts new workers
-    assert _gone([third])
+    assert processes_gone([third])
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
     renewed = hook.pids()
     assert len(renewed) == 3 and not set(renewed) & {first, second, third}
-    assert _gone([first, second])
+    assert processes_gone([first, second])
     pipemap.reset(pipe)
-    assert _gone(renewed) and not hasattr(pipe.transformer, "_hf_hook")
+    assert processes_gone(renewed) and not hasattr(pipe.transformer, "_hf_hook")
 
 
 @pytest.mark.slow
 def test_a_worker_killed_during_a_call_costs_a_miss_within_the_timeout_never_a_hang(monkeypatch):
-    monkeypatch.setenv(ENV, "process")
-    monkeypatch.setenv(TIMEOUT_ENV, "30")
-    pipe, call = families.true_cfg("wan_t2v", STEPS)
-    plain = output(pipe(**fresh(call)))
-    pipemap.dispatch(pipe, with_copy(pipe, "guidance_sequence", hardware="4x64MiB,cpu=1GiB", copies=3).remap(ON_CPU))
+    pipe, call, plain, plan = _wan(monkeypatch, 30)
+    pipemap.dispatch(pipe, plan.remap(ON_CPU))
     hook = pipe.transformer._hf_hook
     victim = hook.pids()[2]  # the second half's rank 1
 
@@ -106,7 +98,7 @@ def test_a_worker_killed_during_a_call_costs_a_miss_within_the_timeout_never_a_h
     # the second half's call fails (its rank 1 gone): a miss, the branch runs here, on new workers
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
     assert hook.misses >= 1
-    assert time.monotonic() - started < 90 and _gone([victim])
+    assert time.monotonic() - started < 90 and processes_gone([victim])
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)  # new workers
     pipemap.reset(pipe)
 

@@ -6,30 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
-import psutil
 import pytest
 import torch
 
 import families
 import pipemap
 from families import fresh, output
-from helpers import with_copy
+from helpers import processes_gone, with_copy
 from pipemap.hooks.guidance_workers import ProcessGuidanceHook
 from pipemap.hooks.workers import ENV
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 STEPS = 3
-
-
-def _gone(pid: int, within_s: float = 10) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.slow
@@ -59,11 +48,11 @@ def test_qwen_image_s_second_branch_runs_on_a_worker_equals_plain_and_a_dead_wor
     handle = pipe.transformer.register_forward_pre_hook(kill_once)
     hook.hits = hook.misses = 0
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)  # the branch ran here
-    assert hook.misses >= 1 and _gone(pid)
+    assert hook.misses >= 1 and processes_gone([pid])
     (second,) = hook.pids()  # a later step started a new worker
     assert second != pid
     pipemap.reset(pipe)
-    assert _gone(second) and not hasattr(pipe.transformer, "_hf_hook")
+    assert processes_gone([second]) and not hasattr(pipe.transformer, "_hf_hook")
 
 
 @pytest.mark.slow
@@ -82,4 +71,4 @@ def test_wan_planned_parallel_runs_its_second_branch_on_a_worker_and_equals_plai
     assert (hook.hits, hook.misses) == (STEPS - 1, 0) and hook.workers.served == [pid] * (STEPS - 1)
     assert pid != os.getpid()
     pipemap.reset(pipe)
-    assert _gone(pid)
+    assert processes_gone([pid])

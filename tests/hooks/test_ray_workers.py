@@ -8,12 +8,11 @@ import signal
 import socket
 import time
 
-import psutil
 import pytest
 import torch
 
 import pipemap
-from helpers import with_copy
+from helpers import processes_gone, with_copy
 from pipemap import tiny
 from pipemap.errors import RayPlacementError, WorkerCallError, WorkerDiedError
 from pipemap.hooks.workers import ENV, TIMEOUT_ENV, Source, Workers, caller_state
@@ -42,15 +41,6 @@ def local_ray():
 def on_ray(local_ray, monkeypatch):
     monkeypatch.setenv(ENV, "ray")
     monkeypatch.setenv(TIMEOUT_ENV, "60")
-
-
-def _gone(pids: list[int], seconds: float = 30) -> bool:
-    deadline = time.monotonic() + seconds
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def _removed(group, seconds: float = 10) -> bool:
@@ -85,7 +75,7 @@ def test_workers_as_ray_actors_compute_in_one_strict_pack_group_and_leave_nothin
         with pytest.raises(WorkerCallError) as caught:  # the actor's error, typed, with its traceback
             workers.receive(workers.send([((torch.randn(4, 5),), {})], caller_state()))
         assert "mat1 and mat2" in caught.value.remote_traceback and not workers.running
-        assert _removed(group) and _gone(pids)  # stopped, and their group removed
+        assert _removed(group) and processes_gone(pids, 30)  # stopped, and their group removed
     finally:
         workers.close()
 
@@ -100,7 +90,7 @@ def test_a_ray_worker_killed_between_calls_is_replaced_and_one_killed_mid_call_r
         workers.sync(module, Source.of(module))
         (first,) = workers.pids()
         os.kill(first, signal.SIGKILL)
-        assert _gone([first])
+        assert processes_gone([first], 30)
         assert not workers.running  # the next sync starts a new actor
         workers.sync(module, Source.of(module))
         (second,) = workers.pids()
@@ -169,7 +159,7 @@ def test_the_tiny_flux_sequence_split_on_a_ray_actor_equals_plain(on_ray):
     assert hook.workers.served == [pid] * call["num_inference_steps"] and pid != os.getpid()
     assert type(hook.workers.ranks[0].process).__name__ == "Actor"
     pipemap.reset(pipe)
-    assert _gone([pid])
+    assert processes_gone([pid], 30)
 
 
 @pytest.mark.slow
@@ -186,7 +176,7 @@ def test_qwen_image_s_second_guidance_branch_on_a_ray_actor_equals_plain(on_ray)
     assert (hook.hits, hook.misses) == (2, 0) and hook.workers.served == [pid, pid]  # steps 2 and 3 on the actor
     assert pid != os.getpid() and type(hook.workers.ranks[0].process).__name__ == "Actor"
     pipemap.reset(pipe)
-    assert _gone([pid])
+    assert processes_gone([pid], 30)
 
 
 @pytest.mark.slow
@@ -206,7 +196,7 @@ def test_wan_s_branches_each_split_over_two_ranks_on_three_ray_actors_equal_plai
     assert [hook.workers.served.count(p) for p in pids] == [4, 2, 2]  # the first half's rank 1; the second half
     assert {type(r.process).__name__ for r in hook.workers.ranks} == {"Actor"} and os.getpid() not in pids
     pipemap.reset(pipe)
-    assert _gone(pids)
+    assert processes_gone(pids, 30)
 
 
 def test_a_worker_on_a_gpu_asks_ray_for_one_and_sees_rank_0_s_gpus(fake_cuda, monkeypatch):

@@ -39,9 +39,14 @@ class CopiesHook(PlacementHook):
 
     def init_hook(self, module):
         self.replicas = [replica(module, device) for device in self.replica_devices]
+        self.take_forward(module)
+        return module
+
+    def take_forward(self, module) -> None:
+        """``run`` where accelerate's hook looks the forward up at each call, the module's own kept for
+        ``forward_own`` (``detach_hook`` puts it back)."""
         self.own_forward = module._old_forward  # accelerate set it before calling init_hook
         module._old_forward = self.run
-        return module
 
     def detach_hook(self, module):
         if self.own_forward is not None:

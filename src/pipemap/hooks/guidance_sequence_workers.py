@@ -14,7 +14,6 @@ of the ranks it sends to).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from torch.utils._pytree import tree_unflatten
@@ -28,7 +27,7 @@ from .guidance_workers import Ahead, Failed
 from .replica_workers import plain_copy
 from .sequence import Unsplittable, check_splittable, enable_split
 from .sequence_workers import split_on_workers
-from .workers import OnWorkers, Source, Workers, caller_state, workers_for
+from .workers import OnWorkers, Source, Workers, caller_state
 
 
 class ProcessGuidanceSequenceHook(OnWorkers, GuidanceSequenceHook):
@@ -40,7 +39,6 @@ class ProcessGuidanceSequenceHook(OnWorkers, GuidanceSequenceHook):
         super().__init__(component, device, execution_device, replicas)
         self.workers: Workers | None = None
         self.home: Any = None  # rank 0's copy here, sharing the module's weights, a rank of the first half's group
-        self._module: Any = None  # a weak reference to the component: new workers are given it after a death
 
     @property
     def halves(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -50,41 +48,28 @@ class ProcessGuidanceSequenceHook(OnWorkers, GuidanceSequenceHook):
     def init_hook(self, module):
         check_splittable(self.component, module, self.share)
         self._home, self._made = module, signature(module, state=True)  # what ``copy_is_current`` compares with
-        self._module = weakref.ref(module)
-        self.workers = workers_for(module, self.component, self.device, self.replica_devices)
-        self._ranks(module)
-        self.own_forward = module._old_forward  # accelerate set it before calling init_hook
-        module._old_forward = self.run
+        self.attach_workers(module)
+        self.take_forward(module)
         return module
 
     def detach_hook(self, module):  # the workers stay: a new hook over the module (a followed change) reuses them
-        if self.own_forward is not None:
-            module._old_forward = self.own_forward
-        self._threads, self._moved, self._home, self._made = {}, {}, None, None
-        self.own_forward, self.workers, self._module, self.home = None, None, None, None
+        module = super().detach_hook(module)
+        self.workers = self._module = self.home = None
         return module
 
-    def _ranks(self, module) -> None:
+    def bring_up(self, module) -> None:
         """Workers given the module and split in two halves; rank 0 a copy here, a rank of the first half."""
-        assert self.workers is not None  # set by init_hook
+        assert self.workers is not None  # set by attach_workers
         self.workers.sync(plain_copy(module), Source.of(module))
         first = self.workers.split(self.halves)
         home = plain_copy(module)  # new workers, new groups: rank 0 made anew over its half's too
         enable_split(home, 0, first)
         self.home = home
 
-    def _running(self) -> Workers:
-        module = self._module() if self._module is not None else None
-        if self.workers is None or module is None:
-            raise RuntimeError(f"{self!r} is not attached to its component")
-        if not self.workers.running:
-            self._ranks(module)
-        return self.workers
-
     def forward_own(self, *args, **kwargs):
         """The first branch: rank 0 here with the first half's workers."""
         try:
-            return split_on_workers(self._running(), self.home, self.halves[0][1:], args, kwargs)
+            return split_on_workers(self.running_workers(), self.home, self.halves[0][1:], args, kwargs)
         except Unsplittable:
             self.whole += 1
             return CopiesHook.forward_own(self, *args, **kwargs)
@@ -93,7 +78,7 @@ class ProcessGuidanceSequenceHook(OnWorkers, GuidanceSequenceHook):
         inputs = tree_unflatten(list(upcoming.leaves), upcoming.spec)
         _, second = self.halves
         try:
-            workers = self._running()
+            workers = self.running_workers()
             call = workers.send([inputs] * len(second), caller_state(), reply=(True,) + (False,) * (len(second) - 1),
                                 expected=(Unsplittable,), to=second)
         except PipemapError as err:  # the workers gone (stopped): this branch runs here, the next call starts anew

@@ -11,7 +11,6 @@ and the worker uses the one it holds (``workers.Inputs``).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from torch.utils._pytree import tree_unflatten
@@ -21,7 +20,7 @@ from .changes import signature
 from .guidance import GuidanceHook, Inputs
 from .replica_workers import plain_copy
 from .resident import outside_graphs
-from .workers import Call, OnWorkers, Raised, Source, Workers, caller_state, workers_for
+from .workers import Call, OnWorkers, Raised, Source, Workers, caller_state
 
 
 class ProcessGuidanceHook(OnWorkers, GuidanceHook):
@@ -32,16 +31,16 @@ class ProcessGuidanceHook(OnWorkers, GuidanceHook):
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
         super().__init__(component, device, execution_device, replicas)
         self.workers: Workers | None = None
-        self._module: Any = None  # a weak reference to the component: new workers are given it after a death
 
     def init_hook(self, module):
         self._home, self._made = module, signature(module, state=True)  # what ``copy_is_current`` compares with
-        self._module = weakref.ref(module)
-        self.workers = workers_for(module, self.component, self.device, self.replica_devices)
-        self.workers.sync(plain_copy(module), Source.of(module))
-        self.own_forward = module._old_forward  # accelerate set it before calling init_hook
-        module._old_forward = self.run
+        self.attach_workers(module)
+        self.take_forward(module)
         return module
+
+    def bring_up(self, module) -> None:
+        assert self.workers is not None  # set by attach_workers
+        self.workers.sync(plain_copy(module), Source.of(module))
 
     def detach_hook(self, module):  # the workers stay: a new hook over the module (a followed change) reuses them
         module = super().detach_hook(module)
@@ -51,18 +50,10 @@ class ProcessGuidanceHook(OnWorkers, GuidanceHook):
     def _start(self, upcoming: Inputs) -> Any:  # a Future's part: ``result()``
         inputs = tree_unflatten(list(upcoming.leaves), upcoming.spec)
         try:
-            workers = self._running()
+            workers = self.running_workers()
             return Ahead(workers, workers.send([inputs], caller_state()))
         except PipemapError as err:  # the worker gone (stopped): this branch runs here, the next call starts anew
             return Failed(err)
-
-    def _running(self) -> Workers:
-        module = self._module() if self._module is not None else None
-        if self.workers is None or module is None:
-            raise RuntimeError(f"{self!r} is not attached to its component")
-        if not self.workers.running:
-            self.workers.sync(plain_copy(module), Source.of(module))
-        return self.workers
 
     def __getstate__(self):  # a deep copy (the dry run's fake module) leaves the worker behind
         return {**super().__getstate__(), "workers": None, "_module": None}

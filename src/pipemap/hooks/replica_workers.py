@@ -17,7 +17,7 @@ import torch
 from ..errors import PipemapError
 from .replica import ReplicaHook, join_batch, replica, split_batch
 from .resident import PlacementHook, outside_graphs
-from .workers import Call, OnWorkers, Source, Workers, caller_state, workers_for
+from .workers import Call, OnWorkers, Source, Workers, caller_state
 
 _HOOK_STORES = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_forward_pre_hooks_with_kwargs",
                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
@@ -34,12 +34,15 @@ class ProcessReplicaHook(OnWorkers, ReplicaHook):
         self._calls: list[Call | None] = []  # per call in progress: what the workers were sent (None: nothing)
 
     def init_hook(self, module):
-        self.workers = workers_for(module, self.component, self.device, self.replica_devices)
-        self.workers.sync(plain_copy(module), Source.of(module))
+        self.attach_workers(module)
         return module
 
+    def bring_up(self, module) -> None:
+        assert self.workers is not None  # set by attach_workers
+        self.workers.sync(plain_copy(module), Source.of(module))
+
     def detach_hook(self, module):  # the workers stay: a new hook over the module (a followed change) reuses them
-        self.workers, self._calls = None, []
+        self.workers, self._module, self._calls = None, None, []
         return module
 
     def pre_forward(self, module, *args, **kwargs):
@@ -48,7 +51,7 @@ class ProcessReplicaHook(OnWorkers, ReplicaHook):
         if len(chunks) < 2:
             self._calls.append(None)
             return chunks[0]
-        workers = self._running(module)
+        workers = self.running_workers()
         self._calls.append(workers.send(chunks[1:], caller_state()))
         return chunks[0]
 
@@ -73,16 +76,8 @@ class ProcessReplicaHook(OnWorkers, ReplicaHook):
             with contextlib.suppress(PipemapError):  # the home part's own error is the one raised
                 self.workers.receive(call)
 
-    def _running(self, module) -> Workers:
-        """The workers, started anew (and given the module) where one died since the last call."""
-        if self.workers is None:
-            self.workers = workers_for(module, self.component, self.device, self.replica_devices)
-        if not self.workers.running:
-            self.workers.sync(plain_copy(module), Source.of(module))
-        return self.workers
-
     def __getstate__(self):  # a deep copy (the dry run's fake module) leaves the workers behind
-        return {**super().__getstate__(), "workers": None, "_calls": []}
+        return {**super().__getstate__(), "workers": None, "_module": None, "_calls": []}
 
     def __repr__(self) -> str:
         copies = ", ".join(str(d) for d in self.replica_devices)

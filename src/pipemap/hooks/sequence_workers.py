@@ -12,15 +12,12 @@ layer, before any exchange: it then runs whole here.
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
-
 import torch
 
 from .replica_workers import plain_copy
 from .resident import outside_graphs
 from .sequence import SequenceHook, Unsplittable, check_splittable, enable_split
-from .workers import OnWorkers, Raised, Source, Workers, caller_state, workers_for
+from .workers import OnWorkers, Raised, Source, Workers, caller_state
 
 
 class ProcessSequenceHook(OnWorkers, SequenceHook):
@@ -31,46 +28,33 @@ class ProcessSequenceHook(OnWorkers, SequenceHook):
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
         super().__init__(component, device, execution_device, replicas)
         self.workers: Workers | None = None
-        self._module: Any = None  # a weak reference to the component: new workers are given it after a death
 
     def init_hook(self, module):
         check_splittable(self.component, module, 1 + len(self.replica_devices))
-        self._module = weakref.ref(module)
-        self.workers = workers_for(module, self.component, self.device, self.replica_devices)
-        self._ranks(module)
-        self.own_forward = module._old_forward  # accelerate set it before calling init_hook
-        module._old_forward = self.run
+        self.attach_workers(module)
+        self.take_forward(module)
         return module
 
     def detach_hook(self, module):  # the workers stay: a new hook over the module (a followed change) reuses them
-        if self.own_forward is not None:
-            module._old_forward = self.own_forward
-        self.own_forward, self.workers, self._module, self.ranks = None, None, None, []
+        module = super().detach_hook(module)
+        self.workers = self._module = None
         return module
 
     def run(self, *args, **kwargs):
         try:
-            return split_on_workers(self._running(), self.ranks[0], (), args, kwargs)
+            return split_on_workers(self.running_workers(), self.ranks[0], (), args, kwargs)
         except Unsplittable:
             self.whole += 1
             return self.forward_own(*args, **kwargs)
 
-    def _ranks(self, module) -> None:
+    def bring_up(self, module) -> None:
         """Workers given the module and made ranks 1..; rank 0 a copy here sharing the module's weights."""
-        assert self.workers is not None  # set by init_hook
+        assert self.workers is not None  # set by attach_workers
         self.workers.sync(plain_copy(module), Source.of(module))
         self.workers.split()
         home = plain_copy(module)  # new workers, a new group: rank 0 made anew over it too
         enable_split(home, 0, self.workers.group)
         self.ranks = [home]
-
-    def _running(self) -> Workers:
-        module = self._module() if self._module is not None else None
-        if self.workers is None or module is None:
-            raise RuntimeError(f"{self!r} is not attached to its component")
-        if not self.workers.running:
-            self._ranks(module)
-        return self.workers
 
     def __getstate__(self):  # a deep copy (the dry run's fake module) leaves the workers behind
         return {**super().__getstate__(), "workers": None, "_module": None}

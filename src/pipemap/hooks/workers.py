@@ -840,6 +840,10 @@ class OnWorkers:
 
     thread_hook: type
     workers: Workers | None
+    _module: Any = None  # a weak reference to the component: new workers are given it after a death
+    component: str  # the hook's own (``PlacementHook``, ``CopiesHook``)
+    device: torch.device
+    replica_devices: tuple[torch.device, ...]
 
     @classmethod
     def for_placement(cls, p, execution_device: str, ledger):
@@ -854,6 +858,26 @@ class OnWorkers:
     def pids(self) -> list[int]:
         """The process ids of the workers running now."""
         return self.workers.pids() if self.workers is not None and self.workers.running else []
+
+    def attach_workers(self, module: torch.nn.Module) -> Workers:
+        """The component's workers (``workers_for``: kept across hooks over it), brought up for this hook."""
+        self._module = weakref.ref(module)
+        workers = self.workers = workers_for(module, self.component, self.device, self.replica_devices)
+        self.bring_up(module)
+        return workers
+
+    def bring_up(self, module: torch.nn.Module) -> None:
+        """Give the workers (started anew where none runs) the module: each hook's own (a sync; a split's ranks)."""
+        raise NotImplementedError
+
+    def running_workers(self) -> Workers:
+        """The workers, started anew and brought up where one died since the last call."""
+        module = self._module() if self._module is not None else None
+        if self.workers is None or module is None:
+            raise RuntimeError(f"{self!r} is not attached to its component")
+        if not self.workers.running:
+            self.bring_up(module)
+        return self.workers
 
 
 # ---- a worker's end ----------------------------------------------------------------------------------------------
