@@ -10,6 +10,10 @@ import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the ranks of a split denoiser run as worker processes by default (``ranks="auto"``); a test that is not about them
+# runs them as threads (a spawned worker imports torch and diffusers: seconds on 2 cores). The tests of the worker
+# path ask for processes by name (``ranks="process"``) or take this setting out (tests/hooks/test_ranks.py)
+os.environ.setdefault("PIPEMAP_WORKERS", "thread")
 # The suite never reads the user's caches (``pipemap doctor``'s disk.json, transfers.json, counts/, the Hub's files):
 # each test process gets empty ones, set before huggingface_hub reads HF_HOME at its import. A test that means to
 # read a cache writes it first.

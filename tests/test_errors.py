@@ -103,6 +103,13 @@ CASES = {
                         {"component": "unet", "device": "cuda:1", "pid": 42, "phase": "call",
                          "remote_traceback": "Traceback...\nValueError: bad shape\n"},
                         ["ValueError: bad shape", ".remote_traceback", "PIPEMAP_WORKERS=thread"]),
+    E.RanksSelfTestError: (("unet", ["cuda:0", "cuda:1"], "an all-reduce of known values gave [2.0], not 3.0"),
+                           {"component": "unet", "devices": ["cuda:0", "cuda:1"],
+                            "why": "an all-reduce of known values gave [2.0], not 3.0"},
+                           ["'unet' on cuda:0, cuda:1", "gave [2.0], not 3.0", "ranks='thread'", "pipemap doctor"]),
+    E.CannotTravelError: (("transformer", "MyProcessor is defined in the script's __main__"),
+                          {"component": "transformer", "why": "MyProcessor is defined in the script's __main__"},
+                          ["'transformer' cannot be sent to a worker process", "MyProcessor", "ranks='thread'"]),
     E.UnwaitedCopyError: (("unet.down_blocks.0", "cuda:0"), {"block": "unet.down_blocks.0", "device": "cuda:0"},
                           ["'unet.down_blocks.0'", "on cuda:0", "waited for (Queues.wait)"]),
     E.BufferReuseError: (("unet.up_blocks.1", "cuda:0"), {"block": "unet.up_blocks.1", "device": "cuda:0"},
@@ -128,7 +135,7 @@ CASES = {
 }
 # errors in what pipemap was asked to do at run time, not in what the user gave
 RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError, E.WorkerDiedError,
-           E.WorkerCallError, E.RayPlacementError, E.UnwaitedCopyError, E.BufferReuseError, E.DeviceMixError,
+           E.WorkerCallError, E.RayPlacementError, E.RanksSelfTestError, E.UnwaitedCopyError, E.BufferReuseError, E.DeviceMixError,
            E.StandInError, E.UnknownValueError}
 # the service's own states (its queue full, shutting down, a timed-out request's work dropped): neither the user's
 # input nor a failed run; HTTP answers them 429, 503 and 504
@@ -138,7 +145,7 @@ BY_WING = {E.UnwaitedCopyError: "runtime.streams", E.BufferReuseError: "runtime.
            E.DeviceMixError: "dryrun.standin", E.StandInError: "dryrun.standin", E.UnknownValueError: "dryrun.known",
            E.RequestError: "serve", E.ModelNotFoundError: "serve.requests", E.AutoscaleSpecError: "serve.deployment",
            E.QueueFullError: "serve", E.DrainingError: "serve", E.WorkDropped: "serve"}
-WARNINGS = {E.PipemapWarning, E.UnsafeTransferWarning}
+WARNINGS = {E.PipemapWarning, E.UnsafeTransferWarning, E.RanksFallbackWarning}
 # raised and caught inside pipemap, never seen by a user: no data, no advice
 SIGNALS = {E.Unsplittable, E.BodyTooLarge, E.ClientGone}
 
@@ -153,6 +160,10 @@ def test_the_table_covers_every_error_of_the_module():
 
 def test_warnings_and_signals():
     assert issubclass(E.UnsafeTransferWarning, E.PipemapWarning) and issubclass(E.PipemapWarning, UserWarning)
+    fallback = E.RanksFallbackWarning("transformer", "process", "MyProcessor is defined in the script's __main__")
+    assert isinstance(fallback, E.PipemapWarning) and (fallback.component, fallback.runtime) == ("transformer",
+                                                                                               "process")
+    assert "runs its split ranks as threads, not as process workers: MyProcessor" in str(fallback)
     assert pipemap.PipemapWarning is E.PipemapWarning and pipemap.UnsafeTransferWarning is E.UnsafeTransferWarning
     assert not any(issubclass(c, (PipemapError, ValueError, RuntimeError)) for c in SIGNALS)
 

@@ -107,13 +107,24 @@ def test_two_gpus_offload_and_stream_mixed(tiny_folders, reference_outputs):
 
 @pytest.mark.parametrize(("mode", "threads", "processes"), [
     ("replicated", "ReplicaHook", "ProcessReplicaHook"), ("guidance", "GuidanceHook", "ProcessGuidanceHook"),
-    ("sequence", "SequenceHook", "ProcessSequenceHook")])
-def test_pipemap_workers_process_gives_each_split_mode_its_worker_hook_but_threads_on_stand_ins(
+    ("sequence", "SequenceHook", "ProcessSequenceHook"),
+    ("guidance_sequence", "GuidanceSequenceHook", "ProcessGuidanceSequenceHook")])
+def test_a_split_s_ranks_are_worker_processes_by_default_threads_where_asked_and_on_stand_ins(
         monkeypatch, mode, threads, processes):
-    on_gpus = Placement("transformer", "cuda:0", 32, mode, replicas=("cuda:1",))
-    on_standins = Placement("transformer", "meta:0", 32, mode, replicas=("meta:1",))
+    from pipemap.hooks import hook_maker
+
+    copies = ("cuda:1",) if mode != "guidance_sequence" else ("cuda:1", "cuda:2", "cuda:3")
+    on_gpus = Placement("transformer", "cuda:0", 32, mode, replicas=copies)
+    on_standins = Placement("transformer", "meta:0", 32, mode, replicas=tuple(f"meta:{i + 1}" for i in range(3)))
+
+    def made(placement, ranks=None, asked=False):  # made, not attached: nothing started
+        plan = Plan("parallel", (placement,), (), placement.device, ranks=ranks, ranks_asked=asked)
+        return type(hook_maker(plan)(placement)).__name__
+
     monkeypatch.delenv("PIPEMAP_WORKERS", raising=False)
-    assert type(HOOKS[mode](on_gpus, "cuda:0", None)).__name__ == threads  # the default: threads
-    monkeypatch.setenv("PIPEMAP_WORKERS", "process")
-    assert type(HOOKS[mode](on_gpus, "cuda:0", None)).__name__ == processes  # made, not attached: nothing started
-    assert type(HOOKS[mode](on_standins, "meta:0", None)).__name__ == threads  # the dry run keeps its threads
+    assert made(on_gpus) == processes  # a plan that does not say: ranks="auto", worker processes
+    assert made(on_gpus, "process") == made(on_gpus, "ray", True) == processes
+    assert made(on_gpus, "thread", True) == threads
+    assert made(on_standins, "process") == threads  # the dry run keeps its threads
+    monkeypatch.setenv("PIPEMAP_WORKERS", "thread")  # the environment's default, for a plan that does not say
+    assert made(on_gpus) == threads and made(on_gpus, "process") == processes

@@ -41,12 +41,11 @@ from .inventory import inventory_of
 from .inventory.files import check_weights_present
 from .inventory.folder import read_model_index
 from .inventory.values import Inventory, resolve_dtype
-from .modes import facts
-from .plan import Plan
+from .modes import AUTO_RANKS, facts, resolve_ranks
+from .plan import Plan, with_ranks
 from .planner import AUTO, MIXED, STRATEGIES, budgets, check_headroom, plan_inventory
 from .runtime.admission import Admission, cuda_peaks, shared_ledger
 from .runtime.placed import admission_of, keep_admission
-from .runtime.transfer import exchange_notes
 from .units import format_bytes, parse_bytes
 
 # The dry run, the catalog, the cost model, the memory ledger and run_many are imported by the verbs that use them,
@@ -82,13 +81,16 @@ class Request:
     variant: str | None = None
     headroom: object = None
     call: Mapping = field(default_factory=dict)
+    ranks: object = AUTO_RANKS  # what runs a split's other ranks (``modes.RANKS``, or "auto"): checked in ``of``
 
     @classmethod
     def of(cls, source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
            max_memory: Mapping | None = None, dtype=None, variant: str | None = None, headroom=None, *,
-           device_map: str | Mapping | None = None, torch_dtype=None, call: Mapping | None = None) -> Request:
+           device_map: str | Mapping | None = None, torch_dtype=None, call: Mapping | None = None,
+           ranks: object = AUTO_RANKS) -> Request:
         """The request these arguments make, each checked (a typed error naming the argument and the fix); nothing
         is read from disk and no device is probed."""
+        resolve_ranks(ranks)
         chosen = resolve_strategy(strategy, device_map) if strategy is not None or device_map is not None else None
         machine = _hardware(hardware, max_memory)
         target = resolve_dtype(dtype, torch_dtype)
@@ -103,7 +105,7 @@ class Request:
         if call is not None and not isinstance(call, Mapping):
             raise ArgumentTypeError("call", call, "a dict of keyword arguments for the pipeline call")
         return cls(source, machine, chosen, dict(max_memory) if max_memory else None, target, variant,
-                   MEASURE if measured else headroom, dict(call or {}))
+                   MEASURE if measured else headroom, dict(call or {}), ranks)
 
     @property
     def measured(self) -> bool:
@@ -136,8 +138,7 @@ class Request:
         else:
             counts = self.known_counts(inventory) if strategy == AUTO else None
             made = plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts)
-        told = exchange_notes(made)  # what the copy check found for the copies' exchanges, where it ran
-        return replace(made, notes=(*made.notes, *told)) if told else made
+        return with_ranks(made, self.ranks)
 
     def known_counts(self, inventory: Inventory) -> Counts | None:
         """The default call's counted work, if known without a dry run (the catalog's record, this process, the
@@ -149,7 +150,8 @@ class Request:
 
 def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
          max_memory: Mapping | None = None, dtype=None, variant: str | None = None, headroom=None, *,
-         device_map: str | Mapping | None = None, torch_dtype=None, call: Mapping | None = None) -> Plan:
+         device_map: str | Mapping | None = None, torch_dtype=None, call: Mapping | None = None,
+         ranks: str = AUTO_RANKS) -> Plan:
     """Where each component of a pipeline goes, before anything is loaded.
 
     ``source`` is a pipeline folder (only headers are read), a catalog name (``pipemap catalog``), an
@@ -158,14 +160,17 @@ def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping
     components are placed by ``"balanced"``. ``headroom`` is kept free on each GPU for activations: a fraction
     (``0.1``, ``"0.1"``), bytes (an int, ``"2GiB"``), a dict per device, or ``"measure"``: the activation peak a dry
     run of the pipeline's default call measures (``call=`` gives another call, e.g. a ControlNet image), re-planned
-    until the reservation is stable.
+    until the reservation is stable. ``ranks`` is what runs the other ranks of a denoiser split across GPUs (the
+    modes of ``strategy="parallel"``): ``"auto"`` (``PIPEMAP_WORKERS`` where set, else worker processes),
+    ``"process"`` (a worker process per GPU), ``"thread"`` (threads of this process) or ``"ray"`` (Ray actors); the
+    plan keeps it (``plan.ranks``, ``plan.explain()``).
 
     >>> plan = pipemap.plan("path/to/sdxl", hardware="2x16GiB,cpu=64GiB", strategy={"vae": "cuda:1"},
     ...                     dtype=torch.float16, variant="fp16")                         # doctest: +SKIP
     >>> print(plan)                                                                    # doctest: +SKIP
     """
     return Request.of(source, hardware, strategy, max_memory, dtype, variant, headroom, device_map=device_map,
-                      torch_dtype=torch_dtype, call=call).plan()
+                      torch_dtype=torch_dtype, call=call, ranks=ranks).plan()
 
 
 def inspect(source, dtype=None, variant: str | None = None, *, torch_dtype=None) -> Inventory:
@@ -181,12 +186,13 @@ def inspect(source, dtype=None, variant: str | None = None, *, torch_dtype=None)
 
 def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str | None = None, max_memory=None,
          dtype=None, variant: str | None = None, headroom=None, *, device_map=None, torch_dtype=None,
-         progress: bool = True, check_transfers: bool = True, **kwargs):
+         progress: bool = True, check_transfers: bool = True, ranks: str | None = None, **kwargs):
     """Load a pipeline folder onto its plan and return the dispatched pipeline.
 
     Keyword arguments that name a component (``controlnet=...``) pass that component in already built: it is
     sized, placed and hooked like the rest. Other keyword arguments go to ``DiffusionPipeline.from_pretrained``.
-    Without ``plan``, the other arguments make one as ``pipemap.plan`` does (``headroom="measure"`` included).
+    Without ``plan``, the other arguments make one as ``pipemap.plan`` does (``headroom="measure"`` included);
+    ``ranks`` (as ``pipemap.plan`` takes it) overrides a given plan's.
 
     >>> pipe = pipemap.load("path/to/sdxl", device_map="balanced", max_memory={0: "20GiB", 1: "20GiB"},
     ...                     dtype=torch.float16, variant="fp16")                        # doctest: +SKIP
@@ -200,9 +206,10 @@ def load(path, plan: Plan | None = None, strategy=None, hardware: Hardware | str
     folder = Path(path)
     index = read_model_index(folder)
     request = Request.of(str(folder), hardware, strategy, max_memory, dtype, variant, headroom,
-                         device_map=device_map, torch_dtype=torch_dtype)
+                         device_map=device_map, torch_dtype=torch_dtype, ranks=AUTO_RANKS if ranks is None else ranks)
     if plan is not None:
         check_plan_arguments(plan, request)
+        plan = with_ranks(plan, ranks) if ranks is not None else plan
     passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index and not k.startswith("_")}
     check_passed(index, passed)
     inventory = with_passed(request.inventory(), passed)  # headers only: checks before any load

@@ -367,6 +367,31 @@ class WorkerDiedError(PipemapError, RuntimeError):
         )
 
 
+class RanksSelfTestError(PipemapError, RuntimeError):
+    """The bring-up check of a split's process group failed: a collective over a known tensor gave a wrong result
+    (``why``), on the ranks of ``devices``. ``ranks="auto"`` then runs the split's ranks as threads, and says so."""
+
+    def __init__(self, component: str, devices: list[str], why: str):
+        self.component, self.devices, self.why = component, list(devices), why
+        super().__init__(
+            f"the worker processes of {component!r} on {', '.join(self.devices)} failed their bring-up check ({why}): "
+            "their links corrupt or lose data; plan with ranks='thread', or check the GPUs with `pipemap doctor`"
+        )
+
+
+class CannotTravelError(PipemapError, ValueError):
+    """A component whose split ranks were asked to run as worker processes (``ranks="process"`` or ``"ray"``) that
+    cannot be sent to one (``why``: the object that cannot be pickled, or a class of the script's ``__main__``);
+    said at dispatch, before any worker starts."""
+
+    def __init__(self, component: str, why: str):
+        self.component, self.why = component, why
+        super().__init__(
+            f"{component!r} cannot be sent to a worker process: {why}. Run its ranks as threads (ranks='thread'), "
+            "or let pipemap choose (ranks='auto': threads where the model cannot travel)"
+        )
+
+
 class RayPlacementError(PipemapError, RuntimeError):
     """``PIPEMAP_WORKERS=ray``: Ray could not place the workers' bundles (``bundles``, one per worker) on one node
     (``STRICT_PACK``) within ``timeout_s``; ``available``: what the cluster had free then."""
@@ -424,6 +449,16 @@ class PipemapWarning(UserWarning):
 
 class UnsafeTransferWarning(PipemapWarning):
     """Direct copies between two devices arrive corrupted; pipemap stages them through CPU memory."""
+
+
+class RanksFallbackWarning(PipemapWarning):
+    """``ranks="auto"`` chose worker processes for a split, but ``component`` runs its ranks as threads instead
+    (``why``: it cannot travel to a worker, or the group failed its bring-up check)."""
+
+    def __init__(self, component: str, runtime: str, why: str):
+        self.component, self.runtime, self.why = component, runtime, why
+        super().__init__(f"pipemap: {component!r} runs its split ranks as threads, not as {runtime} workers: {why} "
+                         "(ranks='thread' says so without this warning)")
 
 
 # ---- dryrun/standin.py: stand-in devices and weights ---------------------------------------------------------------

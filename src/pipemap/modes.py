@@ -7,11 +7,13 @@ module under ``pipemap.hooks``. ``Mode`` is a ``str`` enum, so saved plans and J
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from .errors import WorkersOptionError
 from .units import format_bytes
 
 
@@ -256,3 +258,45 @@ def device_use(placements: Iterable[Placed], device: str) -> int:
     return (sum(held(p, device) for p in placements) + sum(p.resident_bytes for p in streamed)
             + max((p.bytes for p in by_peak[Peak.ONLOADED]), default=0)
             + max((p.room for p in streamed), default=0))
+
+
+# ---- how a split's ranks run -------------------------------------------------------------------------------------
+
+RANKS = ("process", "thread", "ray")
+"""What runs the other ranks of a split denoiser (the modes with a ``workers_hook``): a worker process per GPU that
+pipemap spawns (``"process"``, the default), threads of the caller's process (``"thread"``: one GIL; what the dry
+run's stand-ins always use), or the same worker processes as Ray actors (``"ray"``). ``"auto"`` asks for the
+environment's choice (``PIPEMAP_WORKERS``), else processes."""
+RANKS_ENV = "PIPEMAP_WORKERS"
+AUTO_RANKS = "auto"
+
+
+def asked_ranks(value: object, environ: Mapping[str, str]) -> tuple[str, bool] | None:
+    """The runtime ``value`` (``ranks=``) names and whether it was asked for by name (then a model that cannot
+    travel to a worker is an error, not a fall-back to threads); ``"auto"`` or None: ``PIPEMAP_WORKERS`` where set,
+    else processes, not by name. None: ``value`` names none (the caller raises, naming ``RANKS``)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO_RANKS):
+        told = environ.get(RANKS_ENV, "").strip().lower()
+        if not told:
+            return "process", False
+        return (told, True) if told in RANKS else None
+    if isinstance(value, str) and value.strip().lower() in RANKS:
+        return value.strip().lower(), True
+    return None
+
+
+def resolve_ranks(value: object, environ: Mapping[str, str] | None = None) -> tuple[str, bool]:
+    """The runtime ``ranks=`` asks for (``asked_ranks``; ``environ``: ``os.environ`` by default), and whether by
+    name; ``WorkersOptionError`` for a word that names none, in the argument or in ``PIPEMAP_WORKERS``."""
+    environ = os.environ if environ is None else environ
+    found = asked_ranks(value, environ)
+    if found is not None:
+        return found
+    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO_RANKS):
+        raise WorkersOptionError(RANKS_ENV, environ.get(RANKS_ENV), RANKS)
+    raise WorkersOptionError("ranks", value, (AUTO_RANKS, *RANKS))
+
+
+def splits(p: Placed) -> bool:
+    """Whether a placement's mode runs ranks of a split (its hook has a worker variant) on copies it has."""
+    return bool(p.replicas) and facts(p.mode).workers_hook is not None

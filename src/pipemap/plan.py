@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .devices import is_accelerator, normalize_device, real_device
 from .errors import PlanFormatError, UnknownDeviceError
-from .modes import TABLE, Mode, Peak, as_mode, device_use, facts, known
+from .modes import RANKS, TABLE, Mode, Peak, as_mode, device_use, facts, known, resolve_ranks, splits
 from .picture import Picture, plan_picture
 from .units import format_bytes
 
@@ -177,6 +177,12 @@ class Plan:
     # by unless given another machine. None: a plan made by hand, or saved before plans kept them. Not compared: two
     # plans are equal when they place alike, whatever the speeds they were priced at
     performance: Performance | None = field(default=None, compare=False)
+    # what runs the other ranks of the plan's split denoiser (``modes.RANKS``: "process", "thread", "ray"); None for
+    # a plan that splits nothing, or made by hand (decided at dispatch: ``PIPEMAP_WORKERS``, else processes).
+    # ``ranks_asked``: named by the user (``ranks="process"``), so a model that cannot travel to a worker is an
+    # error; chosen by ``ranks="auto"``, it falls back to threads at dispatch, with a warning
+    ranks: str | None = None
+    ranks_asked: bool = False
 
     @property
     def device_map(self) -> dict[str, str]:
@@ -273,7 +279,7 @@ class Plan:
         have no candidates and say so; what ``"parallel"`` did with the denoiser (its ``parallel:`` note: copies,
         split tokens, or why none) and how its copies exchange where the copy check staged a pair of their GPUs
         (``exchange:``) are said either way."""
-        told = [n for n in self.notes if n.startswith(("auto:", "parallel:", "exchange:"))]
+        told = [n for n in self.notes if n.startswith(("auto:", "parallel:", "exchange:"))] + self._ranks_lines()
         if not self.candidates:
             return "\n".join([f"strategy {self.strategy!r} was asked for; no other plan was weighed", *told])
         ranked = sorted(self.candidates, key=lambda c: (c.seconds is None, c.seconds or 0.0))
@@ -286,6 +292,21 @@ class Plan:
         lines.append("s/image: one request at a time; images/s: requests overlapped (pipemap.run_many), paced by "
                      "the busiest device")
         return "\n".join(lines + told)
+
+    def _ranks_lines(self) -> list[str]:
+        """What runs each split's other ranks, and why (``ranks``)."""
+        split = [p for p in self.components if splits(p)]
+        if not split or self.ranks is None:
+            return []
+        how = {"process": "a worker process per GPU (its own GIL and CUDA streams; tensors over NCCL, gloo on the "
+                          "CPU)",
+               "thread": "threads of this process (one GIL)",
+               "ray": "a worker process per GPU, as Ray actors in one placement group"}[self.ranks]
+        why = ("asked for by name" if self.ranks_asked else
+               "ranks='auto': worker processes wherever a plan splits a denoiser; a model that cannot travel to a "
+               "worker, or a group that fails its bring-up check, runs on threads instead, with a warning")
+        return [f"ranks: {p.component!r} on {', '.join((p.device, *p.replicas))}: {self.ranks}: {how} ({why})"
+                for p in split]
 
     def picture(self, moved: Mapping[str, int] | None = None) -> Picture:
         """The plan drawn: each device a bar of its memory (``print(plan.picture())`` in a terminal,
@@ -323,6 +344,7 @@ class Plan:
                                 "reason": c.reason, "images_per_second": c.images_per_second}
                                for c in self.candidates]} if self.candidates else {}),
             **({"performance": dataclasses.asdict(self.performance)} if self.performance is not None else {}),
+            **({"ranks": self.ranks, "ranks_asked": self.ranks_asked} if self.ranks is not None else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -349,7 +371,7 @@ class Plan:
         return cls(_text(data, "strategy"), components, devices, _device(_text(data, "execution_device")),
                    _text(data, "dtype", optional=True), _text(data, "variant", optional=True),
                    tuple(_strings(data.get("notes", []), "notes")), candidates, _size(data, "staging", 0),
-                   _performance(data.get("performance")))
+                   _performance(data.get("performance")), *_ranks(data))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -428,6 +450,24 @@ def _device(name: object) -> str:
         return real_device(_string(name, "device"))
     except UnknownDeviceError as err:
         raise PlanFormatError(f"{name!r} {err.reason}") from None
+
+
+def with_ranks(plan: Plan, ranks: object) -> Plan:
+    """``plan`` with what runs its split's other ranks (``ranks=``, ``modes.resolve_ranks``); a plan that splits
+    nothing keeps None."""
+    if not any(splits(p) for p in plan.components):
+        return replace(plan, ranks=None, ranks_asked=False)
+    runtime, asked = resolve_ranks(ranks)
+    return replace(plan, ranks=runtime, ranks_asked=asked)
+
+
+def _ranks(data: Mapping[str, Any]) -> tuple[str | None, bool]:
+    ranks, asked = data.get("ranks"), data.get("ranks_asked", False)
+    if ranks is not None and ranks not in RANKS:
+        raise PlanFormatError(f"ranks is {ranks!r}: one of {', '.join(RANKS)}, or left out")
+    if not isinstance(asked, bool):
+        raise PlanFormatError(f"ranks_asked is {asked!r}: true or false")
+    return ranks, asked
 
 
 def _performance(figures: object) -> Performance | None:

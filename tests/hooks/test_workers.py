@@ -15,9 +15,9 @@ from pipemap.errors import PipemapError, WorkersOptionError
 from pipemap.hooks.workers import ENV, TIMEOUT_ENV, Meta, digest, metas, packed, timeout_s, unpacked, workers_mode
 
 
-def test_workers_mode_defaults_to_threads_and_refuses_other_words(monkeypatch):
+def test_workers_mode_defaults_to_processes_and_refuses_other_words(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    assert workers_mode() == "thread"
+    assert workers_mode() == "process"
     monkeypatch.setenv(ENV, " Process ")
     assert workers_mode() == "process"
     monkeypatch.setenv(ENV, "RAY")
@@ -27,7 +27,7 @@ def test_workers_mode_defaults_to_threads_and_refuses_other_words(monkeypatch):
         workers_mode()
     assert isinstance(caught.value, PipemapError) and isinstance(caught.value, ValueError)
     assert (caught.value.variable, caught.value.value) == (ENV, "mpi")
-    assert caught.value.accepted == ("thread", "process", "ray")
+    assert caught.value.accepted == ("process", "thread", "ray")
     monkeypatch.setenv(ENV, "ray")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
     with pytest.raises(WorkersOptionError, match=r"needs Ray, which is not installed \(pip install") as caught:
@@ -56,11 +56,25 @@ def test_the_digest_is_exact_and_sees_a_swap_of_two_elements(dtype):
     i, j = next((i, j) for i in range(swapped.numel()) for j in range(i + 1, swapped.numel())
                 if swapped[i] != swapped[j])
     swapped[i], swapped[j] = tensor.reshape(-1)[j], tensor.reshape(-1)[i]
-    assert digest(swapped.reshape(7, 5)) != digest(tensor)  # the same bytes elsewhere: the weighted sum differs
+    assert digest(swapped.reshape(7, 5)) != digest(tensor)  # the same bytes elsewhere
     changed = tensor.clone().reshape(-1)
     changed[i] = changed[j]  # one element changed
     assert digest(changed) != digest(tensor.reshape(-1))
-    assert digest(torch.empty(0, dtype=dtype)) == (0, 0)
+    assert digest(torch.empty(0, dtype=dtype)) == digest(torch.empty(0, 3, dtype=dtype))
+
+
+def test_the_digest_is_a_hash_two_sums_were_blind_to_a_swap_65521_apart_and_to_balanced_changes():
+    # WP12 (../shared/context/worker-repros/digest_collision.py): the digest was two integer sums, the second
+    # weighted by position mod 65521; both tensors below kept both sums, so sync kept a worker's stale copy
+    n = 2 * 65521 + 8
+    base = torch.zeros(n, dtype=torch.int32)
+    base[3], base[3 + 65521] = 7, 11
+    swapped = base.clone()
+    swapped[3], swapped[3 + 65521] = 11, 7
+    balanced = base.clone()
+    balanced[5] += 4
+    balanced[5 + 65521] -= 4
+    assert len({digest(base), digest(swapped), digest(balanced)}) == 3
 
 
 def test_a_structure_travels_without_its_tensors_which_are_sent_or_kept_by_name():
@@ -83,8 +97,9 @@ def test_a_worker_loads_from_the_folder_a_model_came_from_and_nothing_for_one_bu
     from pipemap.hooks.workers import Source
 
     built = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=2)
+    size = sum(p.numel() * 4 for p in built.parameters()) + sum(b.numel() * 4 for b in built.buffers())
     assert Source.of(built) == Source("diffusers.models.autoencoders.autoencoder_kl", "AutoencoderKL", None,
-                                      torch.float32)
+                                      torch.float32, size)  # its bytes: what its load reads (the load's bound)
     built.save_pretrained(tmp_path / "vae")
     loaded = AutoencoderKL.from_pretrained(tmp_path / "vae", torch_dtype=torch.float16)
     source = Source.of(loaded)

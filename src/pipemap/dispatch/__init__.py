@@ -26,12 +26,21 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
-from ..hooks import Moved, PlacementHook, give_back_kept, hook_component, hook_maker, ledger_of, unhook_component
+from ..hooks import (
+    Moved,
+    PlacementHook,
+    give_back_kept,
+    hook_component,
+    hook_maker,
+    ledger_of,
+    ranks_report,
+    unhook_component,
+)
 from ..hooks.changes import follow_component, forget, remember, settle, unchanged
 from ..hooks.resident import quiet
 from ..inventory.live import module_bytes, submodules
 from ..modes import Peak, facts, held, moves_weights
-from ..plan import Placement, Plan
+from ..plan import Placement, Plan, with_ranks
 from ..quantized import movable, storage
 from ..runtime.placed import mark, placed, planned, replan, unmark
 from ..runtime.streams import Queues, queues_for
@@ -58,11 +67,13 @@ class Move:
         getattr(self.owner, self.store)[self.key] = self.original
 
 
-def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
+def dispatch(pipe, plan: Plan, *, check_transfers: bool = True, ranks: str | None = None) -> None:
     """Place and hook every component of ``pipe`` as ``plan`` says; the pipeline's own call then runs unchanged.
 
     When the plan spans two GPUs or more, copies between them are checked first (``pipemap.check_transfers``,
     cached) and a pair that corrupts data is staged through CPU memory; ``check_transfers=False`` skips that.
+    ``ranks`` (as ``pipemap.plan`` takes it: ``"auto"``, ``"process"``, ``"thread"``, ``"ray"``) overrides what the
+    plan says runs its split's other ranks (``plan.ranks``).
 
     >>> pipe = DiffusionPipeline.from_pretrained("path/to/sdxl")                  # doctest: +SKIP
     >>> plan = pipemap.plan(pipe, hardware="2x24GiB")                             # doctest: +SKIP
@@ -75,6 +86,8 @@ def dispatch(pipe, plan: Plan, *, check_transfers: bool = True) -> None:
     it first.
     """
     check_pipeline(pipe, "dispatch")
+    if ranks is not None and isinstance(plan, Plan):
+        plan = with_ranks(plan, ranks)
     give_back_kept()  # a plan counts what placed pipelines keep onloaded as free (``hooks.kept_bytes``): given back
     source = _copied_from(pipe)
     if source is None:
@@ -358,8 +371,10 @@ def place_copy(pipe, made) -> None:
 # ---- what the hooks counted ----------------------------------------------------------------------------------
 
 
-def stats(pipe, reset: bool = False) -> dict[str, dict[str, int]]:
-    """What each component's hook counted since dispatch: ``{component: {"calls", "h2d_bytes", "d2h_bytes"}}``.
+def stats(pipe, reset: bool = False) -> dict[str, dict[str, Any]]:
+    """What each component's hook counted since dispatch: ``{component: {"calls", "h2d_bytes", "d2h_bytes"}}``;
+    for a split component also what runs its other ranks and why (``"ranks"``, ``"ranks_why"``; ``"exchange"``
+    where its ranks exchange through host memory: ``hooks.ranks_report``).
 
     Bytes are weights moved (inputs and outputs are not counted); ``reset=True`` zeroes the counters after reading.
 
@@ -374,6 +389,9 @@ def stats(pipe, reset: bool = False) -> dict[str, dict[str, int]]:
             out[name] = dataclasses.asdict(hook.moved)
             if reset:
                 hook.moved = Moved()
+        ranks = ranks_report(hook)
+        if ranks:
+            out.setdefault(name, {}).update(ranks)
     return out
 
 

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..modes import TABLE, Mode, facts
+from ..modes import TABLE, Mode, facts, resolve_ranks
 from ..plan import Placement, Plan
+from ..runtime import transfer
 from ..runtime.streams import Queues, queues_for
 from .resident import CallLock, Moved, PlacementHook, hook_component, unhook_component
 
@@ -50,8 +51,9 @@ if TYPE_CHECKING:
 
 # Each mode's hook (module, class) is its row of the mode table (``pipemap.modes.TABLE``); a mode's module is imported
 # when a plan first uses the mode: a resident plan's first load then imports no streaming, offloading, copying or
-# context-parallel code (issue 28). With ``PIPEMAP_WORKERS=process`` a mode with a worker variant (``workers.py``)
-# gets that hook instead: ``_ON_WORKERS`` is the table's view of them.
+# context-parallel code (issue 28). A plan whose split ranks run as worker processes (``Plan.ranks``: "process" or
+# "ray", the default where a plan splits a denoiser) gets a mode's worker variant (``workers.py``) from
+# ``hook_maker``: ``_ON_WORKERS`` is the table's view of them.
 _ON_WORKERS = {mode: row.workers_hook for mode, row in TABLE.items() if row.workers_hook is not None}
 # the built-in hooks and other names of the wing re-exported here, imported on first read like the hooks
 _LAZY = {"Ledger": "moving"} | {TABLE[m].hook[1]: TABLE[m].hook[0].rpartition(".")[2] for m in Mode}
@@ -75,8 +77,6 @@ class _Hooks(Mapping):
         row = TABLE.get(mode)
         if row is None:
             raise KeyError(mode)
-        if row.workers_hook is not None and _on_workers():
-            return _imported(row.workers_hook).for_placement
         return _imported(row.hook).for_placement
 
     def __iter__(self) -> Iterator[str]:
@@ -86,12 +86,12 @@ class _Hooks(Mapping):
         return len(TABLE)
 
 
-def _on_workers() -> bool:
-    """Whether split denoisers run their other ranks in worker processes (``PIPEMAP_WORKERS=process``, or ``ray``:
-    the same processes as Ray actors)."""
-    from .workers import workers_mode  # here: only a plan with copies of its denoiser reads it
-
-    return workers_mode() != "thread"
+def runtime_of(plan: Plan) -> tuple[str, bool]:
+    """What runs ``plan``'s split ranks (``Plan.ranks``; a plan that does not say, one made by hand: ``"auto"``'s
+    choice now) and whether the user named it (``Plan.ranks_asked``)."""
+    if plan.ranks is not None:
+        return plan.ranks, plan.ranks_asked
+    return resolve_ranks(None)
 
 
 HOOKS: Mapping[str, Callable[[Placement, str, Any], PlacementHook]] = _Hooks()
@@ -146,7 +146,12 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
         return shared[0]
 
     def make(p: Placement) -> PlacementHook:
-        hook = HOOKS[p.mode](p, plan.execution_device, ledger() if p.mode in MOVING else None)
+        row = TABLE[p.mode]
+        if row.workers_hook is not None and p.replicas and runtime_of(plan)[0] != "thread":
+            runtime, asked = runtime_of(plan)
+            hook = _imported(row.workers_hook).for_placement(p, plan.execution_device, None, runtime, asked)
+        else:
+            hook = HOOKS[p.mode](p, plan.execution_device, ledger() if p.mode in MOVING else None)
         if hook.moves_weights:
             if not locks:
                 locks.append(ledger().lock)
@@ -154,6 +159,27 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
         return hook
 
     return make
+
+
+def ranks_report(hook: Any) -> dict[str, str]:
+    """What runs a split component's other ranks, as ``pipemap.stats`` reports it: ``ranks`` (``"process"``,
+    ``"ray"`` or ``"thread"``), ``ranks_why`` and, where the copy check staged a pair of its devices, ``exchange``
+    (its ranks exchange through host memory). Empty for a hook that keeps no copies."""
+    devices = getattr(hook, "replica_devices", ())
+    if not devices:
+        return {}
+    fallback = getattr(hook, "fallback", None)
+    if fallback:  # a worker variant turned into its thread hook at dispatch (``workers.OnWorkers.init_hook``)
+        runtime, why = "thread", f"ranks='auto' chose {hook.runtime} workers, but {fallback}"
+    elif hasattr(type(hook), "thread_hook"):  # a worker variant (``workers.OnWorkers``)
+        runtime = hook.runtime
+        why = "asked for by name" if hook.asked else "ranks='auto': worker processes wherever a plan splits"
+    else:
+        runtime, why = "thread", "asked for (ranks='thread' or PIPEMAP_WORKERS=thread), or the dry run's stand-ins"
+    report = {"ranks": runtime, "ranks_why": why}
+    devices_text = [str(hook.device), *(str(d) for d in devices)]
+    staged = transfer.exchange_line(hook.component, devices_text)
+    return report | ({"exchange": staged} if staged else {})
 
 
 def give_back_kept() -> None:
@@ -182,4 +208,4 @@ def ledger_of(hook: Any) -> Ledger | None:
 
 __all__ = ["HOOKS", "MOVING", "CallLock", "GuidanceHook", "Ledger", "Moved", "OffloadHook", "PlacementHook",
            "ReplicaHook", "SequenceHook", "SplitHook", "StreamHook", "give_back_kept", "hook_component", "hook_maker",
-           "kept_bytes", "unhook_component"]
+           "kept_bytes", "ranks_report", "runtime_of", "unhook_component"]

@@ -24,10 +24,9 @@ from .copies import CopiesHook
 from .guidance import Inputs
 from .guidance_sequence import GuidanceSequenceHook
 from .guidance_workers import Ahead, Failed
-from .replica_workers import plain_copy
 from .sequence import Unsplittable, check_splittable, enable_split
 from .sequence_workers import split_on_workers
-from .workers import OnWorkers, Source, Workers, caller_state
+from .workers import OnWorkers, Source, Workers, caller_state, plain_copy
 
 
 class ProcessGuidanceSequenceHook(OnWorkers, GuidanceSequenceHook):
@@ -45,7 +44,7 @@ class ProcessGuidanceSequenceHook(OnWorkers, GuidanceSequenceHook):
         """Each branch's ranks in the workers' group: this process and the first workers, then the rest."""
         return tuple(range(self.share)), tuple(range(self.share, 2 * self.share))
 
-    def init_hook(self, module):
+    def init_on_workers(self, module):
         check_splittable(self.component, module, self.share)
         self._home, self._made = module, signature(module, state=True)  # what ``copy_is_current`` compares with
         self.attach_workers(module)

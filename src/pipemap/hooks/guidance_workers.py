@@ -18,9 +18,8 @@ from torch.utils._pytree import tree_unflatten
 from ..errors import PipemapError, Unsplittable
 from .changes import signature
 from .guidance import GuidanceHook, Inputs
-from .replica_workers import plain_copy
 from .resident import outside_graphs
-from .workers import Call, OnWorkers, Raised, Source, Workers, caller_state
+from .workers import Call, OnWorkers, Raised, Source, Workers, caller_state, plain_copy
 
 
 class ProcessGuidanceHook(OnWorkers, GuidanceHook):
@@ -32,7 +31,7 @@ class ProcessGuidanceHook(OnWorkers, GuidanceHook):
         super().__init__(component, device, execution_device, replicas)
         self.workers: Workers | None = None
 
-    def init_hook(self, module):
+    def init_on_workers(self, module):
         self._home, self._made = module, signature(module, state=True)  # what ``copy_is_current`` compares with
         self.attach_workers(module)
         self.take_forward(module)

@@ -100,6 +100,10 @@ class Actor:
     def join(self, timeout: float) -> None:
         ray.wait([self.running], timeout=timeout)
 
+    def kill(self) -> None:
+        """End the actor now (a rank failed inside a collective: ``Workers.interrupt``)."""
+        ray.kill(self.actor, no_restart=True)
+
     def stop(self) -> None:
         """Wait for ``run`` to end (it was asked to), then end the actor."""
         ray.wait([self.running], timeout=5)

@@ -10,17 +10,11 @@ collected, or at exit.
 from __future__ import annotations
 
 import contextlib
-import itertools
-
-import torch
 
 from ..errors import PipemapError
-from .replica import ReplicaHook, join_batch, replica, split_batch
+from .replica import ReplicaHook, join_batch, split_batch
 from .resident import PlacementHook, outside_graphs
-from .workers import Call, OnWorkers, Source, Workers, caller_state
-
-_HOOK_STORES = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_forward_pre_hooks_with_kwargs",
-                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+from .workers import Call, OnWorkers, Source, Workers, caller_state, plain_copy
 
 
 class ProcessReplicaHook(OnWorkers, ReplicaHook):
@@ -33,7 +27,7 @@ class ProcessReplicaHook(OnWorkers, ReplicaHook):
         self.workers: Workers | None = None
         self._calls: list[Call | None] = []  # per call in progress: what the workers were sent (None: nothing)
 
-    def init_hook(self, module):
+    def init_on_workers(self, module):
         self.attach_workers(module)
         return module
 
@@ -82,19 +76,6 @@ class ProcessReplicaHook(OnWorkers, ReplicaHook):
     def __repr__(self) -> str:
         copies = ", ".join(str(d) for d in self.replica_devices)
         return f"ProcessReplicaHook({self.component!r}, device={self.device}, workers=[{copies}])"
-
-
-def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` without pipemap's, accelerate's or a user's hooks, sharing its tensors: what a worker's copy is
-    made from (the hooks of this process stay here)."""
-    home = next(itertools.chain(module.parameters(), module.buffers())).device
-    plain = replica(module, home)
-    for sub in plain.modules():
-        for store in _HOOK_STORES:
-            if store in sub.__dict__:
-                sub.__dict__[store] = type(sub.__dict__[store])()
-        sub.__dict__.pop("_pipemap_seen", None)
-    return plain
 
 
 outside_graphs(ProcessReplicaHook)

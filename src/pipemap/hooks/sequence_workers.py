@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .replica_workers import plain_copy
 from .resident import outside_graphs
 from .sequence import SequenceHook, Unsplittable, check_splittable, enable_split
-from .workers import OnWorkers, Raised, Source, Workers, caller_state
+from .workers import OnWorkers, Raised, Source, Workers, caller_state, plain_copy
 
 
 class ProcessSequenceHook(OnWorkers, SequenceHook):
@@ -29,7 +28,7 @@ class ProcessSequenceHook(OnWorkers, SequenceHook):
         super().__init__(component, device, execution_device, replicas)
         self.workers: Workers | None = None
 
-    def init_hook(self, module):
+    def init_on_workers(self, module):
         check_splittable(self.component, module, 1 + len(self.replica_devices))
         self.attach_workers(module)
         self.take_forward(module)
@@ -66,21 +65,29 @@ class ProcessSequenceHook(OnWorkers, SequenceHook):
 
 def split_on_workers(workers: Workers, home: torch.nn.Module, to: tuple[int, ...], args: tuple, kwargs: dict):
     """One split call: the whole inputs sent to the worker ranks ``to`` (every worker where empty), rank 0's copy
-    ``home`` run here meanwhile; its output, once the workers are done (they keep theirs). ``Unsplittable`` where
-    the tokens do not divide (every rank met it at the same layer, before any exchange: the caller runs it whole);
-    any other failure stops the workers (ranks left inside an exchange: new ones at the next call)."""
+    ``home`` run here meanwhile, the workers watched (``Workers.watching``); its output, once the workers are done
+    (they keep theirs). ``Unsplittable`` where the tokens do not divide (every rank met it at the same layer, before
+    any exchange: the caller runs it whole); a worker's error or death inside the split ends rank 0's share at once
+    and is what is raised (its traceback, typed), rank 0's own error otherwise; either stops the workers (ranks left
+    inside an exchange: new ones at the next call)."""
     count = len(to) or len(workers.devices)
     call = workers.send([(args, kwargs)] * count, caller_state(), reply=False, expected=(Unsplittable,), to=to)
+    seen: list[BaseException] = []
     try:
-        output = home(*args, **kwargs)
+        with workers.watching(call) as seen:
+            output = home(*args, **kwargs)
     except Unsplittable:
         answers = workers.receive(call)
         if not all(isinstance(a, Raised) for a in answers):
             workers.close()
         raise
-    except BaseException:
-        workers.close()
+    except BaseException as err:
+        cause = workers.failure(call, seen)
+        if cause is not None:
+            raise cause from err
         raise
+    if seen:  # a worker failed after rank 0's share was done
+        raise workers.failure(call, seen) or seen[0]
     workers.receive(call)
     return output
 

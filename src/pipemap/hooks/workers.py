@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import datetime
 import functools
+import hashlib
 import importlib.util
 import io
 import itertools
@@ -49,9 +50,11 @@ import multiprocessing.spawn
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -59,21 +62,29 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from ..errors import WorkerCallError, WorkerDiedError, WorkersOptionError
+from ..errors import (
+    CannotTravelError,
+    RanksFallbackWarning,
+    RanksSelfTestError,
+    WorkerCallError,
+    WorkerDiedError,
+    WorkersOptionError,
+)
+from ..modes import RANKS, resolve_ranks
 from ..runtime import transfer
+from .replica import replica
 
 ENV = "PIPEMAP_WORKERS"
 TIMEOUT_ENV = "PIPEMAP_WORKER_TIMEOUT"
-MODES = ("thread", "process", "ray")  # "ray": the worker processes as Ray actors (``ray_workers.py``)
+MODES = RANKS  # "ray": the worker processes as Ray actors (``ray_workers.py``)
 _POLL_S = 0.05  # how often a wait on a pipe looks at the worker's liveness
 
 
 def workers_mode() -> str:
-    """How a split denoiser's other ranks run: ``"thread"`` (the default), ``"process"`` (a process per rank, which
-    pipemap starts) or ``"ray"`` (the same processes as Ray actors in one placement group) (``PIPEMAP_WORKERS``)."""
-    mode = os.environ.get(ENV, "thread").strip().lower() or "thread"
-    if mode not in MODES:
-        raise WorkersOptionError(ENV, mode, MODES)
+    """What runs a split denoiser's other ranks where a plan does not say (``ranks="auto"``): ``PIPEMAP_WORKERS``
+    where set (``"thread"``, ``"process"``, ``"ray"``), else ``"process"`` (a process per rank, which pipemap
+    starts)."""
+    mode = resolve_ranks(None)[0]
     if mode == "ray" and importlib.util.find_spec("ray") is None:
         raise WorkersOptionError(ENV, mode, ("thread", "process"), "needs Ray, which is not installed (pip install "
                                  "-e '.[ray]' in pipemap's checkout)")
@@ -98,6 +109,42 @@ def on_standins(placement) -> bool:
     return any(torch.device(d).type == "meta" for d in (placement.device, *placement.replicas))
 
 
+_HOOK_STORES = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_forward_pre_hooks_with_kwargs",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` without pipemap's, accelerate's or a user's hooks, sharing its tensors: what a worker's copy is
+    made from (the hooks of this process stay here)."""
+    home = next(itertools.chain(module.parameters(), module.buffers())).device
+    plain = replica(module, home)
+    for sub in plain.modules():
+        for store in _HOOK_STORES:
+            if store in sub.__dict__:
+                sub.__dict__[store] = type(sub.__dict__[store])()
+        sub.__dict__.pop("_pipemap_seen", None)
+    return plain
+
+
+def travel_problem(plain: torch.nn.Module) -> str | None:
+    """Why ``plain`` (``plain_copy``: a component without hooks) cannot go to a worker process, or None: its
+    structure is pickled here with its tensors left out, as ``Workers.sync`` sends it, before any worker starts
+    (WP4). What cannot travel: an object pickle cannot take (a diffusers hook's closure, from
+    ``enable_layerwise_casting`` or ``enable_cache``: diffusers' hooks wrap the forward in a local function), or a
+    class defined in the caller's ``__main__`` (a script's or notebook's attention processor), which a worker, spawned
+    without the caller's script, cannot import."""
+    pickler = _Pickler(io.BytesIO())
+    try:
+        pickler.dump(plain)
+    except Exception as err:  # pickle's own words name the object
+        return f"{type(err).__name__}: {err}"
+    found = sorted(pickler.from_main)
+    if found:
+        return (f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} defined in the script's __main__, which "
+                "a worker process does not run: move it into a module the worker can import")
+    return None
+
+
 # ---- what a worker loads first ---------------------------------------------------------------------------------
 
 
@@ -110,13 +157,15 @@ class Source:
     name: str
     folder: str | None
     dtype: torch.dtype
+    bytes: int = 0  # the copy's parameters and buffers: what its load reads (``load_bound``)
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> Source:
         kind = type(module)
         folder = _folder(module)
         dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-        return cls(kind.__module__, kind.__qualname__, folder, dtype)
+        size = sum(t.numel() * t.element_size() for t in _named_tensors(module).values())
+        return cls(kind.__module__, kind.__qualname__, folder, dtype, size)
 
     def load(self, device: torch.device) -> torch.nn.Module | None:
         if self.folder is None:
@@ -148,26 +197,21 @@ def _import(module: str, name: str) -> Any:
     return value
 
 
-# ---- the exact digest of a tensor's bytes ------------------------------------------------------------------------
+# ---- the digest of a tensor's bytes -------------------------------------------------------------------------------
 
 _CHUNK = 1 << 24
 
 
-def digest(tensor: torch.Tensor) -> tuple[int, int]:
-    """Two integer sums over the tensor's bytes read as integers, the second weighted by position: exact and alike on
-    every device (no floating-point rounding), so a worker and rank 0 compare their copies without moving them."""
+def digest(tensor: torch.Tensor) -> str:
+    """A hash of the tensor's bytes (BLAKE2b, 128 bits), alike on every device, so a worker and rank 0 compare their
+    copies without moving them between processes. A real hash (WP12): two sums, as it was, kept a swap of two
+    elements 65521 apart. A GPU tensor is hashed in 16 MiB pieces read back to the host."""
     flat = tensor.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return (0, 0)
-    width = flat.element_size()
-    view = flat.view(torch.uint8).view({8: torch.int64, 4: torch.int32, 2: torch.int16}.get(width, torch.uint8))
-    plain = weighted = 0
-    for start in range(0, view.numel(), _CHUNK):
-        part = view[start:start + _CHUNK].to(torch.int64)
-        weights = (torch.arange(start, start + part.numel(), device=part.device) % 65521) + 1
-        plain += int(part.sum())
-        weighted += int((part * weights).sum())
-    return (plain, weighted)
+    hashed = hashlib.blake2b(digest_size=16)
+    data = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+    for start in range(0, data.numel(), _CHUNK):
+        hashed.update(data[start:start + _CHUNK].cpu().numpy().data)
+    return hashed.hexdigest()
 
 
 def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -200,9 +244,13 @@ class _Pickler(pickle.Pickler):
         self.keep = keep or {}
         self.sent: list[torch.Tensor] = []
         self.tensors: list[tuple[torch.Tensor, str | int]] = []  # each tensor met, as it was, and its name or index
+        self.from_main: set[str] = set()  # the classes of ``__main__`` met (``travel_problem``)
 
     def persistent_id(self, obj):
         if not isinstance(obj, torch.Tensor):
+            kind = obj if isinstance(obj, type) else type(obj)
+            if getattr(kind, "__module__", None) == "__main__":
+                self.from_main.add(kind.__qualname__)
             return None
         if id(obj) in self.keep:
             self.tensors.append((obj, self.keep[id(obj)]))
@@ -294,21 +342,28 @@ _NAMES = itertools.count()
 
 
 def _group(store: dist.Store, rank: int, size: int, device: torch.device, seconds: float, name: str,
-           gloo: bool = False) -> Any:
+           gloo: bool = False, host: str = "127.0.0.1") -> Any:
     """A process group of its own (no default group: the user's torch.distributed stays untouched): NCCL on CUDA,
     gloo elsewhere or where ``gloo`` (ranks sharing a GPU, ``shared_gpu``: gloo then serves CUDA tensors through
     host memory, and the CPU tensors point-to-point traffic stages there), registered under ``name`` so that torch's
-    functional collectives (a sequence split's Ulysses attention) find it; ``_forget`` unregisters it."""
+    functional collectives (a sequence split's Ulysses attention) find it; ``_forget`` unregisters it. gloo's pairs
+    listen on ``host`` (loopback for workers of this machine, WP6), not on whatever the host name resolves to."""
     timeout = datetime.timedelta(seconds=seconds)
     prefix = dist.PrefixStore("pipemap", store)
     types = [torch.device(device.type)]
     if device.type == "cuda" and not gloo:
+        # a watchdog timeout aborts the communicator (CleanUpOnly) instead of tearing the caller's process down,
+        # which is NCCL's default (3): WP1. Read when the group is made; the user's own setting is kept
+        os.environ.setdefault(NCCL_ERRORS_ENV, "2")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         backend: Any = dist.ProcessGroupNCCL(prefix, rank, size, options)
         kind = dist.ProcessGroup.BackendType.NCCL
     else:
-        backend = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+        gloo_options = cast(Any, dist.ProcessGroupGloo)._Options()
+        gloo_options._timeout = timeout
+        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        backend = dist.ProcessGroupGloo(prefix, rank, size, gloo_options)
         kind = dist.ProcessGroup.BackendType.GLOO
         types = list(dict.fromkeys([*types, torch.device("cpu")]))
     group = dist.ProcessGroup(prefix, rank, size)
@@ -318,6 +373,9 @@ def _group(store: dist.Store, rank: int, size: int, device: torch.device, second
     group._set_group_name(cast(Any, name))  # torch types it GroupName: a str
     _C10D._register_process_group(name, group)
     return group
+
+
+NCCL_ERRORS_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def shared_gpu(devices: tuple[torch.device, ...]) -> bool:
@@ -346,42 +404,54 @@ def staged_ranks(devices: tuple[torch.device, ...]) -> bool:
     return any((a, b) in pairs for i, a in enumerate(names) for j, b in enumerate(names) if i != j)
 
 
-@contextlib.contextmanager
-def _p2p_off(staged: bool):
-    """``NCCL_P2P_DISABLE=1`` in this process while a staged group starts (NCCL reads it when the communicator is
-    made), the caller's own value back afterwards."""
-    if not staged:
-        yield
-        return
-    before = os.environ.get(P2P_ENV)
+_NCCL_MADE: list[bool] = []  # rank 0: a communicator of pipemap's was made in this process (NCCL's P2P then fixed)
+
+
+def nccl_transport(staged: bool, cuda: bool) -> str:
+    """How a group of GPU ranks exchanges, decided for this process (WP5): NCCL reads ``NCCL_P2P_DISABLE`` once
+    per process, at its first communicator, so setting it around one group's creation holds only where that group
+    is the process's first. ``"direct"``: NCCL with peer-to-peer as the process has it; ``"p2p_off"``: NCCL with
+    peer-to-peer off, set now for the whole process (its later groups run through host memory too: slower, never
+    wrong); ``"gloo"``: a staged pair in a process whose NCCL already runs with peer-to-peer on, so the group goes
+    over gloo through host memory instead. Workers get the setting in their own environment before their first
+    communicator (``serve``)."""
+    if not (staged and cuda):
+        return "direct"
+    if os.environ.get(P2P_ENV) == "1":
+        return "p2p_off"
+    user_nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    if _NCCL_MADE or user_nccl:
+        return "gloo"
     os.environ[P2P_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(P2P_ENV, None)
-        else:
-            os.environ[P2P_ENV] = before
+    return "p2p_off"
 
 
 def _joined(store: dist.Store, rank: int, size: int, device: torch.device, seconds: float, name: str,
-            staged: bool, gloo: bool = False) -> Any:
-    """``_group``, with NCCL's peer-to-peer off when ``staged``: the communicator is made at once (a one-element
-    all-reduce every rank runs) so that it reads the setting while it is set."""
-    with _p2p_off(staged):
-        group = _group(store, rank, size, device, seconds, name, gloo)
-        if staged and device.type == "cuda" and not gloo:
-            group.allreduce([torch.zeros(1, device=device)]).wait()
+            gloo: bool = False, host: str = "127.0.0.1") -> Any:
+    """``_group``, made at once and checked: every rank all-reduces a known tensor (each rank's ``rank + 1``), the
+    sum compared with what it must be, within the bound ``seconds``. So a communicator is never made lazily inside
+    a call with no bound (WP10), and a group whose transport corrupts (a broken peer link) or whose rank cannot
+    join fails here, at bring-up, where ``ranks="auto"`` falls back to threads."""
+    group = _group(store, rank, size, device, seconds, name, gloo, host)
+    if device.type == "cuda" and not gloo:
+        _NCCL_MADE.append(True)
+    probe = torch.full((4,), float(rank + 1), device=wire(device, gloo))
+    group.allreduce([probe]).wait(datetime.timedelta(seconds=seconds))
+    expected = size * (size + 1) / 2
+    if not bool((probe == expected).all()):
+        _forget(group)
+        raise RanksSelfTestError(name, [str(device)], f"an all-reduce of known values gave {probe.tolist()}, not "
+                                 f"{expected}")
     return group
 
 
 def subgroup(store: dist.Store, members: tuple[int, ...], rank: int, device: torch.device, seconds: float,
-             name: str, staged: bool, gloo: bool) -> Any:
+             name: str, gloo: bool, host: str = "127.0.0.1") -> Any:
     """The group of the ranks ``members`` (``rank``: one of them, in the whole group's numbering) over the whole
     group's store: only those ranks take part in making it. Its own collectives (a branch's sequence split) never
     wait for the other ranks'."""
     store = dist.PrefixStore(name, store)
-    return _joined(store, members.index(rank), len(members), device, seconds, name, staged, gloo)
+    return _joined(store, members.index(rank), len(members), device, seconds, name, gloo, host)
 
 
 def _forget(group: Any) -> None:
@@ -458,6 +528,9 @@ class _Spawned:
     def greet(self, hello: dict) -> None:
         pass  # its pid is known from the start
 
+    def kill(self) -> None:
+        self.process.kill()
+
     def stop(self) -> None:
         """Wait for it to end (it was asked to), then kill it."""
         self.process.join(timeout=5)
@@ -486,9 +559,12 @@ class _Spawn:
         pass
 
 
-def launcher(component: str, devices: tuple[torch.device, ...]) -> Any:
-    """What starts the workers on ``devices``, as ``PIPEMAP_WORKERS`` says: child processes, or Ray actors."""
-    if workers_mode() == "ray":
+def launcher(component: str, devices: tuple[torch.device, ...], runtime: str = "process") -> Any:
+    """What starts the workers on ``devices``: child processes, or Ray actors (``runtime="ray"``)."""
+    if runtime == "ray":
+        if importlib.util.find_spec("ray") is None:
+            raise WorkersOptionError("ranks", runtime, ("thread", "process"), "needs Ray, which is not installed "
+                                     "(pip install -e '.[ray]' in pipemap's checkout)")
         from .ray_workers import RayLauncher  # here: Ray is imported only where asked for
 
         return RayLauncher(component, devices, timeout_s(), serve)
@@ -519,10 +595,22 @@ def _without_main():
             multiprocessing.spawn.get_preparation_data = prepare
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _listener(host: str) -> socket.socket:
+    """A socket listening on ``host`` (loopback for workers of this machine), for rank 0's store: bound here and
+    handed to the store as it is (WP6, WP13: ``TCPStore`` given a host name still listens on every interface, and a
+    port probed then closed may be taken before the store binds it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(128)
+    return listener
+
+
+def load_bound(source: Source, workers: int) -> float:
+    """How long the workers may take to load their first copies (WP7): the call bound plus the copy's bytes read
+    at a slow disk's rate (50 MB/s: network storage, a busy disk) by each worker, which read the same files at once.
+    Apart from the call bound, so a large model's load is no timeout; a dead worker is still seen at once."""
+    return timeout_s() + workers * source.bytes / 50e6
 
 
 # ---- rank 0's end ------------------------------------------------------------------------------------------------
@@ -538,6 +626,7 @@ class _Rank:
     pipe: Any  # a ``multiprocessing`` connection: send, recv, poll, close
     pid: int = 0
     inputs: Inputs = field(default_factory=Inputs)  # its last call's tensors, which the next call may name
+    early: list = field(default_factory=list)  # a message read by a split's watcher (``Workers.watching``)
 
 
 @dataclass(frozen=True)
@@ -550,10 +639,12 @@ class Raised:
 
 @dataclass(eq=False)  # one call is itself only (``Workers.outstanding``)
 class Call:
-    """A call sent to the workers, its outputs not yet received."""
+    """A call sent to the workers, its outputs not yet received (``outputs``: received already, kept for whoever
+    asks, because a later call's receive needed what came before it: WP15)."""
 
     ranks: list[_Rank]
     works: list = field(default_factory=list)
+    outputs: list | None = None
 
 
 class Workers:
@@ -562,21 +653,25 @@ class Workers:
     run a call, ``close`` stops them all; a failure anywhere stops them all too (``WorkerDiedError``), and the next
     ``sync`` starts new ones."""
 
-    def __init__(self, component: str, home: torch.device, devices: tuple[torch.device, ...]):
-        self.component, self.home, self.devices = component, home, devices
+    def __init__(self, component: str, home: torch.device, devices: tuple[torch.device, ...],
+                 runtime: str = "process"):
+        self.component, self.home, self.devices, self.runtime = component, home, devices, runtime
         self.ranks: list[_Rank] = []
         self.group: Any = None  # a ProcessGroup with a gloo or NCCL backend (``_group``)
         self.name = ""  # the group's name: its subgroups' names start with it
         self.subgroups: list[Any] = []  # rank 0's subgroups (``split``): forgotten at close
         self.store: dist.TCPStore | None = None
+        self.host = "127.0.0.1"  # where the store and gloo's pairs listen (the launcher's: a Ray node's address)
         self.outstanding: list[Call] = []  # calls sent whose outputs were not received yet, oldest first
         self.served: list[int] = []  # the pid of the process that computed each output received (tests read it)
         self.sent: list[int] = []  # per worker synced last: how many tensors it was sent (the others it kept)
         self.staged = False  # the copy check staged a pair of these ranks: they exchange through host memory
-        self.gloo = False  # two ranks share a GPU (``shared_gpu``): gloo carries the tensors, through the host
+        self.transport = "direct"  # how the group exchanges: ``nccl_transport``'s word, or "shared" (one GPU)
+        self.gloo = False  # gloo carries the tensors, through the host (ranks sharing a GPU, or WP5's fallback)
         self.wire = home  # where rank 0's tensors travel from (``wire``)
         self.hellos: list[dict] = []  # per worker started last: what it reported at start (tests read it)
         self.launcher: Any = None  # what started them (``launcher``): it frees what it holds at close
+        self.lock = threading.RLock()  # sends and receives take turns (a call's lock serializes them already)
 
     @property
     def running(self) -> bool:
@@ -588,12 +683,14 @@ class Workers:
     def describe(self) -> str:
         """One line for an explanation: the ranks' devices and how they exchange (the copy check's verdict)."""
         devices = ", ".join(str(d) for d in (self.home, *self.devices))
-        if self.gloo:
+        if self.transport == "shared":
             return (f"{self.component!r}: ranks on {devices}, two on one GPU: exchanging through host memory over "
                     "gloo (NCCL takes one rank per GPU)")
         if not self.staged:
             return f"{self.component!r}: ranks on {devices}, exchanging directly"
-        how = "NCCL with peer-to-peer off" if self.home.type == "cuda" else "gloo, through the host anyway"
+        how = {"p2p_off": "NCCL with peer-to-peer off for this whole process, as NCCL reads it once per process",
+               "gloo": "gloo: this process's NCCL already runs with peer-to-peer on, which NCCL reads once"}.get(
+            self.transport, "gloo, through the host anyway")
         return (f"{self.component!r}: ranks on {devices}, exchanging through host memory ({how}): the copy check "
                 "found a pair of these devices corrupting direct copies")
 
@@ -605,28 +702,42 @@ class Workers:
         size = 1 + len(self.devices)
         name = self.name = f"pipemap-{self.component}-{os.getpid()}-{next(_NAMES)}"
         self.staged = staged = staged_ranks((self.home, *self.devices))
-        self.gloo = gloo = shared_gpu((self.home, *self.devices))
+        shared = shared_gpu((self.home, *self.devices))
+        self.transport = "shared" if shared else nccl_transport(staged, self.home.type == "cuda")
+        self.gloo = gloo = self.transport in ("shared", "gloo")
         self.wire = wire(self.home, gloo)
         try:
-            self.launcher = launcher(self.component, self.devices)
-            host = self.launcher.host
-            port = _free_port(host)
-            self.store = dist.TCPStore(host, port, size, is_master=True,
-                                       timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
+            self.launcher = launcher(self.component, self.devices, self.runtime)
+            host = self.host = self.launcher.host
+            listener = _listener(host)
+            port = listener.getsockname()[1]
+            self.store = dist.TCPStore(host, port, size, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=seconds), master_listen_fd=listener.detach())
             for index, device in enumerate(self.devices):
                 start = Start(index + 1, size, host, port, str(device), source, seconds, name, staged, gloo)
                 handle, pipe = self.launcher.launch(self.component, start, index)
                 self.ranks.append(_Rank(index + 1, device, handle, pipe, handle.pid))
             self.hellos = []
-            for r in self.ranks:  # each has loaded its copy from the folder: only now join the group
+            for r in self.ranks:  # alive, before its load
                 hello = self._receive(r, "start")
                 r.pid = hello["pid"]
                 r.process.greet(hello)
                 self.hellos.append(hello)
-            self.group = _joined(self.store, 0, size, self.home, seconds, name, staged, gloo)
+            bound = time.monotonic() + load_bound(source, len(self.ranks))
+            for r in self.ranks:  # each has loaded its copy from the folder: only now join the group
+                self._receive(r, "load", until=bound)
+            self.group = self._joined(_joined, self.store, 0, size, self.home, seconds, name, gloo, host)
         except BaseException:
             self.close()
             raise
+
+    def _joined(self, make, *args) -> Any:
+        """A group made and checked (``_joined``): a wrong result is ``RanksSelfTestError`` naming the component."""
+        try:
+            return self._guarded(functools.partial(make, *args), None, "start")
+        except RanksSelfTestError as err:
+            self.close()
+            raise RanksSelfTestError(self.component, [str(d) for d in (self.home, *self.devices)], err.why) from None
 
     def close(self) -> None:
         """Stop every worker (asked first, then killed) and free the group, its port and what the launcher holds."""
@@ -646,6 +757,20 @@ class Workers:
         self.group = self.store = self.launcher = None
         self.subgroups = []
         self.outstanding = []
+
+    def interrupt(self) -> None:
+        """After a rank failed inside a collective: NCCL's communicators aborted (their kernels would wait forever
+        for the lost rank, and the watchdog would end this process, WP1), every worker killed (gloo's waits on
+        them then end at once), so rank 0's own collective returns with an error instead of waiting out the
+        group's timeout."""
+        if self.home.type == "cuda" and not self.gloo:
+            for group in [self.group, *self.subgroups]:
+                if group is not None:
+                    with contextlib.suppress(Exception):
+                        group.abort()
+        for r in self.ranks:
+            with contextlib.suppress(Exception):
+                r.process.kill()
 
     # -- the workers' copies --
 
@@ -671,6 +796,11 @@ class Workers:
         """Per worker: the bytes its copy's parameters and buffers hold (on its device; the plan's figure for it)."""
         return [self._ask(r, ("held",), "sync") for r in self.ranks]
 
+    def peaks(self) -> dict[str, int]:
+        """Per worker's device: the most bytes its CUDA allocator held since the last ask (0 on the CPU), what
+        rank 0's allocator cannot see (WP9)."""
+        return {str(r.device): self._ask(r, ("peak",), "call") for r in self.ranks}
+
     # -- calls --
 
     def split(self, halves: tuple[tuple[int, ...], ...] = ()) -> Any:
@@ -692,8 +822,7 @@ class Workers:
         assert store is not None  # set by start, before any sync
         for members, name in zip(halves, names):
             if 0 in members:
-                mine = self._guarded(functools.partial(subgroup, store, members, 0, self.home, timeout_s(), name,
-                                                       self.staged, self.gloo), None, "sync")
+                mine = self._joined(subgroup, store, members, 0, self.home, timeout_s(), name, self.gloo, self.host)
                 self.subgroups.append(mine)
         for r in self.ranks:
             self._receive(r, "sync")
@@ -702,37 +831,45 @@ class Workers:
     def send(self, parts: list[tuple[tuple, dict]], state: tuple, reply: bool | tuple[bool, ...] = True,
              expected: tuple[type, ...] = (), to: tuple[int, ...] = ()) -> Call:
         """Start one call per worker: ``parts[i]`` (args, kwargs) to rank i + 1 (to rank ``to[i]`` where given),
-        under the caller's ``state``. A call to any of these ranks whose outputs nobody asked for (a guidance branch
-        started ahead and missed) is received first; calls to other ranks run on. ``reply=False`` (per part where a
-        tuple): the outputs stay in the workers (a sequence split's ranks each hold the gathered whole); an exception
-        of a class in ``expected`` comes back as a ``Raised`` output, the workers kept."""
-        ranks = [self.ranks[i - 1] for i in to] if to else self.ranks[:len(parts)]
-        while True:
-            earlier = next((c for c in self.outstanding if any(r in ranks for r in c.ranks)), None)
-            if earlier is None:
-                break
-            self.receive(earlier)
-        call = Call(ranks)
-        self.outstanding.append(call)
-        replies = reply if isinstance(reply, tuple) else (reply,) * len(parts)
-        for r, part, answer in zip(call.ranks, parts, replies):
-            data, tensors, names = r.inputs.packed(part)
-            self._post(r, ("call", data, metas(tensors), names, state, answer, expected), "call")
-            call.works += self._guarded(functools.partial(_send, self._live_group(), tensors, r.rank, self.wire),
-                                        r, "call")
-        return call
+        under the caller's ``state``. A call still out on these ranks (a guidance branch started ahead by another
+        request, ``run_many``) is not taken: each worker answers its calls in order, and ``receive`` keeps the
+        earlier call's outputs for whoever asks (WP15). ``reply=False`` (per part where a tuple): the outputs stay
+        in the workers (a sequence split's ranks each hold the gathered whole); an exception of a class in
+        ``expected`` comes back as a ``Raised`` output, the workers kept."""
+        with self.lock:
+            ranks = [self.ranks[i - 1] for i in to] if to else self.ranks[:len(parts)]
+            call = Call(ranks)
+            self.outstanding.append(call)
+            replies = reply if isinstance(reply, tuple) else (reply,) * len(parts)
+            for r, part, answer in zip(call.ranks, parts, replies):
+                data, tensors, names = r.inputs.packed(part)
+                self._post(r, ("call", data, metas(tensors), names, state, answer, expected), "call")
+                call.works += self._guarded(functools.partial(_send, self._live_group(), tensors, r.rank,
+                                                              self.wire), r, "call")
+            return call
 
     def receive(self, call: Call) -> list:
-        """Each worker's output of ``call``, in rank order, on the home device."""
-        if call not in self.outstanding:
-            raise RuntimeError("this call's outputs were received already, or its workers stopped since")
+        """Each worker's output of ``call``, in rank order, on the home device; the calls sent before it to any of
+        its ranks are received first (each worker answers in order), their outputs kept on them."""
+        with self.lock:
+            if call.outputs is not None:
+                outputs, call.outputs = call.outputs, None
+                return outputs
+            if call not in self.outstanding:
+                raise RuntimeError("this call's outputs were received already, or its workers stopped since")
+            try:
+                for earlier in self.outstanding[:self.outstanding.index(call)]:
+                    if any(r in call.ranks for r in earlier.ranks):
+                        earlier.outputs = self._received(earlier)
+                return self._received(call)
+            except BaseException:
+                self.close()
+                raise
+
+    def _received(self, call: Call) -> list:
         self.outstanding.remove(call)
-        try:
-            self._finish(call.works, None, "call")
-            return [self._output(r, call.ranks) for r in call.ranks]
-        except BaseException:
-            self.close()
-            raise
+        self._finish(call.works, None, "call")
+        return [self._output(r, call.ranks) for r in call.ranks]
 
     def _output(self, r: _Rank, peers: list[_Rank]):
         data, wanted, pid = self._receive(r, "call", peers)
@@ -740,6 +877,58 @@ class Workers:
         tensors = self._guarded(functools.partial(_receive_tensors, self._live_group(), wanted, r.rank, self.home,
                                                   self.wire), r, "call")
         return unpacked(data, tensors)
+
+    @contextlib.contextmanager
+    def watching(self, call: Call):
+        """While rank 0 computes its share of ``call`` (a sequence split, whose collectives wait on every rank), a
+        thread watches the call's ranks: a worker's error or death interrupts the group (``interrupt``), so rank 0's
+        collective ends at once instead of at the group's timeout (WP1, WP2). Yields a list that then holds the
+        worker's own error (its traceback; an out-of-memory error as ``torch.OutOfMemoryError``), to raise instead
+        of rank 0's (``failure``)."""
+        seen: list[BaseException] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(_POLL_S):
+                found = self._failed(call)
+                if found is not None:
+                    seen.append(found)
+                    self.interrupt()
+                    return
+
+        watcher = threading.Thread(target=watch, name=f"pipemap-{self.component}-watch", daemon=True)
+        watcher.start()
+        try:
+            yield seen
+        finally:
+            stop.set()
+            watcher.join()
+
+    def failure(self, call: Call, seen: list[BaseException], grace: float = 2.0) -> BaseException | None:
+        """After rank 0's share of a split call failed: the worker's error that caused it (what the watcher saw,
+        or an error or a death that shows within ``grace`` seconds: gloo may fail rank 0 before the watcher looks),
+        else None (rank 0's own error). Every worker is stopped either way: they are inside the call's collectives."""
+        found = seen[0] if seen else None
+        deadline = time.monotonic() + grace
+        while found is None and time.monotonic() < deadline:
+            found = self._failed(call)
+            if found is None:
+                time.sleep(_POLL_S)
+        self.interrupt()
+        self.close()
+        return found
+
+    def _failed(self, call: Call) -> BaseException | None:
+        """A rank of ``call`` that sent an error or died, as its error; its message kept for ``_receive``."""
+        for r in call.ranks:
+            if not r.early and r.pipe.poll(0):
+                with contextlib.suppress(EOFError, OSError):
+                    r.early.append(r.pipe.recv())
+            if r.early and r.early[0][0] == "error":
+                return self._remote_error(r, "call", r.early[0][1:])
+            if not _alive(r):
+                return WorkerDiedError(self.component, str(r.device), r.pid, "call", r.process.exitcode, None)
+        return None
 
     # -- waiting, bounded --
 
@@ -757,24 +946,36 @@ class Workers:
         except (OSError, ValueError) as err:
             raise self._died(r, phase) from err
 
-    def _receive(self, r: _Rank, phase: str, peers: list[_Rank] | None = None):
+    def _receive(self, r: _Rank, phase: str, peers: list[_Rank] | None = None, until: float | None = None):
         """The worker's next answer: waited for while it and its ``peers`` in this call live (a rank waiting in a
-        collective for a dead peer would wait out the group's timeout), for at most the timeout."""
-        deadline = time.monotonic() + timeout_s()
-        while not r.pipe.poll(_POLL_S):
+        collective for a dead peer would wait out the group's timeout), until ``until`` (``time.monotonic``; the
+        timeout from now by default)."""
+        deadline = until if until is not None else time.monotonic() + timeout_s()
+        while not r.early and not r.pipe.poll(_POLL_S):
             gone = next((p for p in (r, *(peers or ())) if not _alive(p)), None)
             if gone is not None:
                 raise self._died(gone, phase)
             if time.monotonic() > deadline:
                 raise self._died(r, phase, timed_out=True)
         try:
-            kind, *rest = r.pipe.recv()
+            kind, *rest = r.early.pop(0) if r.early else r.pipe.recv()
         except (EOFError, OSError) as err:
             raise self._died(r, phase) from err
         if kind == "error":
+            error = self._remote_error(r, phase, rest)
             self.close()
-            raise WorkerCallError(self.component, str(r.device), r.pid, phase, rest[0])
+            raise error
         return rest[0]
+
+    def _remote_error(self, r: _Rank, phase: str, rest: list) -> BaseException:
+        """A worker's exception as rank 0 raises it: an out-of-memory error as ``torch.OutOfMemoryError`` naming the
+        worker's GPU (so relief and the memory ledger handle it, WP9), any other as ``WorkerCallError``."""
+        trace, oom = rest[0], len(rest) > 1 and rest[1]
+        if oom:
+            last = trace.strip().splitlines()[-1] if trace.strip() else ""
+            return torch.OutOfMemoryError(f"in the worker process (pid {r.pid}) running {self.component!r} on "
+                                          f"{r.device}: {last.partition(': ')[2] or last}")
+        return WorkerCallError(self.component, str(r.device), r.pid, phase, trace)
 
     def _finish(self, works: list, r: _Rank | None, phase: str) -> None:
         for work, _tensor in works:
@@ -783,7 +984,7 @@ class Workers:
     def _guarded(self, run, r: _Rank | None, phase: str):
         try:
             return run()
-        except WorkerDiedError:
+        except (WorkerDiedError, RanksSelfTestError):
             raise
         except RuntimeError as err:  # the group's own error: a peer gone, a timeout
             raise self._died(r or self.ranks[0], phase) from err
@@ -804,17 +1005,17 @@ _LOCK = threading.Lock()
 
 
 def workers_for(module: torch.nn.Module, component: str, home: torch.device,
-                devices: tuple[torch.device, ...]) -> Workers:
+                devices: tuple[torch.device, ...], runtime: str = "process") -> Workers:
     """The workers of ``module`` (made now, none started, if it has none or they serve other devices): they
     outlive a new hook over the module (a followed change keeps them, ``sync`` sends what changed) and stop with
     ``stop_workers`` or when the module is collected."""
     with _LOCK:
         found = _ALL.get(module)
-        if found is not None and (found.home, found.devices) == (home, devices):
+        if found is not None and (found.home, found.devices, found.runtime) == (home, devices, runtime):
             return found
         if found is not None:
             found.close()
-        made = _ALL[module] = Workers(component, home, devices)
+        made = _ALL[module] = Workers(component, home, devices, runtime)
         weakref.finalize(module, made.close)
         return made
 
@@ -835,8 +1036,8 @@ def stop_workers(module: torch.nn.Module) -> None:
 
 class OnWorkers:
     """What the hooks whose copies are worker processes share (first in their bases, before the thread hook they
-    derive from, ``thread_hook``): the thread hook on the dry run's stand-ins, the workers stopped at reset, their
-    process ids."""
+    derive from, ``thread_hook``): the thread hook on the dry run's stand-ins, the check that the component can
+    travel, the fall-back to the thread hook, the workers stopped at reset, their process ids."""
 
     thread_hook: type
     workers: Workers | None
@@ -844,12 +1045,41 @@ class OnWorkers:
     component: str  # the hook's own (``PlacementHook``, ``CopiesHook``)
     device: torch.device
     replica_devices: tuple[torch.device, ...]
+    runtime = "process"  # what starts the workers (``launcher``): "process" or "ray"
+    asked = False  # the runtime was named by the user: a component that cannot travel is an error, no fall-back
+    fallback: str | None = None  # why this hook runs its ranks as threads after all (set on the thread hook)
 
     @classmethod
-    def for_placement(cls, p, execution_device: str, ledger):
+    def for_placement(cls, p, execution_device: str, ledger, runtime: str = "process", asked: bool = False):
         """The hook of this mode's placement on workers; the threads' hook on the dry run's stand-ins."""
-        hook = cls.thread_hook if on_standins(p) else cls
-        return hook(p.component, p.device, execution_device, p.replicas)
+        if on_standins(p):
+            return cls.thread_hook(p.component, p.device, execution_device, p.replicas)
+        hook = cast(Any, cls)(p.component, p.device, execution_device, p.replicas)
+        hook.runtime, hook.asked = runtime, asked
+        return hook
+
+    def init_hook(self, module):
+        """The workers brought up for ``module`` (``init_on_workers``, each hook's own), or, where the runtime was
+        chosen by ``ranks="auto"`` and the component cannot travel or the group fails its bring-up check, the
+        thread hook's, with a warning (``RanksFallbackWarning``) that says why."""
+        try:
+            problem = travel_problem(plain_copy(module))
+            if problem is None:
+                return self.init_on_workers(module)
+            if self.asked:
+                raise CannotTravelError(self.component, problem)
+        except RanksSelfTestError as err:
+            if self.asked:
+                raise
+            problem = str(err)
+        warnings.warn(RanksFallbackWarning(self.component, self.runtime, problem), stacklevel=2)
+        thread_hook: Any = self.thread_hook
+        self.__class__ = thread_hook  # its own state is the thread hook's (a subclass adds only the workers')
+        self.fallback = problem
+        return thread_hook.init_hook(self, module)
+
+    def init_on_workers(self, module):
+        raise NotImplementedError
 
     def release(self, module) -> None:
         """Stop this component's worker processes (``dispatch.reset``)."""
@@ -862,8 +1092,14 @@ class OnWorkers:
     def attach_workers(self, module: torch.nn.Module) -> Workers:
         """The component's workers (``workers_for``: kept across hooks over it), brought up for this hook."""
         self._module = weakref.ref(module)
-        workers = self.workers = workers_for(module, self.component, self.device, self.replica_devices)
-        self.bring_up(module)
+        workers = self.workers = workers_for(module, self.component, self.device, self.replica_devices,
+                                             self.runtime)
+        try:
+            self.bring_up(module)
+        except BaseException:  # no worker outlives a dispatch that failed (WP3): reset finds no hook to stop them
+            stop_workers(module)
+            self.workers = self._module = None
+            raise
         return workers
 
     def bring_up(self, module: torch.nn.Module) -> None:
@@ -884,25 +1120,28 @@ class OnWorkers:
 
 
 def serve(start: Start, pipe, parent: int | None) -> None:
-    """A worker process: load the copy, join the group, then answer rank 0's messages until told to stop or until
-    rank 0 is gone (its end of ``pipe`` closed; where ``parent`` is rank 0's pid, also when this process's parent
-    changes: a child process outlives nothing of its parent's)."""
+    """A worker process: say it lives, load the copy, join the group, then answer rank 0's messages until told to
+    stop or until rank 0 is gone (its end of ``pipe`` closed; where ``parent`` is rank 0's pid, also when this
+    process's parent changes: a child process outlives nothing of its parent's)."""
     if parent is not None:
         _watch(parent)
+    if start.staged:  # before this process's first communicator: NCCL reads it once per process (WP5)
+        os.environ[P2P_ENV] = "1"
+    os.environ.setdefault(NCCL_ERRORS_ENV, "2")  # a watchdog timeout aborts the communicator, not this process
     device = torch.device(start.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    hello = {"pid": os.getpid(), "host": socket.gethostname(), "staged": start.staged, "gloo": start.gloo,
+             P2P_ENV: os.environ.get(P2P_ENV)}
+    pipe.send(("ready", hello))  # alive: the load that follows has a bound of its own (WP7)
     try:
         module = start.source.load(device)
     except Exception:  # files it cannot read alone (a variant's names, say): every tensor is then sent
         module = None
-    with _p2p_off(start.staged):
-        hello = {"pid": os.getpid(), "host": socket.gethostname(), "staged": start.staged, "gloo": start.gloo,
-                 P2P_ENV: os.environ.get(P2P_ENV)}
-    pipe.send(("ready", hello))
+    pipe.send(("loaded", module is not None))
     store = dist.TCPStore(start.host, start.port, start.size, is_master=False,
                           timeout=datetime.timedelta(seconds=start.seconds))
-    group = _joined(store, start.rank, start.size, device, start.seconds, start.name, start.staged, start.gloo)
+    group = _joined(store, start.rank, start.size, device, start.seconds, start.name, start.gloo, start.host)
     worker = _Worker(group, device, module, wire(device, start.gloo), start, store)
     while True:
         try:
@@ -913,8 +1152,8 @@ def serve(start: Start, pipe, parent: int | None) -> None:
             return
         try:
             worker.handle(message, pipe)
-        except Exception:
-            pipe.send(("error", traceback.format_exc()))
+        except Exception as err:
+            pipe.send(("error", traceback.format_exc(), isinstance(err, torch.OutOfMemoryError)))
 
 
 def _watch(parent: int) -> None:
@@ -951,6 +1190,11 @@ class _Worker:
         elif kind == "held":  # the bytes of the copy's parameters and buffers (what the plan counts on this device)
             held = _named_tensors(self.module) if self.module is not None else {}
             pipe.send(("held", sum(t.numel() * t.element_size() for t in held.values())))
+        elif kind == "peak":  # the most its allocator held since the last ask: rank 0's cannot see it (WP9)
+            cuda = self.device.type == "cuda"
+            pipe.send(("peak", torch.cuda.max_memory_allocated(self.device) if cuda else 0))
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
         elif kind == "module":
             self._module(*rest)
             pipe.send(("synced", os.getpid()))
@@ -985,7 +1229,7 @@ class _Worker:
             raise RuntimeError("this worker was started without a store to make a subgroup over")
         if self.part is not None:
             _forget(self.part)
-        self.part = subgroup(self.store, members, rank, self.device, start.seconds, name, start.staged, start.gloo)
+        self.part = subgroup(self.store, members, rank, self.device, start.seconds, name, start.gloo, start.host)
         return self.part
 
     def _module(self, data: bytes, wanted: list[Meta]) -> None:
@@ -1003,21 +1247,70 @@ class _Worker:
 
 
 def caller_state() -> tuple:
-    """What of the caller's per-thread state a worker's call runs under: grad and inference mode, autocast."""
+    """What of the caller's state a worker's call runs under: grad and inference mode, autocast (per thread), and
+    the process-wide numerics settings (``numerics``), which a thread rank shares with rank 0 and a process does
+    not (WP8)."""
     autocast = tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
                      if torch.is_autocast_enabled(kind))
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, numerics())
+
+
+_SDPA = ("flash", "mem_efficient", "math", "cudnn")  # torch.backends.cuda.{name}_sdp_enabled / enable_{name}_sdp
+
+
+def numerics() -> dict[str, Any]:
+    """This process's settings that change which kernels compute: TF32 for matmuls and cuDNN, float32 matmul
+    precision, reduced-precision reductions, the SDPA kernels enabled, diffusers' active attention backend."""
+    matmul = torch.backends.cuda.matmul
+    found: dict[str, Any] = {
+        "tf32": matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "precision": torch.get_float32_matmul_precision(),
+        "fp16_reduced": matmul.allow_fp16_reduced_precision_reduction,
+        "bf16_reduced": matmul.allow_bf16_reduced_precision_reduction,
+        "sdpa": tuple(getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in _SDPA)}
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")  # not imported: the default backend
+    if dispatch is not None:
+        found["attention"] = str(dispatch._AttentionBackendRegistry.get_active_backend()[0].value)
+    return found
+
+
+@contextlib.contextmanager
+def numerics_set(settings: dict[str, Any]):
+    """``settings`` (``numerics``) in force in this process for the block, the worker's own back after it."""
+    before = numerics()
+    _apply(settings)
+    try:
+        if "attention" in settings:
+            from diffusers.models.attention_dispatch import attention_backend  # here: only a diffusers model's call
+
+            with attention_backend(settings["attention"]):
+                yield
+        else:
+            yield
+    finally:
+        _apply(before)
+
+
+def _apply(settings: dict[str, Any]) -> None:
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = settings["tf32"], settings["cudnn_tf32"]
+    torch.set_float32_matmul_precision(settings["precision"])
+    matmul.allow_fp16_reduced_precision_reduction = settings["fp16_reduced"]
+    matmul.allow_bf16_reduced_precision_reduction = settings["bf16_reduced"]
+    for name, enabled in zip(_SDPA, settings["sdpa"]):
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(enabled)
 
 
 @contextlib.contextmanager
 def entered(state: tuple, device: torch.device):
-    grad, inference, autocast = state
+    grad, inference, autocast, settings = state
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(grad))
         if inference:
             stack.enter_context(torch.inference_mode())
         for kind, dtype in autocast:
             stack.enter_context(torch.autocast(kind, dtype=dtype))
+        stack.enter_context(numerics_set(settings))
         if device.type == "cuda":
             stack.enter_context(torch.cuda.device(device))
         yield

@@ -156,22 +156,20 @@ def clear_staged() -> None:
     _WARNED.clear()
 
 
-def exchange_notes(plan) -> list[str]:
-    """A line for each placement whose copies exchange between a pair of devices this process stages (the copy
-    check found direct copies corrupting): its ranks exchange through host memory there. Read from what was found,
-    never running the check (``ensure_safe_transfers`` runs it at dispatch)."""
+def exchange_line(component: str, devices: list[str]) -> str | None:
+    """What dispatch reports (``pipemap.stats``) for a component whose ranks on ``devices`` exchange between a pair
+    of devices this process stages (the copy check found direct copies corrupting): they exchange through host
+    memory there. Read from what was found, never running the check; a report of the placed pipeline, not part of
+    its plan (a plan depends only on its request)."""
     staged = staged_pairs()
-    lines = []
-    for p in plan.components if staged else ():
-        devices = [endpoint(d) for d in (p.device, *p.replicas)]
-        pairs = sorted({(a, b) for a in devices for b in devices if (a, b) in staged})
-        if p.replicas and pairs:
-            found = ", ".join(f"{a} -> {b}" for a, b in pairs)
-            lines.append(f"exchange: {p.component}'s copies on {', '.join(dict.fromkeys(devices))} exchange through "
-                         f"host memory, as the copy check found direct copies {found} corrupting on this machine "
-                         "(worker processes: NCCL with peer-to-peer off; threads: each copy staged through pinned "
-                         "memory)")
-    return lines
+    ends = [endpoint(d) for d in devices]
+    pairs = sorted({(a, b) for a in ends for b in ends if (a, b) in staged})
+    if not pairs:
+        return None
+    found = ", ".join(f"{a} -> {b}" for a, b in pairs)
+    return (f"{component}'s copies on {', '.join(dict.fromkeys(ends))} exchange through host memory, as the copy "
+            f"check found direct copies {found} corrupting on this machine (worker processes: NCCL with "
+            "peer-to-peer off; threads: each copy staged through pinned memory)")
 
 
 def endpoint(device: str | int | torch.device) -> str:
