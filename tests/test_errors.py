@@ -135,8 +135,8 @@ CASES = {
 }
 # errors in what pipemap was asked to do at run time, not in what the user gave
 RUNTIME = {E.PipelineMappedError, E.DispatchError, E.SimulationFailedError, E.ForeignHookError, E.WorkerDiedError,
-           E.WorkerCallError, E.RayPlacementError, E.RanksSelfTestError, E.UnwaitedCopyError, E.BufferReuseError, E.DeviceMixError,
-           E.StandInError, E.UnknownValueError}
+           E.WorkerCallError, E.RayPlacementError, E.RanksSelfTestError, E.UnwaitedCopyError, E.BufferReuseError,
+           E.DeviceMixError, E.StandInError, E.UnknownValueError}
 # the service's own states (its queue full, shutting down, a timed-out request's work dropped): neither the user's
 # input nor a failed run; HTTP answers them 429, 503 and 504
 SERVICE = {E.QueueFullError, E.DrainingError, E.WorkDropped}

@@ -25,7 +25,14 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..errors import ArgumentTypeError, ComponentChangedError, DispatchError, PipelineMappedError, PlanMismatchError
+from ..errors import (
+    ArgumentTypeError,
+    CannotTravelError,
+    ComponentChangedError,
+    DispatchError,
+    PipelineMappedError,
+    PlanMismatchError,
+)
 from ..hooks import (
     Moved,
     PlacementHook,
@@ -145,6 +152,8 @@ def _place_all(pipe, plan: Plan, modules: dict[str, torch.nn.Module], make_hook,
             _attach(pipe, module, make_hook(placement))
         except Exception as err:
             _undo(modules.values(), moves)
+            if isinstance(err, CannotTravelError):
+                raise  # the user's own input (a model that cannot travel to a worker): its own typed error
             raise DispatchError(placement.component, placement.device, err) from err
 
 

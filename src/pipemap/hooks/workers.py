@@ -134,11 +134,14 @@ def travel_problem(plain: torch.nn.Module) -> str | None:
     class defined in the caller's ``__main__`` (a script's or notebook's attention processor), which a worker, spawned
     without the caller's script, cannot import."""
     pickler = _Pickler(io.BytesIO())
+    failed = None
     try:
         pickler.dump(plain)
     except Exception as err:  # pickle's own words name the object
-        return f"{type(err).__name__}: {err}"
-    found = sorted(pickler.from_main)
+        failed = f"{type(err).__name__}: {err}"
+    found = sorted(pickler.from_main)  # met before pickle failed on one (a class the caller's __main__ lacks now)
+    if failed and not found:
+        return failed
     if found:
         return (f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} defined in the script's __main__, which "
                 "a worker process does not run: move it into a module the worker can import")

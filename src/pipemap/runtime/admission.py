@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import CallTooLargeError
-from ..modes import Peak, facts
+from ..modes import Peak, facts, resolve_ranks, splits
 from ..plan import Plan
 from ..units import format_bytes, parse_bytes
 
@@ -726,5 +726,11 @@ def cuda_peaks(plan: Plan, running: Plan) -> CudaPeaks | None:
     if running.device_map != plan.device_map or not torch.cuda.is_available():
         return None
     moving = {p.execution_device for p in plan.components if facts(p.mode).moves_weights}
-    devices = {d.device: d.device for d in plan.devices if d.device.startswith("cuda") and d.device not in moving}
+    # a split's copies in worker processes allocate in those processes: this one's allocator reads ~0 there, which
+    # would set the device's needs to 0 (WP9); the dry run's figures stay for them
+    threads = (running.ranks or resolve_ranks(None)[0]) == "thread"
+    elsewhere = set() if threads else {d for p in plan.components if splits(p) for d in p.replicas}
+    homes = {p.device for p in plan.components} | {p.execution_device for p in plan.components}
+    left_out = moving | (elsewhere - homes)
+    devices = {d.device: d.device for d in plan.devices if d.device.startswith("cuda") and d.device not in left_out}
     return CudaPeaks(devices) if devices else None
