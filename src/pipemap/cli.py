@@ -22,6 +22,7 @@ from .errors import (
     PipemapError,
     UnknownStrategyError,
 )
+from .modes import RANKS
 from .quiet import quiet_progress
 
 # the same names as planner.STRATEGIES and "auto" (a test checks they agree); written out so --help imports no torch
@@ -156,6 +157,10 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headroom", help="kept free on each GPU for activations: a fraction (0.1, the default), "
                         "bytes ('2GiB'), a JSON dict per device ('{\"cuda:0\": \"4GiB\"}') or 'measure' (a dry "
                         "run measures it)")
+    parser.add_argument("--ranks", default="auto", choices=("auto", *RANKS),
+                        help="what runs the other ranks of a denoiser split across GPUs (strategy parallel): a "
+                        "worker process per GPU (process), threads of this process (thread), Ray actors (ray); auto "
+                        "(the default): PIPEMAP_WORKERS where set, else process")
 
 
 _STRATEGY_HELP = (f"one of {', '.join(STRATEGY_NAMES)} (auto: the fastest plan that fits), or a JSON dict "
@@ -181,11 +186,12 @@ def _headroom(text: str | None):
 
 
 def _request(args):
-    """The request the ``--hardware --strategy --dtype --variant --headroom`` options make (``api.Request``)."""
+    """The request the ``--hardware --strategy --dtype --variant --headroom --ranks`` options make
+    (``api.Request``)."""
     from .api import Request  # here: it imports torch, which --help does not need
 
     return Request.of(args.path, hardware=args.hardware, strategy=_strategy(args.strategy), dtype=args.dtype,
-                      variant=args.variant, headroom=_headroom(args.headroom))
+                      variant=args.variant, headroom=_headroom(args.headroom), ranks=args.ranks)
 
 
 def _plan(args) -> int:

@@ -271,7 +271,7 @@ class Plan:
 
         buffer = io.StringIO()
         Console(file=buffer, width=100, color_system=None, force_terminal=False).print(self.table())
-        return "\n".join([buffer.getvalue().rstrip(), *(f"note: {n}" for n in self.notes)])
+        return "\n".join([buffer.getvalue().rstrip(), *(f"note: {n}" for n in [*self.notes, *self._ranks_lines()])])
 
     def explain(self) -> str:
         """Why this plan: the candidates ``"auto"`` weighed, their predicted seconds per image, images per second
