@@ -110,6 +110,7 @@ PRELUDE = {
         "from diffusers import UNet2DConditionModel\n"
         "other_unet = UNet2DConditionModel.from_pretrained('path/to/sdxl', subfolder='unet')\n"),
     "plan = pipemap.plan(\"flux.1-dev\", hardware=\"1x24GiB": "import pipemap\n",
+    "plan = pipemap.plan(\"flux.1-dev\", hardware=\"2x80GiB\", strategy=\"parallel\")": "import pipemap\n",
     "plan = pipemap.plan(\"path/to/sdxl\", hardware=\"2x24GiB\"": "import torch, pipemap\n",
     "calls = [{\"prompt\": p": (  # the pipeline of the block above
         "import torch, pipemap\n"
@@ -208,9 +209,10 @@ COMMANDS = [s for s in snippets() if s.lang != "python"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("snippet", PYTHON, ids=_ids(PYTHON))
-def test_the_python_snippet_runs_as_written(snippet, places, request):
+def test_the_python_snippet_runs_as_written(snippet, places, request, monkeypatch):
     if (reason := _entry(SKIP, snippet.first)) is not None:
         pytest.skip(reason)
+    monkeypatch.delenv("PIPEMAP_WORKERS", raising=False)  # as a user runs it: a split's ranks in worker processes
     prelude = _entry(PRELUDE, snippet.first)
     assert prelude is not None, f"README.md:{snippet.line}: a new python snippet; give it a PRELUDE (or a SKIP)"
     gpus = request.getfixturevalue("fake_cuda") if any(snippet.first.startswith(k) for k in ON_FAKE_GPUS) else None

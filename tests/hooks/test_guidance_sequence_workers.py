@@ -17,7 +17,8 @@ import pipemap
 from families import fresh, output
 from helpers import processes_gone, with_copy
 from pipemap.hooks.guidance_sequence_workers import ProcessGuidanceSequenceHook
-from pipemap.hooks.workers import ENV, TIMEOUT_ENV
+from pipemap.hooks.launch import TIMEOUT_ENV
+from pipemap.hooks.workers import ENV
 
 ON_CPU = {f"cuda:{i}": "cpu" for i in range(4)}
 STEPS = 3

@@ -22,7 +22,9 @@ from families import fresh, output
 from helpers import processes_gone, with_copy
 from pipemap import tiny
 from pipemap.errors import CannotTravelError, RanksFallbackWarning, WorkerCallError, WorkerDiedError
-from pipemap.hooks.workers import ENV, TIMEOUT_ENV, caller_state, entered, numerics
+from pipemap.hooks.launch import TIMEOUT_ENV
+from pipemap.hooks.worker import caller_state, entered, numerics
+from pipemap.hooks.workers import ENV
 from worker_faults import RaisingInWorker
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
@@ -221,7 +223,8 @@ def test_a_worker_failing_inside_a_sequence_split_is_raised_at_once_typed_and_th
 
 @pytest.mark.slow
 def test_two_calls_out_at_once_keep_their_outputs_and_a_worker_s_error_carries_its_traceback(unset):
-    from pipemap.hooks.workers import Source, Workers
+    from pipemap.hooks.worker import Source
+    from pipemap.hooks.workers import Workers
 
     module = torch.nn.Linear(3, 2)
     cpu = torch.device("cpu")

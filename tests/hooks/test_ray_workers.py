@@ -15,7 +15,9 @@ import pipemap
 from helpers import processes_gone, with_copy
 from pipemap import tiny
 from pipemap.errors import RayPlacementError, WorkerCallError, WorkerDiedError
-from pipemap.hooks.workers import ENV, TIMEOUT_ENV, Source, Workers, caller_state
+from pipemap.hooks.launch import TIMEOUT_ENV
+from pipemap.hooks.worker import Source, caller_state
+from pipemap.hooks.workers import ENV, Workers
 
 ray = pytest.importorskip("ray", reason="the Ray worker tests need ray: pip install -e '.[ray]'")
 from ray.util.placement_group import placement_group_table  # noqa: E402

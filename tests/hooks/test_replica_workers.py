@@ -203,7 +203,7 @@ def test_workers_exit_when_the_caller_s_process_dies():
 
 @pytest.mark.slow
 def test_a_pair_the_copy_check_staged_runs_its_replica_workers_staged_and_equal_to_plain(on_workers, tmp_path):
-    from pipemap.hooks.workers import P2P_ENV
+    from pipemap.hooks.groups import P2P_ENV
     from pipemap.runtime import transfer
 
     folder = tiny.save("sd", tmp_path / "sd", variant_fp16=False)

@@ -218,7 +218,7 @@ def test_a_gloo_group_over_ranks_sharing_a_gpu_gathers_through_the_host(fake_cud
 
     import torch.distributed as dist
 
-    from pipemap.hooks.workers import _forget, _group
+    from pipemap.hooks.groups import _group, forget
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,4 +232,4 @@ def test_a_gloo_group_over_ranks_sharing_a_gpu_gathers_through_the_host(fake_cud
         assert joined.device == torch.device("cuda:0")
         torch.testing.assert_close(fakecuda.host(joined), torch.arange(6.0).reshape(1, 6), atol=0, rtol=0)
     finally:
-        _forget(group)
+        forget(group)

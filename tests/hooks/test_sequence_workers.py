@@ -14,8 +14,9 @@ import torch
 import pipemap
 from helpers import with_copy
 from pipemap import tiny
+from pipemap.hooks.launch import TIMEOUT_ENV
 from pipemap.hooks.sequence_workers import ProcessSequenceHook
-from pipemap.hooks.workers import ENV, TIMEOUT_ENV
+from pipemap.hooks.workers import ENV
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 TOLERANCE = {"atol": 1e-4, "rtol": 0}

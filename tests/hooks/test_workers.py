@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from pipemap.errors import PipemapError, WorkersOptionError
-from pipemap.hooks.workers import ENV, TIMEOUT_ENV, Meta, digest, metas, packed, timeout_s, unpacked, workers_mode
+from pipemap.hooks.launch import TIMEOUT_ENV, timeout_s
+from pipemap.hooks.payload import Meta, digest, metas, packed, unpacked
+from pipemap.hooks.workers import ENV, workers_mode
 
 
 def test_workers_mode_defaults_to_processes_and_refuses_other_words(monkeypatch):
@@ -94,7 +96,7 @@ def test_a_structure_travels_without_its_tensors_which_are_sent_or_kept_by_name(
 def test_a_worker_loads_from_the_folder_a_model_came_from_and_nothing_for_one_built_in_code(tmp_path):
     from diffusers import AutoencoderKL
 
-    from pipemap.hooks.workers import Source
+    from pipemap.hooks.worker import Source
 
     built = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=2)
     size = sum(p.numel() * 4 for p in built.parameters()) + sum(b.numel() * 4 for b in built.buffers())
@@ -113,7 +115,8 @@ def test_a_worker_loads_from_the_folder_a_model_came_from_and_nothing_for_one_bu
 @pytest.mark.slow
 def test_workers_on_a_plain_module_compute_and_a_failing_call_raises_with_the_worker_s_traceback():
     from pipemap.errors import WorkerCallError
-    from pipemap.hooks.workers import Source, Workers, caller_state
+    from pipemap.hooks.worker import Source, caller_state
+    from pipemap.hooks.workers import Workers
 
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 2)
@@ -136,7 +139,7 @@ def test_workers_on_a_plain_module_compute_and_a_failing_call_raises_with_the_wo
 
 
 def test_a_call_names_the_tensors_the_worker_holds_from_the_last_call_and_sends_the_rest():
-    from pipemap.hooks.workers import Inputs, received_inputs
+    from pipemap.hooks.payload import Inputs, received_inputs
 
     inputs, held = Inputs(), {}
     embeds, latents = torch.randn(2, 3), torch.randn(2, 4)
@@ -162,7 +165,9 @@ def test_a_call_names_the_tensors_the_worker_holds_from_the_last_call_and_sends_
 
 @pytest.mark.slow
 def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_compute():
-    from pipemap.hooks.workers import P2P_ENV, Source, Workers, caller_state
+    from pipemap.hooks.groups import P2P_ENV
+    from pipemap.hooks.worker import Source, caller_state
+    from pipemap.hooks.workers import Workers
     from pipemap.runtime import transfer
 
     torch.manual_seed(0)
@@ -194,7 +199,7 @@ def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_c
 
 
 def test_ranks_sharing_a_gpu_run_on_gloo_through_the_host_as_nccl_takes_one_rank_per_gpu():
-    from pipemap.hooks.workers import shared_gpu, wire
+    from pipemap.hooks.groups import shared_gpu, wire
 
     cuda0, cuda1, cpu = torch.device("cuda:0"), torch.device("cuda:1"), torch.device("cpu")
     assert shared_gpu((cuda0, cuda0)) and shared_gpu((torch.device("cuda"), cuda0))

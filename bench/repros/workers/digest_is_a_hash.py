@@ -7,7 +7,7 @@ Run from the project root (one command):
 """
 import torch
 
-from pipemap.hooks.workers import digest
+from pipemap.hooks.payload import digest
 
 w = torch.randn(4096, 64, dtype=torch.bfloat16)  # a 4096x64 weight: 262144 elements
 changed = w.clone().view(-1)

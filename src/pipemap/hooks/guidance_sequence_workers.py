@@ -26,7 +26,8 @@ from .guidance_sequence import GuidanceSequenceHook
 from .guidance_workers import Ahead, Failed
 from .sequence import Unsplittable, check_splittable, enable_split
 from .sequence_workers import split_on_workers
-from .workers import OnWorkers, Source, Workers, caller_state, plain_copy
+from .worker import Source, caller_state
+from .workers import OnWorkers, Workers, plain_copy
 
 
 class ProcessGuidanceSequenceHook(OnWorkers, GuidanceSequenceHook):

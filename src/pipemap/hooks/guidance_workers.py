@@ -18,8 +18,10 @@ from torch.utils._pytree import tree_unflatten
 from ..errors import PipemapError, Unsplittable
 from .changes import signature
 from .guidance import GuidanceHook, Inputs
+from .payload import Raised
 from .resident import outside_graphs
-from .workers import Call, OnWorkers, Raised, Source, Workers, caller_state, plain_copy
+from .worker import Source, caller_state
+from .workers import Call, OnWorkers, Workers, plain_copy
 
 
 class ProcessGuidanceHook(OnWorkers, GuidanceHook):

@@ -14,7 +14,8 @@ import contextlib
 from ..errors import PipemapError
 from .replica import ReplicaHook, join_batch, split_batch
 from .resident import PlacementHook, outside_graphs
-from .workers import Call, OnWorkers, Source, Workers, caller_state, plain_copy
+from .worker import Source, caller_state
+from .workers import Call, OnWorkers, Workers, plain_copy
 
 
 class ProcessReplicaHook(OnWorkers, ReplicaHook):

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from .payload import Raised
 from .resident import outside_graphs
 from .sequence import SequenceHook, Unsplittable, check_splittable, enable_split
-from .workers import OnWorkers, Raised, Source, Workers, caller_state, plain_copy
+from .worker import Source, caller_state
+from .workers import OnWorkers, Workers, plain_copy
 
 
 class ProcessSequenceHook(OnWorkers, SequenceHook):

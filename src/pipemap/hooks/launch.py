@@ -1,0 +1,130 @@
+"""What starts a split's worker processes (``workers.launcher``): a spawned child of the caller's process
+(``_Spawn``, ``ranks="process"``), or a Ray actor (``ray_workers.RayLauncher``, ``ranks="ray"``); each gives a
+handle to watch and stop the worker, and rank 0's end of its connection. Also the bound every wait on a worker has
+(``timeout_s``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.spawn
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import WorkersOptionError
+from .worker import Start, serve
+
+TIMEOUT_ENV = "PIPEMAP_WORKER_TIMEOUT"
+
+
+def timeout_s() -> float:
+    """The longest any wait on a worker lasts (``PIPEMAP_WORKER_TIMEOUT``, seconds)."""
+    text = os.environ.get(TIMEOUT_ENV, "120")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise WorkersOptionError(TIMEOUT_ENV, text, ("a number of seconds above 0, e.g. 120",))
+    return value
+
+
+@dataclass(frozen=True)
+class _Spawned:
+    """A worker started with ``spawn``, as rank 0 watches and stops it (``ray_workers.Actor`` is the other kind)."""
+
+    process: Any  # a multiprocessing Process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid or 0
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def alive(self) -> bool:
+        """Its sentinel (a pipe end the child holds) is closed once it exits, even where someone else reaped it
+        (``Process.is_alive`` would then say it lives)."""
+        return not multiprocessing.connection.wait([self.process.sentinel], timeout=0)
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout=timeout)
+
+    def greet(self, hello: dict) -> None:
+        pass  # its pid is known from the start
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def stop(self) -> None:
+        """Wait for it to end (it was asked to), then kill it."""
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+
+
+class _Spawn:
+    """Starts each worker as a child process (``spawn``): ``PIPEMAP_WORKERS=process``."""
+
+    host = "127.0.0.1"
+
+    def launch(self, component: str, start: Start, index: int) -> tuple[_Spawned, Any]:
+        """Worker ``index`` (0 for rank 1) started; its handle and rank 0's end of its pipe."""
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        process = context.Process(target=serve, name=f"pipemap-{component}-rank{start.rank}", daemon=True,
+                                  args=(start, theirs, os.getpid()))
+        with _without_main():
+            process.start()
+        theirs.close()
+        return _Spawned(process), ours
+
+    def close(self) -> None:
+        pass
+
+
+def launcher(component: str, devices: tuple[torch.device, ...], runtime: str = "process") -> Any:
+    """What starts the workers on ``devices``: child processes, or Ray actors (``runtime="ray"``)."""
+    if runtime == "ray":
+        if importlib.util.find_spec("ray") is None:
+            raise WorkersOptionError("ranks", runtime, ("thread", "process"), "needs Ray, which is not installed "
+                                     "(pip install -e '.[ray]' in pipemap's checkout)")
+        from .ray_workers import RayLauncher  # here: Ray is imported only where asked for
+
+        return RayLauncher(component, devices, timeout_s(), serve)
+    return _Spawn()
+
+
+_SPAWNING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_main():
+    """``spawn`` without the caller's main script: by default a spawned child first runs the parent's ``__main__``
+    file again (the reason scripts need ``if __name__ == "__main__":``), so ``pipe(prompt)`` at the top of a script
+    would run again in each worker. A worker needs none of it: its target is a function of this module."""
+    prepare = multiprocessing.spawn.get_preparation_data
+
+    def without(name):
+        data = prepare(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    with _SPAWNING:
+        multiprocessing.spawn.get_preparation_data = without
+        try:
+            yield
+        finally:
+            multiprocessing.spawn.get_preparation_data = prepare
+
+
