@@ -1,6 +1,6 @@
 """Host time of strategy "parallel"'s replicated denoiser (batch halves) with its second rank a worker process
 (``PIPEMAP_WORKERS=process``, ``hooks/workers.py``) against the same plan with the rank a thread of the caller's
-process (today's default) and against the plain pipeline, on the CPU: a plan for two GPUs remapped onto the CPU
+process (``ranks="thread"``) and against the plain pipeline, on the CPU: a plan for two GPUs remapped onto the CPU
 (``cuda:0`` and ``cuda:1`` both ``cpu``); the replicated unet of the tiny SD pipeline and of a mid-size one (channels
 x ``--scale``), the tiny Flux's transformer split by tokens, and its guidance branches (true CFG), built in code.
 Per pipeline call, medians: wall time, the caller's process CPU time (rank 0: with threads it includes the other
