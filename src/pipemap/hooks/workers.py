@@ -154,6 +154,9 @@ def _alive(r: _Rank) -> bool:
     return r.process.alive()
 
 
+START_S = 120.0  # the least a worker's interpreter gets to start and import torch: a minute on a busy 2-core host
+
+
 def load_bound(source: Source, workers: int) -> float:
     """How long the workers may take to load their first copies (WP7): the call bound plus the copy's bytes read
     at a slow disk's rate (50 MB/s: network storage, a busy disk) by each worker, which read the same files at once.
@@ -258,8 +261,9 @@ class Workers:
                 handle, pipe = self.launcher.launch(self.component, start, index)
                 self.ranks.append(_Rank(index + 1, device, handle, pipe, handle.pid))
             self.hellos = []
-            for r in self.ranks:  # alive, before its load
-                hello = self._receive(r, "start")
+            started = time.monotonic() + max(timeout_s(), START_S)
+            for r in self.ranks:  # alive, before its load: an interpreter started and torch imported
+                hello = self._receive(r, "start", until=started)
                 r.pid = hello["pid"]
                 r.process.greet(hello)
                 self.hellos.append(hello)
