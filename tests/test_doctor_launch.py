@@ -14,8 +14,15 @@ from pipemap import doctor
 from pipemap.cost import compute_seconds
 from pipemap.counts import Tally
 from pipemap.errors import HardwareSpecError
-from pipemap.hardware import (HOST_LAUNCH, KERNEL_SECONDS, Hardware, Performance, launch_cache_path,
-                              launch_default, performance_for)
+from pipemap.hardware import (
+    HOST_LAUNCH,
+    KERNEL_SECONDS,
+    Hardware,
+    Performance,
+    launch_cache_path,
+    launch_default,
+    performance_for,
+)
 
 FAST_HOST = 5e-6  # a host launching a kernel in 5 us, as another machine's doctor measured it: not the default
 

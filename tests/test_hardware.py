@@ -5,10 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipemap import Device, Hardware, HardwareSpecError, PipemapError, UnknownDeviceError
 import pipemap
-from pipemap.hardware import (ATTENTION_SHARE, GENERATION, GPU_PERFORMANCE, SUSTAINED, attention_rate, gpu_key,
-                              performance_for, sustained_share)
+from pipemap import Device, Hardware, HardwareSpecError, PipemapError, UnknownDeviceError
+from pipemap.hardware import (
+    ATTENTION_SHARE,
+    GENERATION,
+    GPU_PERFORMANCE,
+    SUSTAINED,
+    attention_rate,
+    gpu_key,
+    performance_for,
+    sustained_share,
+)
 
 GiB = 1024**3
 

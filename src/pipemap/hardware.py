@@ -231,8 +231,9 @@ def performance_for(gpu_name: str | None, attention: str = DEFAULT_ATTENTION,
     launch = measured_kernel_seconds() if this_machine else None
     kernel, kernel_origin = (launch, "measured") if launch else launch_default(fragment)
     if fragment is None:
+        backend = "dense" if attention in ATTENTION_SHARE else attention  # no rate without the GPU
         return Performance(disk_bandwidth=disk, disk_origin=disk_origin, kernel_seconds=kernel,
-                           kernel_origin=kernel_origin, attention="dense" if attention in ATTENTION_SHARE else attention)
+                           kernel_origin=kernel_origin, attention=backend)
     flops, memory, host, peer = GPU_PERFORMANCE[fragment]
     share, origin = sustained_share(fragment)
     rate, said = attention_rate(fragment, attention)
