@@ -105,7 +105,7 @@ def perf(gpu: str, share: float | None = None, kernel: float | None = None) -> P
     published rate."""
     flops, memory, host, peer = GPU_PERFORMANCE[gpu]
     share = hardware.sustained_share(gpu)[0] if share is None else share
-    kernel = hardware.KERNEL_SECONDS if kernel is None else kernel
+    kernel = hardware.launch_default(gpu)[0] if kernel is None else kernel
     return Performance(flops * share, host, peer, memory_bandwidth=memory * share, kernel_seconds=kernel,
                        attention=ATTENTION, attention_flops=hardware.attention_rate(gpu, ATTENTION)[0])
 

@@ -63,6 +63,14 @@ VERIFY_SECONDS = 100e-6
 EXCHANGED_TENSORS = 4
 EXCHANGE_ITEM_BYTES = 2
 EXCHANGE_LATENCY = 50e-6
+# An all-to-all among more ranks is one send and receive pair more per rank (NCCL's alltoall is grouped
+# point-to-point calls): its latency grows with them, as nccl-tests' alltoall_perf small-message times do from 2 to 8
+# GPUs (approximate, not fitted). The same for a call's broadcast and gather.
+RANK_LATENCY = 10e-6
+# Around each all-to-all, Ulysses attention permutes its tensors into the layout the exchange sends and back (a
+# contiguous copy each way): 38% of the exchange's time on an H100 (pytorch/pytorch#178066), priced as that share of
+# the exchange's time on top of its bytes over the link
+PERMUTE_SHARE = 0.38
 # and at each call its inputs are broadcast to the other ranks and its output gathered back: two collectives more
 SEQUENCE_CALL_COLLECTIVES = 2
 # A batch cut across copies meets once a call: the parts gathered (an all-gather of the outputs) and the inputs
@@ -704,13 +712,22 @@ def sequence_cost(placement: Placement, component: Component, share: float, move
     """A sequence split over ``1 + len(replicas)`` GPUs: each computes its share of the tokens (the attention too:
     all tokens for its share of the heads; ``share``: its seconds, ``shared_compute``), then waits for the
     exchanges, which Ulysses attention does not overlap; the GPUs send at once, so the link carries one GPU's share
-    at a time."""
+    at a time. What grows with the ranks: each collective's latency (``rank_latency``), and the permute copies
+    around each exchange (``PERMUTE_SHARE``)."""
     gpus = 1 + len(placement.replicas)
     calls = calls_per_image(component, work)
     layers = max(1, len(component.blocks))
-    latency = calls * (layers * EXCHANGED_TENSORS * EXCHANGE_LATENCY + SEQUENCE_CALL_COLLECTIVES * COLLECTIVE_LATENCY)
-    transfer = moved / gpus / perf.peer_bandwidth + latency
+    latency = calls * (layers * EXCHANGED_TENSORS * EXCHANGE_LATENCY + SEQUENCE_CALL_COLLECTIVES * COLLECTIVE_LATENCY
+                       + (layers * EXCHANGED_TENSORS + SEQUENCE_CALL_COLLECTIVES) * rank_latency(gpus))
+    exchanged = calls * exchanged_per_call(component, work, gpus)
+    permutes = exchanged / perf.peer_bandwidth * PERMUTE_SHARE / (1 - PERMUTE_SHARE)
+    transfer = moved / gpus / perf.peer_bandwidth + permutes + latency
     return Cost(component.name, share, transfer, share + transfer)
+
+
+def rank_latency(gpus: int) -> float:
+    """The seconds a collective among ``gpus`` ranks takes beyond one between two (``RANK_LATENCY`` a rank)."""
+    return RANK_LATENCY * max(0, gpus - 2)
 
 
 def _moved_per_call(placement: Placement, component: Component) -> tuple[int, int, int]:
