@@ -47,6 +47,8 @@ DIFFUSERS = ("https://huggingface.co/datasets/diffusers/benchmarks (collated_res
              "benchmarks/benchmarking_{flux,sdxl,ltx}.py: one denoiser forward, bf16, batch 1)")
 XDIT = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/flux.md (H100, FLUX.1-dev, 28 steps, "
         "1024px, 1 GPU, no torch.compile)")
+XDIT_PAIR = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/flux.md (H100, FLUX.1-dev, 28 steps, "
+             "1024px, 2 GPUs, Ulysses-2, no torch.compile)")
 ORT = ("https://github.com/microsoft/onnxruntime/pull/22986 (H100 80GB HBM3, 1024x1024, batch 1, BF16, "
        "Torch 2.5.1 eager)")
 FAL = ("https://github.com/fal-ai/stable-diffusion-benchmarks (A100 80G SXM, diffusers 0.21.4, torch 2.1, SDPA, "
@@ -360,7 +362,7 @@ def fit_rows() -> list[Row]:
         Row("H100", "FLUX.1-dev pipeline, 1024x1024, 28 steps, resident", 6.71, resident(flux, perf("h100")), XDIT,
             share("h100", fitted["h100"])),
         Row("H100", f"FLUX.1-dev pipeline on 2 GPUs, tokens split (xDiT Ulysses-2; pipemap: {pair[1]}) [a check "
-            "row until issue 50]", 4.38, pair[0], XDIT,
+            "row until issue 50]", 4.38, pair[0], XDIT_PAIR,
             f"`hardware.HOST_LAUNCH['hopper']` = {hopper * 1e6:.1f} us (the Hopper and Blackwell hosts' default)"),
         Row("L40S", "FLUX.1-dev transformer, one forward, group offload leaf_level + stream (0.56 GB)", 1.859,
             leaf_streamed(flux_call, component, runner(), 1, group_offload()), DIFFUSERS,
@@ -701,7 +703,7 @@ def main() -> None:
         "measures this machine's.",
         "- Not yet checked here, and why: the published 4- and 8-GPU rows (vLLM-Omni's Qwen-Image at 2048x2048, "
         "1.73x / 2.84x / 3.65x on 2 / 4 / 8 GPUs; SGLang's and ParaAttention's) are kept out of the project as a "
-        "blind check (issue 50); against their ratios the model is too good at 4 and 8 GPUs (3.6x and 6.6x, "
+        "blind check (issue 50); against their ratios the model is too good at 4 and 8 GPUs (3.6x and 6.8x, "
         "formula-priced): what costs vLLM-Omni half of its 8-GPU speed-up is not in the exchange's bytes or "
         "latency as priced here.",
         "",
