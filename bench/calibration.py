@@ -49,6 +49,8 @@ XDIT = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/flux.md
         "1024px, 1 GPU, no torch.compile)")
 XDIT_PAIR = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/flux.md (H100, FLUX.1-dev, 28 steps, "
              "1024px, 2 GPUs, Ulysses-2, no torch.compile)")
+XDIT_FOUR = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/flux.md (4xH100, FLUX.1-dev, 28 steps, "
+             "1024px, Ulysses-4, no torch.compile; read after every constant was fitted)")
 ORT = ("https://github.com/microsoft/onnxruntime/pull/22986 (H100 80GB HBM3, 1024x1024, batch 1, BF16, "
        "Torch 2.5.1 eager)")
 FAL = ("https://github.com/fal-ai/stable-diffusion-benchmarks (A100 80G SXM, diffusers 0.21.4, torch 2.1, SDPA, "
@@ -235,18 +237,18 @@ def planned(name: str, gpu: str, gib: float, strategy: str, p: Performance, mech
     return cost.seconds_per_image(plan, inventory, p, mechanism=mechanism, counts=found or counts(name))
 
 
-def two_gpus(name: str, gpu: str, kernel: float | None = None) -> tuple[float, str]:
-    """A catalog pipeline's "parallel" plan on two 80 GiB GPUs of a model (its default call), priced (at a trial
-    launch cost when given), and how it shares the denoiser."""
-    inventory, plan = pair_plan(name, gpu)
+def two_gpus(name: str, gpu: str, kernel: float | None = None, gpus: int = 2) -> tuple[float, str]:
+    """A catalog pipeline's "parallel" plan on ``gpus`` 80 GiB GPUs of a model (its default call), priced (at a
+    trial launch cost when given), and how it shares the denoiser."""
+    inventory, plan = split_plan(name, gpu, gpus)
     shared = next((str(p.mode) for p in plan.components if p.replicas), "none")
     return cost.seconds_per_image(plan, inventory, perf(gpu, kernel=kernel), counts=counts(name)), shared
 
 
 @functools.cache
-def pair_plan(name: str, gpu: str) -> tuple[pipemap.Inventory, pipemap.Plan]:
+def split_plan(name: str, gpu: str, gpus: int) -> tuple[pipemap.Inventory, pipemap.Plan]:
     inventory = pipemap.inspect(name)
-    return inventory, pipemap.plan(inventory, hardware=pipemap.Hardware.parse(f"2x80GiB,cpu=256GiB,gpu={gpu}"),
+    return inventory, pipemap.plan(inventory, hardware=pipemap.Hardware.parse(f"{gpus}x80GiB,cpu=256GiB,gpu={gpu}"),
                                    strategy="parallel")
 
 
@@ -398,6 +400,8 @@ def check_rows() -> list[Row]:
             resident(counts(SD35), h100, 50), ORT),
         Row("H100", "Qwen-Image pipeline, 1024x1024, 50 steps, true CFG (negative prompt), resident", 18.49,
             resident(counts(QWEN, negative_prompt=" ", true_cfg_scale=4.0), h100), CACHE_DIT_H100),
+        Row("H100", "FLUX.1-dev pipeline on 4 GPUs, tokens split (xDiT Ulysses-4; pipemap: {}) [added in issue "
+            "50]".format(two_gpus(FLUX, "h100", gpus=4)[1]), 4.24, two_gpus(FLUX, "h100", gpus=4)[0], XDIT_FOUR),
         Row("L20", "FLUX.1-dev pipeline, resident (~38 GiB) [the L20's fit row until its share of 1.03 was dropped]",
             23.4, resident(flux, l20), CACHE_DIT),
         Row("L20", "FLUX.1-dev pipeline, diffusers model offload (~25 GiB)", 56,
@@ -701,6 +705,9 @@ def main() -> None:
         "share) is above cache-dit's 18.49 s, whose stack is faster than xDiT's and ONNX Runtime's (FLUX.1-dev: "
         "9.30 s against 12.34 s at 50 steps). A spec states a host's figure with `launch=12us`; `pipemap doctor` "
         "measures this machine's.",
+        "- xDiT's Ulysses-4 row (4.24 s on 4 H100s, against 4.38 s on 2: eager PyTorch gains little from the "
+        "third and fourth GPU, while torch.compile, which removes most launches, gives 1.63 s) was read and added "
+        "as a check row after the fits: the model's 4-GPU FLUX.1-dev is launch-bound as that run is.",
         "- Not yet checked here, and why: the published 4- and 8-GPU rows (vLLM-Omni's Qwen-Image at 2048x2048, "
         "1.73x / 2.84x / 3.65x on 2 / 4 / 8 GPUs; SGLang's and ParaAttention's) are kept out of the project as a "
         "blind check (issue 50); against their ratios the model is too good at 4 and 8 GPUs (3.6x and 6.8x, "

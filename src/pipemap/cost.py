@@ -222,9 +222,20 @@ def launch_seconds(work: Tally, perf: Performance, on_gpu: bool = True) -> float
     return work.kernels * perf.kernel_seconds if on_gpu else 0.0
 
 
-def is_launch_bound(work: Tally, perf: Performance) -> bool:
-    """Whether the host's kernel launches (``perf.kernel_seconds`` each) take longer than the GPU's own work."""
-    return work.kernels > 0 and work.kernels * perf.kernel_seconds > gpu_seconds(work, perf)
+def is_launch_bound(work: Tally, perf: Performance, ranks: int = 1) -> bool:
+    """Whether the host's kernel launches (``perf.kernel_seconds`` each) take longer than the GPU's own work, that
+    work shared by ``ranks`` GPUs (each launching every kernel of its share: a sequence split's ranks)."""
+    return work.kernels > 0 and work.kernels * perf.kernel_seconds > gpu_seconds(work, perf) / ranks
+
+
+def token_ranks(placement: Placement) -> int:
+    """How many GPUs share each call's tokens: a sequence split's ranks, a branch's half of ``guidance_sequence``'s;
+    1 otherwise (a batch split shares the batch, each part still launching every kernel)."""
+    if placement.mode == Mode.SEQUENCE:
+        return 1 + len(placement.replicas)
+    if placement.mode == Mode.GUIDANCE_SEQUENCE:
+        return 1 + len(_first_branch(placement).replicas)
+    return 1
 
 
 LAUNCH_NOTE_SHARE = 0.05  # a launch-bound component is named when it takes this share of the call or more
@@ -766,7 +777,7 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
         cost = component_cost(p, component, dtype_bytes, perf, work, mechanism, counted, steps)
         whole = (counted or formula_component(component, dtype_bytes, work)).total(work.steps if steps is None
                                                                                     else steps)
-        bound = is_accelerator(p.execution_device) and is_launch_bound(whole, perf)
+        bound = is_accelerator(p.execution_device) and is_launch_bound(whole, perf, token_ranks(p))
         found[p.component] = _with_disk(replace(cost, launch_bound=bound), disk_seconds(p, component, perf, work,
                                                                                         cached))
     code = counts.get(PIPELINE) if counts is not None else None
