@@ -507,8 +507,8 @@ def formula_rates() -> list[str]:
                 continue
             work = found[component.name].per_call(found.iterations())
             (denoisers if component.name in cost.PER_STEP else others).append(work.kernels / cost._modules(component))
-            if component.name in cost.PER_STEP:
-                per_flop.append(work.memory_bytes / work.flops)
+            if component.name in cost.PER_STEP:  # per FLOP outside fused attention, which moves none through them
+                per_flop.append(work.memory_bytes / (work.flops - work.attention_flops))
     rates = (("MEMORY_BYTES_PER_FLOP", statistics.median(per_flop), cost.MEMORY_BYTES_PER_FLOP),
              ("KERNELS_PER_MODULE", statistics.median(denoisers), cost.KERNELS_PER_MODULE),
              ("KERNELS_PER_MODULE_ONCE", statistics.median(others), cost.KERNELS_PER_MODULE_ONCE))

@@ -49,8 +49,10 @@ PROMPT_BYTES = 512 * 4096 * 2
 GUIDANCE_BATCH = 2
 # The formula's stand-ins for what only a count knows, the medians over the catalog's recorded counts
 # (``catalog/counts.record``; bench/calibration.py derives them): bytes the memory-bound kernels of a denoiser move
-# per FLOP, and kernels a call per module with weights, a denoiser's and another component's.
-MEMORY_BYTES_PER_FLOP = 0.0019
+# per FLOP outside attention (a fused attention kernel moves none through them: per FLOP of all kinds, a long video
+# sequence's attention, 53% of Wan's FLOPs at 480p and 80% at 720p, priced memory traffic that never happens), and
+# kernels a call per module with weights, a denoiser's and another component's.
+MEMORY_BYTES_PER_FLOP = 0.0025
 KERNELS_PER_MODULE = 4.7
 KERNELS_PER_MODULE_ONCE = 1.8
 # Guidance branches at once: each call that arrives is checked against the one started ahead (identity, version
@@ -399,11 +401,19 @@ def flops_per_call(component: Component, dtype_bytes: int, work: Workload) -> fl
         return 2.0 / dtype_bytes * _unet_weight_positions(component.tree, work)
     text, one = _weights_by_use(component.tree)
     image = max(0, component.bytes - text - one)
-    flops = 2.0 / dtype_bytes * (image * tokens + text * work.text_tokens + one)
-    if "transformer" in (component.class_name or "").lower():
-        attended = tokens + work.text_tokens
-        flops += 4.0 * attended * attended * component.attention_width
-    return flops
+    return 2.0 / dtype_bytes * (image * tokens + text * work.text_tokens + one) + attention_flops_per_call(component,
+                                                                                                          work)
+
+
+def attention_flops_per_call(component: Component, work: Workload) -> float:
+    """The formula's self-attention FLOPs of one call of a transformer denoiser: 4 per token pair per unit of width
+    (scores and their weighted sum) over image and text tokens; none for anything else (a UNet's attention is in
+    its weights' share)."""
+    if (component.name not in PER_STEP or component.tree is None
+            or "transformer" not in (component.class_name or "").lower()):
+        return 0.0
+    attended = tokens_per_call(component, work) + work.text_tokens
+    return 4.0 * attended * attended * component.attention_width
 
 
 def _unet_weight_positions(tree: Block, work: Workload) -> float:
@@ -450,11 +460,15 @@ def calls_per_image(component: Component, work: Workload) -> int:
 
 def formula_component(component: Component, dtype_bytes: int, work: Workload) -> ComponentCounts:
     """A component's counts by the formula, for a pipeline no dry run has counted: its FLOPs from its parameters
-    (``flops_per_call``), memory-bound bytes and kernels at the catalog's median rates."""
+    (``flops_per_call``), its attention's apart (priced at the backend's rate, as a count's are), memory-bound bytes
+    of the rest and kernels at the catalog's median rates."""
     flops = flops_per_call(component, dtype_bytes, work) * work.images
+    attention = attention_flops_per_call(component, work) * work.images  # priced at the attention backend's rate
     rate = KERNELS_PER_MODULE if component.name in PER_STEP else KERNELS_PER_MODULE_ONCE
     kernels = rate * _modules(component)
-    call = Tally(flops=flops, memory_bytes=flops * MEMORY_BYTES_PER_FLOP, kernels=kernels)
+    call = Tally(flops=flops, memory_bytes=(flops - attention) * MEMORY_BYTES_PER_FLOP, kernels=kernels,
+                 attention_flops=attention, attention_scores=attention / 4 / max(1, component.attention_width)
+                 * max(1, component.heads))
     if component.name in PER_STEP:
         per_step = work.calls / max(1, work.steps)
         return ComponentCounts(component.name, per_step=call.scaled(per_step), calls_per_step=per_step)
