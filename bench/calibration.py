@@ -705,12 +705,17 @@ def main() -> None:
         "share) is above cache-dit's 18.49 s, whose stack is faster than xDiT's and ONNX Runtime's (FLUX.1-dev: "
         "9.30 s against 12.34 s at 50 steps). A spec states a host's figure with `launch=12us`; `pipemap doctor` "
         "measures this machine's.",
+        "- The formula (what prices a call no dry run has counted) priced a transformer's attention FLOPs at the "
+        "dense rate and gave them memory-bound bytes at the median rate per FLOP: at Wan's 75,600 tokens (1280x720x81) "
+        "about 4 TB a call that no fused kernel moves. Its attention is now a work class of its own, as in the counts "
+        "(at the backend's rate), and `cost.MEMORY_BYTES_PER_FLOP` is a rate per FLOP outside attention (0.0019 -> "
+        "0.0025, the catalog's median). No check row is priced by the formula.",
         "- xDiT's Ulysses-4 row (4.24 s on 4 H100s, against 4.38 s on 2: eager PyTorch gains little from the "
         "third and fourth GPU, while torch.compile, which removes most launches, gives 1.63 s) was read and added "
         "as a check row after the fits: the model's 4-GPU FLUX.1-dev is launch-bound as that run is.",
         "- Not yet checked here, and why: the published 4- and 8-GPU rows (vLLM-Omni's Qwen-Image at 2048x2048, "
         "1.73x / 2.84x / 3.65x on 2 / 4 / 8 GPUs; SGLang's and ParaAttention's) are kept out of the project as a "
-        "blind check (issue 50); against their ratios the model is too good at 4 and 8 GPUs (3.6x and 6.8x, "
+        "blind check (issue 50); against their ratios the model is too good at 4 and 8 GPUs (3.7x and 6.9x, "
         "formula-priced): what costs vLLM-Omni half of its 8-GPU speed-up is not in the exchange's bytes or "
         "latency as priced here.",
         "",
