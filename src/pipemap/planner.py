@@ -14,7 +14,15 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import replication
-from .cost import Workload, bytes_moved, images_per_second, launch_note, predict, seconds_per_image
+from .cost import (
+    Workload,
+    bytes_moved,
+    images_per_second,
+    launch_note,
+    predict,
+    seconds_per_image,
+    workload_for,
+)
 from .counts import Counts
 from .devices import is_accelerator, real_device
 from .errors import (
@@ -566,7 +574,8 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
                f"{format_bytes(_moved(plans[fastest.strategy], inventory))})")
     bound = launch_note(predict(best, inventory, hw.performance, work, counts=counts), hw.performance)
     disk = (f"auto: the disk tier priced at {hw.performance.disk_text}",) if best.host.disk else ()
-    shape = (f"auto: priced for the call {work.describe()}",) if work is not None else ()
+    called = work or workload_for(inventory)
+    shape = (f"auto: priced for the {'call' if work is not None else 'default call'} {called.describe()}",)
     notes = (priced_by(counts), *shape, *((f"auto: {bound}",) if bound else ()), why, *disk)
     return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + notes)
 
