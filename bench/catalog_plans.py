@@ -8,8 +8,6 @@ priced from the work the catalog's record counted for it) and the layout, and a 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pipemap
 from pipemap import catalog
 from pipemap.cost import (
@@ -20,7 +18,6 @@ from pipemap.cost import (
     seconds_per_image,
     workload_for,
 )
-from pipemap.replication import parallel_modes
 from pipemap.units import format_bytes
 
 MACHINES = ("1x24GiB,cpu=64GiB", "2x16GiB,cpu=64GiB", "1x80GiB,cpu=128GiB")
@@ -85,7 +82,7 @@ def speed(name: str, machine: str = SPEED_MACHINE, call: dict | None = None) -> 
     """Two GPUs as the cost model sees them: seconds per image of one request against the 1-GPU plan of the same
     GPU, and images per second with requests overlapped (``pipemap.run_many``), for the "auto" plan. With ``call``
     (a negative prompt for true CFG) both plans are priced at that call, by the formula (the record counts the
-    default call), and the two-GPU plan shares the denoiser the way that call makes fastest."""
+    default call), and "auto" plans for that call (``call=``)."""
     inventory = pipemap.inspect(name)
     counts = None if call else catalog.recorded_counts(name)
     work = workload_for(inventory, call)
@@ -93,8 +90,7 @@ def speed(name: str, machine: str = SPEED_MACHINE, call: dict | None = None) -> 
     one = pipemap.Hardware.parse(machine.replace("2x", "1x", 1))
     figures = {}
     for label, hardware in (("one", one), ("two", two)):
-        plan = pipemap.plan(name, hardware=hardware, strategy="auto")
-        plan = fastest_for(plan, inventory, hardware, work) if call else plan
+        plan = pipemap.plan(name, hardware=hardware, strategy="auto", call=call)  # "auto" planned for that call
         figures[label] = (seconds_per_image(plan, inventory, hardware.performance, work, counts=counts),
                           images_per_second(plan, inventory, hardware.performance, work, counts=counts), plan)
     (s1, r1, _), (s2, r2, plan) = figures["one"], figures["two"]
@@ -117,19 +113,6 @@ def host_seconds(inventory, work, counts, placement: pipemap.Placement, hardware
     steps = counts.iterations(work.steps) if counts is not None else work.steps
     kernels = found.total(steps).kernels / (2 if placement.mode == "guidance" else 1)
     return kernels * hardware.performance.kernel_seconds
-
-
-def fastest_for(plan: pipemap.Plan, inventory, hardware, work) -> pipemap.Plan:
-    """``plan`` with its shared denoiser in whichever of the modes the pipeline allows is fastest at ``work`` (the
-    same devices and copies: guidance branches and split tokens both keep one copy per GPU)."""
-    shared = [p for p in plan.components if p.mode in ("guidance", "sequence")]
-    if not shared:
-        return plan
-    p = shared[0]
-    modes = [m for _, m in parallel_modes(inventory)]
-    options = [replace(plan, components=tuple(replace(q, mode=m) if q is p else q for q in plan.components))
-               for m in modes]
-    return min(options, key=lambda o: seconds_per_image(o, inventory, hardware.performance, work))
 
 
 def main() -> None:

@@ -104,3 +104,13 @@ def test_serve_flags_become_the_services_options(monkeypatch, tmp_path):
     assert main(["serve", str(tmp_path), "--api-key", "given"]) == 0
     assert loaded[-1].access == Access(api_key="given", local=True)
     assert loaded[-1].names == () and loaded[-1].served_names() == (str(tmp_path),)  # the path as given
+
+
+@pytest.mark.parametrize("gpu", ["b200", "mi300x"])
+def test_plan_prices_a_current_gpu_named_in_the_spec(gpu, capsys):
+    # in this process (no child): the catalog's FLUX.1-dev on two of a GPU the table added in issue 50, priced by "auto"
+    from pipemap.cli import main
+
+    assert main(["plan", "flux.1-dev", "--hardware", f"2x80GiB,cpu=256GiB,gpu={gpu}", "--strategy", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "s per image" in out and "transformer" in out

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import pipemap
 from helpers import plain_pipeline, run
 from pipemap import Component, Hardware, Inventory, Placement
-from pipemap.cost import Workload, predict, seconds_per_image
+from pipemap.cost import MEMORY_BYTES_PER_FLOP, Workload, formula_component, predict, seconds_per_image, workload_for
 from pipemap.hooks import PlacementHook, SplitHook
 from pipemap.planner import MIXED, STRATEGIES, TIE
 
@@ -190,3 +190,19 @@ def test_split_blocks_go_straight_to_their_gpu_never_through_the_first(tiny_fold
     assert moves and not any(id(m.original) in block_tensors for m in moves)
     assert {p.device.type for p in block.parameters()} == {"cpu"}
     assert {p.device.type for p in unet.conv_in.parameters()} == {"meta"}
+
+
+def test_the_formula_prices_long_video_attention_at_its_backends_rate_and_moves_no_bytes_for_it():
+    # Wan 2.1 14B at 1280x720x81 frames: 75,600 tokens a call, ~70% of the formula's FLOPs in self-attention, which
+    # a fused kernel runs without the memory-bound traffic the median rate gives other FLOPs; so the backend the
+    # stack runs (FlashAttention-3 on Hopper, as Wan's own code picks it) sets most of the price
+    inventory = pipemap.inspect("wan2.1-t2v-14b")
+    call = {"height": 720, "width": 1280, "num_frames": 81}
+    work = workload_for(inventory, call)
+    counted = formula_component(inventory["transformer"], 2, work).per_call(work.steps)
+    assert work.latent_tokens == 75_600 and counted.attention_flops > 0.6 * counted.flops
+    assert counted.memory_bytes == pytest.approx((counted.flops - counted.attention_flops) * MEMORY_BYTES_PER_FLOP)
+    plan = pipemap.plan(inventory, hardware="1x80GiB,cpu=256GiB,gpu=h100")
+    fa2, fa3 = (pipemap.estimate(inventory, plan, hardware=f"1x80GiB,cpu=256GiB,gpu=h100,attention={backend}",
+                                 **call).seconds for backend in ("flash", "fa3"))
+    assert fa2 > 1.4 * fa3

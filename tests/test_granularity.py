@@ -78,8 +78,10 @@ def test_flux_partial_residency_seconds_fall_with_the_budget():
                for gib in (2, 4, 8, 12, 16, 20, 24)]
     # a coarser cut at a larger budget may wait a little longer for each call's first piece: within 0.5%
     assert all(a >= 0.995 * b for a, b in zip(seconds, seconds[1:])), seconds
-    # 1.2: the text encoders, streamed once a prompt, are read through their files' maps (the page cache), not pinned
-    assert seconds[4] <= 1.2 * full and seconds[0] > 1.2 * full, (seconds, full)
+    # 1.2: the text encoders, streamed once a prompt, are read through their files' maps (the page cache), not pinned;
+    # at 2 GiB the transformer's copies show (1.16x: its attention priced at FlashAttention-2's rate on the L20, the
+    # copies hide behind more compute than at the dense rate)
+    assert seconds[4] <= 1.2 * full and seconds[0] > 1.1 * full, (seconds, full)
 
 
 def _share(folder: str, component: str, share: float, extra: str | None) -> tuple[str, int]:

@@ -5,8 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+import pipemap
 from pipemap import Device, Hardware, HardwareSpecError, PipemapError, UnknownDeviceError
-from pipemap.hardware import GENERATION, GPU_PERFORMANCE, SUSTAINED, performance_for, sustained_share
+from pipemap.hardware import (
+    ATTENTION_SHARE,
+    GENERATION,
+    GPU_PERFORMANCE,
+    SUSTAINED,
+    attention_rate,
+    gpu_key,
+    performance_for,
+    sustained_share,
+)
 
 GiB = 1024**3
 
@@ -184,3 +194,46 @@ def test_every_share_is_physical_and_every_gpu_has_a_generation():
     for gpu in GPU_PERFORMANCE:
         share, _origin = sustained_share(gpu)
         assert 0 < share <= 1.0, gpu
+
+
+# The GPUs people run today, each by the name its driver reports, and the table key it matches: the longest
+# fragment wins ("NVIDIA H20" is no H200, an "L40" no L40S, an "L4" neither)
+CURRENT_GPUS = {"NVIDIA B200": "b200", "NVIDIA H20": "h20", "NVIDIA H200": "h200", "NVIDIA GeForce RTX 5090": "5090",
+                "NVIDIA L4": "l4", "NVIDIA L40": "l40", "NVIDIA L40S": "l40s", "NVIDIA A800-SXM4-80GB": "a800",
+                "NVIDIA H800": "h800", "AMD Instinct MI300X": "mi300x", "AMD Instinct MI325X": "mi325x",
+                "NVIDIA A10": "a10"}
+
+
+@pytest.mark.parametrize("name, key", CURRENT_GPUS.items())
+def test_a_current_gpu_is_known_by_its_drivers_name(name, key):
+    assert gpu_key(name) == key
+    figures = performance_for(name)
+    assert figures.flops == pytest.approx(GPU_PERFORMANCE[key][0] * sustained_share(key)[0])
+    assert key.upper() in figures.origin and figures.attention_flops is not None
+
+
+def test_the_links_are_the_measured_figures_not_the_spec_sheets():
+    # NVLink 4 through NCCL: ~370 GB/s one way of 450 (NVIDIA/nccl-tests#212); PCIe 5 host copies 35-53 GB/s
+    # measured; PCIe 4 ~25 of 32
+    h100, a100, b200 = (performance_for(gpu) for gpu in ("h100", "a100", "b200"))
+    assert h100.peer_bandwidth == pytest.approx(370e9) and 35e9 <= h100.host_bandwidth <= 53e9
+    assert a100.host_bandwidth == 25e9 and b200.peer_bandwidth == pytest.approx(2 * h100.peer_bandwidth)
+    assert performance_for("h800").peer_bandwidth < h100.peer_bandwidth  # its NVLink is cut to 400 GB/s both ways
+
+
+def test_an_unfitted_generation_says_whose_share_it_takes():
+    b200, rtx, mi300x = performance_for("b200"), performance_for("RTX 5090"), performance_for("MI300X")
+    assert "no Blackwell fit" in b200.origin and "fitted on the H100" in b200.origin
+    assert "Ada's" in rtx.origin and "CDNA 3" in mi300x.origin
+    # FlashAttention-3 is Hopper's: a Blackwell GPU runs FlashAttention-2's figure, not FA3's 0.75
+    rate, _said = attention_rate("b200", "fa3")
+    assert rate == pytest.approx(GPU_PERFORMANCE["b200"][0] * ATTENTION_SHARE["flash"][0]["hopper"])
+
+
+@pytest.mark.parametrize("gpu", ["b200", "h20", "5090", "l4", "a800", "mi300x"])
+def test_a_current_gpu_plans_and_prices(gpu):
+    # FLUX.1-dev's default call (the catalog's recorded counts: no dry run) on two of each GPU
+    spec = f"2x80GiB,cpu=256GiB,gpu={gpu}"
+    plan = pipemap.plan("flux.1-dev", hardware=spec, strategy="auto")
+    found = pipemap.estimate("flux.1-dev", plan)
+    assert found.seconds > 0 and gpu.upper() in found.speeds

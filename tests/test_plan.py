@@ -189,8 +189,9 @@ def test_explain_ranks_the_candidates_and_says_when_there_were_none():
     assert plan(SDXL_LIKE, TWO_GPUS).explain() == "strategy 'balanced' was asked for; no other plan was weighed"
     asked = plan(SDXL_LIKE, TWO_GPUS, strategy="parallel")  # what parallel did with the denoiser is said too
     assert asked.explain().splitlines() == ["strategy 'parallel' was asked for; no other plan was weighed",
-                                            *[n for n in asked.notes if n.startswith("parallel: no replicas: ")]]
-    assert len(asked.explain().splitlines()) == 2
+                                            *[n for n in asked.notes if n.startswith("parallel: ")]]
+    assert len(asked.explain().splitlines()) == 3  # the call it chose for, and what it did with the denoiser
+    assert "chosen for the call 1024x1024" in asked.explain()
 
 
 # sizes: text_encoder 30, text_encoder_2 40, unet 60, vae 20; GPUs 100 + 100

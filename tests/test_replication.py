@@ -20,16 +20,31 @@ def test_parallel_gives_no_replicas_to_a_pipeline_it_cannot_read_and_says_why():
     assert plan.device_map == balanced.device_map
 
 
-# text encoder 2 GiB, transformer 10 GiB (a model class without a context-parallel plan), vae 1 GiB on 3 x 16 GiB
+# text encoder 2 GiB, transformer 10 GiB (a model class without a context-parallel plan), vae 1 GiB on 3 x 16 GiB;
+# the call with a negative prompt (true CFG: two denoiser calls a step; Wan's default call already has them)
+TRUE_CFG_CALL = {"negative_prompt": "blurry", "true_cfg_scale": 4.0}
+
+
 @pytest.mark.parametrize("pipeline_class", ["FluxPipeline", "WanPipeline", "QwenImagePipeline"])
 def test_parallel_runs_guidance_branches_at_once_where_the_pipeline_calls_once_per_branch(pipeline_class):
     plan = pipemap.plan(replica_inventory(pipeline_class), hardware="3x16GiB,cpu=64GiB", strategy="parallel",
-                        headroom=0.0)
+                        headroom=0.0, call=TRUE_CFG_CALL)
     transformer = plan.placement("transformer")
     assert (transformer.mode, transformer.device, transformer.replicas) == ("guidance", "cuda:0", ("cuda:1",))
     assert plan.execution_device == "cuda:0"
     assert {d.device: d.used for d in plan.devices}["cuda:1"] == 10 * 2**30  # the copy: two branches, two GPUs
     assert "cuda:0 runs each step's first call (conditional), cuda:1 its second" in plan.notes[-1]
+    assert "true CFG, 2 calls a step" in plan.notes[-2]  # the call it chose for
+
+
+@pytest.mark.parametrize("pipeline_class", ["FluxPipeline", "QwenImagePipeline"])
+def test_parallel_makes_no_guidance_copy_for_a_call_of_one_denoiser_call_a_step(pipeline_class):
+    # guidance-distilled FLUX.1-dev, Qwen-Image without a negative prompt: a copy would compute a second branch no
+    # call uses; this transformer's class has no context-parallel plan either, so no copy at all, and it says why
+    plan = pipemap.plan(replica_inventory(pipeline_class), hardware="3x16GiB,cpu=64GiB", strategy="parallel",
+                        headroom=0.0)
+    assert all(not p.replicas for p in plan.components)
+    assert "one denoiser call a step" in plan.notes[-2] and "no context-parallel plan" in plan.notes[-1]
 
 
 def _model(name: str, class_name: str, size: int = 100) -> Component:
@@ -38,9 +53,9 @@ def _model(name: str, class_name: str, size: int = 100) -> Component:
 
 @pytest.mark.parametrize(("pipeline_class", "denoiser", "modes"), [
     ("StableDiffusionXLPipeline", "UNet2DConditionModel", ("replicated",)),
-    ("FluxPipeline", "FluxTransformer2DModel", ("sequence", "guidance")),  # guidance-distilled: 1 call a step
-    # its default call has no negative prompt, so no true CFG: 1 call a step (``cost.TRUE_CFG``), split tokens first
-    ("QwenImagePipeline", "QwenImageTransformer2DModel", ("sequence", "guidance")),
+    ("FluxPipeline", "FluxTransformer2DModel", ("sequence",)),  # guidance-distilled: 1 call a step, no 2nd branch
+    # its default call has no negative prompt, so no true CFG: 1 call a step (``cost.TRUE_CFG``): tokens split
+    ("QwenImagePipeline", "QwenImageTransformer2DModel", ("sequence",)),
     ("WanPipeline", "WanTransformer3DModel", ("guidance", "sequence")),
     ("MyOwnPipeline", "FluxTransformer2DModel", ("sequence",)),  # the model class alone says it can split
     ("MyOwnPipeline", "Model", ()),
@@ -114,7 +129,7 @@ def test_plan_notes_say_what_was_done_with_the_denoiser_and_why():
 
 
 def test_a_plan_without_copies_is_the_balanced_plan():
-    inv = _inventory("FluxPipeline", "text_encoder", "transformer", "vae")
+    inv = _inventory("WanPipeline", "text_encoder", "transformer", "vae")  # true CFG by default
     plan = pipemap.plan(inv, hardware="cuda:0=200,cuda:1=150,cpu=10000", strategy="parallel", headroom=0.0)
     assert plan.device_map == pipemap.plan(inv, hardware="cuda:0=200,cuda:1=150,cpu=10000", headroom=0.0).device_map
     assert plan.notes[-1] == plan_notes(inv, {p.component: p for p in plan.components})[0]

@@ -60,6 +60,10 @@ if TYPE_CHECKING:
 MEASURE = "measure"  # the headroom a dry run measures
 
 
+# the strategies that price a call: ``call=`` tells them which (a negative prompt, a size) without a dry run
+PRICED_FOR_CALL = (AUTO, "parallel")
+
+
 @dataclass(frozen=True)
 class Request:
     """What a user asks of pipemap, checked once: the ``source`` (a pipeline folder, a catalog name, an
@@ -67,7 +71,8 @@ class Request:
 
     ``strategy`` is None when none was given (``"balanced"`` then plans; a saved plan is not contradicted);
     ``hardware`` is None for this machine (detected when first needed); ``dtype`` is a ``torch.dtype`` or None;
-    ``headroom`` is what ``budgets`` takes, or ``"measure"``; ``call`` is the call a measuring dry run makes.
+    ``headroom`` is what ``budgets`` takes, or ``"measure"``; ``call`` is the call a measuring dry run makes, or the
+    call ``"auto"`` and ``"parallel"`` plan for (priced without a dry run: ``cost.workload_for``).
 
     >>> request = Request.of("path/to/sdxl", hardware="2x16GiB", strategy="auto", dtype="float16")  # doctest: +SKIP
     >>> print(request.plan())                                                                       # doctest: +SKIP
@@ -99,9 +104,10 @@ class Request:
         measured = isinstance(headroom, str) and headroom.strip() == MEASURE
         if not measured:
             check_headroom(headroom)
-        if call is not None and not measured:
-            raise ArgumentConflictError("call", call, "headroom", headroom, "call= is the call a dry run measures: "
-                                        "pass headroom='measure' with it, or drop it")
+        if call is not None and not measured and chosen not in PRICED_FOR_CALL:
+            raise ArgumentConflictError("call", call, "headroom", headroom, "call= is the call a dry run measures, "
+                                        "or the call strategy 'auto' or 'parallel' plans for: pass "
+                                        "headroom='measure' or one of those strategies with it, or drop it")
         if call is not None and not isinstance(call, Mapping):
             raise ArgumentTypeError("call", call, "a dict of keyword arguments for the pipeline call")
         return cls(source, machine, chosen, dict(max_memory) if max_memory else None, target, variant,
@@ -137,7 +143,8 @@ class Request:
             made = measured_plan(self.source, inventory, hw, strategy, self.call)
         else:
             counts = self.known_counts(inventory) if strategy == AUTO else None
-            made = plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts)
+            work = workload_for(inventory, self.call) if self.call else None
+            made = plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts, work)
         return with_ranks(made, self.ranks)
 
     def known_counts(self, inventory: Inventory) -> Counts | None:
@@ -145,7 +152,7 @@ class Request:
         disk cache): what ``"auto"`` prices its candidates by."""
         from .dryrun.counted import known_counts  # here: only "auto" prices by counts
 
-        return known_counts(self.source, inventory.dtype)
+        return known_counts(self.source, inventory.dtype, self.call)
 
 
 def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping | None = None,
@@ -160,10 +167,12 @@ def plan(source, hardware: Hardware | str | None = None, strategy: str | Mapping
     components are placed by ``"balanced"``. ``headroom`` is kept free on each GPU for activations: a fraction
     (``0.1``, ``"0.1"``), bytes (an int, ``"2GiB"``), a dict per device, or ``"measure"``: the activation peak a dry
     run of the pipeline's default call measures (``call=`` gives another call, e.g. a ControlNet image), re-planned
-    until the reservation is stable. ``ranks`` is what runs the other ranks of a denoiser split across GPUs (the
-    modes of ``strategy="parallel"``): ``"auto"`` (``PIPEMAP_WORKERS`` where set, else worker processes),
-    ``"process"`` (a worker process per GPU), ``"thread"`` (threads of this process) or ``"ray"`` (Ray actors); the
-    plan keeps it (``plan.ranks``, ``plan.explain()``).
+    until the reservation is stable. With ``"auto"`` or ``"parallel"``, ``call=`` is also the call they plan for
+    (``{"negative_prompt": " "}``: Qwen-Image's true CFG, two denoiser calls a step), priced without a dry run.
+    ``ranks`` is what runs the other ranks of a denoiser split across GPUs (the modes of ``strategy="parallel"``):
+    ``"auto"`` (``PIPEMAP_WORKERS`` where set, else worker processes), ``"process"`` (a worker process per GPU),
+    ``"thread"`` (threads of this process) or ``"ray"`` (Ray actors); the plan keeps it (``plan.ranks``,
+    ``plan.explain()``).
 
     >>> plan = pipemap.plan("path/to/sdxl", hardware="2x16GiB,cpu=64GiB", strategy={"vae": "cuda:1"},
     ...                     dtype=torch.float16, variant="fp16")                         # doctest: +SKIP

@@ -49,8 +49,10 @@ PROMPT_BYTES = 512 * 4096 * 2
 GUIDANCE_BATCH = 2
 # The formula's stand-ins for what only a count knows, the medians over the catalog's recorded counts
 # (``catalog/counts.record``; bench/calibration.py derives them): bytes the memory-bound kernels of a denoiser move
-# per FLOP, and kernels a call per module with weights, a denoiser's and another component's.
-MEMORY_BYTES_PER_FLOP = 0.0019
+# per FLOP outside attention (a fused attention kernel moves none through them: per FLOP of all kinds, a long video
+# sequence's attention, 53% of Wan's FLOPs at 480p and 80% at 720p, priced memory traffic that never happens), and
+# kernels a call per module with weights, a denoiser's and another component's.
+MEMORY_BYTES_PER_FLOP = 0.0025
 KERNELS_PER_MODULE = 4.7
 KERNELS_PER_MODULE_ONCE = 1.8
 # Guidance branches at once: each call that arrives is checked against the one started ahead (identity, version
@@ -63,6 +65,14 @@ VERIFY_SECONDS = 100e-6
 EXCHANGED_TENSORS = 4
 EXCHANGE_ITEM_BYTES = 2
 EXCHANGE_LATENCY = 50e-6
+# An all-to-all among more ranks is one send and receive pair more per rank (NCCL's alltoall is grouped
+# point-to-point calls): its latency grows with them, as nccl-tests' alltoall_perf small-message times do from 2 to 8
+# GPUs (approximate, not fitted). The same for a call's broadcast and gather.
+RANK_LATENCY = 10e-6
+# Around each all-to-all, Ulysses attention permutes its tensors into the layout the exchange sends and back (a
+# contiguous copy each way): 38% of the exchange's time on an H100 (pytorch/pytorch#178066), priced as that share of
+# the exchange's time on top of its bytes over the link
+PERMUTE_SHARE = 0.38
 # and at each call its inputs are broadcast to the other ranks and its output gathered back: two collectives more
 SEQUENCE_CALL_COLLECTIVES = 2
 # A batch cut across copies meets once a call: the parts gathered (an all-gather of the outputs) and the inputs
@@ -214,9 +224,20 @@ def launch_seconds(work: Tally, perf: Performance, on_gpu: bool = True) -> float
     return work.kernels * perf.kernel_seconds if on_gpu else 0.0
 
 
-def is_launch_bound(work: Tally, perf: Performance) -> bool:
-    """Whether the host's kernel launches (``perf.kernel_seconds`` each) take longer than the GPU's own work."""
-    return work.kernels > 0 and work.kernels * perf.kernel_seconds > gpu_seconds(work, perf)
+def is_launch_bound(work: Tally, perf: Performance, ranks: int = 1) -> bool:
+    """Whether the host's kernel launches (``perf.kernel_seconds`` each) take longer than the GPU's own work, that
+    work shared by ``ranks`` GPUs (each launching every kernel of its share: a sequence split's ranks)."""
+    return work.kernels > 0 and work.kernels * perf.kernel_seconds > gpu_seconds(work, perf) / ranks
+
+
+def token_ranks(placement: Placement) -> int:
+    """How many GPUs share each call's tokens: a sequence split's ranks, a branch's half of ``guidance_sequence``'s;
+    1 otherwise (a batch split shares the batch, each part still launching every kernel)."""
+    if placement.mode == Mode.SEQUENCE:
+        return 1 + len(placement.replicas)
+    if placement.mode == Mode.GUIDANCE_SEQUENCE:
+        return 1 + len(_first_branch(placement).replicas)
+    return 1
 
 
 LAUNCH_NOTE_SHARE = 0.05  # a launch-bound component is named when it takes this share of the call or more
@@ -380,11 +401,19 @@ def flops_per_call(component: Component, dtype_bytes: int, work: Workload) -> fl
         return 2.0 / dtype_bytes * _unet_weight_positions(component.tree, work)
     text, one = _weights_by_use(component.tree)
     image = max(0, component.bytes - text - one)
-    flops = 2.0 / dtype_bytes * (image * tokens + text * work.text_tokens + one)
-    if "transformer" in (component.class_name or "").lower():
-        attended = tokens + work.text_tokens
-        flops += 4.0 * attended * attended * component.attention_width
-    return flops
+    return 2.0 / dtype_bytes * (image * tokens + text * work.text_tokens + one) + attention_flops_per_call(component,
+                                                                                                          work)
+
+
+def attention_flops_per_call(component: Component, work: Workload) -> float:
+    """The formula's self-attention FLOPs of one call of a transformer denoiser: 4 per token pair per unit of width
+    (scores and their weighted sum) over image and text tokens; none for anything else (a UNet's attention is in
+    its weights' share)."""
+    if (component.name not in PER_STEP or component.tree is None
+            or "transformer" not in (component.class_name or "").lower()):
+        return 0.0
+    attended = tokens_per_call(component, work) + work.text_tokens
+    return 4.0 * attended * attended * component.attention_width
 
 
 def _unet_weight_positions(tree: Block, work: Workload) -> float:
@@ -431,11 +460,15 @@ def calls_per_image(component: Component, work: Workload) -> int:
 
 def formula_component(component: Component, dtype_bytes: int, work: Workload) -> ComponentCounts:
     """A component's counts by the formula, for a pipeline no dry run has counted: its FLOPs from its parameters
-    (``flops_per_call``), memory-bound bytes and kernels at the catalog's median rates."""
+    (``flops_per_call``), its attention's apart (priced at the backend's rate, as a count's are), memory-bound bytes
+    of the rest and kernels at the catalog's median rates."""
     flops = flops_per_call(component, dtype_bytes, work) * work.images
+    attention = attention_flops_per_call(component, work) * work.images  # priced at the attention backend's rate
     rate = KERNELS_PER_MODULE if component.name in PER_STEP else KERNELS_PER_MODULE_ONCE
     kernels = rate * _modules(component)
-    call = Tally(flops=flops, memory_bytes=flops * MEMORY_BYTES_PER_FLOP, kernels=kernels)
+    call = Tally(flops=flops, memory_bytes=(flops - attention) * MEMORY_BYTES_PER_FLOP, kernels=kernels,
+                 attention_flops=attention, attention_scores=attention / 4 / max(1, component.attention_width)
+                 * max(1, component.heads))
     if component.name in PER_STEP:
         per_step = work.calls / max(1, work.steps)
         return ComponentCounts(component.name, per_step=call.scaled(per_step), calls_per_step=per_step)
@@ -704,13 +737,22 @@ def sequence_cost(placement: Placement, component: Component, share: float, move
     """A sequence split over ``1 + len(replicas)`` GPUs: each computes its share of the tokens (the attention too:
     all tokens for its share of the heads; ``share``: its seconds, ``shared_compute``), then waits for the
     exchanges, which Ulysses attention does not overlap; the GPUs send at once, so the link carries one GPU's share
-    at a time."""
+    at a time. What grows with the ranks: each collective's latency (``rank_latency``), and the permute copies
+    around each exchange (``PERMUTE_SHARE``)."""
     gpus = 1 + len(placement.replicas)
     calls = calls_per_image(component, work)
     layers = max(1, len(component.blocks))
-    latency = calls * (layers * EXCHANGED_TENSORS * EXCHANGE_LATENCY + SEQUENCE_CALL_COLLECTIVES * COLLECTIVE_LATENCY)
-    transfer = moved / gpus / perf.peer_bandwidth + latency
+    latency = calls * (layers * EXCHANGED_TENSORS * EXCHANGE_LATENCY + SEQUENCE_CALL_COLLECTIVES * COLLECTIVE_LATENCY
+                       + (layers * EXCHANGED_TENSORS + SEQUENCE_CALL_COLLECTIVES) * rank_latency(gpus))
+    exchanged = calls * exchanged_per_call(component, work, gpus)
+    permutes = exchanged / perf.peer_bandwidth * PERMUTE_SHARE / (1 - PERMUTE_SHARE)
+    transfer = moved / gpus / perf.peer_bandwidth + permutes + latency
     return Cost(component.name, share, transfer, share + transfer)
+
+
+def rank_latency(gpus: int) -> float:
+    """The seconds a collective among ``gpus`` ranks takes beyond one between two (``RANK_LATENCY`` a rank)."""
+    return RANK_LATENCY * max(0, gpus - 2)
 
 
 def _moved_per_call(placement: Placement, component: Component) -> tuple[int, int, int]:
@@ -749,7 +791,7 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
         cost = component_cost(p, component, dtype_bytes, perf, work, mechanism, counted, steps)
         whole = (counted or formula_component(component, dtype_bytes, work)).total(work.steps if steps is None
                                                                                     else steps)
-        bound = is_accelerator(p.execution_device) and is_launch_bound(whole, perf)
+        bound = is_accelerator(p.execution_device) and is_launch_bound(whole, perf, token_ranks(p))
         found[p.component] = _with_disk(replace(cost, launch_bound=bound), disk_seconds(p, component, perf, work,
                                                                                         cached))
     code = counts.get(PIPELINE) if counts is not None else None

@@ -49,9 +49,22 @@ SUSTAINED = {"l40s": 0.917, "h100": 0.622, "a100": 0.483}
 GENERATION_SHARE = {"hopper": (SUSTAINED["h100"], "fitted on the H100"),
                     "ampere": (SUSTAINED["a100"], "fitted on the A100"),
                     "ada": (SUSTAINED["l40s"], "fitted on the L40S"),
-                    "turing": (SUSTAINED["a100"], "no Turing fit: Ampere's, fitted on the A100")}
-GENERATION = {"h200": "hopper", "h100": "hopper", "a100": "ampere", "a6000": "ampere", "3090": "ampere",
-              "l40s": "ada", "l20": "ada", "4090": "ada", "4080": "ada", "l4": "ada", "t4": "turing"}
+                    "turing": (SUSTAINED["a100"], "no Turing fit: Ampere's, fitted on the A100"),
+                    # no Blackwell figure fitted yet: the data-centre part (HBM) takes Hopper's, the GeForce part
+                    # (GDDR7, a tensor rate near the L40S's per byte of bandwidth) Ada's, each stated as such
+                    "blackwell": (SUSTAINED["h100"], "no Blackwell fit: Hopper's, fitted on the H100"),
+                    "blackwell_rtx": (SUSTAINED["l40s"], "no GeForce Blackwell fit: Ada's, fitted on the L40S"),
+                    # ROCm's eager kernels reach a lower share of CDNA 3's datasheet than CUDA's of Hopper's
+                    # (unmeasured here): Hopper's share is an upper bound, stated as such
+                    "cdna3": (SUSTAINED["h100"], "no CDNA 3 fit: Hopper's, fitted on the H100 (likely optimistic)")}
+GENERATION = {"h200": "hopper", "h100": "hopper", "h800": "hopper", "h20": "hopper", "a100": "ampere",
+              "a800": "ampere", "a6000": "ampere", "a10": "ampere", "3090": "ampere", "l40s": "ada", "l40": "ada",
+              "l20": "ada", "4090": "ada", "4080": "ada", "l4": "ada", "t4": "turing", "b200": "blackwell",
+              "5090": "blackwell_rtx", "mi300x": "cdna3", "mi325x": "cdna3"}
+# a generation without a fused attention figure of its own takes this generation's (FlashAttention-2 runs Ampere
+# kernels on Ada and Turing; on Blackwell and CDNA 3 the Hopper-class figure is the nearest published one)
+ATTENTION_FALLBACK = {"ada": "ampere", "turing": "ampere", "blackwell": "hopper", "blackwell_rtx": "ampere",
+                      "cdna3": "hopper"}
 KERNEL_SECONDS = 4.02e-5
 # Attention backends: the share of a GPU's datasheet dense bf16 FLOP/s each fused kernel's forward reaches, by
 # generation, from published kernel benchmarks (head dim 128, long sequences), and where each figure comes from. The
@@ -128,23 +141,64 @@ DISK_ORIGINS = {
     "measured": "this machine's, measured by `pipemap doctor`",
     "stated": "disk_bw= in the hardware spec",
 }
-# The host's launch cost, as the disk: measured by ``pipemap doctor`` for this machine, the fitted default otherwise
+# The host's launch cost, as the disk: measured by ``pipemap doctor`` for this machine, stated in a spec
+# (``launch=12us``), else its GPU class's default: the hosts a GPU class ships in launch at different speeds (a
+# 2023 A100 host with torch 2.1, a Sapphire Rapids or Genoa H100/B200 host with a newer torch). Each default is
+# fitted on one published figure a host's launches set (bench/CALIBRATION.md): KERNEL_SECONDS on SD 1.5 on an A100
+# (fal's benchmark); the data-centre Hopper hosts' on FLUX.1-dev split over 2 H100s (xDiT's Ulysses-2 run, 4.38 s:
+# each rank launches every kernel of its half, ~3,700 a call, for ~0.12 s of GPU work), from the source the H100's
+# sustained share is fitted on (its 1-GPU run); Blackwell hosts take the Hopper hosts' (no Blackwell figure yet);
+# every other class the A100 host's, stated as such.
+HOST_LAUNCH = {"hopper": 36.2e-6, "blackwell": 36.2e-6}
 KERNEL_ORIGINS = {
     "default": "the default, fitted on one A100 host (bench/CALIBRATION.md); `pipemap doctor` measures this machine's",
+    "default_hopper": "a Hopper host's default, fitted on FLUX.1-dev on 2 H100s (bench/CALIBRATION.md); `pipemap "
+                      "doctor` measures this machine's, launch= states one",
+    "default_blackwell": "a Blackwell host's default: the Hopper host's (no Blackwell figure fitted); `pipemap "
+                         "doctor` measures this machine's, launch= states one",
     "measured": "this machine's, measured by `pipemap doctor`",
+    "stated": "launch= in the hardware spec",
 }
 
 
-# name fragment (lower case) -> datasheet figures: dense bf16 tensor FLOP/s (GeForce: with FP32 accumulate, as
-# PyTorch runs them), memory bandwidth, and the links: pinned host-to-GPU copies (PCIe 4.0 x16 ~25 GB/s, PCIe 5.0
-# ~50 GB/s) and GPU-to-GPU. Nothing here is fitted: the sustained figures are the SUSTAINED share of them.
+# The links, as measured rather than as the spec sheets give them (bench/CALIBRATION.md, "The GPU table"):
+# - pinned host-to-GPU copies: PCIe 4.0 x16 about 25 GB/s of its 32 line rate; PCIe 5.0 x16 35-53 GB/s by direction
+#   and copy engine (its line rate 64), priced at the middle of that range (nvbandwidth's host_to_device_memcpy_ce
+#   reads ~55 at best); PCIe 3.0 about 12.
+# - NVLink through NCCL: about 0.82 of the line rate one way ("with the protocol overhead (~20%) NCCL can get an
+#   effective NVLink bandwidth of 370GB/s" of NVLink 4's 450, NVIDIA/nccl-tests#212); NVLink 5 (900 one way) and
+#   the H800's and A800's cut-down NVLink (200 one way) at that share; NVLink 3 on the A100 about 200 GB/s as
+#   nccl-tests reports it on 8xA100 (NVIDIA/nccl-tests#149, #178).
+# - GPUs without NVLink: peer copies through the host (GeForce has no P2P) at about 0.8 of the host link.
+# - MI300X: one xGMI link between a pair of GPUs (64 GB/s one way of its 7 links) at NVLink's 0.82: a pair's figure;
+#   8 GPUs exchange over all 7 links at once, which one figure does not model (priced as a pair: pessimistic there).
+PCIE3, PCIE4, PCIE5 = 12e9, 25e9, 44e9
+NVLINK_MEASURED_SHARE = 370 / 450
+NVLINK3, NVLINK4, NVLINK5 = 200e9, 450e9 * NVLINK_MEASURED_SHARE, 900e9 * NVLINK_MEASURED_SHARE
+NVLINK_CUT = 200e9 * NVLINK_MEASURED_SHARE  # H800, A800: 400 GB/s both ways
+XGMI_PAIR = 64e9 * NVLINK_MEASURED_SHARE
+
+# name fragment (lower case) -> datasheet figures: dense bf16 tensor FLOP/s (no sparsity; GeForce: with FP32
+# accumulate, as PyTorch runs them), memory bandwidth, and the links above: pinned host-to-GPU copies and GPU-to-GPU.
+# Nothing here is fitted: the sustained figures are the SUSTAINED share of them. A name matches its longest fragment
+# ("h200" before "h20", "l40s" before "l40" and "l4"). Datasheets: NVIDIA's HGX B200 (2.25 PFLOP/s bf16 dense a GPU,
+# 8 TB/s), H20 (148 TFLOP/s, 4.0 TB/s), RTX 5090 (209.5 TFLOP/s FP16/FP32-accumulate, 1792 GB/s), L40 (181, 864 GB/s),
+# A10 (125, 600 GB/s), A800/H800 (the A100's/H100's compute, NVLink 400 GB/s both ways); AMD's MI300X (1307.4
+# TFLOP/s bf16 dense, 5.3 TB/s) and MI325X (1307.4, 6 TB/s).
 GPU_PERFORMANCE = {
-    "h200": (989e12, 4.8e12, 50e9, 300e9), "h100": (989e12, 3.35e12, 50e9, 300e9),
-    "a100": (312e12, 2.0e12, 25e9, 200e9), "l40s": (362e12, 864e9, 25e9, 25e9), "l20": (119.5e12, 864e9, 25e9, 25e9),
-    "a6000": (154.8e12, 768e9, 25e9, 25e9), "4090": (165.2e12, 1008e9, 25e9, 20e9), "3090": (71e12, 936e9, 25e9, 20e9),
-    "4080": (97.5e12, 717e9, 25e9, 20e9), "l4": (121e12, 300e9, 25e9, 20e9), "t4": (65e12, 320e9, 12e9, 10e9),
+    "b200": (2250e12, 8.0e12, PCIE5, NVLINK5), "h200": (989e12, 4.8e12, PCIE5, NVLINK4),
+    "h100": (989e12, 3.35e12, PCIE5, NVLINK4), "h800": (989e12, 3.35e12, PCIE5, NVLINK_CUT),
+    "h20": (148e12, 4.0e12, PCIE5, NVLINK4), "a100": (312e12, 2.0e12, PCIE4, NVLINK3),
+    "a800": (312e12, 2.0e12, PCIE4, NVLINK_CUT), "l40s": (362e12, 864e9, PCIE4, PCIE4), "l40": (181e12, 864e9, PCIE4,
+                                                                                               PCIE4),
+    "l20": (119.5e12, 864e9, PCIE4, PCIE4), "a6000": (154.8e12, 768e9, PCIE4, PCIE4),
+    "a10": (125e12, 600e9, PCIE4, 0.8 * PCIE4), "5090": (209.5e12, 1792e9, PCIE5, 0.8 * PCIE5),
+    "4090": (165.2e12, 1008e9, PCIE4, 0.8 * PCIE4), "3090": (71e12, 936e9, PCIE4, 0.8 * PCIE4),
+    "4080": (97.5e12, 717e9, PCIE4, 0.8 * PCIE4), "l4": (121e12, 300e9, PCIE4, 0.8 * PCIE4),
+    "t4": (65e12, 320e9, PCIE3, 10e9), "mi300x": (1307.4e12, 5.3e12, PCIE5, XGMI_PAIR),
+    "mi325x": (1307.4e12, 6.0e12, PCIE5, XGMI_PAIR),
 }
-_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "disk_bw", "reserve", "attention"}
+_PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "disk_bw", "reserve", "attention", "launch"}
 # Kept off each detected GPU's free memory, beside the activation headroom: cuBLAS/cuDNN workspaces and the
 # allocator's fragmentation (0.3 to 1 GiB); the CUDA context itself is already out of the free figure, since
 # reading it starts the context.
@@ -157,34 +211,53 @@ def attention_rate(gpu: str, backend: str) -> tuple[float | None, str]:
     if backend not in ATTENTION_SHARE:
         return None, f"attention {backend}: at the dense rate"
     shares, origin = ATTENTION_SHARE[backend]
-    fallback = ATTENTION_SHARE["flash"][0]
+    flash = ATTENTION_SHARE["flash"][0]
     generation = GENERATION[gpu]
-    share = shares.get(generation) or fallback.get(generation) or fallback["ampere"]
+    share = (shares.get(generation) or flash.get(generation)
+             or flash[ATTENTION_FALLBACK.get(generation, "ampere")])
     return GPU_PERFORMANCE[gpu][0] * share, f"attention {backend} at {share:.2g} of the datasheet ({origin})"
 
 
 def performance_for(gpu_name: str | None, attention: str = DEFAULT_ATTENTION,
                     this_machine: bool = False) -> Performance:
     """Figures for a GPU model name (``"NVIDIA H100 80GB HBM3"``, ``"4090"``): the sustained share of its datasheet
-    FLOP/s and memory bandwidth (``sustained_share``), its links, and its ``attention`` backend's rate
-    (``attention_rate``); generic figures if unknown (attention at the dense rate). ``origin`` says which share and
-    rate priced it. The disk is this machine's as ``pipemap doctor`` measured it when the figures are for
-    ``this_machine`` and it did; the default otherwise; the host's seconds a kernel launch likewise."""
-    name = (gpu_name or "").lower()
+    FLOP/s and memory bandwidth (``sustained_share``), its links, its ``attention`` backend's rate
+    (``attention_rate``) and its class's host launch cost (``launch_default``); generic figures if unknown
+    (attention at the dense rate). ``origin`` says which share and rate priced it. The disk is this machine's as
+    ``pipemap doctor`` measured it when the figures are for ``this_machine`` and it did; the default otherwise; the
+    host's seconds a kernel launch likewise."""
+    fragment = gpu_key(gpu_name)
     measured = measured_disk_bandwidth() if this_machine else None
     disk, disk_origin = (measured, "measured") if measured else (Performance.disk_bandwidth, "default")
     launch = measured_kernel_seconds() if this_machine else None
-    kernel, kernel_origin = (launch, "measured") if launch else (KERNEL_SECONDS, "default")
-    for fragment, (flops, memory, host, peer) in GPU_PERFORMANCE.items():
-        if fragment in name:
-            share, origin = sustained_share(fragment)
-            rate, said = attention_rate(fragment, attention)
-            return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk,
-                               disk_origin=disk_origin, kernel_seconds=kernel, kernel_origin=kernel_origin,
-                               origin=f"{fragment.upper()} datasheet at {share:.3g} of it ({origin}); {said}",
-                               attention=attention, attention_flops=rate)
-    return Performance(disk_bandwidth=disk, disk_origin=disk_origin, kernel_seconds=kernel, kernel_origin=kernel_origin,
-                       attention="dense" if attention in ATTENTION_SHARE else attention)
+    kernel, kernel_origin = (launch, "measured") if launch else launch_default(fragment)
+    if fragment is None:
+        backend = "dense" if attention in ATTENTION_SHARE else attention  # no rate without the GPU
+        return Performance(disk_bandwidth=disk, disk_origin=disk_origin, kernel_seconds=kernel,
+                           kernel_origin=kernel_origin, attention=backend)
+    flops, memory, host, peer = GPU_PERFORMANCE[fragment]
+    share, origin = sustained_share(fragment)
+    rate, said = attention_rate(fragment, attention)
+    return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk,
+                       disk_origin=disk_origin, kernel_seconds=kernel, kernel_origin=kernel_origin,
+                       origin=f"{fragment.upper()} datasheet at {share:.3g} of it ({origin}); {said}",
+                       attention=attention, attention_flops=rate)
+
+
+def launch_default(gpu: str | None) -> tuple[float, str]:
+    """The host's default seconds a kernel launch for a GPU (``GPU_PERFORMANCE``'s key, None: unknown) and its
+    ``KERNEL_ORIGINS`` key: its class's figure (``HOST_LAUNCH``), the A100 host's fit for a class without one."""
+    generation = GENERATION.get(gpu or "", "")
+    if generation in HOST_LAUNCH:
+        return HOST_LAUNCH[generation], f"default_{generation}"
+    return KERNEL_SECONDS, "default"
+
+
+def gpu_key(name: str | None) -> str | None:
+    """The ``GPU_PERFORMANCE`` key a GPU model name matches (its longest fragment: ``"NVIDIA H20"`` is the H20,
+    ``"NVIDIA H200"`` the H200), or None."""
+    lowered = (name or "").lower()
+    return max((fragment for fragment in GPU_PERFORMANCE if fragment in lowered), key=len, default=None)
 
 
 def sustained_share(gpu: str) -> tuple[float, str]:
@@ -285,7 +358,8 @@ class Hardware:
         A profile without ``cpu`` gets the RAM this process may use (``ram.ram``) as its CPU memory. The cost
         model's figures may follow: ``gpu=4090`` (defaults for that model), ``flops=120T`` (sustained),
         ``host_bw=25GB``, ``peer_bw=50GB``, ``mem_bw=700GB`` (sustained), ``disk_bw=3GB`` (bytes per second),
-        ``attention=flash`` (the attention backend the stack runs: ``ATTENTION_BACKENDS``; a fused one needs gpu=);
+        ``attention=flash`` (the attention backend the stack runs: ``ATTENTION_BACKENDS``; a fused one needs gpu=),
+        ``launch=12us`` (the host's seconds a kernel launch: ``pipemap doctor`` measures this machine's);
         ``reserve=512MiB`` is kept off each GPU for the CUDA context and workspaces (none unless given: a profile's
         figures are what the plan may use).
 
@@ -393,10 +467,28 @@ def _performance(spec: str, settings: Mapping[str, str], this_machine: bool) -> 
         disk, disk_origin = _bandwidth(spec, "disk_bw", settings["disk_bw"]), "stated"
     else:
         disk, disk_origin = base.disk_bandwidth, base.disk_origin
+    kernel, kernel_origin = base.kernel_seconds, base.kernel_origin
+    if "launch" in settings:
+        kernel, kernel_origin = _seconds(spec, "launch", settings["launch"]), "stated"
     stated = [key for key in ("flops", "mem_bw") if key in settings]
     origin = base.origin + (f"; {' and '.join(stated)} as given" if stated else "")
     return replace(base, flops=flops, host_bandwidth=host, peer_bandwidth=peer, memory_bandwidth=memory,
-                   disk_bandwidth=disk, disk_origin=disk_origin, origin=origin)
+                   disk_bandwidth=disk, disk_origin=disk_origin, origin=origin, kernel_seconds=kernel,
+                   kernel_origin=kernel_origin)
+
+
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def _seconds(spec: str, key: str, text: str) -> float:
+    """A duration: a number with a unit (``12us``, ``0.012ms``, ``1.2e-5s``)."""
+    match = re.match(r"^\s*(\d+(?:\.\d+)?(?:e-?\d+)?)\s*(s|ms|us|µs|ns)\s*$", text.strip().lower())
+    if not match:
+        raise HardwareSpecError(spec, f"{key}={text}", "write a duration with its unit: 12us, 0.012ms, 1.2e-5s")
+    value = float(match.group(1)) * _TIME_UNITS[match.group(2)]
+    if not 0 < value < 1:
+        raise HardwareSpecError(spec, f"{key}={text}", "a kernel launch takes more than 0 and less than 1 second")
+    return value
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:

@@ -14,7 +14,15 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import replication
-from .cost import bytes_moved, images_per_second, launch_note, predict, seconds_per_image
+from .cost import (
+    Workload,
+    bytes_moved,
+    images_per_second,
+    launch_note,
+    predict,
+    seconds_per_image,
+    workload_for,
+)
 from .counts import Counts
 from .devices import is_accelerator, real_device
 from .errors import (
@@ -371,11 +379,12 @@ def _reserve(memory: int, headroom: float | int | str) -> int:
 
 
 def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, budget: Mapping[str, int],
-                   counts: Counts | None = None) -> Plan:
+                   counts: Counts | None = None, work: Workload | None = None) -> Plan:
     """The plan for an inventory on given hardware and budgets; ``plan()`` without the argument handling.
-    ``counts``: the default call's counted work, for ``"auto"`` to price its candidates by (else the formula)."""
+    ``counts``: the call's counted work, for ``"auto"`` to price its candidates by (else the formula); ``work``: the
+    call ``"auto"`` and ``"parallel"`` plan for (the pipeline's default call unless given: ``cost.workload_for``)."""
     if strategy == AUTO:
-        return auto_plan(inventory, hw, budget, counts)
+        return auto_plan(inventory, hw, budget, counts, work)
     sizes = {c.name: c.bytes for c in inventory.models}
     fixed = _fixed(strategy, sizes, hw) if isinstance(strategy, dict) else {}
     name = strategy if isinstance(strategy, str) else "balanced"
@@ -392,10 +401,11 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         in_flight = tuple((c.name, c.in_flight) for c in inventory.models)
         blocks = tuple((c.name, c.blocks) for c in inventory.models)
         trees = tuple((c.name, c.tree) for c in inventory.models)
-        parallel = replication.parallel_modes(inventory, hw.performance, len(gpus)) if name == "parallel" else ()
+        parallel = replication.parallel_modes(inventory, hw.performance, len(gpus), work) if name == "parallel" else ()
         heads = replication.denoiser_heads(inventory)
         placed = _run(name, Problem(rest, gpus, name, calls, in_flight, blocks, trees, parallel, heads))
-        notes += replication.plan_notes(inventory, placed) if name == "parallel" else []
+        if name == "parallel":
+            notes += [replication.call_note(inventory, work), *replication.plan_notes(inventory, placed, work)]
     device_map = {**fixed, **placed}
     label = name if not fixed else ("map" if not rest else f"map+{name}")
     return _assemble(inventory, hw, budget, device_map, label, notes)
@@ -524,22 +534,24 @@ def _fits(inventory: Inventory, hardware: Hardware, strategy: str) -> bool:
         return False
 
 
-def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], counts: Counts | None = None) -> Plan:
+def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], counts: Counts | None = None,
+              work: Workload | None = None) -> Plan:
     """The fastest plan that fits: every strategy's plan, priced by the cost model, the quickest kept.
 
     The plan carries every candidate (``plan.explain()``): its predicted seconds per image, its per-device peaks,
-    or why it does not fit, and says what priced them: the default call's counted work (``counts``) or the formula.
+    or why it does not fit, and says what priced them: the call's counted work (``counts``) or the formula, at the
+    call ``work`` (the pipeline's default call unless given).
     """
     candidates, plans = [], {}
     for name in (*STRATEGIES, *MIXED):
         try:
-            plans[name] = plan_inventory(inventory, hw, name, budget)
+            plans[name] = plan_inventory(inventory, hw, name, budget, work=work)
         except DoesNotFitError as err:
             candidates.append(Candidate(name, None, (), f"{err.component} does not fit"))
             continue
-        seconds = seconds_per_image(plans[name], inventory, hw.performance, counts=counts)
+        seconds = seconds_per_image(plans[name], inventory, hw.performance, work, counts=counts)
         peaks = tuple((d.device, d.used) for d in plans[name].devices if d.used)
-        rate = images_per_second(plans[name], inventory, hw.performance, counts=counts)
+        rate = images_per_second(plans[name], inventory, hw.performance, work, counts=counts)
         candidates.append(Candidate(name, seconds, peaks, "", rate))
     # a plan that cuts calls across GPUs is kept only when it is faster than every plan that does not: at a tie the
     # extra ranks, processes and collectives buy nothing
@@ -560,9 +572,11 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
                f"fastest ({fastest.strategy}, {fastest.seconds:.3g} s), moves the fewest bytes between devices an "
                f"image ({format_bytes(_moved(best, inventory))} against "
                f"{format_bytes(_moved(plans[fastest.strategy], inventory))})")
-    bound = launch_note(predict(best, inventory, hw.performance, counts=counts), hw.performance)
+    bound = launch_note(predict(best, inventory, hw.performance, work, counts=counts), hw.performance)
     disk = (f"auto: the disk tier priced at {hw.performance.disk_text}",) if best.host.disk else ()
-    notes = (priced_by(counts), *((f"auto: {bound}",) if bound else ()), why, *disk)
+    called = work or workload_for(inventory)
+    shape = (f"auto: priced for the {'call' if work is not None else 'default call'} {called.describe()}",)
+    notes = (priced_by(counts), *shape, *((f"auto: {bound}",) if bound else ()), why, *disk)
     return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + notes)
 
 

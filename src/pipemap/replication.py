@@ -13,7 +13,11 @@ Three ways a second GPU speeds up one image, by what the pipeline's calls of its
 - ``guidance_sequence``: both of the last two, on 4 GPUs or more: each guidance branch's tokens split across half of
   the GPUs (vLLM-Omni's and xDiT's CFG parallel with Ulysses inside).
 
-Where more than one applies, the cost model's seconds per image at the pipeline's default call order them.
+A copy for guidance branches is made only where the call makes a second denoiser call a step (true CFG: Wan's
+default call, Qwen-Image's or Flux's with a negative prompt): for one call a step (guidance-distilled Flux.1-dev,
+Qwen-Image without a negative prompt) the copy would compute a branch no call uses, so the tokens are split instead.
+Where more than one applies, the cost model's seconds per image at the call planned for (the pipeline's default
+call unless one is given) order them, each mode on as many GPUs as it can use.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .cost import component_cost, workload_for
+from .cost import Workload, component_cost, workload_for
 from .hardware import Performance
 from .inventory.values import DENOISERS, Component, Inventory
 from .modes import Mode, branch_devices
@@ -69,23 +73,25 @@ def splits_sequence(class_name: str | None) -> bool:
     return isinstance(cls, type) and bool(getattr(cls, "_cp_plan", None)) and class_name not in SEQUENCE_BROKEN
 
 
-def parallel_modes(inventory: Inventory, perf: Performance | None = None, gpus: int = 2
-                   ) -> tuple[tuple[str, str], ...]:
+def parallel_modes(inventory: Inventory, perf: Performance | None = None, gpus: int = 2,
+                   work: Workload | None = None) -> tuple[tuple[str, str], ...]:
     """``(denoiser, mode)`` for each way strategy ``"parallel"`` may use more of ``gpus`` GPUs for it, the fastest
-    first by the cost model at the pipeline's default call, each mode on as many of them as it can use
-    (``copy_counts``); nothing when there is no denoiser.
+    first by the cost model at the call ``work`` (the pipeline's default call unless given), each mode on as many of
+    them as it can use (``copy_counts``); guidance branches only where that call makes two denoiser calls a step;
+    nothing when there is no denoiser.
 
-    >>> parallel_modes(pipemap.inspect("qwen-image"))                # doctest: +SKIP
-    (('transformer', 'guidance'), ('transformer', 'sequence'))
+    >>> parallel_modes(pipemap.inspect("qwen-image"), gpus=4)                # doctest: +SKIP
+    (('transformer', 'sequence'),)
     """
     denoiser = _denoiser(inventory)
     if denoiser is None:
         return ()
     component = next(c for c in inventory.models if c.name == denoiser)
     figures = perf or Performance()
-    counts = {m: copy_counts(m, gpus, component.heads) for m in _applicable(inventory, component)}
+    work = work or workload_for(inventory)
+    counts = {m: copy_counts(m, gpus, component.heads) for m in _applicable(inventory, component, work)}
     modes = sorted((m for m, n in counts.items() if n), key=lambda m: _seconds(inventory, component, m, figures,
-                                                                                 counts[m][0]))
+                                                                                 counts[m][0], work))
     return tuple((denoiser, m) for m in modes)
 
 
@@ -107,19 +113,23 @@ _COUNTS: dict[str, Callable[[int, int], list[int]]] = {
     Mode.GUIDANCE_SEQUENCE: lambda gpus, heads: _sequence_counts(gpus, heads, 2)}
 
 
-def _applicable(inventory: Inventory, component: Component) -> list[str]:
+def _applicable(inventory: Inventory, component: Component, work: Workload | None = None) -> list[str]:
+    """The modes the pipeline's calls allow: guidance branches only where the call makes a second denoiser call a
+    step (``work.guidance``; a copy would otherwise compute a branch no call uses)."""
     batched = batches_guidance(inventory.pipeline_class)
-    modes: list[str] = [Mode.REPLICATED] if batched else [Mode.GUIDANCE] if batched is False else []
+    branches = batched is False and (work is None or work.guidance)
+    modes: list[str] = [Mode.REPLICATED] if batched else [Mode.GUIDANCE] if branches else []
     if splits_sequence(component.class_name):
-        modes += [Mode.SEQUENCE, Mode.GUIDANCE_SEQUENCE] if batched is False else [Mode.SEQUENCE]
+        modes += [Mode.SEQUENCE, Mode.GUIDANCE_SEQUENCE] if branches else [Mode.SEQUENCE]
     return modes
 
 
-def _seconds(inventory: Inventory, component: Component, mode: str, perf: Performance, gpus: int) -> float:
+def _seconds(inventory: Inventory, component: Component, mode: str, perf: Performance, gpus: int,
+             work: Workload) -> float:
     dtype_bytes = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(inventory.dtype or "", 4)
     copies = Placement(component.name, "cuda:0", component.bytes, mode,
                        replicas=tuple(f"cuda:{i}" for i in range(1, gpus)))
-    return component_cost(copies, component, dtype_bytes, perf, workload_for(inventory)).total
+    return component_cost(copies, component, dtype_bytes, perf, work).total
 
 
 def _denoiser(inventory: Inventory) -> str | None:
@@ -139,8 +149,9 @@ def replicable(inventory: Inventory) -> tuple[str, ...]:
     return (denoiser,) if denoiser and batches_guidance(inventory.pipeline_class) else ()
 
 
-def plan_notes(inventory: Inventory, placed: Mapping[str, Any]) -> list[str]:
-    """What strategy ``"parallel"`` did with the denoiser, which GPU runs what, and why when it made no copies."""
+def plan_notes(inventory: Inventory, placed: Mapping[str, Any], work: Workload | None = None) -> list[str]:
+    """What strategy ``"parallel"`` did with the denoiser, which GPU runs what, and why when it made no copies, for
+    the call ``work`` (the pipeline's default call unless given)."""
     denoiser = _denoiser(inventory)
     if denoiser is None:
         return ["parallel: no denoiser to replicate; placed as balanced"]
@@ -148,16 +159,37 @@ def plan_notes(inventory: Inventory, placed: Mapping[str, Any]) -> list[str]:
     copies = getattr(place, "replicas", ())
     if copies:
         return [_what_runs_where(denoiser, place.mode, place.device, copies)]
+    return [_no_copies(inventory, denoiser, work or workload_for(inventory))]
+
+
+def call_note(inventory: Inventory, work: Workload | None = None) -> str:
+    """The call strategy ``"parallel"`` chose for, as ``explain()`` says it (the pipeline's default call unless
+    ``work`` is given), and why it made no guidance copy where that call makes one denoiser call a step."""
+    work = work or workload_for(inventory)
+    return f"parallel: chosen for the call {work.describe()}" + _one_call_why(inventory, work)
+
+
+def _one_call_why(inventory: Inventory, work: Workload) -> str:
+    if work.guidance or batches_guidance(inventory.pipeline_class) is not False:
+        return ""
+    return (": one denoiser call a step (guidance-distilled, or no negative prompt), so no copy for a second "
+            "guidance branch that no call would use; a call with a negative prompt is planned with call=")
+
+
+def _no_copies(inventory: Inventory, denoiser: str, work: Workload) -> str:
     component = next(c for c in inventory.models if c.name == denoiser)
-    if _applicable(inventory, component) == ["sequence"] and component.heads % 2:
+    if _applicable(inventory, component, work) == ["sequence"] and component.heads % 2:
         why = (f"its {component.heads} attention heads do not divide among the GPUs (a sequence split gives each GPU "
                "a share of them)")
-    elif _applicable(inventory, component):
+    elif _applicable(inventory, component, work):
         why = f"no two GPUs hold a copy of the {denoiser} ({format_bytes(component.bytes)}) beside the other components"
+    elif _applicable(inventory, component):
+        why = (f"the call makes one {denoiser} call a step, and {component.class_name} has no context-parallel plan "
+               "to split its tokens by")
     else:
         why = (f"{inventory.pipeline_class} is not a diffusers pipeline class, so how it calls its {denoiser} is "
                f"unknown, and {component.class_name} has no context-parallel plan")
-    return [f"parallel: no replicas: {why}; placed as balanced"]
+    return f"parallel: no replicas: {why}; placed as balanced"
 
 
 def _what_runs_where(denoiser: str, mode: str, home: str, copies: tuple[str, ...]) -> str:
