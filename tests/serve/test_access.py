@@ -101,6 +101,28 @@ def test_a_server_bound_beyond_loopback_checks_no_host_name(service):
         assert httpx.get(f"{url}/health", headers={"host": "pipemap.internal"}, timeout=30).status_code == 200
 
 
+def test_a_server_failure_is_a_500_in_openais_shape_with_the_request_id(service, monkeypatch):
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=60.0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug of the server's own")
+
+    monkeypatch.setattr(own, "submit", broken)
+    with Background(own) as url:
+        failed = httpx.post(f"{url}{GENERATIONS}", json=BODY, headers={"x-request-id": "trace-500"}, timeout=30)
+    assert failed.status_code == 500 and failed.headers["x-request-id"] == "trace-500"
+    assert failed.json()["error"]["code"] == "server_error" and "a bug of the server's own" in failed.text
+
+
+def test_a_content_length_not_in_ascii_digits_is_no_500():
+    assert Access(local=False, max_body=10).refusal("POST", "/v1/x", Headers({"content-type": "application/json",
+                                                                  "content-length": "\u00b2"})) is None
+    assert Access(local=False, max_body=10).refusal("POST", "/v1/x", Headers({"content-type": "application/json",
+                                                                  "content-length": "9" * 5000})) is None
+    assert Access(local=False, max_body=10).refusal("POST", "/v1/x", Headers({"content-type": "application/json",
+                                                                  "content-length": "11"})).status_code == 413
+
+
 def test_local_names_and_request_ids_directly():
     assert all(is_local(h) for h in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"))
     assert not any(is_local(h) for h in ("0.0.0.0", "::", "10.0.0.1", "evil.example", ""))

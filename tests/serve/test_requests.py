@@ -54,6 +54,12 @@ BAD = {
     "frames to an image pipeline": ({"prompt": "a cat", "num_frames": 8}, "num_frames",
                                     "this pipeline takes no num_frames"),
     "frames a boolean": ({"prompt": "a cat", "num_frames": True}, "num_frames", "valid integer"),
+    # no size reaches int() unbounded nor the arithmetic past it (a 500 before: ValueError, OverflowError)
+    "size in full-width digits": ({"prompt": "a cat", "size": "\uff11\uff16x\uff11\uff16"}, "size", "ASCII digits"),
+    "size of 5000 digits": ({"prompt": "a cat", "size": "1" * 5000 + "x16"}, "size", "not WIDTHxHEIGHT"),
+    "size past int's digits": ({"prompt": "a cat", "size": "8x" + "9" * 4300}, "size", "each side at most 16384"),
+    "size of six digits": ({"prompt": "a cat", "size": "999992x8"}, "size", "not WIDTHxHEIGHT"),
+    "size over the most side": ({"prompt": "a cat", "size": "16392x16392"}, "size", "sides of at most 16384"),
 }
 
 

@@ -257,7 +257,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return error(500, f"the server failed: {type(exc).__name__}: {exc}", "server_error", code="server_error")
+    """A failure no route answered: 500 in OpenAI's shape. Starlette answers it outside every middleware, so the
+    request's id (``access.Guard`` keeps it in the scope's state) is set here."""
+    rid = request.scope.get("state", {}).get("request_id")
+    return error(500, f"the server failed: {type(exc).__name__}: {str(exc)[:300]}", "server_error",
+                 code="server_error", headers={"X-Request-Id": rid} if rid else None)
 
 
 def _refused(service: Service | Loading):
