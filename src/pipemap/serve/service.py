@@ -20,7 +20,7 @@ from .. import catalog
 from ..api import Request, call_needs, load, memory_for, runnable
 from ..cost import bytes_moved
 from ..dispatch.parallel import iter_unordered
-from ..errors import CallTooLargeError, NotAPipelineError, format_bytes
+from ..errors import CallTooLargeError, DryRunDropped, NotAPipelineError, WorkDropped, format_bytes
 from ..inventory import inventory_of
 from ..plan import Plan
 from ..runtime.admission import Admission
@@ -176,38 +176,61 @@ class Service:
         waiting or running is dropped (stopped at its next step) and the worker given a few seconds more."""
         self.worker.stop(self.timeout if grace is None else grace)
 
-    def submit(self, request: GenerationRequest) -> tuple[Generation, Job]:
+    def submit(self, request: GenerationRequest, dropped: threading.Event | None = None,
+               deadline: float | None = None) -> tuple[Generation, Job]:
         """The checked request and its job, queued (RequestError, QueueFullError or DrainingError if not). A request
         whose activations fit the plan's room on no device, even alone, is a RequestError with the figures (its
-        shape's dry run, once, may take seconds: the app calls this off its event loop)."""
+        shape's dry run, once, may take seconds: the app calls this off its event loop). ``dropped`` (set: the
+        client left) and ``deadline`` (``time.monotonic()``; by default the request's timeout from now) bound that
+        dry run too: it stops at its next operation once the request is not wanted, and nothing is queued
+        (``WorkDropped``)."""
         seed = request.seed if request.seed is not None else secrets.randbits(31)
         generation = self.limits.check(request, seed)
+        timeout = self.timeout_of(request)
+        job = Job(generation.call, seed, generation.n, deadline or time.monotonic() + timeout, timeout,
+                  dropped=dropped or threading.Event())
         if self.sizes is not None:
-            self._check_room(generation)
-        timeout = min(self.timeout, request.timeout or self.timeout)
-        job = Job(generation.call, seed, generation.n, time.monotonic() + timeout, timeout)
+            try:
+                self._check_room(generation, job.wanted)
+            except DryRunDropped:
+                raise WorkDropped(0) from None
+        if not job.wanted():
+            raise WorkDropped(0)
         self.worker.submit(job)
         job.future.add_done_callback(lambda done: done.cancelled() or self.notice(done.exception()))
         return generation, job
 
-    def _check_room(self, generation: Generation) -> None:
+    def timeout_of(self, request: GenerationRequest) -> float:
+        """Seconds ``request`` may take: its own ``timeout``, at most the server's."""
+        return min(self.timeout, request.timeout or self.timeout)
+
+    def _check_room(self, generation: Generation, wanted=None) -> None:
         """A RequestError with the figures when the call's activations fit the plan's room on no device, even alone:
-        far too large by the shapes measured so far, else by its own shape's dry run."""
+        sure by arithmetic (``_floor``, the shapes measured so far), else by its own shape's dry run (stopped once
+        ``wanted()`` is false)."""
         assert self.sizes is not None
         param = "n" if generation.n > 1 else "num_frames" if "num_frames" in generation.call else "size"
         work = _work(generation.call, video="num_frames" in self.limits.parameters)
-        for device, needs, seen in self._scaled(work):
+        for device, needs, seen in [*self._floor(work), *self._scaled(work)]:
             room = self.sizes.ledger.room(device)
-            if needs > _SURE * room:
+            if needs > (_SURE * room if seen else room):
+                source = f"scaled from {format_bytes(seen)} measured at a smaller size" if seen else \
+                    "its decoded images alone, as 16-bit floats"
                 raise RequestError(param, f"the call needs about {format_bytes(needs)} of activations on {device} "
-                                   f"(scaled from {format_bytes(seen)} measured at a smaller size), but the plan "
-                                   f"leaves {format_bytes(room)} there beside its weights: ask for a smaller size "
-                                   "or fewer images", "insufficient_memory")
+                                   f"({source}), but the plan leaves {format_bytes(room)} there beside its weights: "
+                                   "ask for a smaller size or fewer images", "insufficient_memory")
         try:
-            self._seen(work, self.sizes.needs(generation.call).peak)
+            self._seen(work, self.sizes.needs(generation.call, wanted).peak)
         except CallTooLargeError as err:
             self._seen(work, {err.device: err.needs})
             raise RequestError(param, str(err), "insufficient_memory") from None
+
+    def _floor(self, work: int | None) -> list[tuple[str, int, int]]:
+        """``(device, bytes, 0)``: what the call needs at least where its VAE decodes, by arithmetic alone: its
+        pixels, three channels of 16-bit floats (no pipeline decodes in fewer bytes)."""
+        assert self.sizes is not None
+        decodes = {p.component: p.execution_device for p in self.sizes.plan.components}.get("vae")
+        return [] if work is None or decodes is None else [(decodes, work * 3 * 2, 0)]
 
     def _seen(self, work: int | None, peak: dict[str, int]) -> None:
         if work and len(self._measured) < 64:  # a few shapes suffice to scale from; a flood of sizes adds none

@@ -60,7 +60,7 @@ class Job:
     timeout: float = 0.0  # seconds it was given: its deadline less its submission time
     future: Future = field(default_factory=Future)
     started: float = 0.0  # time.perf_counter() when the worker took it
-    dropped: threading.Event = field(default_factory=threading.Event)
+    dropped: threading.Event = field(default_factory=threading.Event)  # set: its client left
 
     def wanted(self) -> bool:
         return not self.dropped.is_set() and time.monotonic() < self.deadline
