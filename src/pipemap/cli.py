@@ -139,6 +139,16 @@ def _add_serve(commands) -> None:
                        "call, at most, as memory allows (default 1: no batching)")
     serve.add_argument("--batch-window-ms", type=float, default=20.0, help="with --max-batch: milliseconds a "
                        "request waits for others of its shape (default 20)")
+    serve.add_argument("--head-timeout", type=float, default=10.0, help="seconds a request head may take, from the "
+                       "connection's start or its previous answer; then 408 and closed (default 10)")
+    serve.add_argument("--body-timeout", type=float, default=60.0, help="seconds a request body may take after its "
+                       "head; then 408 and closed (default 60)")
+    serve.add_argument("--keep-alive", type=float, default=5.0, help="seconds an idle connection is kept between "
+                       "requests (default 5)")
+    serve.add_argument("--max-connections", type=int, help="connections open at once; past it the oldest idle one "
+                       "is closed, or 503 (default: the file limit less 64, at most 1024)")
+    serve.add_argument("--max-head", type=int, default=64 * 1024, help="bytes of a request line and headers; then "
+                       "431 (default 65536)")
     serve.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment (pipemap[ray])")
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: this many replicas")
     serve.add_argument("--autoscale", metavar="MIN:MAX", help="with --ray: replicas scaled on queue length")
@@ -269,6 +279,7 @@ def _serve(args) -> int:
 
         return run_on_ray(options, args.host, args.port, args.replicas, args.autoscale, public=args.ray_public)
     from .serve import run
+    from .serve.connections import ConnectionLimits
     from .serve.service import Loading
 
     def ready(service) -> None:
@@ -277,7 +288,9 @@ def _serve(args) -> int:
 
     loading = Loading(options, on_ready=ready)  # the port answers while it loads: /health/ready says when it is ready
     print(f"pipemap: loading {args.path}; serving on http://{args.host}:{args.port} (503 until loaded)", flush=True)
-    run(loading, args.host, args.port)
+    run(loading, args.host, args.port, connections=ConnectionLimits(args.head_timeout, args.body_timeout,
+                                                                    args.keep_alive, args.max_connections,
+                                                                    args.max_head))
     if loading.failed is not None:
         raise loading.failed
     return 0

@@ -19,6 +19,7 @@ httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip ins
 uvicorn = pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 import pipemap.serve.server as server_module  # noqa: E402
 from pipemap.serve import Background, DrainingError, GenerationRequest, Service, create_app, run  # noqa: E402
+from pipemap.serve.connections import ConnectionLimits, GuardedH11  # noqa: E402
 from serving import ask, in_background, pngs, wait_until  # noqa: E402
 
 
@@ -64,9 +65,11 @@ def test_run_serves_the_app_on_the_address_given_with_a_grace_period_past_the_ti
     (server,) = started
     assert (server.config.host, server.config.port) == ("0.0.0.0", 8123)
     assert server.config.timeout_graceful_shutdown == own.timeout + 5  # a request running may finish
-    # connections at once: the queue (16) and the requests in flight (1), twice over, and 32 for probes
-    assert server.config.limit_concurrency == 2 * (16 + 1) + 32
+    # requests in the app at once: the queue (16) and the requests in flight (1), twice over, and 16; uvicorn's own
+    # limit, which counts idle connections and answers probes 503 in plain text, is off: connections.GuardedH11
+    assert server_module.max_inside(own) == 2 * (16 + 1) + 16 and server.config.limit_concurrency is None
     assert server.config.timeout_keep_alive == 5 and server.config.h11_max_incomplete_event_size == 64 * 1024
+    assert issubclass(server.config.http, GuardedH11) and server.config.http.limits == ConnectionLimits()
     assert server.config.app.state.service is own and server.service is own
 
 
@@ -109,7 +112,7 @@ def test_a_load_that_fails_stops_the_server_with_its_error(monkeypatch):
     monkeypatch.setattr(server_module._DrainingServer, "run", lambda self: started.append(self))
     run(loading, port=0, log_level="warning")
     (server,) = started
-    assert server.config.limit_concurrency == 2 * (16 + 8) + 32  # the most workers a plan may get: none made yet
+    assert server_module.max_inside(loading) == 2 * (16 + 8) + 16  # the most workers a plan may get: none made yet
     loading.start()
     loading._thread.join(10)
     assert isinstance(loading.failed, pipemap.NotAPipelineError) and server.should_exit
@@ -118,7 +121,7 @@ def test_a_load_that_fails_stops_the_server_with_its_error(monkeypatch):
 
 def test_past_the_apps_limit_requests_get_503_json_and_probes_still_answer(service):
     # the app takes 2 * (1 waiting + 1 running) + 16 requests at once; each of these holds one by sending its head
-    # and never its body; the next gets JSON (uvicorn's own 503, in plain text, is 16 connections further)
+    # and never its body (within the body timeout); the next gets JSON
     own = Service(service.pipe, service.plan, service.running_plan, timeout=30.0, max_queue=1, workers=1)
     with Background(own) as url, httpx.Client(base_url=url, timeout=60) as session:
         port = int(url.rsplit(":", 1)[1])

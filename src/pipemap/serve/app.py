@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
@@ -53,6 +53,9 @@ async def _generate(service: Service, request: Request) -> Response:
         body = await _body(request, service.access.max_body)
     except BodyTooLarge:
         return too_large(service.access.max_body)
+    except ClientDisconnect:  # it left, or its body timed out (``connections``): nobody reads an answer
+        return error(499, "the client closed the connection before its body was read", "client_closed",
+                     code="client_closed")
     gone = asyncio.ensure_future(_disconnect(request))  # the client's leaving, watched from here to the answer
     try:
         return await _answer(service, request, body, gone)
