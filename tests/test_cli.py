@@ -79,28 +79,30 @@ def test_serve_flags_become_the_services_options(monkeypatch, tmp_path):
     import pipemap.serve
     from pipemap.cli import main
     from pipemap.serve.access import Access
+    from pipemap.serve.connections import ConnectionLimits
 
     loaded, served = [], []
     made = type("S", (), {"plan": "a plan", "start": lambda self: None})
     monkeypatch.setattr(pipemap.serve.Service, "load", classmethod(lambda cls, options: loaded.append(options)
                                                                    or made()))
 
-    def run(loading, host, port):  # the server starts the load with its app: here, at once
+    def run(loading, host, port, connections):  # the server starts the load with its app: here, at once
         loading.start()
         loading._thread.join(30)
-        served.append((host, port))
+        served.append((host, port, connections))
 
     monkeypatch.setattr(pipemap.serve, "run", run)
     monkeypatch.setenv("PIPEMAP_API_KEY", "from-env")
     assert main(["serve", str(tmp_path), "--host", "0.0.0.0", "--port", "8123", "--max-steps", "60", "--max-prompt",
                  "500", "--max-body", "9999", "--served-model-name", "sd", "sd-alias", "--max-batch", "4",
-                 "--batch-window-ms", "30", "--max-frames", "33"]) == 0
+                 "--batch-window-ms", "30", "--max-frames", "33", "--head-timeout", "3", "--body-timeout", "7",
+                 "--keep-alive", "2", "--max-connections", "99", "--max-head", "4096"]) == 0
     (options,) = loaded
     assert options.max_frames == 33
     assert (options.max_steps, options.max_prompt, options.names) == (60, 500, ("sd", "sd-alias"))
     assert (options.max_batch, options.batch_window) == (4, 0.03)
     assert options.access == Access(api_key="from-env", local=False, max_body=9999)
-    assert served == [("0.0.0.0", 8123)]
+    assert served == [("0.0.0.0", 8123, ConnectionLimits(3.0, 7.0, 2.0, 99, 4096))]
     assert main(["serve", str(tmp_path), "--api-key", "given"]) == 0
     assert loaded[-1].access == Access(api_key="given", local=True)
     assert loaded[-1].names == () and loaded[-1].served_names() == (str(tmp_path),)  # the path as given
