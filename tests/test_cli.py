@@ -74,7 +74,7 @@ def test_run_generates_an_image_with_an_offloading_plan(tiny_folders, tmp_path):
     assert Image.open(output).size == (32, 32)
 
 
-def test_serve_flags_become_the_services_options(monkeypatch, tmp_path):
+def test_serve_flags_become_the_services_options(monkeypatch, tmp_path, capsys):
     pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
     import pipemap.serve
     from pipemap.cli import main
@@ -103,6 +103,32 @@ def test_serve_flags_become_the_services_options(monkeypatch, tmp_path):
     assert (options.max_batch, options.batch_window) == (4, 0.03)
     assert options.access == Access(api_key="from-env", local=False, max_body=9999)
     assert served == [("0.0.0.0", 8123, ConnectionLimits(3.0, 7.0, 2.0, 99, 4096))]
+    capsys.readouterr()
     assert main(["serve", str(tmp_path), "--api-key", "given"]) == 0
     assert loaded[-1].access == Access(api_key="given", local=True)
+    assert "--api-key is visible to every user" in capsys.readouterr().err
+    assert (loaded[-1].max_batch, loaded[-1].max_steps) == (8, None)  # batching on; the scheduler's step limit
+    key = tmp_path / "key"
+    key.write_text("from-file\n")
+    assert main(["serve", str(tmp_path), "--api-key-file", str(key)]) == 0
+    assert loaded[-1].access.api_key == "from-file" and "WARNING" not in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--api-key-file", str(key), "--api-key", "x"]) == 2  # one way only
+    key.write_text("")
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path), "--api-key-file", str(key)])
+    assert "no key on its first line" in capsys.readouterr().err
     assert loaded[-1].names == () and loaded[-1].served_names() == (str(tmp_path),)  # the path as given
+
+
+def test_serve_help_texts_are_the_readmes():
+    import re
+    from pathlib import Path
+
+    from pipemap.cli import SERVE_OPTIONS, _parser
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(--[a-z-]+)[^`]*` \| (.*) \|$", readme, re.MULTILINE))
+    serve = next(a for a in _parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
+    helps = {a.option_strings[0]: a.help for a in serve._actions if a.option_strings and a.help != "==SUPPRESS=="}
+    for flags, _, text in SERVE_OPTIONS:
+        assert rows.get(flags[0]) == text == helps[flags[0]], flags[0]

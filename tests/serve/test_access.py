@@ -137,8 +137,9 @@ def test_pipemap_serve_warns_when_bound_beyond_loopback_without_a_key(tmp_path, 
     monkeypatch.delenv("PIPEMAP_API_KEY", raising=False)
     assert main(["serve", missing, "--host", "0.0.0.0"]) == 2  # the missing folder is still the error it was
     warned = capsys.readouterr().err
-    assert "WARNING: serving on 0.0.0.0" in warned and "--api-key" in warned
-    for argv in (["serve", missing, "--host", "0.0.0.0", "--api-key", KEY], ["serve", missing]):
+    assert "WARNING: serving on 0.0.0.0" in warned and "--api-key-file" in warned
+    monkeypatch.setenv("PIPEMAP_API_KEY", KEY)
+    for argv in (["serve", missing, "--host", "0.0.0.0"], ["serve", missing]):
         assert main(argv) == 2 and "WARNING" not in capsys.readouterr().err
 
 
@@ -168,6 +169,12 @@ def test_the_official_openai_client_with_the_key(keyed):
     assert [m.id for m in client.models.list()] == ["pipemap"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="sk-wrong", max_retries=0).images.generate(prompt="a cat", size="32x32")
-    with pytest.raises(openai.BadRequestError, match="at most 200 steps") as refused:
+    with pytest.raises(openai.BadRequestError, match="at most 1000 steps") as refused:
         client.images.generate(prompt="a cat", size="32x32", extra_body={"num_inference_steps": 10_000})
     assert (refused.value.code, refused.value.param) == ("steps_too_large", "num_inference_steps")
+    # a 504 past the request's own timeout is not retried by the client's default retries (x-should-retry: false)
+    retrying = openai.OpenAI(base_url=url, api_key=KEY, max_retries=2, timeout=60)
+    before = code(keyed, 504)
+    with pytest.raises(openai.InternalServerError) as late:
+        retrying.images.generate(prompt="a cat", size="32x32", extra_body={"timeout": 0.001})
+    assert late.value.status_code == 504 and code(keyed, 504) == before + 1  # asked once, not three times

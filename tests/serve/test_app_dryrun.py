@@ -28,7 +28,7 @@ def test_a_timeout_of_one_second_on_a_new_shape_answers_504_within_two_and_stops
     start = time.monotonic()
     response = client.post(GENERATIONS, json={"prompt": "a cat", "size": "400x400", "timeout": 1})
     assert response.status_code == 504 and time.monotonic() - start < 2, response.text
-    assert response.json()["error"]["code"] == "timeout"
+    assert response.json()["error"]["code"] == "timeout" and response.headers["x-should-retry"] == "false"
     _dry_runs_end(service)  # stopped at its next operation, not run to its end
     assert _shape(service, 400) not in service.sizes._figures and not service.sizes.unmeasured
 

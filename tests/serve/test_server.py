@@ -54,8 +54,20 @@ def test_an_exit_signal_drains_the_worker_before_uvicorn_stops(own):
     server = server_module._DrainingServer(uvicorn.Config(create_app(own)), own)
     assert not own.worker.draining and not server.should_exit
     server.handle_exit(signal.SIGTERM, None)
-    assert own.worker.draining and server.should_exit
+    assert own.worker.draining and server.should_exit and not server.force_exit
     assert own.health()["status"] == "draining"
+
+
+def test_a_second_exit_signal_drops_the_work_and_exits_at_once(own):
+    from pipemap.serve.worker import Job
+
+    server = server_module._DrainingServer(uvicorn.Config(create_app(own)), own)
+    waiting = Job({"prompt": "a"}, 1, 1, deadline=float("inf"))
+    own.worker.submit(waiting)  # its worker never started: it waits
+    server.handle_exit(signal.SIGTERM, None)
+    assert not server.force_exit and waiting.wanted()  # the first drains: the work taken may finish
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.force_exit and not waiting.wanted() and own.worker.depth == 0  # the second drops it all
 
 
 def test_run_serves_the_app_on_the_address_given_with_a_grace_period_past_the_timeout(own, monkeypatch):

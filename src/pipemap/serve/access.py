@@ -28,11 +28,21 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 _LENGTH = re.compile(r"^[0-9]{1,19}$")
 
 
+# answers the same request would get again: OpenAI's client (and Stainless-made ones) retry 408, 409, 429 and 5xx by
+# default, twice, unless the answer says ``x-should-retry: false`` (a 504 here is past the request's own timeout)
+NO_RETRY = frozenset({400, 401, 403, 404, 405, 413, 415, 422, 431, 504})
+
+
+def retry_headers(status: int) -> dict[str, str]:
+    """``{"x-should-retry": "false"}`` for an answer a retry cannot change (``NO_RETRY``), else nothing."""
+    return {"x-should-retry": "false"} if status in NO_RETRY else {}
+
+
 def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
           headers: dict | None = None) -> JSONResponse:
     """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers={**retry_headers(status), **(headers or {})})
 
 
 def is_local(host: str) -> bool:

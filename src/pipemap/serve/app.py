@@ -64,13 +64,14 @@ async def _generate(service: Service, request: Request) -> Response:
 
 
 async def _answer(service: Service, request: Request, body: bytes, gone: asyncio.Future) -> Response:
-    job = None
+    job, timeout = None, service.timeout
     try:
         asked = parse(body)
-        generation, job = await _submitted(service, asked, gone, service.timeout_of(asked))
+        timeout = service.timeout_of(asked)
+        generation, job = await _submitted(service, asked, gone, timeout)
         output = await _outcome(service, job, gone)
     except Exception as err:  # noqa: BLE001 - each failure its answer; the server goes on
-        refusal = _refusal(err, service.timeout_of(asked) if job is None else job.timeout)
+        refusal = _refusal(err, timeout)
         if refusal is not None:
             return refusal
         if job is None:  # not the pipeline's: the server's own failure, a 500 with the request's id

@@ -13,8 +13,9 @@ ignores. So the server pins h11 and runs ``GuardedH11``, which adds, as nginx do
   keep-alive, never sent a byte, or a head still coming) is closed for the new one, so probes are still answered;
   when every connection holds a request, the new one gets a JSON 503 with a Retry-After and is closed;
 - a request head of at most ``max_head`` bytes (h11's own limit): past it, a JSON 431;
-- a lingering close: an answer sent before the body was read (a 413) is followed by reading and dropping the rest of
-  the body, ``drain`` bytes or ``linger`` seconds at most, so the client reads the answer rather than a reset.
+- a bounded drain: after an answer sent before the body was read (a 413) the rest of the body is read and dropped,
+  ``drain`` bytes or ``linger`` seconds at most, then the connection is closed if the body has not ended; so the
+  client reads the answer rather than a reset, and a keep-alive client whose body did end keeps its connection.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .access import retry_headers
 
 RESERVED_FILES = 64  # file descriptors kept from connections: the model's files, logs, pipes, the listening socket
 
@@ -60,6 +63,7 @@ def refusal(status: int, reason: str, message: str, code: str, retry_after: int 
              "connection: close", f"x-request-id: {uuid.uuid4().hex}"]
     if retry_after is not None:
         lines.append(f"retry-after: {retry_after}")
+    lines += [f"{name}: {value}" for name, value in retry_headers(status).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
 
 
@@ -101,7 +105,7 @@ class GuardedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:
         self._timer = None
-        self._lingering, self._dropped, self._partial = False, 0, False
+        self._draining, self._dropped, self._partial = False, 0, False
         super().connection_made(transport)
         self.born = self.loop.time()
         if len(self.connections) > self.most and not self._evict():
@@ -124,27 +128,35 @@ class GuardedH11(H11Protocol):
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering:  # the rest of a body answered early: read and dropped, up to ``drain`` bytes
+        if self._draining:  # the rest of a body answered early, which h11 drops: ``drain`` bytes at most
             self._dropped += len(data)
             if self._dropped > self.limits.drain:
                 self._close()
-            return
+                return
         super().data_received(data)
-        self._partial = self.conn.their_state is h11.IDLE
+        # part of a head waits in h11's buffer (not a connection between two requests)
+        self._partial = self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
         self._follow()
 
     def _follow(self) -> None:
         """The timer for what the client owes now: a head, a body, or nothing (its request is the app's)."""
         state = self.conn.their_state
-        if state is h11.SEND_BODY and self._timer_for != "body":
+        if self._draining and state is not h11.SEND_BODY:  # the body answered early has ended: the next request
+            self._draining = False
+            self._arm(self.limits.head_timeout + self.limits.keep_alive, self._head_late)
+        elif state is h11.SEND_BODY and self._timer_for not in ("body", "drain"):
             self._arm(self.limits.body_timeout, self._body_late, "body")
         elif state not in (h11.IDLE, h11.SEND_BODY):
             self._disarm()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-            self._linger()  # answered before its body was read: the client is still sending
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.SEND_BODY:  # answered before its body was read (a 413): the client is still
+            # sending, and h11 drops the rest as it comes; closing now would reset the connection under the answer
+            self._draining, self._dropped = True, 0
+            self._arm(self.limits.linger, self._close, "drain")
         elif self.conn.their_state is h11.IDLE:
             self._arm(self.limits.head_timeout + self.limits.keep_alive, self._head_late)
 
@@ -199,14 +211,6 @@ class GuardedH11(H11Protocol):
                                       "it whole", "body_timeout"))
 
     # ---- closing ----
-
-    def _linger(self) -> None:
-        self._lingering = True
-        self._unset_keepalive_if_required()
-        self.flow.resume_reading()
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self._arm(self.limits.linger, self._close, "linger")
 
     def _write_and_close(self, answer: bytes) -> None:
         self.transport.write(answer)

@@ -125,8 +125,10 @@ class Limits:
     max_frames: int = 256  # a video's frames: 256 is about twice what video pipelines make by default (81 to 129)
 
     @classmethod
-    def of(cls, pipe, max_n: int = 4, *, max_steps: int = 200, max_prompt: int = 4000,
+    def of(cls, pipe, max_n: int = 4, *, max_steps: int | None = None, max_prompt: int = 4000,
            names: tuple[str, ...] = (), max_frames: int = 256) -> Limits:
+        """``pipe``'s limits; ``max_steps`` None: what its scheduler takes (``scheduler_steps``)."""
+        max_steps = max_steps or scheduler_steps(pipe)
         processor = getattr(pipe, "image_processor", None)
         scale = getattr(getattr(processor, "config", None), "vae_scale_factor", None) or _SD_MULTIPLE
         tokenizers = tuple((name, value) for name, value in pipe.components.items()
@@ -196,6 +198,14 @@ class Limits:
                 out.append(f"{what} is {length} tokens; {name} reads {tokenizer.model_max_length}, the rest was "
                            "dropped")
         return out
+
+
+def scheduler_steps(pipe) -> int:
+    """The most denoising steps ``pipe``'s scheduler takes: its ``num_train_timesteps`` (DDIM, PNDM, Euler and the
+    flow-matching schedulers refuse more, or repeat timesteps); 1000, their usual count, where it has none."""
+    config = getattr(getattr(pipe, "scheduler", None), "config", None)
+    steps = getattr(config, "num_train_timesteps", None) if config is not None else None
+    return steps if isinstance(steps, int) and steps > 0 else 1000
 
 
 def _round(side: int, multiple: int) -> int:

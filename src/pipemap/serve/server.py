@@ -22,6 +22,14 @@ class _DrainingServer(uvicorn.Server):
         self.service = service
 
     def handle_exit(self, sig, frame) -> None:
+        """The first SIGTERM or Ctrl-C drains: new work refused, the work taken answered within the graceful
+        shutdown's bound (the timeout and 5 s), then dropped. A second exits at once: every job dropped (a running
+        one stops at its next step), no more waiting for connections, and the requests' handlers cancelled as the
+        loop ends (their dry runs stop at their next operation)."""
+        if self.should_exit:
+            self.service.drop()
+            self.force_exit = True
+            return
         self.service.drain()
         super().handle_exit(sig, frame)
 

@@ -46,7 +46,7 @@ class Options:
     timeout: float = 300.0
     max_n: int = 4
     workers: int | None = None  # requests in flight at most; None: as many as the plan's room holds at once
-    max_steps: int = 200
+    max_steps: int | None = None  # None: what the pipeline's scheduler takes (``requests.scheduler_steps``)
     max_prompt: int = 4000  # characters
     names: tuple[str, ...] = ()  # the model names served; none: the path as given
     access: Access = Access()  # who may call, and how large a body may be
@@ -125,7 +125,7 @@ class Service:
 
     def __init__(self, pipe, plan: Plan, running_plan: Plan | None = None, *, max_queue: int = 16,
                  timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None,
-                 memory: Admission | None = None, sizes: Admission | None = None, max_steps: int = 200,
+                 memory: Admission | None = None, sizes: Admission | None = None, max_steps: int | None = None,
                  max_prompt: int = 4000, names: tuple[str, ...] = (), access: Access | None = None,
                  max_batch: int = 1, batch_window: float = 0.02, max_frames: int = 256):
         self.pipe, self.plan, self.running_plan = pipe, plan, running_plan or plan
@@ -170,6 +170,11 @@ class Service:
     def drain(self) -> None:
         """Take no new work; what was taken still finishes (an exit signal's first step)."""
         self.worker.drain()
+
+    def drop(self) -> None:
+        """Take no new work and drop all that was taken: waiting jobs leave the queue, running ones stop at their next
+        step (a second exit signal's doing; it waits for nothing)."""
+        self.worker.drop()
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: the work taken may finish for ``grace`` seconds (the timeout by default); then what is still
@@ -347,6 +352,11 @@ class Loading:
             self.draining = True
         if self.service is not None:
             self.service.drain()
+
+    def drop(self) -> None:
+        self.drain()
+        if self.service is not None:
+            self.service.drop()
 
     def stop(self, grace: float | None = None) -> None:
         self.drain()

@@ -145,11 +145,16 @@ class Worker:
             return
         self._thread.join(timeout)
         if self._thread.is_alive():
-            with self._ready:
-                left = [*self._waiting, *self.taken]
-            for job in left:
-                self.cancel(job)
+            self.drop()
             self._thread.join(5)
+
+    def drop(self) -> None:
+        """Drain, and drop every job: out of the queue, or stopped at its next step if it runs."""
+        self.drain()
+        with self._ready:
+            left = [*self._waiting, *self.taken]
+        for job in left:
+            self.cancel(job)
 
     def cancel(self, job: Job) -> None:
         """Drop ``job``: out of the queue if it waits there, stopped at its next step if it runs."""
