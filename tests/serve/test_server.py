@@ -10,6 +10,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -188,3 +190,45 @@ def _up(session) -> bool:
         return session.get("/health").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.slow  # a server process of its own, 10 s or more to start on 2 cores
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's CPU time in /proc")
+def test_a_client_leaving_a_big_new_shapes_dry_run_leaves_the_server_idle_and_sigterm_exits_soon(tiny_folders,
+                                                                                               tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the child writes it until it exits
+    server = subprocess.Popen([sys.executable, "-m", "pipemap", "serve", tiny_folders["sd"], "--port", str(port)],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as session:
+            wait_until(lambda: _up(session) or server.poll() is not None, 240)
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
+            body = b'{"prompt": "a cat", "size": "1000x1000"}'  # a new shape: its dry run takes many seconds
+            with socket.create_connection(("127.0.0.1", port)) as leaving:
+                leaving.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                start = _cpu_seconds(server.pid)
+                wait_until(lambda: _cpu_seconds(server.pid) - start > 0.5, 30)  # its dry run is under way
+            threading.Event().wait(2)  # the client left: within 2 s its dry run has stopped
+            before = _cpu_seconds(server.pid)
+            threading.Event().wait(1)
+            assert _cpu_seconds(server.pid) - before < 0.3  # idle
+            answered = time.monotonic()
+            assert session.get("/health/live").status_code == 200 and time.monotonic() - answered < 1
+            server.send_signal(signal.SIGTERM)
+            stopping = time.monotonic()
+            server.wait(10)
+            assert time.monotonic() - stopping < 5
+    finally:
+        server.kill()
+        server.wait()
+        log.close()
