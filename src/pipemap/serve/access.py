@@ -153,9 +153,9 @@ class Guard:
 
 class Busy:
     """ASGI middleware: at most ``limit`` HTTP requests in the app at once; past it, 503 in OpenAI's shape with a
-    Retry-After. uvicorn's own ``limit_concurrency`` answers in plain text, and before the app sees the request, so
-    this limit sits below uvicorn's (``server.limits``): a flood gets JSON here, and uvicorn's plain answer is left for
-    connections past its own, higher limit. Probes and scrapes (``/health*``, ``/metrics``) are never refused here."""
+    Retry-After. uvicorn's own ``limit_concurrency``, which answers in plain text and counts idle connections, is off
+    (``server.limits``); connections are bounded below the app (``connections.GuardedH11``). Probes and scrapes
+    (``/health*``, ``/metrics``) are never refused here."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit, self.inside = app, limit, 0
