@@ -74,35 +74,49 @@ def test_run_generates_an_image_with_an_offloading_plan(tiny_folders, tmp_path):
     assert Image.open(output).size == (32, 32)
 
 
-def test_serve_flags_become_the_services_options(monkeypatch, tmp_path):
+def test_serve_flags_become_the_services_options(monkeypatch, tmp_path, capsys):
     pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
     import pipemap.serve
     from pipemap.cli import main
     from pipemap.serve.access import Access
+    from pipemap.serve.connections import ConnectionLimits
 
     loaded, served = [], []
     made = type("S", (), {"plan": "a plan", "start": lambda self: None})
     monkeypatch.setattr(pipemap.serve.Service, "load", classmethod(lambda cls, options: loaded.append(options)
                                                                    or made()))
 
-    def run(loading, host, port):  # the server starts the load with its app: here, at once
+    def run(loading, host, port, connections):  # the server starts the load with its app: here, at once
         loading.start()
         loading._thread.join(30)
-        served.append((host, port))
+        served.append((host, port, connections))
 
     monkeypatch.setattr(pipemap.serve, "run", run)
     monkeypatch.setenv("PIPEMAP_API_KEY", "from-env")
     assert main(["serve", str(tmp_path), "--host", "0.0.0.0", "--port", "8123", "--max-steps", "60", "--max-prompt",
                  "500", "--max-body", "9999", "--served-model-name", "sd", "sd-alias", "--max-batch", "4",
-                 "--batch-window-ms", "30", "--max-frames", "33"]) == 0
+                 "--batch-window-ms", "30", "--max-frames", "33", "--head-timeout", "3", "--body-timeout", "7",
+                 "--keep-alive", "2", "--max-connections", "99", "--max-head", "4096"]) == 0
     (options,) = loaded
     assert options.max_frames == 33
     assert (options.max_steps, options.max_prompt, options.names) == (60, 500, ("sd", "sd-alias"))
     assert (options.max_batch, options.batch_window) == (4, 0.03)
     assert options.access == Access(api_key="from-env", local=False, max_body=9999)
-    assert served == [("0.0.0.0", 8123)]
+    assert served == [("0.0.0.0", 8123, ConnectionLimits(3.0, 7.0, 2.0, 99, 4096))]
+    capsys.readouterr()
     assert main(["serve", str(tmp_path), "--api-key", "given"]) == 0
     assert loaded[-1].access == Access(api_key="given", local=True)
+    assert "--api-key is visible to every user" in capsys.readouterr().err
+    assert (loaded[-1].max_batch, loaded[-1].max_steps) == (8, None)  # batching on; the scheduler's step limit
+    key = tmp_path / "key"
+    key.write_text("from-file\n")
+    assert main(["serve", str(tmp_path), "--api-key-file", str(key)]) == 0
+    assert loaded[-1].access.api_key == "from-file" and "WARNING" not in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--api-key-file", str(key), "--api-key", "x"]) == 2  # one way only
+    key.write_text("")
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path), "--api-key-file", str(key)])
+    assert "no key on its first line" in capsys.readouterr().err
     assert loaded[-1].names == () and loaded[-1].served_names() == (str(tmp_path),)  # the path as given
 
 
@@ -114,3 +128,17 @@ def test_plan_prices_a_current_gpu_named_in_the_spec(gpu, capsys):
     assert main(["plan", "flux.1-dev", "--hardware", f"2x80GiB,cpu=256GiB,gpu={gpu}", "--strategy", "auto"]) == 0
     out = capsys.readouterr().out
     assert "s per image" in out and "transformer" in out
+
+
+def test_serve_help_texts_are_the_readmes():
+    import re
+    from pathlib import Path
+
+    from pipemap.cli import SERVE_OPTIONS, _parser
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(--[a-z-]+)[^`]*` \| (.*) \|$", readme, re.MULTILINE))
+    serve = next(a for a in _parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
+    helps = {a.option_strings[0]: a.help for a in serve._actions if a.option_strings and a.help != "==SUPPRESS=="}
+    for flags, _, text in SERVE_OPTIONS:
+        assert rows.get(flags[0]) == text == helps[flags[0]], flags[0]

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 from .errors import (
+    ArgumentConflictError,
     ArgumentTypeError,
     FolderNotEmptyError,
     HeadroomError,
@@ -114,37 +115,67 @@ def _add_run(commands) -> None:
     run.set_defaults(run=_run)
 
 
+def _key_file(path: str) -> str:
+    """``--api-key-file``'s type: the key on the file's first line."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot read the API key file {path!r}: {err.strerror}") from None
+    if not lines or not lines[0].strip():
+        raise argparse.ArgumentTypeError(f"the API key file {path!r} has no key on its first line: write it there")
+    return lines[0].strip()
+
+
+# ``pipemap serve``'s own options, one row each: flags, argparse settings, and the help text, which is also the
+# README's (a test checks the two agree)
+SERVE_OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
+    (("--host",), {"default": "127.0.0.1"}, "the address to bind (default 127.0.0.1: this machine only)"),
+    (("--port",), {"type": int, "default": 8000}, "the port (default 8000)"),
+    (("--max-queue",), {"type": int, "default": 16}, "requests waiting at most; then 429 (default 16)"),
+    (("--timeout",), {"type": float, "default": 300.0}, "seconds a request may take, its dry run included; then 504 "
+     "(default 300)"),
+    (("--max-n",), {"type": int, "default": 4}, "images a request may ask for (default 4)"),
+    (("--workers",), {"type": int}, "requests in flight at once, their stages overlapped (default: as many "
+     "default-size requests as the plan's room holds, at most 8)"),
+    (("--api-key",), {}, "the bearer token /v1/ routes want; visible to every local user in ps, so prefer "
+     "--api-key-file or PIPEMAP_API_KEY (default: $PIPEMAP_API_KEY; none: no key)"),
+    (("--api-key-file",), {"metavar": "PATH", "type": _key_file}, "a file holding the bearer token /v1/ routes "
+     "want, on its first line"),
+    (("--served-model-name",), {"nargs": "+", "metavar": "NAME", "default": ()}, "the model names requests may give "
+     "(the first is listed by /v1/models; default: PATH)"),
+    (("--max-steps",), {"type": int}, "num_inference_steps a request may ask for (default: the scheduler's "
+     "num_train_timesteps, 1000 where it has none)"),
+    (("--max-prompt",), {"type": int, "default": 4000}, "characters a prompt may have (default 4000)"),
+    (("--max-frames",), {"type": int, "default": 256}, "num_frames a video request may ask for (default 256)"),
+    (("--max-body",), {"type": int, "default": 1 << 20}, "bytes a request body may have; then 413 (default 1 MiB)"),
+    (("--max-batch",), {"type": int, "default": 8}, "requests of one shape (one image each) run as one call, at "
+     "most, as the plan's memory allows (default 8; 1: no batching)"),
+    (("--batch-window-ms",), {"type": float, "default": 20.0}, "milliseconds a request waits for others of its "
+     "shape (default 20)"),
+    (("--head-timeout",), {"type": float, "default": 10.0}, "seconds a request head may take, from the connection's "
+     "start or its previous answer; then 408 and closed (default 10)"),
+    (("--body-timeout",), {"type": float, "default": 60.0}, "seconds a request body may take after its head; then 408 "
+     "and closed (default 60)"),
+    (("--keep-alive",), {"type": float, "default": 5.0}, "seconds an idle connection is kept between requests "
+     "(default 5)"),
+    (("--max-connections",), {"type": int}, "connections open at once; past it the oldest idle one is closed, or 503 "
+     "(default: the file limit less 64, at most 1024)"),
+    (("--max-head",), {"type": int, "default": 64 * 1024}, "bytes of a request line and headers; then 431 (default "
+     "65536)"),
+    (("--ray",), {"action": "store_true"}, "run as a Ray Serve deployment (pipemap[ray])"),
+    (("--replicas",), {"type": int, "default": 1}, "with --ray: this many replicas"),
+    (("--autoscale",), {"metavar": "MIN:MAX"}, "with --ray: replicas scaled on queue length"),
+    (("--ray-public",), {"action": "store_true"}, "with --ray and no RAY_ADDRESS: bind the local Ray's own ports on "
+     "all interfaces (default: 127.0.0.1 only)"),
+)
+
+
 def _add_serve(commands) -> None:
     serve = commands.add_parser("serve", help="serve a pipeline over HTTP (OpenAI images API), or on Ray Serve")
     serve.add_argument("path", help="a diffusers pipeline folder, or a catalog name / Hub repo id in the HF cache")
     _plan_options(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-queue", type=int, default=16, help="requests waiting at most; then 429 (default 16)")
-    serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take; then 504")
-    serve.add_argument("--max-n", type=int, default=4, help="images a request may ask for (default 4)")
-    serve.add_argument("--workers", type=int, help="requests run together, their stages overlapped (run_many; "
-                       "default: one per device the plan computes on)")
-    serve.add_argument("--api-key", default=os.environ.get("PIPEMAP_API_KEY"),
-                       help="the bearer token /v1/ routes want (default: $PIPEMAP_API_KEY; none: no key)")
-    serve.add_argument("--served-model-name", nargs="+", metavar="NAME", default=(),
-                       help="the model names requests may give (the first is listed by /v1/models; default: PATH)")
-    serve.add_argument("--max-steps", type=int, default=200, help="num_inference_steps a request may ask for "
-                       "(default 200)")
-    serve.add_argument("--max-prompt", type=int, default=4000, help="characters a prompt may have (default 4000)")
-    serve.add_argument("--max-frames", type=int, default=256, help="num_frames a video request may ask for "
-                       "(default 256)")
-    serve.add_argument("--max-body", type=int, default=1 << 20, help="bytes a request body may have; then 413 "
-                       "(default 1 MiB)")
-    serve.add_argument("--max-batch", type=int, default=1, help="requests of one shape (one image each) run as one "
-                       "call, at most, as memory allows (default 1: no batching)")
-    serve.add_argument("--batch-window-ms", type=float, default=20.0, help="with --max-batch: milliseconds a "
-                       "request waits for others of its shape (default 20)")
-    serve.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment (pipemap[ray])")
-    serve.add_argument("--replicas", type=int, default=1, help="with --ray: this many replicas")
-    serve.add_argument("--autoscale", metavar="MIN:MAX", help="with --ray: replicas scaled on queue length")
-    serve.add_argument("--ray-public", action="store_true", help="with --ray and no RAY_ADDRESS: bind the local "
-                       "Ray's own ports on all interfaces (default: 127.0.0.1 only)")
+    for flags, settings, text in SERVE_OPTIONS:
+        serve.add_argument(*flags, **settings, help=text)
     serve.set_defaults(run=_serve)
 
 
@@ -260,21 +291,23 @@ def _serve(args) -> int:
     from .serve import Options
     from .serve.access import Access, is_local
 
+    key = _api_key(args)
     local = is_local(args.host)
-    if not local and not args.api_key:
+    if not local and not key:
         print(f"pipemap: WARNING: serving on {args.host}, reachable from other machines, with no API key: anyone "
-              "who reaches the port can run the pipeline. Give --api-key (or PIPEMAP_API_KEY), or bind "
+              "who reaches the port can run the pipeline. Give --api-key-file (or PIPEMAP_API_KEY), or bind "
               "--host 127.0.0.1", file=sys.stderr, flush=True)
     options = Options(args.path, args.hardware, _strategy(args.strategy), args.dtype, args.variant,
                       _headroom(args.headroom),
                       args.max_queue, args.timeout, args.max_n, args.workers, args.max_steps, args.max_prompt,
-                      tuple(args.served_model_name), Access(args.api_key or None, local, args.max_body),
+                      tuple(args.served_model_name), Access(key, local, args.max_body),
                       args.max_batch, args.batch_window_ms / 1000, args.max_frames)
     if args.ray:
         from .serve.deployment import run_on_ray
 
         return run_on_ray(options, args.host, args.port, args.replicas, args.autoscale, public=args.ray_public)
     from .serve import run
+    from .serve.connections import ConnectionLimits
     from .serve.service import Loading
 
     def ready(service) -> None:
@@ -283,10 +316,27 @@ def _serve(args) -> int:
 
     loading = Loading(options, on_ready=ready)  # the port answers while it loads: /health/ready says when it is ready
     print(f"pipemap: loading {args.path}; serving on http://{args.host}:{args.port} (503 until loaded)", flush=True)
-    run(loading, args.host, args.port)
+    run(loading, args.host, args.port, connections=ConnectionLimits(args.head_timeout, args.body_timeout,
+                                                                    args.keep_alive, args.max_connections,
+                                                                    args.max_head))
     if loading.failed is not None:
         raise loading.failed
     return 0
+
+
+def _api_key(args) -> str | None:
+    """The key from ``--api-key``, ``--api-key-file`` or ``PIPEMAP_API_KEY``, the first given; a key on the command
+    line is warned about (``ps`` shows it to every user of the machine)."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ArgumentConflictError("--api-key", "(hidden)", "--api-key-file", "(hidden)",
+                                    "give the key one way: --api-key-file or PIPEMAP_API_KEY")
+    if args.api_key:
+        print("pipemap: WARNING: --api-key is visible to every user of this machine (ps, /proc): give it with "
+              "--api-key-file PATH or PIPEMAP_API_KEY instead", file=sys.stderr, flush=True)
+        return args.api_key
+    if args.api_key_file is not None:
+        return args.api_key_file  # the key read from the file (``_key_file``)
+    return os.environ.get("PIPEMAP_API_KEY") or None
 
 
 def _demo(args) -> int:

@@ -566,5 +566,11 @@ class BodyTooLarge(Exception):
     """A body that grew past the limit as it was read (no Content-Length, or a false one) (serve/app.py)."""
 
 
+class DryRunDropped(BaseException):  # noqa: N818 - a signal, as asyncio's CancelledError, not an error
+    """A dry run stopped at its next operation because no request waits for its figures any more (their clients
+    left, their time ran out: ``runtime.admission.wanted_while``). A BaseException, as ``asyncio.CancelledError``:
+    the pipeline code a dry run runs, and the dry run's own failure report, catch ``Exception``."""
+
+
 class ClientGone(Exception):
     """The client closed its connection before its answer (serve/app.py)."""

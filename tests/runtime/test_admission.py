@@ -22,6 +22,7 @@ from pipemap.runtime.admission import (
     call_shape,
     component_call,
     measured_call,
+    still_wanted,
     weights_ceiling,
 )
 
@@ -281,6 +282,57 @@ def test_a_dry_run_holds_no_lock_a_measured_shape_needs_and_a_shape_is_measured_
     for thread in stalled:
         thread.join(30)
     assert measured == [32, 64] and admission.needs({"width": 64}).rest == {"cuda:0": 64_000}
+
+
+def test_a_dry_run_goes_on_while_a_caller_wants_it_and_stops_once_none_does():
+    # the dry run asks ``still_wanted`` between its operations (here: a loop until released); callers are threads of
+    # requests whose clients may leave
+    from pipemap.errors import DryRunDropped
+
+    runs, release = [], threading.Event()
+
+    def measure(plan, call):
+        runs.append(call["width"])
+        while not release.is_set():
+            still_wanted()
+            threading.Event().wait(0.01)
+        return needs(call["width"] * 1000)
+
+    admission = Admission(_plan(), measure)
+    outcome: dict = {}
+
+    def ask(name, width, gone):
+        try:
+            outcome[name] = admission.needs({"width": width}, lambda: not gone.is_set()).rest
+        except DryRunDropped:
+            outcome[name] = "dropped"
+
+    def callers(width, *names):
+        gone = {name: threading.Event() for name in names}
+        threads = [threading.Thread(target=ask, args=(name, width, gone[name])) for name in names]
+        for thread in threads:
+            thread.start()
+        shape = call_shape({"width": width})
+        while shape not in admission._pending or len(admission._pending[shape].wanted) < len(names):
+            threading.Event().wait(0.01)
+        return gone, threads
+
+    gone, threads = callers(64, "a", "b")
+    gone["a"].set()  # one client leaves: the other still waits, so the same dry run goes on to its end
+    threading.Event().wait(0.1)
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert outcome == {"a": {"cuda:0": 64_000}, "b": {"cuda:0": 64_000}} and runs == [64]
+    release.clear()
+    gone, threads = callers(96, "c", "d")
+    gone["c"].set()
+    gone["d"].set()  # both gone: it stops at its next operation, its shape unmeasured, and is no failure
+    for thread in threads:
+        thread.join(30)
+    assert outcome["c"] == outcome["d"] == "dropped" and runs == [64, 96]
+    assert call_shape({"width": 96}) not in admission._figures and admission.unmeasured == {}
+    assert admission._pending == {}
 
 
 def test_the_figures_kept_are_bounded_the_least_recently_used_dropped(monkeypatch):

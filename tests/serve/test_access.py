@@ -101,6 +101,28 @@ def test_a_server_bound_beyond_loopback_checks_no_host_name(service):
         assert httpx.get(f"{url}/health", headers={"host": "pipemap.internal"}, timeout=30).status_code == 200
 
 
+def test_a_server_failure_is_a_500_in_openais_shape_with_the_request_id(service, monkeypatch):
+    own = Service(service.pipe, service.plan, service.running_plan, timeout=60.0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug of the server's own")
+
+    monkeypatch.setattr(own, "submit", broken)
+    with Background(own) as url:
+        failed = httpx.post(f"{url}{GENERATIONS}", json=BODY, headers={"x-request-id": "trace-500"}, timeout=30)
+    assert failed.status_code == 500 and failed.headers["x-request-id"] == "trace-500"
+    assert failed.json()["error"]["code"] == "server_error" and "a bug of the server's own" in failed.text
+
+
+def test_a_content_length_not_in_ascii_digits_is_no_500():
+    assert Access(local=False, max_body=10).refusal("POST", "/v1/x", Headers({"content-type": "application/json",
+                                                                  "content-length": "\u00b2"})) is None
+    assert Access(local=False, max_body=10).refusal("POST", "/v1/x", Headers({"content-type": "application/json",
+                                                                  "content-length": "9" * 5000})) is None
+    assert Access(local=False, max_body=10).refusal("POST", "/v1/x", Headers({"content-type": "application/json",
+                                                                  "content-length": "11"})).status_code == 413
+
+
 def test_local_names_and_request_ids_directly():
     assert all(is_local(h) for h in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"))
     assert not any(is_local(h) for h in ("0.0.0.0", "::", "10.0.0.1", "evil.example", ""))
@@ -115,8 +137,9 @@ def test_pipemap_serve_warns_when_bound_beyond_loopback_without_a_key(tmp_path, 
     monkeypatch.delenv("PIPEMAP_API_KEY", raising=False)
     assert main(["serve", missing, "--host", "0.0.0.0"]) == 2  # the missing folder is still the error it was
     warned = capsys.readouterr().err
-    assert "WARNING: serving on 0.0.0.0" in warned and "--api-key" in warned
-    for argv in (["serve", missing, "--host", "0.0.0.0", "--api-key", KEY], ["serve", missing]):
+    assert "WARNING: serving on 0.0.0.0" in warned and "--api-key-file" in warned
+    monkeypatch.setenv("PIPEMAP_API_KEY", KEY)
+    for argv in (["serve", missing, "--host", "0.0.0.0"], ["serve", missing]):
         assert main(argv) == 2 and "WARNING" not in capsys.readouterr().err
 
 
@@ -146,6 +169,12 @@ def test_the_official_openai_client_with_the_key(keyed):
     assert [m.id for m in client.models.list()] == ["pipemap"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="sk-wrong", max_retries=0).images.generate(prompt="a cat", size="32x32")
-    with pytest.raises(openai.BadRequestError, match="at most 200 steps") as refused:
+    with pytest.raises(openai.BadRequestError, match="at most 1000 steps") as refused:
         client.images.generate(prompt="a cat", size="32x32", extra_body={"num_inference_steps": 10_000})
     assert (refused.value.code, refused.value.param) == ("steps_too_large", "num_inference_steps")
+    # a 504 past the request's own timeout is not retried by the client's default retries (x-should-retry: false)
+    retrying = openai.OpenAI(base_url=url, api_key=KEY, max_retries=2, timeout=60)
+    before = code(keyed, 504)
+    with pytest.raises(openai.InternalServerError) as late:
+        retrying.images.generate(prompt="a cat", size="32x32", extra_body={"timeout": 0.001})
+    assert late.value.status_code == 504 and code(keyed, 504) == before + 1  # asked once, not three times

@@ -43,7 +43,7 @@ BAD = {
     "guidance NaN": ({"prompt": "a cat", "guidance_scale": float("nan")}, "guidance_scale", "finite number"),
     "guidance Infinity": ({"prompt": "a cat", "guidance_scale": float("inf")}, "guidance_scale", "finite number"),
     "steps over the cap": ({"prompt": "a cat", "num_inference_steps": 100000}, "num_inference_steps",
-                           "at most 200 steps"),
+                           "at most 1000 steps"),  # the scheduler's num_train_timesteps
     "prompt too long": ({"prompt": "a cat " * 1000}, "prompt", "6000 characters; this server takes at most 4000"),
     "timeout not positive": ({"prompt": "a cat", "timeout": 0}, "timeout", "greater than 0"),
     "no prompt": ({"n": 1}, "prompt", "Field required"),
@@ -54,6 +54,12 @@ BAD = {
     "frames to an image pipeline": ({"prompt": "a cat", "num_frames": 8}, "num_frames",
                                     "this pipeline takes no num_frames"),
     "frames a boolean": ({"prompt": "a cat", "num_frames": True}, "num_frames", "valid integer"),
+    # no size reaches int() unbounded nor the arithmetic past it (a 500 before: ValueError, OverflowError)
+    "size in full-width digits": ({"prompt": "a cat", "size": "\uff11\uff16x\uff11\uff16"}, "size", "ASCII digits"),
+    "size of 5000 digits": ({"prompt": "a cat", "size": "1" * 5000 + "x16"}, "size", "not WIDTHxHEIGHT"),
+    "size past int's digits": ({"prompt": "a cat", "size": "8x" + "9" * 4300}, "size", "each side at most 16384"),
+    "size of six digits": ({"prompt": "a cat", "size": "999992x8"}, "size", "not WIDTHxHEIGHT"),
+    "size over the most side": ({"prompt": "a cat", "size": "16392x16392"}, "size", "sides of at most 16384"),
 }
 
 
@@ -63,7 +69,7 @@ def test_bad_request_names_its_field(client, kind):
     before = code(client, 400)
     # as Python's json writes it: NaN and Infinity as bare words, which httpx's json= refuses to send
     response = client.post(GENERATIONS, content=json.dumps(fields), headers={"content-type": "application/json"})
-    assert response.status_code == 400
+    assert response.status_code == 400 and response.headers["x-should-retry"] == "false"  # no retry mends it
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert words in error["message"]

@@ -10,6 +10,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -19,6 +21,7 @@ httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip ins
 uvicorn = pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
 import pipemap.serve.server as server_module  # noqa: E402
 from pipemap.serve import Background, DrainingError, GenerationRequest, Service, create_app, run  # noqa: E402
+from pipemap.serve.connections import ConnectionLimits, GuardedH11  # noqa: E402
 from serving import ask, in_background, pngs, wait_until  # noqa: E402
 
 
@@ -53,8 +56,20 @@ def test_an_exit_signal_drains_the_worker_before_uvicorn_stops(own):
     server = server_module._DrainingServer(uvicorn.Config(create_app(own)), own)
     assert not own.worker.draining and not server.should_exit
     server.handle_exit(signal.SIGTERM, None)
-    assert own.worker.draining and server.should_exit
+    assert own.worker.draining and server.should_exit and not server.force_exit
     assert own.health()["status"] == "draining"
+
+
+def test_a_second_exit_signal_drops_the_work_and_exits_at_once(own):
+    from pipemap.serve.worker import Job
+
+    server = server_module._DrainingServer(uvicorn.Config(create_app(own)), own)
+    waiting = Job({"prompt": "a"}, 1, 1, deadline=float("inf"))
+    own.worker.submit(waiting)  # its worker never started: it waits
+    server.handle_exit(signal.SIGTERM, None)
+    assert not server.force_exit and waiting.wanted()  # the first drains: the work taken may finish
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.force_exit and not waiting.wanted() and own.worker.depth == 0  # the second drops it all
 
 
 def test_run_serves_the_app_on_the_address_given_with_a_grace_period_past_the_timeout(own, monkeypatch):
@@ -64,9 +79,11 @@ def test_run_serves_the_app_on_the_address_given_with_a_grace_period_past_the_ti
     (server,) = started
     assert (server.config.host, server.config.port) == ("0.0.0.0", 8123)
     assert server.config.timeout_graceful_shutdown == own.timeout + 5  # a request running may finish
-    # connections at once: the queue (16) and the requests in flight (1), twice over, and 32 for probes
-    assert server.config.limit_concurrency == 2 * (16 + 1) + 32
+    # requests in the app at once: the queue (16) and the requests in flight (1), twice over, and 16; uvicorn's own
+    # limit, which counts idle connections and answers probes 503 in plain text, is off: connections.GuardedH11
+    assert server_module.max_inside(own) == 2 * (16 + 1) + 16 and server.config.limit_concurrency is None
     assert server.config.timeout_keep_alive == 5 and server.config.h11_max_incomplete_event_size == 64 * 1024
+    assert issubclass(server.config.http, GuardedH11) and server.config.http.limits == ConnectionLimits()
     assert server.config.app.state.service is own and server.service is own
 
 
@@ -109,7 +126,7 @@ def test_a_load_that_fails_stops_the_server_with_its_error(monkeypatch):
     monkeypatch.setattr(server_module._DrainingServer, "run", lambda self: started.append(self))
     run(loading, port=0, log_level="warning")
     (server,) = started
-    assert server.config.limit_concurrency == 2 * (16 + 8) + 32  # the most workers a plan may get: none made yet
+    assert server_module.max_inside(loading) == 2 * (16 + 8) + 16  # the most workers a plan may get: none made yet
     loading.start()
     loading._thread.join(10)
     assert isinstance(loading.failed, pipemap.NotAPipelineError) and server.should_exit
@@ -118,7 +135,7 @@ def test_a_load_that_fails_stops_the_server_with_its_error(monkeypatch):
 
 def test_past_the_apps_limit_requests_get_503_json_and_probes_still_answer(service):
     # the app takes 2 * (1 waiting + 1 running) + 16 requests at once; each of these holds one by sending its head
-    # and never its body; the next gets JSON (uvicorn's own 503, in plain text, is 16 connections further)
+    # and never its body (within the body timeout); the next gets JSON
     own = Service(service.pipe, service.plan, service.running_plan, timeout=30.0, max_queue=1, workers=1)
     with Background(own) as url, httpx.Client(base_url=url, timeout=60) as session:
         port = int(url.rsplit(":", 1)[1])
@@ -173,3 +190,45 @@ def _up(session) -> bool:
         return session.get("/health").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.slow  # a server process of its own, 10 s or more to start on 2 cores
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's CPU time in /proc")
+def test_a_client_leaving_a_big_new_shapes_dry_run_leaves_the_server_idle_and_sigterm_exits_soon(tiny_folders,
+                                                                                               tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the child writes it until it exits
+    server = subprocess.Popen([sys.executable, "-m", "pipemap", "serve", tiny_folders["sd"], "--port", str(port)],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as session:
+            wait_until(lambda: _up(session) or server.poll() is not None, 240)
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
+            body = b'{"prompt": "a cat", "size": "1000x1000"}'  # a new shape: its dry run takes many seconds
+            with socket.create_connection(("127.0.0.1", port)) as leaving:
+                leaving.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                start = _cpu_seconds(server.pid)
+                wait_until(lambda: _cpu_seconds(server.pid) - start > 0.5, 30)  # its dry run is under way
+            threading.Event().wait(2)  # the client left: within 2 s its dry run has stopped
+            before = _cpu_seconds(server.pid)
+            threading.Event().wait(1)
+            assert _cpu_seconds(server.pid) - before < 0.3  # idle
+            answered = time.monotonic()
+            assert session.get("/health/live").status_code == 200 and time.monotonic() - answered < 1
+            server.send_signal(signal.SIGTERM)
+            stopping = time.monotonic()
+            server.wait(10)
+            assert time.monotonic() - stopping < 5
+    finally:
+        server.kill()
+        server.wait()
+        log.close()

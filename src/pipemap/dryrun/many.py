@@ -23,7 +23,16 @@ from typing import Any, cast
 from ..errors import CallTooLargeError, SimulationFailedError
 from ..plan import Plan
 from ..quiet import PATCHING, quiet_diffusers, quiet_transformers
-from ..runtime.admission import Lease, MemoryLedger, Needs, Ticket, call_shape, measured_call, too_large
+from ..runtime.admission import (
+    Lease,
+    MemoryLedger,
+    Needs,
+    Ticket,
+    call_shape,
+    measured_call,
+    still_wanted,
+    too_large,
+)
 from ..units import format_bytes
 from . import standin
 from .report import SimulationReport
@@ -89,6 +98,7 @@ class SegmentTracker(PhasedTracker):
         self._note(device)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        still_wanted()  # a dry run nobody waits for any more stops here (``admission.wanted_while``)
         self._segment().ops += 1
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -118,13 +128,24 @@ class Measured:
 def measure(source, plan: Plan, call: Mapping, steps: int = 2) -> Measured:
     """Run ``call`` on stand-in devices as ``plan`` places it and read its needs and course; a dry run that fails
     raises ``SimulationFailedError``."""
-    with _DRY_RUNS, quiet_diffusers(), quiet_transformers():  # a prompt made long for its bucket is truncated
+    with _turn(), quiet_diffusers(), quiet_transformers():  # a prompt made long for its bucket is truncated
         report, tracker, _ = traced(source, plan, steps=steps, call=call, tracker=SegmentTracker)
     if not report.ok:
         raise SimulationFailedError(report)
     back = {v: k for k, v in standin.devices_for(plan).items()}
     course = cast(SegmentTracker, tracker).course(back)
     return Measured(needs_from(course, report.peak_phase), course, report)
+
+
+@contextlib.contextmanager
+def _turn():
+    """The dry runs' lock, waited for in short turns: a dry run nobody wants any more leaves the line."""
+    while not _DRY_RUNS.acquire(timeout=0.05):
+        still_wanted()
+    try:
+        yield
+    finally:
+        _DRY_RUNS.release()
 
 
 def needs_of(source, plan: Plan, call: Mapping, steps: int = 2) -> Needs:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CallTooLargeError
+from ..errors import CallTooLargeError, DryRunDropped
 from ..modes import Peak, facts, resolve_ranks, splits
 from ..plan import Plan
 from ..units import format_bytes, parse_bytes
@@ -481,6 +481,40 @@ class OutOfMemory:
     message: str
 
 
+@dataclass
+class _Pending:
+    """A shape's dry run under way: its outcome, and whether each caller waiting for it still does (None: always)."""
+
+    future: Future = field(default_factory=Future)
+    wanted: list[Callable[[], bool] | None] = field(default_factory=list)
+
+    def anyone(self) -> bool:
+        return any(check is None or check() for check in list(self.wanted))
+
+
+_wanting = threading.local()
+
+
+@contextlib.contextmanager
+def wanted_while(check: Callable[[], bool]) -> Iterator[None]:
+    """Dry runs on this thread in the block stop at their next operation (``still_wanted``) once ``check()`` is
+    false: a request's dry run is its work, bounded by its time and dropped when its client leaves."""
+    outer = getattr(_wanting, "check", None)
+    _wanting.check = check
+    try:
+        yield
+    finally:
+        _wanting.check = outer
+
+
+def still_wanted() -> None:
+    """``DryRunDropped`` when the dry run on this thread is wanted no more (``wanted_while``); the dry run calls it
+    before each operation it follows."""
+    check = getattr(_wanting, "check", None)
+    if check is not None and not check():
+        raise DryRunDropped()
+
+
 MOST_SHAPES = 256  # call shapes whose figures an ``Admission`` keeps (a few hundred bytes each)
 _TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) ?([KMGT]i?B|bytes?)", re.IGNORECASE)
 _GPU = re.compile(r"\bGPU (\d+)\b")
@@ -517,7 +551,7 @@ class Admission:
         # one (dry runs take turns on the dry-run wing's own lock, with loads: ``quiet.PATCHING``)
         self._figures: collections.OrderedDict[tuple, Needs] = collections.OrderedDict()
         self._corrected: set[tuple] = set()
-        self._pending: dict[tuple, Future] = {}  # shapes being measured: a second request of one waits for it
+        self._pending: dict[tuple, _Pending] = {}  # shapes being measured: a second request of one waits for it
         self._cache = threading.Lock()
         self._changed = self.ledger.changed  # shared with every pipeline on its ledger: a release wakes theirs
 
@@ -526,35 +560,47 @@ class Admission:
         """Requests and component calls waiting for memory now."""
         return len(self.ledger.waiting)
 
-    def needs(self, call: Mapping) -> Needs:
-        """``call``'s needs, measured once per shape; ``CallTooLargeError`` when they fit on no device even alone."""
-        needs = self._needs(call_shape(call), call)
+    def needs(self, call: Mapping, wanted: Callable[[], bool] | None = None) -> Needs:
+        """``call``'s needs, measured once per shape; ``CallTooLargeError`` when they fit on no device even alone.
+        ``wanted``: whether the caller still waits (None: until the end); a dry run that no caller wants any more
+        stops at its next operation (``DryRunDropped``), and one a caller still wants is run again for it."""
+        needs = self._needs(call_shape(call), call, wanted)
         device = self.ledger.too_large(needs)
         if device is not None:
             raise too_large(self.ledger, needs, device, call)
         return needs
 
-    def _needs(self, shape: tuple, call: Mapping) -> Needs:
-        with self._cache:
-            found = self._figures.get(shape)
-            if found is not None:
-                self._figures.move_to_end(shape)
-                return found
-            pending = self._pending.get(shape)
-            mine = pending is None
+    def _needs(self, shape: tuple, call: Mapping, wanted: Callable[[], bool] | None) -> Needs:
+        while True:
+            with self._cache:
+                found = self._figures.get(shape)
+                if found is not None:
+                    self._figures.move_to_end(shape)
+                    return found
+                pending = self._pending.get(shape)
+                mine = pending is None
+                if pending is None:
+                    pending = self._pending[shape] = _Pending()
+                pending.wanted.append(wanted)
             if mine:
-                pending = self._pending[shape] = Future()
-        assert pending is not None
-        if not mine:
-            return pending.result()  # the same shape's dry run, under way on another thread
+                return self._measure_pending(shape, call, pending)
+            try:
+                return pending.future.result()  # the same shape's dry run, under way on another thread
+            except DryRunDropped:
+                if wanted is not None and not wanted():
+                    raise
+                # dropped as the callers before this one left: measured again, for this one
+
+    def _measure_pending(self, shape: tuple, call: Mapping, pending: _Pending) -> Needs:
         try:
-            needs = self._measured(shape, call)
+            with wanted_while(pending.anyone):
+                needs = self._measured(shape, call)
             with self._cache:
                 self._store(shape, needs)
-            pending.set_result(needs)
+            pending.future.set_result(needs)
             return needs
         except BaseException as err:
-            pending.set_exception(err)
+            pending.future.set_exception(err)
             raise
         finally:
             with self._cache:

@@ -20,10 +20,12 @@ except ImportError as missing:  # pragma: no cover - depends on the install
 
 from ..errors import DrainingError, QueueFullError, RequestError, WorkDropped
 from .app import ROUTES, create_app
+from .connections import ConnectionLimits
 from .requests import GenerationRequest, Limits
 from .server import Background, run
 from .service import Options, Service, resolve_folder
 from .worker import run_sequential
 
-__all__ = ["ROUTES", "Background", "DrainingError", "GenerationRequest", "Limits", "Options", "QueueFullError",
-           "RequestError", "Service", "WorkDropped", "create_app", "resolve_folder", "run", "run_sequential"]
+__all__ = ["ROUTES", "Background", "ConnectionLimits", "DrainingError", "GenerationRequest", "Limits", "Options",
+           "QueueFullError", "RequestError", "Service", "WorkDropped", "create_app", "resolve_folder", "run",
+           "run_sequential"]

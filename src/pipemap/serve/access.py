@@ -25,13 +25,24 @@ from starlette.responses import JSONResponse
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+_LENGTH = re.compile(r"^[0-9]{1,19}$")
+
+
+# answers the same request would get again: OpenAI's client (and Stainless-made ones) retry 408, 409, 429 and 5xx by
+# default, twice, unless the answer says ``x-should-retry: false`` (a 504 here is past the request's own timeout)
+NO_RETRY = frozenset({400, 401, 403, 404, 405, 413, 415, 422, 431, 504})
+
+
+def retry_headers(status: int) -> dict[str, str]:
+    """``{"x-should-retry": "false"}`` for an answer a retry cannot change (``NO_RETRY``), else nothing."""
+    return {"x-should-retry": "false"} if status in NO_RETRY else {}
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
           headers: dict | None = None) -> JSONResponse:
     """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers={**retry_headers(status), **(headers or {})})
 
 
 def is_local(host: str) -> bool:
@@ -79,7 +90,9 @@ class Access:
             return error(415, f"the body must be JSON with 'Content-Type: application/json', not {media or 'none'!r}",
                          "invalid_request_error", code="unsupported_media_type")
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body:
+        # ASCII digits, at most 19 (``str.isdigit`` takes "²", which ``int`` refuses); the server's parser checks the
+        # rest, and a body longer than its Content-Length is cut at the limit as it is read (``app._body``)
+        if _LENGTH.match(length) and int(length) > self.max_body:
             return too_large(self.max_body)
         return None
 
@@ -140,9 +153,9 @@ class Guard:
 
 class Busy:
     """ASGI middleware: at most ``limit`` HTTP requests in the app at once; past it, 503 in OpenAI's shape with a
-    Retry-After. uvicorn's own ``limit_concurrency`` answers in plain text, and before the app sees the request, so
-    this limit sits below uvicorn's (``server.limits``): a flood gets JSON here, and uvicorn's plain answer is left for
-    connections past its own, higher limit. Probes and scrapes (``/health*``, ``/metrics``) are never refused here."""
+    Retry-After. uvicorn's own ``limit_concurrency``, which answers in plain text and counts idle connections, is off
+    (``server.limits``); connections are bounded below the app (``connections.GuardedH11``). Probes and scrapes
+    (``/health*``, ``/metrics``) are never refused here."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit, self.inside = app, limit, 0

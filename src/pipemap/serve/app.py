@@ -10,6 +10,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import threading
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
@@ -52,30 +53,78 @@ async def _generate(service: Service, request: Request) -> Response:
         body = await _body(request, service.access.max_body)
     except BodyTooLarge:
         return too_large(service.access.max_body)
-    try:  # off the event loop: a new call shape is measured by a dry run first
-        generation, job = await run_in_threadpool(service.submit, parse(body))
-    except ModelNotFoundError as err:
-        return error(404, err.message, "invalid_request_error", err.param, err.code)
-    except RequestError as err:
-        return error(400, err.message, "invalid_request_error", err.param, err.code)
-    except QueueFullError as err:
-        return error(429, str(err), "server_busy", code="queue_full", headers={"Retry-After": str(err.retry_after)})
-    except DrainingError as err:
-        return error(503, str(err), "server_shutting_down", code="draining", headers={"Retry-After": "1"})
-    try:
-        output = await _outcome(request, service, job)
-    except ClientGone:
-        return error(499, "the client closed the connection; its work was dropped", "client_closed",
+    except ClientDisconnect:  # it left, or its body timed out (``connections``): nobody reads an answer
+        return error(499, "the client closed the connection before its body was read", "client_closed",
                      code="client_closed")
-    except (TimeoutError, asyncio.TimeoutError, WorkDropped):
-        return error(504, f"the request took more than its timeout of {job.timeout:g} s; its work was dropped: ask "
-                     "for fewer steps or images, or retry later", "timeout", code="timeout")
-    except Exception as err:  # noqa: BLE001 - the pipeline failed on this request; the server goes on
-        return _failed(service, err)
+    gone = asyncio.ensure_future(_disconnect(request))  # the client's leaving, watched from here to the answer
+    try:
+        return await _answer(service, request, body, gone)
+    finally:
+        gone.cancel()
+
+
+async def _answer(service: Service, request: Request, body: bytes, gone: asyncio.Future) -> Response:
+    job, timeout = None, service.timeout
+    try:
+        asked = parse(body)
+        timeout = service.timeout_of(asked)
+        generation, job = await _submitted(service, asked, gone, timeout)
+        output = await _outcome(service, job, gone)
+    except Exception as err:  # noqa: BLE001 - each failure its answer; the server goes on
+        refusal = _refusal(err, timeout)
+        if refusal is not None:
+            return refusal
+        if job is None:  # not the pipeline's: the server's own failure, a 500 with the request's id
+            raise
+        return _failed(service, err)  # the pipeline failed on this request
     data = await run_in_threadpool(lambda: _data(output))
     answer = {"created": int(time.time()), "seed": generation.seed, "data": data}
     headers = {"Warning": ", ".join(f'299 pipemap "{w}"' for w in generation.warnings)} if generation.warnings else {}
     return JSONResponse(answer, headers=headers)
+
+
+def _refusal(err: Exception, timeout: float) -> Response | None:
+    """The answer to a request refused or dropped (``err``), or None for a failure."""
+    if isinstance(err, ModelNotFoundError):
+        return error(404, err.message, "invalid_request_error", err.param, err.code)
+    if isinstance(err, RequestError):
+        return error(400, err.message, "invalid_request_error", err.param, err.code)
+    if isinstance(err, QueueFullError):
+        return error(429, str(err), "server_busy", code="queue_full", headers={"Retry-After": str(err.retry_after)})
+    if isinstance(err, DrainingError):
+        return error(503, str(err), "server_shutting_down", code="draining", headers={"Retry-After": "1"})
+    if isinstance(err, ClientGone):
+        return error(499, "the client closed the connection; its work was dropped", "client_closed",
+                     code="client_closed")
+    if isinstance(err, (TimeoutError, asyncio.TimeoutError, WorkDropped)):
+        return error(504, f"the request took more than its timeout of {timeout:g} s; its work was dropped: ask "
+                     "for fewer steps or images, or retry later", "timeout", code="timeout")
+    return None
+
+
+async def _submitted(service: Service, asked, gone: asyncio.Future, timeout: float):
+    """The request checked and queued, off the event loop (a new call shape is measured by a dry run first), as the
+    request's own work: when its client leaves or its time runs out first, its dry run stops at its next operation
+    (``admission.still_wanted``) and nothing is queued; ``ClientGone`` or a timeout raised at once."""
+    dropped, deadline = threading.Event(), time.monotonic() + timeout
+    work = asyncio.ensure_future(run_in_threadpool(service.submit, asked, dropped, deadline))
+    try:
+        await asyncio.wait({work, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping this handler
+        dropped.set()
+        raise
+    if work.done():
+        return work.result()
+    dropped.set()  # the dry run stops; a job queued meanwhile is the same ``dropped``: never run
+    work.add_done_callback(_read)
+    if gone.done():
+        raise ClientGone()
+    raise TimeoutError()
+
+
+def _read(future: asyncio.Future) -> None:
+    """Reads an abandoned future's outcome (a dry run dropped), so asyncio does not log it as never retrieved."""
+    future.cancelled() or future.exception()
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -88,20 +137,17 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _outcome(request: Request, service: Service, job):
+async def _outcome(service: Service, job, gone: asyncio.Future):
     """The job's output, as soon as its own work ends; the job dropped (and ``ClientGone`` or a timeout raised) when
-    its client hangs up or its time runs out first: a waiting job leaves the queue, a running one stops at its next
-    denoising step."""
+    its client hangs up (``gone``) or its time runs out first: a waiting job leaves the queue, a running one stops at
+    its next denoising step."""
     answer = asyncio.ensure_future(asyncio.wrap_future(job.future))
-    gone = asyncio.ensure_future(_disconnect(request))
     try:
         done, _ = await asyncio.wait({answer, gone}, timeout=max(0.0, job.deadline - time.monotonic()),
                                      return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # the server is stopping this handler: nobody wants the work
         service.worker.cancel(job)
         raise
-    finally:
-        gone.cancel()
     if answer in done:
         return answer.result()
     service.worker.cancel(job)
@@ -257,7 +303,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return error(500, f"the server failed: {type(exc).__name__}: {exc}", "server_error", code="server_error")
+    """A failure no route answered: 500 in OpenAI's shape. Starlette answers it outside every middleware, so the
+    request's id (``access.Guard`` keeps it in the scope's state) is set here."""
+    rid = request.scope.get("state", {}).get("request_id")
+    return error(500, f"the server failed: {type(exc).__name__}: {str(exc)[:300]}", "server_error",
+                 code="server_error", headers={"X-Request-Id": rid} if rid else None)
 
 
 def _refused(service: Service | Loading):

@@ -23,7 +23,10 @@ from ..errors import ModelNotFoundError, RequestError
 
 # SD and SDXL's check_inputs want sides divisible by 8 whatever their VAE's scale factor (a tiny VAE has 2)
 _SD_MULTIPLE = 8
-_SIZE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
+# ASCII digits only (``\d`` takes full-width and other scripts' digits), five at most: a side past ``MAX_SIDE`` is
+# refused by its length before any arithmetic, and no number read here can reach Python's 4300-digit limit
+_SIZE = re.compile(r"^[ \t]*([0-9]{1,5})[ \t]*x[ \t]*([0-9]{1,5})[ \t]*$")
+MAX_SIDE = 16384  # pixels: twice what any diffusers pipeline is trained for, and past what one device decodes
 # request field -> the pipeline __call__ argument it becomes
 _EXTENSIONS = {"negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
                "guidance_scale": "guidance_scale", "num_frames": "num_frames"}
@@ -122,8 +125,10 @@ class Limits:
     max_frames: int = 256  # a video's frames: 256 is about twice what video pipelines make by default (81 to 129)
 
     @classmethod
-    def of(cls, pipe, max_n: int = 4, *, max_steps: int = 200, max_prompt: int = 4000,
+    def of(cls, pipe, max_n: int = 4, *, max_steps: int | None = None, max_prompt: int = 4000,
            names: tuple[str, ...] = (), max_frames: int = 256) -> Limits:
+        """``pipe``'s limits; ``max_steps`` None: what its scheduler takes (``scheduler_steps``)."""
+        max_steps = max_steps or scheduler_steps(pipe)
         processor = getattr(pipe, "image_processor", None)
         scale = getattr(getattr(processor, "config", None), "vae_scale_factor", None) or _SD_MULTIPLE
         tokenizers = tuple((name, value) for name, value in pipe.components.items()
@@ -170,10 +175,14 @@ class Limits:
                                    f"{self.max_prompt}: shorten it", "prompt_too_long")
 
     def _size(self, text: str) -> tuple[int, int]:
-        match = _SIZE.match(text)
+        match = _SIZE.match(text) if len(text) <= 32 else None
         if match is None:
-            raise RequestError("size", f"size {text!r} is not WIDTHxHEIGHT, e.g. '1024x1024'", "invalid_size")
+            raise RequestError("size", f"size {text[:32]!r}{'...' if len(text) > 32 else ''} is not WIDTHxHEIGHT in "
+                               f"ASCII digits, each side at most {MAX_SIDE}, e.g. '1024x1024'", "invalid_size")
         width, height = int(match[1]), int(match[2])
+        if max(width, height) > MAX_SIDE:
+            raise RequestError("size", f"size {text!r}: this server takes sides of at most {MAX_SIDE} pixels: ask for "
+                               "a smaller size", "size_too_large")
         if width <= 0 or height <= 0 or width % self.multiple or height % self.multiple:
             raise RequestError("size", f"size {text!r}: this pipeline takes sides that are positive multiples of "
                                f"{self.multiple}, e.g. '{_round(width, self.multiple)}x"
@@ -189,6 +198,14 @@ class Limits:
                 out.append(f"{what} is {length} tokens; {name} reads {tokenizer.model_max_length}, the rest was "
                            "dropped")
         return out
+
+
+def scheduler_steps(pipe) -> int:
+    """The most denoising steps ``pipe``'s scheduler takes: its ``num_train_timesteps`` (DDIM, PNDM, Euler and the
+    flow-matching schedulers refuse more, or repeat timesteps); 1000, their usual count, where it has none."""
+    config = getattr(getattr(pipe, "scheduler", None), "config", None)
+    steps = getattr(config, "num_train_timesteps", None) if config is not None else None
+    return steps if isinstance(steps, int) and steps > 0 else 1000
 
 
 def _round(side: int, multiple: int) -> int:

@@ -12,6 +12,7 @@ import threading
 import uvicorn
 
 from .app import create_app
+from .connections import ConnectionLimits, protocol_for
 from .service import MOST_WORKERS, Loading, Service
 
 
@@ -21,37 +22,50 @@ class _DrainingServer(uvicorn.Server):
         self.service = service
 
     def handle_exit(self, sig, frame) -> None:
+        """The first SIGTERM or Ctrl-C drains: new work refused, the work taken answered within the graceful
+        shutdown's bound (the timeout and 5 s), then dropped. A second exits at once: every job dropped (a running
+        one stops at its next step), no more waiting for connections, and the requests' handlers cancelled as the
+        loop ends (their dry runs stop at their next operation)."""
+        if self.should_exit:
+            self.service.drop()
+            self.force_exit = True
+            return
         self.service.drain()
         super().handle_exit(sig, frame)
 
 
-PROBES = 16  # of uvicorn's connections, those kept for probes and scrapes: the app's own limit is that much lower
+PROBES = 16  # requests kept for probes and scrapes beside those the app holds (``access.Busy``)
 
 
-def limits(service: Service | Loading) -> dict:
-    """uvicorn's own limits for ``service``: connections at once (the queue, the work running, and as many again
-    for probes, scrapes and clients being refused; past them uvicorn answers 503 at once, holding no file
-    descriptor for long), seconds an idle keep-alive connection is held, the bytes of an incomplete request head,
-    and the grace a shutdown gives the requests in flight (the worker drops what is left after it)."""
+def limits(service: Service | Loading, connections: ConnectionLimits | None = None) -> dict:
+    """uvicorn's settings for ``service``: the h11 protocol with the connection limits (``connections.GuardedH11``:
+    head and body timeouts, the cap on open connections, the head's size, the lingering close), the keep-alive idle
+    time, and the grace a shutdown gives the requests in flight (the worker drops what is left after it). uvicorn's
+    own ``limit_concurrency`` is off: it counts idle connections, and answers every request past it, probes too, in
+    plain text; the app's ``Busy`` bounds the requests inside."""
+    connections = connections or ConnectionLimits()
+    return {"http": protocol_for(connections), "limit_concurrency": None, "timeout_keep_alive": connections.keep_alive,
+            "h11_max_incomplete_event_size": connections.max_head,
+            "timeout_graceful_shutdown": service.timeout + 5}
+
+
+def max_inside(service: Service | Loading) -> int:
+    """Requests in the app at once (``access.Busy``, which answers JSON past it): the queue and the work running,
+    twice over (clients being refused hold a place while they are), and 16 more."""
     if isinstance(service, Loading):  # the worker count follows from the plan, not made yet: the most it can be
         queue, workers = service.options.max_queue, service.options.workers or MOST_WORKERS
     else:
         queue, workers = service.worker.max_queue, service.workers
-    return {"limit_concurrency": 2 * (queue + workers) + PROBES + 16, "timeout_keep_alive": 5,
-            "h11_max_incomplete_event_size": 64 * 1024, "timeout_graceful_shutdown": service.timeout + 5}
+    return 2 * (queue + workers) + 16
 
 
-def max_inside(service: Service | Loading) -> int:
-    """Requests in the app at once (``access.Busy``, which answers JSON past it): uvicorn's limit less ``PROBES``."""
-    return limits(service)["limit_concurrency"] - PROBES
-
-
-def run(service: Service | Loading, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``service`` on ``host:port`` until SIGTERM or Ctrl-C; a ``Loading`` one that fails to load stops the
-    server (its error in ``service.failed``)."""
+def run(service: Service | Loading, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+        connections: ConnectionLimits | None = None) -> None:
+    """Serve ``service`` on ``host:port`` until SIGTERM or Ctrl-C, each connection held to ``connections``; a
+    ``Loading`` one that fails to load stops the server (its error in ``service.failed``)."""
     # uvicorn annotates timeout_graceful_shutdown int, but takes any number of seconds (asyncio.timeout)
     config = uvicorn.Config(create_app(service, max_inside(service)), host=host, port=port, log_level=log_level,
-                            **limits(service))
+                            **limits(service, connections))
     server = _DrainingServer(config, service)
     if isinstance(service, Loading):
         told = service.on_failed
@@ -71,13 +85,14 @@ class Background:
     ...     httpx.post(f"{url}/v1/images/generations", json={"prompt": "a cat", "size": "32x32"})
     """
 
-    def __init__(self, service: Service | Loading, host: str = "127.0.0.1"):
+    def __init__(self, service: Service | Loading, host: str = "127.0.0.1",
+                 connections: ConnectionLimits | None = None):
         self.service = service
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.bind((host, 0))  # the port is ours from here on: no race with other processes for it
         self.url = f"http://{host}:{self.socket.getsockname()[1]}"
-        config = uvicorn.Config(create_app(service, max_inside(service)), log_level="warning", **{**limits(service),
-                                                                             "timeout_graceful_shutdown": 5})
+        settings = {**limits(service, connections), "timeout_graceful_shutdown": 5}
+        config = uvicorn.Config(create_app(service, max_inside(service)), log_level="warning", **settings)
         self.server = _DrainingServer(config, service)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 

@@ -20,7 +20,7 @@ from .. import catalog
 from ..api import Request, call_needs, load, memory_for, runnable
 from ..cost import bytes_moved
 from ..dispatch.parallel import iter_unordered
-from ..errors import CallTooLargeError, NotAPipelineError, format_bytes
+from ..errors import CallTooLargeError, DryRunDropped, NotAPipelineError, WorkDropped, format_bytes
 from ..inventory import inventory_of
 from ..plan import Plan
 from ..runtime.admission import Admission
@@ -46,7 +46,7 @@ class Options:
     timeout: float = 300.0
     max_n: int = 4
     workers: int | None = None  # requests in flight at most; None: as many as the plan's room holds at once
-    max_steps: int = 200
+    max_steps: int | None = None  # None: what the pipeline's scheduler takes (``requests.scheduler_steps``)
     max_prompt: int = 4000  # characters
     names: tuple[str, ...] = ()  # the model names served; none: the path as given
     access: Access = Access()  # who may call, and how large a body may be
@@ -125,7 +125,7 @@ class Service:
 
     def __init__(self, pipe, plan: Plan, running_plan: Plan | None = None, *, max_queue: int = 16,
                  timeout: float = 300.0, max_n: int = 4, workers: int | None = None, runner=None,
-                 memory: Admission | None = None, sizes: Admission | None = None, max_steps: int = 200,
+                 memory: Admission | None = None, sizes: Admission | None = None, max_steps: int | None = None,
                  max_prompt: int = 4000, names: tuple[str, ...] = (), access: Access | None = None,
                  max_batch: int = 1, batch_window: float = 0.02, max_frames: int = 256):
         self.pipe, self.plan, self.running_plan = pipe, plan, running_plan or plan
@@ -171,43 +171,71 @@ class Service:
         """Take no new work; what was taken still finishes (an exit signal's first step)."""
         self.worker.drain()
 
+    def drop(self) -> None:
+        """Take no new work and drop all that was taken: waiting jobs leave the queue, running ones stop at their next
+        step (a second exit signal's doing; it waits for nothing)."""
+        self.worker.drop()
+
     def stop(self, grace: float | None = None) -> None:
         """Drain: the work taken may finish for ``grace`` seconds (the timeout by default); then what is still
         waiting or running is dropped (stopped at its next step) and the worker given a few seconds more."""
         self.worker.stop(self.timeout if grace is None else grace)
 
-    def submit(self, request: GenerationRequest) -> tuple[Generation, Job]:
+    def submit(self, request: GenerationRequest, dropped: threading.Event | None = None,
+               deadline: float | None = None) -> tuple[Generation, Job]:
         """The checked request and its job, queued (RequestError, QueueFullError or DrainingError if not). A request
         whose activations fit the plan's room on no device, even alone, is a RequestError with the figures (its
-        shape's dry run, once, may take seconds: the app calls this off its event loop)."""
+        shape's dry run, once, may take seconds: the app calls this off its event loop). ``dropped`` (set: the
+        client left) and ``deadline`` (``time.monotonic()``; by default the request's timeout from now) bound that
+        dry run too: it stops at its next operation once the request is not wanted, and nothing is queued
+        (``WorkDropped``)."""
         seed = request.seed if request.seed is not None else secrets.randbits(31)
         generation = self.limits.check(request, seed)
+        timeout = self.timeout_of(request)
+        job = Job(generation.call, seed, generation.n, deadline or time.monotonic() + timeout, timeout,
+                  dropped=dropped or threading.Event())
         if self.sizes is not None:
-            self._check_room(generation)
-        timeout = min(self.timeout, request.timeout or self.timeout)
-        job = Job(generation.call, seed, generation.n, time.monotonic() + timeout, timeout)
+            try:
+                self._check_room(generation, job.wanted)
+            except DryRunDropped:
+                raise WorkDropped(0) from None
+        if not job.wanted():
+            raise WorkDropped(0)
         self.worker.submit(job)
         job.future.add_done_callback(lambda done: done.cancelled() or self.notice(done.exception()))
         return generation, job
 
-    def _check_room(self, generation: Generation) -> None:
+    def timeout_of(self, request: GenerationRequest) -> float:
+        """Seconds ``request`` may take: its own ``timeout``, at most the server's."""
+        return min(self.timeout, request.timeout or self.timeout)
+
+    def _check_room(self, generation: Generation, wanted=None) -> None:
         """A RequestError with the figures when the call's activations fit the plan's room on no device, even alone:
-        far too large by the shapes measured so far, else by its own shape's dry run."""
+        sure by arithmetic (``_floor``, the shapes measured so far), else by its own shape's dry run (stopped once
+        ``wanted()`` is false)."""
         assert self.sizes is not None
         param = "n" if generation.n > 1 else "num_frames" if "num_frames" in generation.call else "size"
         work = _work(generation.call, video="num_frames" in self.limits.parameters)
-        for device, needs, seen in self._scaled(work):
+        for device, needs, seen in [*self._floor(work), *self._scaled(work)]:
             room = self.sizes.ledger.room(device)
-            if needs > _SURE * room:
+            if needs > (_SURE * room if seen else room):
+                source = f"scaled from {format_bytes(seen)} measured at a smaller size" if seen else \
+                    "its decoded images alone, as 16-bit floats"
                 raise RequestError(param, f"the call needs about {format_bytes(needs)} of activations on {device} "
-                                   f"(scaled from {format_bytes(seen)} measured at a smaller size), but the plan "
-                                   f"leaves {format_bytes(room)} there beside its weights: ask for a smaller size "
-                                   "or fewer images", "insufficient_memory")
+                                   f"({source}), but the plan leaves {format_bytes(room)} there beside its weights: "
+                                   "ask for a smaller size or fewer images", "insufficient_memory")
         try:
-            self._seen(work, self.sizes.needs(generation.call).peak)
+            self._seen(work, self.sizes.needs(generation.call, wanted).peak)
         except CallTooLargeError as err:
             self._seen(work, {err.device: err.needs})
             raise RequestError(param, str(err), "insufficient_memory") from None
+
+    def _floor(self, work: int | None) -> list[tuple[str, int, int]]:
+        """``(device, bytes, 0)``: what the call needs at least where its VAE decodes, by arithmetic alone: its
+        pixels, three channels of 16-bit floats (no pipeline decodes in fewer bytes)."""
+        assert self.sizes is not None
+        decodes = {p.component: p.execution_device for p in self.sizes.plan.components}.get("vae")
+        return [] if work is None or decodes is None else [(decodes, work * 3 * 2, 0)]
 
     def _seen(self, work: int | None, peak: dict[str, int]) -> None:
         if work and len(self._measured) < 64:  # a few shapes suffice to scale from; a flood of sizes adds none
@@ -324,6 +352,11 @@ class Loading:
             self.draining = True
         if self.service is not None:
             self.service.drain()
+
+    def drop(self) -> None:
+        self.drain()
+        if self.service is not None:
+            self.service.drop()
 
     def stop(self, grace: float | None = None) -> None:
         self.drain()

@@ -60,7 +60,7 @@ class Job:
     timeout: float = 0.0  # seconds it was given: its deadline less its submission time
     future: Future = field(default_factory=Future)
     started: float = 0.0  # time.perf_counter() when the worker took it
-    dropped: threading.Event = field(default_factory=threading.Event)
+    dropped: threading.Event = field(default_factory=threading.Event)  # set: its client left
 
     def wanted(self) -> bool:
         return not self.dropped.is_set() and time.monotonic() < self.deadline
@@ -145,11 +145,16 @@ class Worker:
             return
         self._thread.join(timeout)
         if self._thread.is_alive():
-            with self._ready:
-                left = [*self._waiting, *self.taken]
-            for job in left:
-                self.cancel(job)
+            self.drop()
             self._thread.join(5)
+
+    def drop(self) -> None:
+        """Drain, and drop every job: out of the queue, or stopped at its next step if it runs."""
+        self.drain()
+        with self._ready:
+            left = [*self._waiting, *self.taken]
+        for job in left:
+            self.cancel(job)
 
     def cancel(self, job: Job) -> None:
         """Drop ``job``: out of the queue if it waits there, stopped at its next step if it runs."""
