@@ -56,11 +56,19 @@ def test_demo_on_this_machine(tmp_path):
 
 
 @pytest.mark.slow
-def test_simulate_through_the_command_line(tiny_folders):
-    result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x4MiB,cpu=1GiB", "--headroom", "0",
-                         "--strategy", "sequential", "--height", "64", "--width", "64", "--steps", "1")
+def test_simulate_through_the_command_line_exits_1_when_a_peak_passes_its_gpu_and_0_within_budget(tiny_folders):
+    # the tiny SDXL at 64x64 peaks at 9.96 MiB on cuda:0 (denoising) and 5.54 MiB on cuda:1 (VAE decode): it runs
+    # on 4 MiB GPUs, and does not fit them
+    options = ("--headroom", "0", "--strategy", "sequential", "--height", "64", "--width", "64", "--steps", "1")
+    result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x4MiB,cpu=1GiB", *options)
+    assert result.returncode == 1, result.stderr
+    assert "dry run DOES NOT FIT" in result.stdout and "cuda:2" in result.stdout
+    over = [line for line in result.stdout.splitlines() if line.startswith("does not fit: ")]
+    assert [line.split()[3] for line in over] == ["cuda:0:", "cuda:1:"] and "9.96 MiB" in over[0]
+    assert "denoising (step 1) in 'unet'" in over[0] and "VAE decode in 'vae'" in over[1]
+    result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x16MiB,cpu=1GiB", *options)
     assert result.returncode == 0, result.stderr
-    assert "dry run ok" in result.stdout and "cuda:2" in result.stdout
+    assert "dry run ok" in result.stdout and "does not fit" not in result.stdout
 
 
 @pytest.mark.slow
