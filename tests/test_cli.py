@@ -112,3 +112,65 @@ def test_serve_flags_become_the_services_options(monkeypatch, tmp_path):
     assert main(["serve", str(tmp_path), "--api-key", "given"]) == 0
     assert loaded[-1].access == Access(api_key="given", local=True)
     assert loaded[-1].names == () and loaded[-1].served_names() == (str(tmp_path),)  # the path as given
+
+
+# ---- arguments checked before torch loads ------------------------------------------------------------------------
+
+EARLY = """
+import sys
+from pipemap.cli import main
+code = main(sys.argv[1:])
+print("torch loaded" if "torch" in sys.modules else "no torch", code)
+"""
+
+
+def _early(*args: str):
+    """``pipemap *args`` in a child process, with whether torch was imported by the time it answered."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", EARLY, *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("plan", "sdxl", "--strategy", "balance"), "did you mean 'balanced'?"),
+    (("plan", "fluxdev"), "the nearest catalog names: flux.1-dev"),
+    (("run", "flux-dev", "--prompt", "a cat"), "huggingface-cli download black-forest-labs/FLUX.1-dev --local-dir"),
+    (("simulate", "sdxl", "--hardware", "2x16GBB"), "cannot read '16GBB' as a memory size"),
+])
+def test_a_bad_argument_answers_before_torch_is_imported(args, said):
+    result = _early(*args)
+    assert result.stdout.split() == ["no", "torch", "2"], result.stderr
+    assert said in result.stderr and result.stderr.count("\n") == 1  # one line
+
+
+def test_unknown_names_point_at_the_catalog_and_run_with_a_catalog_name_says_it_needs_a_folder():
+    result = pipemap_cli("plan", "flux-schnel")
+    assert result.returncode == 2 and "flux.1-" in result.stderr and "`pipemap catalog`" in result.stderr
+    result = pipemap_cli("run", "sdxl", "--prompt", "a cat")
+    assert result.returncode == 2 and "stabilityai/stable-diffusion-xl-base-1.0" in result.stderr
+    assert "`pipemap plan sdxl` and `pipemap simulate sdxl` need no download" in result.stderr
+
+
+def test_strategy_names_are_case_insensitive_and_mixed_names_match_the_planner():
+    from pipemap.cli import MIXED_NAMES, _strategy_name
+    from pipemap.planner import MIXED
+
+    assert MIXED_NAMES == tuple(MIXED)
+    assert _strategy_name("Balanced") == "balanced" and _strategy_name(" AUTO ") == "auto"
+    assert _strategy_name('{"vae": "cuda:1"}') == '{"vae": "cuda:1"}'
+    result = pipemap_cli("plan", "sd1.5", "--hardware", "2x24GiB,cpu=64GiB", "--strategy", "Balanced_Low_Memory")
+    assert result.returncode == 0 and "strategy 'balanced_low_memory'" in result.stdout, result.stderr
+
+
+def test_decimal_units_in_hardware_are_read_with_a_note(tiny_folders):
+    result = pipemap_cli("plan", tiny_folders["sd"], "--hardware", "2x16GB,cpu=64GB,host_bw=25GB", "--json")
+    assert result.returncode == 0, result.stderr
+    notes = result.stderr.splitlines()
+    assert notes == ["pipemap: note: --hardware read '16GB' as 16 x 10^9 bytes = 14.90 GiB (GB: powers of 1000); "
+                     "write 16GiB for 16 x 2^30 bytes",
+                     "pipemap: note: --hardware read '64GB' as 64 x 10^9 bytes = 59.60 GiB (GB: powers of 1000); "
+                     "write 64GiB for 64 x 2^30 bytes"]  # host_bw=25GB is a speed: no note
+    assert json.loads(result.stdout)["devices"]["cuda:0"]["memory"] == 16 * 10**9

@@ -124,6 +124,7 @@ class Request:
 
             if catalog.resolve(source) is not None:
                 return catalog.inventory(source, self.dtype)
+            raise catalog.unknown(source)  # no folder, no name: the nearest names
         return inventory_of(source, self.dtype, self.variant)
 
     def plan(self, inventory: Inventory | None = None) -> Plan:
@@ -520,9 +521,10 @@ def resolve_strategy(strategy: str | Mapping | None, device_map: str | Mapping |
     chosen = strategy if strategy is not None else device_map if device_map is not None else "balanced"
     if isinstance(chosen, Mapping):
         return _checked_map(chosen)
-    if not isinstance(chosen, str) or (chosen not in STRATEGIES and chosen not in MIXED and chosen != AUTO):
-        raise UnknownStrategyError(chosen, (AUTO, *STRATEGIES, "a dict {component: device}"))
-    return chosen
+    name = chosen.strip().lower() if isinstance(chosen, str) else chosen  # "Balanced" is balanced
+    if not isinstance(name, str) or (name not in STRATEGIES and name not in MIXED and name != AUTO):
+        raise UnknownStrategyError(chosen, (AUTO, *STRATEGIES, *MIXED))
+    return name
 
 
 def _checked_map(mapping: Mapping) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -17,16 +18,20 @@ from pathlib import Path
 from .errors import (
     ArgumentTypeError,
     FolderNotEmptyError,
+    HardwareSpecError,
     HeadroomError,
+    NotAPipelineError,
     OutputPathError,
     PipemapError,
     UnknownStrategyError,
 )
 from .quiet import quiet_progress
+from .units import format_bytes, parse_bytes
 
 # the same names as planner.STRATEGIES and "auto" (a test checks they agree); written out so --help imports no torch
 STRATEGY_NAMES = ("balanced", "sequential", "balanced_low_memory", "balanced_ultra_low_memory", "balanced_split",
                   "parallel", "auto")
+MIXED_NAMES = ("balanced_split+low_memory", "balanced_split+ultra_low_memory")  # planner.MIXED, checked by a test
 TINY_KINDS = ("sd", "sdxl", "controlnet", "flux")  # tiny.ALL_KINDS, checked by the same test
 
 
@@ -35,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_libraries()
     try:
+        _check_early(args)
         return args.run(args)
     except PipemapError as err:
         print(f"pipemap: error: {err}", file=sys.stderr)
@@ -50,6 +56,76 @@ def _quiet_libraries() -> None:
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
         warnings.filterwarnings("ignore", category=UserWarning, module=module)
+
+
+def _check_early(args) -> None:
+    """What can be checked without torch, checked before any command imports it (5 s of CPU): a bad name or
+    strategy answers at once. The API checks everything again; this only answers sooner."""
+    if getattr(args, "strategy", None) is not None:
+        args.strategy = _strategy_name(args.strategy)
+    if getattr(args, "hardware", None):
+        _hardware_sizes(args.hardware)
+    if getattr(args, "path", None) is not None and args.command in ("plan", "simulate", "run"):
+        _check_source(args.path, args.command)
+
+
+def _strategy_name(text: str) -> str:
+    """``--strategy`` in lower case if it names a strategy (``Balanced`` is balanced); a JSON dict as it is."""
+    if text.strip().startswith("{"):
+        return text
+    name = text.strip().lower()
+    if name not in STRATEGY_NAMES + MIXED_NAMES:
+        raise UnknownStrategyError(text, STRATEGY_NAMES + MIXED_NAMES)
+    return name
+
+
+# the cost model's figures in a hardware spec (hardware._PERF_KEYS but reserve=, a size): speeds and names
+_FIGURES = ("gpu", "flops", "attention", "host_bw", "peer_bw", "mem_bw", "disk_bw")
+_DECIMAL = {"kb": (3, "KiB", 10), "mb": (6, "MiB", 20), "gb": (9, "GiB", 30), "tb": (12, "TiB", 40)}
+_SIZE_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
+
+
+def _hardware_sizes(spec: str) -> None:
+    """Each memory size of ``--hardware`` read (``hardware.Hardware.parse`` reads the rest), and a note on stderr
+    for each given in GB/MB: powers of 1000, so ``2x16GB`` is two GPUs of 14.90 GiB, not 16."""
+    for part in (p.strip() for p in spec.split(",")):
+        key, has_name, value = part.partition("=")
+        if not part or (has_name and key.strip().lower() in _FIGURES):
+            continue
+        count, times, size = part.partition("x")
+        text = (value if has_name else size if times and count.strip().isdigit() else part).strip()
+        try:
+            read = parse_bytes(text)
+        except ValueError as err:
+            raise HardwareSpecError(spec, part, str(err)) from err
+        _decimal_note(text, read)
+
+
+def _decimal_note(text: str, read: int) -> None:
+    match = _SIZE_UNIT.match(text)
+    if match is None or match.group(2).lower() not in _DECIMAL:
+        return
+    number, unit = match.group(1), match.group(2).lower()
+    power, binary, bits = _DECIMAL[unit]
+    print(f"pipemap: note: --hardware read {text!r} as {number} x 10^{power} bytes = {format_bytes(read)} "
+          f"({unit.upper()}: powers of 1000); write {number}{binary} for {number} x 2^{bits} bytes", file=sys.stderr)
+
+
+def _check_source(path: str, command: str) -> None:
+    """A folder, or (for ``plan`` and ``simulate``) a catalog name; ``run`` needs the downloaded folder."""
+    if Path(path).exists():
+        return
+    from . import catalog  # its names are JSON files beside it: no torch
+
+    name = catalog.resolve(path)
+    if name is None:
+        raise catalog.unknown(path)
+    if command == "run":
+        repo = catalog.entries()[name].repo
+        raise NotAPipelineError(path, f"it is the catalog's {name} ({repo}), and `run` loads its weights, so it needs "
+                                f"the downloaded folder: `huggingface-cli download {repo} --local-dir {name}`, then "
+                                f"`pipemap run {name} --prompt ...` (`pipemap plan {path}` and `pipemap simulate "
+                                f"{path}` need no download)")
 
 
 def _parser() -> argparse.ArgumentParser:

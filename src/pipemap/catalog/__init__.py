@@ -15,6 +15,7 @@ only, no memory) and counting their tensors at the target dtype, exactly as ``in
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import json
@@ -105,12 +106,31 @@ def resolve(name: str) -> str | None:
     return _lookup().get(str(name).strip().lower())
 
 
+def nearest(name: str, count: int = 3) -> list[str]:
+    """The catalog names closest to ``name`` (spelled as any of their names, aliases or repo ids), best first.
+
+    >>> nearest("flux-schnell")[0]
+    'flux.1-schnell'
+    """
+    table = _lookup()
+    text = str(name).strip().lower()
+    close = difflib.get_close_matches(text, list(table), n=4 * count, cutoff=0.5)
+    inside = [key for key in table if len(text) >= 3 and (text in key or key in text)]  # "flux" in "flux.1-dev"
+    return list(dict.fromkeys(table[key] for key in close + inside))[:count]
+
+
+def unknown(name: str, reason: str = "no such folder, and no catalog name") -> NotAPipelineError:
+    """The error for a source that is neither a folder nor a catalog name: the nearest names and where to look."""
+    near = nearest(name)
+    hint = f"the nearest catalog names: {', '.join(near)}; " if near else ""
+    return NotAPipelineError(str(name), f"{reason} ({hint}`pipemap catalog` lists them all)")
+
+
 def entry(name: str) -> Entry:
-    """The catalog entry for ``name``; a NotAPipelineError that lists the known names if there is none."""
+    """The catalog entry for ``name``; a NotAPipelineError that names the nearest ones if there is none."""
     resolved = resolve(name)
     if resolved is None:
-        raise NotAPipelineError(str(name), "it is neither a folder nor a catalog name (known: "
-                                f"{', '.join(names())}; `pipemap catalog` lists them)")
+        raise unknown(name, "it is neither a folder nor a catalog name")
     return entries()[resolved]
 
 
