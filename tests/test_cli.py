@@ -174,3 +174,20 @@ def test_decimal_units_in_hardware_are_read_with_a_note(tiny_folders):
                      "pipemap: note: --hardware read '64GB' as 64 x 10^9 bytes = 59.60 GiB (GB: powers of 1000); "
                      "write 64GiB for 64 x 2^30 bytes"]  # host_bw=25GB is a speed: no note
     assert json.loads(result.stdout)["devices"]["cuda:0"]["memory"] == 16 * 10**9
+
+
+def test_every_option_of_every_command_has_help_text():
+    import argparse
+
+    from pipemap.cli import _parser
+
+    def commands(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield name, sub
+                    yield from ((f"{name} {n}", s) for n, s in commands(sub))
+
+    missing = [f"{name} {action.dest}" for name, sub in commands(_parser()) for action in sub._actions
+               if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and not action.help]
+    assert missing == []

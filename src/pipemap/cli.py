@@ -143,13 +143,14 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("path", help="a diffusers pipeline folder (no weight is read) or a catalog name (nothing "
                           "is downloaded; see `pipemap catalog`)")
     _plan_options(simulate)
-    simulate.add_argument("--height", type=int)
-    simulate.add_argument("--width", type=int)
+    simulate.add_argument("--height", type=int, help="image height in pixels (default: the pipeline's)")
+    simulate.add_argument("--width", type=int, help="image width in pixels (default: the pipeline's)")
     simulate.add_argument("--steps", type=int, default=2, help="denoising steps to run (default 2; steps repeat, "
                           "so the peak of 2 is the peak of 50)")
     simulate.add_argument("--output-type", help="the pipeline's output_type (pil, np, pt, latent; default pt)")
     simulate.add_argument("--vae-tiling", action="store_true", help="call vae.enable_tiling() before the call")
-    simulate.add_argument("--prompt", default="a dry run")
+    simulate.add_argument("--prompt", default="a dry run", help="the prompt (its length sets the text encoders' "
+                          "work; default 'a dry run')")
     simulate.add_argument("--svg", metavar="FILE", help="also write each device's memory over the call as SVG")
     simulate.add_argument("--concurrent", type=int, metavar="N", help="also run N such calls at once, as run_many "
                           "and serve do, each admitted by the memory it needs: each device's peak with the requests "
@@ -180,11 +181,12 @@ def _add_run(commands) -> None:
     run = commands.add_parser("run", help="load a pipeline folder onto its plan and generate one image")
     run.add_argument("path", help="a diffusers pipeline folder")
     _plan_options(run)
-    run.add_argument("--prompt", required=True)
+    run.add_argument("--prompt", required=True, help="what to generate")
     run.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
-    run.add_argument("--height", type=int)
-    run.add_argument("--width", type=int)
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--height", type=int, help="image height in pixels (default: the pipeline's)")
+    run.add_argument("--width", type=int, help="image width in pixels (default: the pipeline's)")
+    run.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0): the same seed, the same "
+                     "image")
     run.add_argument("--output", default="pipemap-run.png", help="where to save the image (PNG)")
     run.set_defaults(run=_run)
 
@@ -193,13 +195,17 @@ def _add_serve(commands) -> None:
     serve = commands.add_parser("serve", help="serve a pipeline over HTTP (OpenAI images API), or on Ray Serve")
     serve.add_argument("path", help="a diffusers pipeline folder, or a catalog name / Hub repo id in the HF cache")
     _plan_options(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1, this machine "
+                       "only; 0.0.0.0 for every interface, with --api-key)")
+    serve.add_argument("--port", type=int, default=8000, help="the port to bind (default 8000)")
     serve.add_argument("--max-queue", type=int, default=16, help="requests waiting at most; then 429 (default 16)")
-    serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take; then 504")
+    serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take; then 504 and its "
+                       "work stops at the next step (default 300)")
     serve.add_argument("--max-n", type=int, default=4, help="images a request may ask for (default 4)")
-    serve.add_argument("--workers", type=int, help="requests run together, their stages overlapped (run_many; "
-                       "default: one per device the plan computes on)")
+    serve.add_argument("--workers", type=int, help="requests run together at most, their stages overlapped "
+                       "(run_many), each admitted by the memory it needs (default: as many default-size requests as "
+                       "the plan's room holds at once, at most 8; without a memory ledger, one per device the plan "
+                       "computes on)")
     serve.add_argument("--api-key", default=os.environ.get("PIPEMAP_API_KEY"),
                        help="the bearer token /v1/ routes want (default: $PIPEMAP_API_KEY; none: no key)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME", default=(),
