@@ -66,6 +66,9 @@ def test_simulate_through_the_command_line_exits_1_when_a_peak_passes_its_gpu_an
     over = [line for line in result.stdout.splitlines() if line.startswith("does not fit: ")]
     assert [line.split()[3] for line in over] == ["cuda:0:", "cuda:1:"] and "9.96 MiB" in over[0]
     assert "denoising (step 1) in 'unet'" in over[0] and "VAE decode in 'vae'" in over[1]
+    result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x4MiB,cpu=1GiB", *options, "--concurrent",
+                         "2")
+    assert result.returncode == 1 and "2 refused" in result.stdout, result.stderr  # no call fits: none ran
     result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x16MiB,cpu=1GiB", *options)
     assert result.returncode == 0, result.stderr
     assert "dry run ok" in result.stdout and "does not fit" not in result.stdout

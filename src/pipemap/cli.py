@@ -320,7 +320,8 @@ def _simulate_many(args, plan, call: dict) -> int:
     for report in many.reports:
         print(report)
     print(many)
-    return 0 if many.ok else 1
+    fits = not many.refused and all(report.fits for report in many.reports)  # a call too large: does not fit
+    return 0 if many.ok and fits else 1
 
 
 def _run(args) -> int:
