@@ -128,11 +128,13 @@ PUBLISHED = [
     ("cogvideox-2b", "transformer", "2B", "CogVideoX model card: CogVideoX-2B"),
     ("ltx-video", "transformer", "2B", "LTX-Video model card: the 2B-parameter 0.9 models"),
     ("hunyuanvideo", "transformer", "13B", "HunyuanVideo paper (arXiv:2412.03603): a 13B parameter video model"),
+    ("wan2.2-t2v-a14b", "transformer", "14B", "Wan 2.2 model card: A14B, a 27B MoE of two 14B experts, 14B active"),
+    ("wan2.2-t2v-a14b", "transformer_2", "14B", "Wan 2.2 model card: the low-noise expert, 14B"),
 ]
 
 
 @pytest.mark.slow  # each entry's skeletons on the meta device: 1 to 2 s
-@pytest.mark.parametrize(("name", "denoiser", "figure", "source"), PUBLISHED, ids=[p[0] for p in PUBLISHED])
+@pytest.mark.parametrize(("name", "denoiser", "figure", "source"), PUBLISHED, ids=[f"{p[0]}-{p[1]}" for p in PUBLISHED])
 def test_each_new_entry_s_denoiser_counts_to_its_published_figure(name, denoiser, figure, source):
     assert _rounds_to(catalog.parameter_count(name)[denoiser], figure), source
 
@@ -168,7 +170,7 @@ def test_names_are_the_published_pipelines_grouped_by_family():
         "Stable Diffusion": ["sdxl-turbo", "stable-diffusion-1.5", "stable-diffusion-2.1",
                              "stable-diffusion-3.5-large", "stable-diffusion-3.5-large-turbo",
                              "stable-diffusion-3.5-medium", "stable-diffusion-xl-base-1.0"],
-        "Wan": ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b"]}
+        "Wan": ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-t2v-a14b"]}
 
 
 @pytest.mark.parametrize(("typed", "near"), [
