@@ -130,6 +130,7 @@ PUBLISHED = [
     ("hunyuanvideo", "transformer", "13B", "HunyuanVideo paper (arXiv:2412.03603): a 13B parameter video model"),
     ("wan2.2-t2v-a14b", "transformer", "14B", "Wan 2.2 model card: A14B, a 27B MoE of two 14B experts, 14B active"),
     ("wan2.2-t2v-a14b", "transformer_2", "14B", "Wan 2.2 model card: the low-noise expert, 14B"),
+    ("wan2.2-ti2v-5b", "transformer", "5.0B", "Wan 2.2 model card: TI2V-5B, a 5B dense model"),
 ]
 
 
@@ -153,6 +154,9 @@ def test_entries_the_published_figures_round_differently():
     # Gemma-2 2B (2.6B, its model card)
     assert _rounds_to(catalog.parameter_count("hunyuanvideo")["text_encoder"], "7.5B")
     assert _rounds_to(catalog.parameter_count("sana")["text_encoder"], "2.6B")
+    # Wan 2.2's VAE (vae/config.json of Wan-AI/Wan2.2-TI2V-5B-Diffusers: z_dim 48, residual, 16x16x4) is shipped as
+    # Wan2.2_VAE.pth, 2.82 GB in fp32
+    assert _rounds_to(catalog.parameter_count("wan2.2-ti2v-5b")["vae"] * 4, "2.82B")
     # SD 2.1: Stability AI's SD 2 release, "the same number of parameters in the U-Net as 1.5": 865M, truncated
     assert 865e6 <= catalog.parameter_count("sd2.1")["unet"] < 866e6
 
@@ -170,7 +174,7 @@ def test_names_are_the_published_pipelines_grouped_by_family():
         "Stable Diffusion": ["sdxl-turbo", "stable-diffusion-1.5", "stable-diffusion-2.1",
                              "stable-diffusion-3.5-large", "stable-diffusion-3.5-large-turbo",
                              "stable-diffusion-3.5-medium", "stable-diffusion-xl-base-1.0"],
-        "Wan": ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-t2v-a14b"]}
+        "Wan": ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-t2v-a14b", "wan2.2-ti2v-5b"]}
 
 
 @pytest.mark.parametrize(("typed", "near"), [
