@@ -44,7 +44,7 @@ def one(name: str, machine: str, steps: int) -> str:
                      if n.startswith("auto:") and " is the fastest plan" in n), "auto")
     peaks = "; ".join(f"{d} {format_bytes(p)} ({report.peak_phase.get(d, '?')})"
                       for d, p in report.peak_bytes.items() if d != "cpu")
-    verdict = "ok" if report.ok else f"FAILED: {report.error}"
+    verdict = report.verdict if report.ok else f"FAILED: {report.error}"  # "DOES NOT FIT": a peak above its memory
     advice = (" " + " ".join(report.advice)) if report.advice else ""
     return (f"| {name} | {machine.split(',')[0]} | {strategy} | {verdict}{advice} | {peaks} | {planned:.1f} | "
             f"{wall:.1f} | {cpu:.1f} |")

@@ -60,6 +60,28 @@ def pipemap_cli(*args: str, cwd=None, child: bool = False) -> subprocess.Complet
     return subprocess.CompletedProcess(["pipemap", *args], code, out.getvalue(), err.getvalue())
 
 
+# How far a computation cut into parts may stray from the whole one. The CPU's matrix library (oneDNN, MKL) picks
+# its kernel by the shape and the instruction set: a 1-row slice of a matmul sums in another order than 5 rows do on
+# an AVX-512/AMX CPU (1 ulp, 5.96e-8 in float32), so outputs compared across batch shapes, token shards or devices are
+# never exactly equal on every machine. A tolerance is a number of the dtype's ulps (``torch.finfo(dtype).eps``) per
+# operation, both absolute (values near 1) and relative: one layer rounds its output once or twice; attention in
+# shards sums its softmax in another order; a pipeline's denoising loop carries each step's rounding into the next.
+SPLIT_ULPS = {"layer": 8, "attention": 1024, "pipeline": 128}
+
+
+def split_tolerance(dtype: torch.dtype = torch.float32, operation: str = "layer") -> dict[str, float]:
+    """``{"atol", "rtol"}`` for ``torch.testing.assert_close`` of a split computation against the whole one."""
+    ulps = torch.finfo(dtype).eps * SPLIT_ULPS[operation]
+    return {"atol": ulps, "rtol": ulps}
+
+
+def assert_split_close(got, want, operation: str = "layer") -> None:
+    """``got``, computed in parts (a batch cut across copies, tokens across shards), close to ``want``, computed
+    whole, within ``split_tolerance`` of ``want``'s dtype: never exact equality across batch shapes."""
+    dtype = want.dtype if isinstance(want, torch.Tensor) else torch.float32
+    torch.testing.assert_close(got, want, **split_tolerance(dtype, operation))
+
+
 def inventory(*sizes: tuple[str, int], dtype: str | None = None) -> Inventory:
     """An inventory of models with these ``(name, bytes)`` in pipeline order, plus two weightless parts."""
     models = tuple(Component(name, "diffusers", "Model", size, True) for name, size in sizes)

@@ -109,12 +109,87 @@ def test_qwen_image_counts():
     assert counts["vae"] == catalog.parameter_count("wan2.1-t2v-14b")["vae"]
 
 
+# The entries derived from another's configs (the same architecture retrained or distilled), and the rest with the
+# figure their publisher gives for the denoiser: (name, denoiser, figure, where it is published).
+PUBLISHED = [
+    ("flux.1-schnell", "transformer", "12B", "FLUX.1 [schnell] model card: a 12 billion parameter rectified flow "
+     "transformer (dev's without its guidance embedder: 10.2M fewer)"),
+    ("flux.1-kontext-dev", "transformer", "12B", "FLUX.1 Kontext [dev] model card: a 12 billion parameter rectified "
+     "flow transformer"),
+    ("flux.1-krea-dev", "transformer", "12B", "FLUX.1 Krea [dev] model card: a 12 billion parameter rectified flow "
+     "transformer"),
+    ("chroma1-hd", "transformer", "8.9B", "Chroma model card: an 8.9B parameter model based on FLUX.1-schnell"),
+    ("stable-diffusion-3.5-large-turbo", "transformer", "8.1B", "SD 3.5 announcement: Large Turbo, a distilled "
+     "version of Large"),
+    ("sdxl-turbo", "unet", "2.6B", "SDXL Turbo is a distilled SDXL 1.0 (SDXL paper: 2.6B UNet)"),
+    ("pixart-sigma-xl-2-1024-ms", "transformer", "0.6B", "PixArt-Sigma paper (arXiv:2403.04692): a 0.6B DiT"),
+    ("sana-1600m-1024px", "transformer", "1.6B", "SANA paper (arXiv:2410.10629): Sana-1.6B"),
+    ("lumina-image-2.0", "transformer", "2.6B", "Lumina-Image 2.0 model card: a 2.6B parameter flow-based DiT"),
+    ("cogvideox-2b", "transformer", "2B", "CogVideoX model card: CogVideoX-2B"),
+    ("ltx-video", "transformer", "2B", "LTX-Video model card: the 2B-parameter 0.9 models"),
+    ("hunyuanvideo", "transformer", "13B", "HunyuanVideo paper (arXiv:2412.03603): a 13B parameter video model"),
+    ("wan2.2-t2v-a14b", "transformer", "14B", "Wan 2.2 model card: A14B, a 27B MoE of two 14B experts, 14B active"),
+    ("wan2.2-t2v-a14b", "transformer_2", "14B", "Wan 2.2 model card: the low-noise expert, 14B"),
+    ("wan2.2-ti2v-5b", "transformer", "5.0B", "Wan 2.2 model card: TI2V-5B, a 5B dense model"),
+]
+
+
+@pytest.mark.slow  # each entry's skeletons on the meta device: 1 to 2 s
+@pytest.mark.parametrize(("name", "denoiser", "figure", "source"), PUBLISHED, ids=[f"{p[0]}-{p[1]}" for p in PUBLISHED])
+def test_each_new_entry_s_denoiser_counts_to_its_published_figure(name, denoiser, figure, source):
+    assert _rounds_to(catalog.parameter_count(name)[denoiser], figure), source
+
+
+@pytest.mark.slow  # five entries' skeletons: 5 s
+def test_entries_the_published_figures_round_differently():
+    # SD 3.5 Medium: "2.5 billion parameters" counts the saved 384 x 384 x 1536 position table, a buffer in the
+    # checkpoint: 2.243B parameters + 0.226B = 2.47B, the 4.94 GB bf16 transformer file
+    medium = catalog.parameter_count("sd3.5-medium")["transformer"]
+    assert _rounds_to(medium + 384 * 384 * 1536, "2.5B") and _rounds_to(medium, "2.24B")
+    # Wan 2.1 1.3B: the name is nominal; its published config (dim 1536, ffn 8960, 30 blocks) counts 1.42B
+    assert _rounds_to(catalog.parameter_count("wan2.1-1.3b")["transformer"], "1.42B")
+    # CogVideoX 5B: the config (42 blocks of 3072 with expert adaLN) counts 5.57B, the "5B" of its name
+    assert _rounds_to(catalog.parameter_count("cogvideox-5b")["transformer"], "5.6B")
+    # HunyuanVideo's text encoder: Llama-3-8B without its 128320 x 4096 output head (7.5B); SANA's and Lumina's
+    # Gemma-2 2B (2.6B, its model card)
+    assert _rounds_to(catalog.parameter_count("hunyuanvideo")["text_encoder"], "7.5B")
+    assert _rounds_to(catalog.parameter_count("sana")["text_encoder"], "2.6B")
+    # Wan 2.2's VAE (vae/config.json of Wan-AI/Wan2.2-TI2V-5B-Diffusers: z_dim 48, residual, 16x16x4) is shipped as
+    # Wan2.2_VAE.pth, 2.82 GB in fp32
+    assert _rounds_to(catalog.parameter_count("wan2.2-ti2v-5b")["vae"] * 4, "2.82B")
+    # SD 2.1: Stability AI's SD 2 release, "the same number of parameters in the U-Net as 1.5": 865M, truncated
+    assert 865e6 <= catalog.parameter_count("sd2.1")["unet"] < 866e6
+
+
 # ---- names and aliases ---------------------------------------------------------------------------------------
 
 
-def test_names_are_the_six_published_pipelines():
-    assert catalog.names() == ["flux.1-dev", "qwen-image", "stable-diffusion-1.5", "stable-diffusion-3.5-large",
-                               "stable-diffusion-xl-base-1.0", "wan2.1-t2v-14b"]
+def test_names_are_the_published_pipelines_grouped_by_family():
+    assert len(catalog.names()) >= 20
+    assert catalog.families() == {
+        "CogVideoX": ["cogvideox-2b", "cogvideox-5b"],
+        "FLUX.1": ["chroma1-hd", "flux.1-dev", "flux.1-kontext-dev", "flux.1-krea-dev", "flux.1-schnell"],
+        "HunyuanVideo": ["hunyuanvideo"], "LTX-Video": ["ltx-video"], "Lumina": ["lumina-image-2.0"],
+        "PixArt": ["pixart-sigma-xl-2-1024-ms"], "Qwen-Image": ["qwen-image"], "SANA": ["sana-1600m-1024px"],
+        "Stable Diffusion": ["sdxl-turbo", "stable-diffusion-1.5", "stable-diffusion-2.1",
+                             "stable-diffusion-3.5-large", "stable-diffusion-3.5-large-turbo",
+                             "stable-diffusion-3.5-medium", "stable-diffusion-xl-base-1.0"],
+        "Wan": ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-t2v-a14b", "wan2.2-ti2v-5b"]}
+
+
+@pytest.mark.parametrize(("typed", "near"), [
+    ("flux-schnell", "flux.1-schnell"), ("fluxdev", "flux.1-dev"), ("sd35-medum", "stable-diffusion-3.5-medium"),
+    ("hunyuan-vid", "hunyuanvideo")])
+def test_a_near_miss_gets_the_nearest_names(typed, near):
+    assert catalog.resolve(typed) is None or catalog.resolve(typed) == near
+    assert near in catalog.nearest(typed)
+
+
+@pytest.mark.slow  # every entry's skeletons on the meta device: seconds each
+def test_every_entry_plans_for_two_24_gib_gpus():
+    for name in catalog.names():
+        plan = pipemap.plan(name, hardware="2x24GiB,cpu=64GiB", strategy="auto")
+        assert plan.components and all(d.used <= d.memory for d in plan.devices), name
 
 
 @pytest.mark.parametrize(("alias", "name"), [
@@ -123,6 +198,10 @@ def test_names_are_the_six_published_pipelines():
     ("runwayml/stable-diffusion-v1-5", "stable-diffusion-1.5"), ("sd1.5", "stable-diffusion-1.5"),
     ("stabilityai/stable-diffusion-3.5-large", "stable-diffusion-3.5-large"),
     ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan2.1-t2v-14b"), ("Qwen/Qwen-Image", "qwen-image"),
+    ("black-forest-labs/FLUX.1-schnell", "flux.1-schnell"), ("Kontext", "flux.1-kontext-dev"),
+    ("sd3.5-medium", "stable-diffusion-3.5-medium"), ("THUDM/CogVideoX-5b", "cogvideox-5b"),
+    ("Lightricks/LTX-Video", "ltx-video"), ("hunyuanvideo-community/HunyuanVideo", "hunyuanvideo"),
+    ("PixArt-Sigma", "pixart-sigma-xl-2-1024-ms"), ("sana", "sana-1600m-1024px"), ("chroma", "chroma1-hd"),
 ])
 def test_resolve_accepts_names_aliases_and_repo_ids_in_any_case(alias, name):
     assert catalog.resolve(alias) == name

@@ -56,11 +56,22 @@ def test_demo_on_this_machine(tmp_path):
 
 
 @pytest.mark.slow
-def test_simulate_through_the_command_line(tiny_folders):
-    result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x4MiB,cpu=1GiB", "--headroom", "0",
-                         "--strategy", "sequential", "--height", "64", "--width", "64", "--steps", "1")
+def test_simulate_through_the_command_line_exits_1_when_a_peak_passes_its_gpu_and_0_within_budget(tiny_folders):
+    # the tiny SDXL at 64x64 peaks at 9.96 MiB on cuda:0 (denoising) and 5.54 MiB on cuda:1 (VAE decode): it runs
+    # on 4 MiB GPUs, and does not fit them
+    options = ("--headroom", "0", "--strategy", "sequential", "--height", "64", "--width", "64", "--steps", "1")
+    result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x4MiB,cpu=1GiB", *options)
+    assert result.returncode == 1, result.stderr
+    assert "dry run DOES NOT FIT" in result.stdout and "cuda:2" in result.stdout
+    over = [line for line in result.stdout.splitlines() if line.startswith("does not fit: ")]
+    assert [line.split()[3] for line in over] == ["cuda:0:", "cuda:1:"] and "9.96 MiB" in over[0]
+    assert "denoising (step 1) in 'unet'" in over[0] and "VAE decode in 'vae'" in over[1]
+    result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x4MiB,cpu=1GiB", *options, "--concurrent",
+                         "2")
+    assert result.returncode == 1 and "2 refused" in result.stdout, result.stderr  # no call fits: none ran
+    result = pipemap_cli("simulate", tiny_folders["sdxl"], "--hardware", "3x16MiB,cpu=1GiB", *options)
     assert result.returncode == 0, result.stderr
-    assert "dry run ok" in result.stdout and "cuda:2" in result.stdout
+    assert "dry run ok" in result.stdout and "does not fit" not in result.stdout
 
 
 @pytest.mark.slow
@@ -142,3 +153,82 @@ def test_serve_help_texts_are_the_readmes():
     helps = {a.option_strings[0]: a.help for a in serve._actions if a.option_strings and a.help != "==SUPPRESS=="}
     for flags, _, text in SERVE_OPTIONS:
         assert rows.get(flags[0]) == text == helps[flags[0]], flags[0]
+
+
+# ---- arguments checked before torch loads ------------------------------------------------------------------------
+
+EARLY = """
+import sys
+from pipemap.cli import main
+code = main(sys.argv[1:])
+print("torch loaded" if "torch" in sys.modules else "no torch", code)
+"""
+
+
+def _early(*args: str):
+    """``pipemap *args`` in a child process, with whether torch was imported by the time it answered."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", EARLY, *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("plan", "sdxl", "--strategy", "balance"), "did you mean 'balanced'?"),
+    (("plan", "fluxdev"), "the nearest catalog names: flux.1-dev"),
+    (("run", "flux-dev", "--prompt", "a cat"), "huggingface-cli download black-forest-labs/FLUX.1-dev --local-dir"),
+    (("simulate", "sdxl", "--hardware", "2x16GBB"), "cannot read '16GBB' as a memory size"),
+])
+def test_a_bad_argument_answers_before_torch_is_imported(args, said):
+    result = _early(*args)
+    assert result.stdout.split() == ["no", "torch", "2"], result.stderr
+    assert said in result.stderr and result.stderr.count("\n") == 1  # one line
+
+
+def test_unknown_names_point_at_the_catalog_and_run_with_a_catalog_name_says_it_needs_a_folder():
+    result = pipemap_cli("plan", "flux-schnel")
+    assert result.returncode == 2 and "flux.1-" in result.stderr and "`pipemap catalog`" in result.stderr
+    result = pipemap_cli("run", "sdxl", "--prompt", "a cat")
+    assert result.returncode == 2 and "stabilityai/stable-diffusion-xl-base-1.0" in result.stderr
+    assert "`pipemap plan sdxl` and `pipemap simulate sdxl` need no download" in result.stderr
+
+
+def test_strategy_names_are_case_insensitive_and_mixed_names_match_the_planner():
+    from pipemap.cli import MIXED_NAMES, _strategy_name
+    from pipemap.planner import MIXED
+
+    assert MIXED_NAMES == tuple(MIXED)
+    assert _strategy_name("Balanced") == "balanced" and _strategy_name(" AUTO ") == "auto"
+    assert _strategy_name('{"vae": "cuda:1"}') == '{"vae": "cuda:1"}'
+    result = pipemap_cli("plan", "sd1.5", "--hardware", "2x24GiB,cpu=64GiB", "--strategy", "Balanced_Low_Memory")
+    assert result.returncode == 0 and "strategy 'balanced_low_memory'" in result.stdout, result.stderr
+
+
+def test_decimal_units_in_hardware_are_read_with_a_note(tiny_folders):
+    result = pipemap_cli("plan", tiny_folders["sd"], "--hardware", "2x16GB,cpu=64GB,host_bw=25GB", "--json")
+    assert result.returncode == 0, result.stderr
+    notes = result.stderr.splitlines()
+    assert notes == ["pipemap: note: --hardware read '16GB' as 16 x 10^9 bytes = 14.90 GiB (GB: powers of 1000); "
+                     "write 16GiB for 16 x 2^30 bytes",
+                     "pipemap: note: --hardware read '64GB' as 64 x 10^9 bytes = 59.60 GiB (GB: powers of 1000); "
+                     "write 64GiB for 64 x 2^30 bytes"]  # host_bw=25GB is a speed: no note
+    assert json.loads(result.stdout)["devices"]["cuda:0"]["memory"] == 16 * 10**9
+
+
+def test_every_option_of_every_command_has_help_text():
+    import argparse
+
+    from pipemap.cli import _parser
+
+    def commands(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield name, sub
+                    yield from ((f"{name} {n}", s) for n, s in commands(sub))
+
+    missing = [f"{name} {action.dest}" for name, sub in commands(_parser()) for action in sub._actions
+               if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and not action.help]
+    assert missing == []

@@ -169,3 +169,17 @@ def test_simulate_command_writes_the_timeline(tiny_folders, tmp_path):
                        str(out))
     assert done.returncode == 0, done.stderr
     assert {g.get("data-device") for g in _groups(out.read_text(), "timeline")} >= {"cuda:0", "cuda:1"}
+
+
+def test_a_label_too_long_for_its_segment_is_keyed_and_written_out_under_the_bars_and_labels_have_a_halo():
+    MiB = 2**20
+    # 1 GiB of bar is 520 px: the 1 GiB unet's label fits, the text encoder's 100 MiB (51 px) does not
+    bar = picture.Bar("cuda:0", 1300 * MiB, 1200 * MiB, 1124 * MiB, (
+        picture.Segment("unet", 1024 * MiB, "resident"),
+        picture.Segment("text_encoder_2 (resident part)", 100 * MiB, "stream")))
+    svg = picture.Picture("plan", (bar,)).svg()
+    labels = {g.get("data-label"): g.find(f"{SVG}text") for g in _groups(svg, "segment")}
+    assert labels["unet"].text == "unet 1.00 GiB" and labels["text_encoder_2 (resident part)"].text == "[1]"
+    assert [g.find(f"{SVG}text").text for g in _groups(svg, "cut")] == ["[1] text_encoder_2 (resident part) 100.00 MiB"]
+    assert all(t.get("paint-order") == "stroke" and t.get("stroke") for t in labels.values())  # over hatch and dots
+    assert "\u2026" not in svg  # nothing cut off

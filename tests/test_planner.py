@@ -367,13 +367,21 @@ def test_does_not_fit_anywhere(strategy):
 # ---- strategies --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["fastest", "Balanced", "", ["balanced"], 3])
+@pytest.mark.parametrize("strategy", ["fastest", "", ["balanced"], 3])
 def test_unknown_strategy(strategy):
     with pytest.raises(UnknownStrategyError) as info:
         plan(SDXL_LIKE, TWO_GPUS, strategy=strategy)
     assert info.value.strategy == strategy
     assert {"balanced", "sequential"} <= set(info.value.known)
     assert isinstance(info.value, ValueError) and isinstance(info.value, PipemapError)
+
+
+def test_strategy_names_are_case_insensitive_and_a_near_miss_gets_a_did_you_mean():
+    assert plan(SDXL_LIKE, TWO_GPUS, strategy=" Balanced ") == plan(SDXL_LIKE, TWO_GPUS, strategy="balanced")
+    with pytest.raises(UnknownStrategyError, match="did you mean 'balanced_low_memory'") as info:
+        plan(SDXL_LIKE, TWO_GPUS, strategy="balanced_low_mem")
+    assert info.value.suggestion == "balanced_low_memory"
+    assert str(info.value).count("a dict {component: device}") == 1
 
 
 # ---- execution device --------------------------------------------------------------------------------------------

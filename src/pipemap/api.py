@@ -132,6 +132,7 @@ class Request:
 
             if catalog.resolve(source) is not None:
                 return catalog.inventory(source, self.dtype)
+            raise catalog.unknown(source)  # no folder, no name: the nearest names
         return inventory_of(source, self.dtype, self.variant)
 
     def plan(self, inventory: Inventory | None = None) -> Plan:
@@ -245,12 +246,14 @@ def simulate(source, plan: Plan, *, steps: int = 2, vae_tiling: bool = False, ad
     ``"flux.1-dev"`` (models built from its published configs; nothing is downloaded). Steps repeat, so ``steps``
     (default 2) need not be the real count. ``vae_tiling=True`` calls ``vae.enable_tiling()`` first. Where VAE
     decode peaks above its device's memory, the report's ``advice`` says whether tiling would fit, from a second dry
-    run with tiling; ``advice=False`` skips it (half the time). Extra keyword arguments go to the pipeline call
+    run with tiling; ``advice=False`` skips it (half the time). ``report.ok`` says the call ran; ``report.fits`` that
+    it ran and every device's peak stayed within its memory (``report.overruns``: each device it did not, with what
+    set the peak and what would help). Extra keyword arguments go to the pipeline call
     (``height=``, ``width=``, ``image=`` for a ControlNet, ``output_type=``...).
 
     >>> plan = pipemap.plan("flux.1-dev", hardware="2x16GiB", strategy="auto")          # doctest: +SKIP
     >>> report = pipemap.simulate("flux.1-dev", plan, height=1024, width=1024)         # doctest: +SKIP
-    >>> report.ok, report.peak_bytes["cuda:0"], report.peak_phase["cuda:0"]            # doctest: +SKIP
+    >>> report.fits, report.peak_bytes["cuda:0"], report.peak_phase["cuda:0"]          # doctest: +SKIP
     (True, 15301233664, 'denoising (step 1)')
     """
     if not isinstance(plan, Plan):
@@ -536,9 +539,10 @@ def resolve_strategy(strategy: str | Mapping | None, device_map: str | Mapping |
     chosen = strategy if strategy is not None else device_map if device_map is not None else "balanced"
     if isinstance(chosen, Mapping):
         return _checked_map(chosen)
-    if not isinstance(chosen, str) or (chosen not in STRATEGIES and chosen not in MIXED and chosen != AUTO):
-        raise UnknownStrategyError(chosen, (AUTO, *STRATEGIES, "a dict {component: device}"))
-    return chosen
+    name = chosen.strip().lower() if isinstance(chosen, str) else chosen  # "Balanced" is balanced
+    if not isinstance(name, str) or (name not in STRATEGIES and name not in MIXED and name != AUTO):
+        raise UnknownStrategyError(chosen, (AUTO, *STRATEGIES, *MIXED))
+    return name
 
 
 def _checked_map(mapping: Mapping) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -18,17 +19,21 @@ from .errors import (
     ArgumentConflictError,
     ArgumentTypeError,
     FolderNotEmptyError,
+    HardwareSpecError,
     HeadroomError,
+    NotAPipelineError,
     OutputPathError,
     PipemapError,
     UnknownStrategyError,
 )
 from .modes import RANKS
 from .quiet import quiet_progress
+from .units import format_bytes, parse_bytes
 
 # the same names as planner.STRATEGIES and "auto" (a test checks they agree); written out so --help imports no torch
 STRATEGY_NAMES = ("balanced", "sequential", "balanced_low_memory", "balanced_ultra_low_memory", "balanced_split",
                   "parallel", "auto")
+MIXED_NAMES = ("balanced_split+low_memory", "balanced_split+ultra_low_memory")  # planner.MIXED, checked by a test
 TINY_KINDS = ("sd", "sdxl", "controlnet", "flux")  # tiny.ALL_KINDS, checked by the same test
 
 
@@ -37,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_libraries()
     try:
+        _check_early(args)
         return args.run(args)
     except PipemapError as err:
         print(f"pipemap: error: {err}", file=sys.stderr)
@@ -54,6 +60,76 @@ def _quiet_libraries() -> None:
         warnings.filterwarnings("ignore", category=UserWarning, module=module)
 
 
+def _check_early(args) -> None:
+    """What can be checked without torch, checked before any command imports it (5 s of CPU): a bad name or
+    strategy answers at once. The API checks everything again; this only answers sooner."""
+    if getattr(args, "strategy", None) is not None:
+        args.strategy = _strategy_name(args.strategy)
+    if getattr(args, "hardware", None):
+        _hardware_sizes(args.hardware)
+    if getattr(args, "path", None) is not None and args.command in ("plan", "simulate", "run"):
+        _check_source(args.path, args.command)
+
+
+def _strategy_name(text: str) -> str:
+    """``--strategy`` in lower case if it names a strategy (``Balanced`` is balanced); a JSON dict as it is."""
+    if text.strip().startswith("{"):
+        return text
+    name = text.strip().lower()
+    if name not in STRATEGY_NAMES + MIXED_NAMES:
+        raise UnknownStrategyError(text, STRATEGY_NAMES + MIXED_NAMES)
+    return name
+
+
+# the cost model's figures in a hardware spec (hardware._PERF_KEYS but reserve=, a size): speeds and names
+_FIGURES = ("gpu", "flops", "attention", "host_bw", "peer_bw", "mem_bw", "disk_bw")
+_DECIMAL = {"kb": (3, "KiB", 10), "mb": (6, "MiB", 20), "gb": (9, "GiB", 30), "tb": (12, "TiB", 40)}
+_SIZE_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
+
+
+def _hardware_sizes(spec: str) -> None:
+    """Each memory size of ``--hardware`` read (``hardware.Hardware.parse`` reads the rest), and a note on stderr
+    for each given in GB/MB: powers of 1000, so ``2x16GB`` is two GPUs of 14.90 GiB, not 16."""
+    for part in (p.strip() for p in spec.split(",")):
+        key, has_name, value = part.partition("=")
+        if not part or (has_name and key.strip().lower() in _FIGURES):
+            continue
+        count, times, size = part.partition("x")
+        text = (value if has_name else size if times and count.strip().isdigit() else part).strip()
+        try:
+            read = parse_bytes(text)
+        except ValueError as err:
+            raise HardwareSpecError(spec, part, str(err)) from err
+        _decimal_note(text, read)
+
+
+def _decimal_note(text: str, read: int) -> None:
+    match = _SIZE_UNIT.match(text)
+    if match is None or match.group(2).lower() not in _DECIMAL:
+        return
+    number, unit = match.group(1), match.group(2).lower()
+    power, binary, bits = _DECIMAL[unit]
+    print(f"pipemap: note: --hardware read {text!r} as {number} x 10^{power} bytes = {format_bytes(read)} "
+          f"({unit.upper()}: powers of 1000); write {number}{binary} for {number} x 2^{bits} bytes", file=sys.stderr)
+
+
+def _check_source(path: str, command: str) -> None:
+    """A folder, or (for ``plan`` and ``simulate``) a catalog name; ``run`` needs the downloaded folder."""
+    if Path(path).exists():
+        return
+    from . import catalog  # its names are JSON files beside it: no torch
+
+    name = catalog.resolve(path)
+    if name is None:
+        raise catalog.unknown(path)
+    if command == "run":
+        repo = catalog.entries()[name].repo
+        raise NotAPipelineError(path, f"it is the catalog's {name} ({repo}), and `run` loads its weights, so it needs "
+                                f"the downloaded folder: `huggingface-cli download {repo} --local-dir {name}`, then "
+                                f"`pipemap run {name} --prompt ...` (`pipemap plan {path}` and `pipemap simulate "
+                                f"{path}` need no download)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipemap", description="Place a diffusers pipeline across the GPUs and CPU "
                                      "RAM of a machine: plan it, dry-run it, load and run it.")
@@ -69,13 +145,14 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("path", help="a diffusers pipeline folder (no weight is read) or a catalog name (nothing "
                           "is downloaded; see `pipemap catalog`)")
     _plan_options(simulate)
-    simulate.add_argument("--height", type=int)
-    simulate.add_argument("--width", type=int)
+    simulate.add_argument("--height", type=int, help="image height in pixels (default: the pipeline's)")
+    simulate.add_argument("--width", type=int, help="image width in pixels (default: the pipeline's)")
     simulate.add_argument("--steps", type=int, default=2, help="denoising steps to run (default 2; steps repeat, "
                           "so the peak of 2 is the peak of 50)")
     simulate.add_argument("--output-type", help="the pipeline's output_type (pil, np, pt, latent; default pt)")
     simulate.add_argument("--vae-tiling", action="store_true", help="call vae.enable_tiling() before the call")
-    simulate.add_argument("--prompt", default="a dry run")
+    simulate.add_argument("--prompt", default="a dry run", help="the prompt (its length sets the text encoders' "
+                          "work; default 'a dry run')")
     simulate.add_argument("--svg", metavar="FILE", help="also write each device's memory over the call as SVG")
     simulate.add_argument("--concurrent", type=int, metavar="N", help="also run N such calls at once, as run_many "
                           "and serve do, each admitted by the memory it needs: each device's peak with the requests "
@@ -106,11 +183,12 @@ def _add_run(commands) -> None:
     run = commands.add_parser("run", help="load a pipeline folder onto its plan and generate one image")
     run.add_argument("path", help="a diffusers pipeline folder")
     _plan_options(run)
-    run.add_argument("--prompt", required=True)
+    run.add_argument("--prompt", required=True, help="what to generate")
     run.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
-    run.add_argument("--height", type=int)
-    run.add_argument("--width", type=int)
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--height", type=int, help="image height in pixels (default: the pipeline's)")
+    run.add_argument("--width", type=int, help="image width in pixels (default: the pipeline's)")
+    run.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0): the same seed, the same "
+                     "image")
     run.add_argument("--output", default="pipemap-run.png", help="where to save the image (PNG)")
     run.set_defaults(run=_run)
 
@@ -261,7 +339,7 @@ def _simulate(args) -> int:
     print(report)
     if args.svg:
         Path(args.svg).write_text(report.picture().svg(), encoding="utf-8")
-    return 0 if report.ok else 1
+    return 0 if report.fits else 1  # it ran and every peak is within its device's memory
 
 
 def _simulate_many(args, plan, call: dict) -> int:
@@ -275,7 +353,8 @@ def _simulate_many(args, plan, call: dict) -> int:
     for report in many.reports:
         print(report)
     print(many)
-    return 0 if many.ok else 1
+    fits = not many.refused and all(report.fits for report in many.reports)  # a call too large: does not fit
+    return 0 if many.ok and fits else 1
 
 
 def _run(args) -> int:

@@ -8,6 +8,7 @@ already catches diffusers' ``ValueError`` for a bad ``device_map`` keeps working
 
 from __future__ import annotations
 
+import difflib
 from typing import Protocol
 
 
@@ -73,9 +74,12 @@ class UnknownStrategyError(PipemapError, ValueError):
 
     def __init__(self, strategy: object, known: tuple[str, ...], reason: str = ""):
         self.strategy, self.known, self.reason = strategy, tuple(known), reason
+        close = difflib.get_close_matches(str(strategy).strip().lower(), self.known, n=1, cutoff=0.6)
+        self.suggestion = close[0] if close else None
+        mean = f": did you mean {self.suggestion!r}?" if self.suggestion else "."
         super().__init__(
-            f"unknown strategy {strategy!r}{f' ({reason})' if reason else ''}: use one of {', '.join(self.known)}, "
-            "or a dict {component: device}"
+            f"unknown strategy {strategy!r}{f' ({reason})' if reason else ''}{mean} Use one of "
+            f"{', '.join(self.known)}, or a dict {{component: device}}"
         )
 
 

@@ -196,17 +196,21 @@ ROW, LABEL_W, BAR_W, PAD = 46, 150, 520, 12
 
 def _plan_svg(picture: Picture) -> str:
     colours = _colours(picture)
-    height = PAD * 3 + 24 + ROW * len(picture.bars) + 18 * (len(picture.links) + len(colours) + 2)
+    cut: list[str] = []  # segment labels too long for their segment: keyed [1], [2]... and written out below
+    bars = [_svg_bar(bar, PAD * 2 + 24 + row * ROW, colours, cut) for row, bar in enumerate(picture.bars)]
+    lines = len(picture.links) + len(colours) + 2 + (len(cut) + 1 if cut else 0)
+    height = PAD * 3 + 24 + ROW * len(picture.bars) + 18 * lines
     width = LABEL_W + BAR_W + 110
     parts = [_svg_open(width, height, picture.title), _patterns(),
-             f'<text x="{PAD}" y="{PAD + 14}" font-size="15" font-weight="bold">{escape(picture.title)}</text>']
-    for row, bar in enumerate(picture.bars):
-        parts.append(_svg_bar(bar, PAD * 2 + 24 + row * ROW, colours))
+             f'<text x="{PAD}" y="{PAD + 14}" font-size="15" font-weight="bold">{escape(picture.title)}</text>', *bars]
     y = PAD * 2 + 24 + ROW * len(picture.bars) + 4
     for name, colour in colours.items():
         y += 18
         parts.append(f'<g class="legend"><rect x="{PAD + 10}" y="{y - 11}" width="12" height="12" fill="{colour}"/>'
                      f'<text x="{PAD + 28}" y="{y}" font-size="12">{escape(name)}: {_where(picture, name)}</text></g>')
+    for key, text in enumerate(cut, start=1):
+        y += 18
+        parts.append(f'<g class="cut"><text x="{PAD + 10}" y="{y}" font-size="12">[{key}] {escape(text)}</text></g>')
     y += 24
     if picture.links:
         parts.append(f'<text x="{PAD}" y="{y}" font-size="12" font-weight="bold">bytes moved per image</text>')
@@ -233,7 +237,7 @@ def _patterns() -> str:
             '<circle cx="2.5" cy="2.5" r="1.1" fill="#ffffff" fill-opacity="0.7"/></pattern></defs>')
 
 
-def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str]) -> str:
+def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str], cut: list[str]) -> str:
     scale = BAR_W / max(bar.memory, bar.used, 1)
     x0 = LABEL_W
     kind = "disk" if bar.device == "disk" else "device"  # the disk tier is drawn as a bar, but is no device
@@ -246,7 +250,7 @@ def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str]) -> str:
     x = float(x0)
     for seg in bar.segments:
         w = seg.bytes * scale
-        parts.append(_svg_segment(seg, x, y, w, colours[seg.label.split(" ")[0]]))
+        parts.append(_svg_segment(seg, x, y, w, colours[seg.label.split(" ")[0]], cut))
         x += w
     headroom = max(0, bar.memory - bar.budget)
     if headroom:
@@ -260,15 +264,20 @@ def _svg_bar(bar: Bar, y: int, colours: Mapping[str, str]) -> str:
     return "\n".join(parts)
 
 
-def _svg_segment(seg: Segment, x: float, y: int, w: float, colour: str) -> str:
+def _svg_segment(seg: Segment, x: float, y: int, w: float, colour: str, cut: list[str]) -> str:
     pattern = _pattern(seg.kind)
     overlay = (f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="26" fill="url(#{pattern})"/>' if pattern else "")
-    text = _short(f"{seg.label} {format_bytes(seg.bytes)}", w)
-    label = f'<text x="{x + 3:.2f}" y="{y + 17}" font-size="10" fill="{_ink(colour)}">{escape(text)}</text>'
+    text = f"{seg.label} {format_bytes(seg.bytes)}"
+    if len(text) > w // 6 and w > 24:  # no room for it whole: a key here, the label in full under the bars
+        cut.append(text)
+        text = f"[{len(cut)}]"
+    # a halo of the segment's own colour under the letters: readable over the hatch and the dots of its pattern
+    label = (f'<text x="{x + 3:.2f}" y="{y + 17}" font-size="10" fill="{_ink(colour)}" stroke="{colour}" '
+             f'stroke-width="3" paint-order="stroke">{escape(text)}</text>')
     return (f'<g class="segment" data-label="{escape(seg.label)}" data-kind="{seg.kind}" data-bytes="{seg.bytes}">'
             f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="26" fill="{colour}" stroke="#fff" stroke-width="0.5">'
             f'<title>{escape(seg.label)} ({seg.kind}): {format_bytes(seg.bytes)}</title></rect>{overlay}'
-            f'{label if w > 40 else ""}</g>')
+            f'{label if w > 24 else ""}</g>')
 
 
 def _where(picture: Picture, name: str) -> str:
@@ -287,11 +296,6 @@ def _colours(picture: Picture) -> dict[str, str]:
     for bar in picture.bars:
         names += [s.label.split(" ")[0] for s in bar.segments if s.label.split(" ")[0] not in names]
     return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
-
-
-def _short(label: str, width: float) -> str:
-    room = max(1, int(width // 6))
-    return label if len(label) <= room else label[: max(1, room - 1)] + "\u2026"
 
 
 # ---- terminal -------------------------------------------------------------------------------------------------

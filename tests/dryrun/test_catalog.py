@@ -119,3 +119,15 @@ def test_a_catalog_pipeline_plans_with_measured_headroom_and_dry_runs_with_nothi
             assert report.weight_bytes[device.device] == pytest.approx(device.used, rel=0.01)
     assert "VAE decode" in report.peak_phase.values()
     assert set(report.peak_phase.values()) <= {"prompt encoding", "denoising (step 1)", "VAE decode", "safety check"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["stable-diffusion-2.1"])
+def test_new_catalog_pipelines_dry_run_at_full_size_on_two_24_gib_gpus(name):
+    # the cheapest of the new entries at its own default call (768x768), 1 step: 9 s (SANA's 1024x1024: 18 s); every
+    # entry's default call was dry-run at full size to count its work (catalog/counts.record, test_counted.py checks
+    # each is there)
+    plan = pipemap.plan(name, hardware="2x24GiB,cpu=64GiB", strategy="auto")
+    report = pipemap.simulate(name, plan, steps=1, advice=False)
+    assert report.fits, (report.error, report.overruns)
+    assert set(report.peak_phase.values()) >= {"prompt encoding", "VAE decode"}

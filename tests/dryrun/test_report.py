@@ -84,17 +84,43 @@ def test_failure_says_where_and_who():
 
 def test_bound_peaks_and_advice_are_printed_under_the_table():
     note = "every token routed to the first 2 experts"
-    tracker = _tracker(peak={"meta:0": 5 * MiB, "meta:1": 3 * MiB}, peak_bound={"meta:0": note},
+    tracker = _tracker(peak={"meta:0": 4 * MiB, "meta:1": 3 * MiB}, peak_bound={"meta:0": note},
                        peak_phase={"meta:0": Phase("denoising", 2), "meta:1": Phase("VAE decode")})
     report = report_of(tracker, None, _plan(), BACK, 0.0, {})
     report = replace(report, advice=("cuda:1: use pipe.vae.enable_tiling()",))
     lines = str(report).splitlines()
-    assert lines[0].startswith("dry run ok")
+    assert lines[0].startswith("dry run ok") and report.fits  # 4 MiB on a 4 MiB GPU: at its memory, not above
     row = next(line for line in lines if line.startswith("cuda:0"))
-    assert "5.00 MiB" in row and "4.00 MiB" in row and row.endswith("denoising (step 2)  (bound)")
+    assert row.count("4.00 MiB") == 2 and row.endswith("denoising (step 2)  (bound)")
     assert next(line for line in lines if line.startswith("cuda:1")).endswith("VAE decode")
     assert lines[-2] == f"(bound): a peak at most this high; the dry run assumed {note}"
     assert lines[-1] == "cuda:1: use pipe.vae.enable_tiling()"
+
+
+def test_a_peak_above_its_devices_memory_does_not_fit_and_each_such_device_is_named_with_advice():
+    # unet 3 MiB on cuda:0 (4 MiB), vae 2 MiB on cuda:1 (4 MiB): cuda:0 peaks at 9 MiB denoising (3 MiB of weights,
+    # 6 MiB of activations: more than the GPU), cuda:1 at 5 MiB in VAE decode; the CPU within its 1 GiB
+    tracker = _tracker(peak={"meta:0": 9 * MiB, "meta:1": 5 * MiB, "cpu": MiB}, weights={"meta:0": 3 * MiB},
+                       peak_phase={"meta:0": Phase("denoising", 2), "meta:1": Phase("VAE decode")},
+                       peak_component={"meta:0": "unet", "meta:1": "vae"})
+    report = report_of(tracker, None, _plan(), BACK, 0.0, {})
+    assert report.ok and not report.fits and report.verdict == "DOES NOT FIT"
+    assert [(o.device, o.peak, o.memory, o.phase, o.component) for o in report.overruns] == [
+        ("cuda:0", 9 * MiB, 4 * MiB, "denoising (step 2)", "unet"), ("cuda:1", 5 * MiB, 4 * MiB, "VAE decode", "vae")]
+    lines = str(report).splitlines()
+    assert lines[0].startswith("dry run DOES NOT FIT")
+    assert lines[-2] == ("does not fit: cuda:0: peak 9.00 MiB is above its memory 4.00 MiB, set by denoising (step "
+                         "2) in 'unet'; try a smaller call (height, width, frames, num_images_per_prompt): its "
+                         "activations alone take 6.00 MiB; or a GPU with more memory")
+    assert lines[-1].startswith("does not fit: cuda:1: peak 5.00 MiB") and "enable_tiling()" in lines[-1]
+    assert report.picture().title.endswith("(does not fit)")
+    # weights alone above the memory; activations that a headroom would keep room for
+    heavy = report_of(_tracker(peak={"meta:0": 5 * MiB}, weights={"meta:0": 5 * MiB}), None, _plan(), BACK, 0, {})
+    assert "its weights alone take 5.00 MiB" in heavy.overruns[0].advice()
+    light = report_of(_tracker(peak={"meta:0": 5 * MiB}, weights={"meta:0": 3 * MiB}), None, _plan(), BACK, 0, {})
+    assert "--headroom measure (the plan keeps the 2.00 MiB of activations free)" in light.overruns[0].advice()
+    failed = replace(report, ok=False, error=Failure("dispatch", None, (), "no hook"))
+    assert failed.verdict == "FAILED" and not failed.fits
 
 
 def test_the_timeline_keeps_each_devices_peak_in_at_most_its_points():

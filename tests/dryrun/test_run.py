@@ -249,3 +249,18 @@ def test_a_dry_run_over_a_few_seconds_shows_its_progress_on_a_terminal_and_a_qui
         clock[0] += 10
         phases.on_change(Phase("denoising", 1))
     assert piped.getvalue() == ""
+
+
+@pytest.mark.slow  # a dry run of the tiny SDXL: 2 s
+def test_a_dry_run_says_nothing_about_its_stand_ins(tiny_folders, capfd):
+    # at float16 SDXL's call upcasts its VAE: diffusers' upcast_vae FutureWarning, "should be kept in float32: []"
+    # logged for the fake VAE cast with to(), a fake tensor's __array__ DeprecationWarning: each said per dry run
+    import warnings
+
+    plan = pipemap.plan(tiny_folders["sdxl"], hardware="2x64MiB,cpu=1GiB", dtype="float16")
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = pipemap.simulate(tiny_folders["sdxl"], plan, height=64, width=64, steps=1)
+    assert report.fits and [str(w.message) for w in caught] == []
+    assert "should be kept in float32" not in capfd.readouterr().err

@@ -10,11 +10,11 @@ import torch
 
 import pipemap
 from families import fresh, output, true_cfg
-from helpers import with_copy
+from helpers import split_tolerance, with_copy
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 EXACT = {"atol": 0, "rtol": 0}
-TOLERANCE = {"sequence": {"atol": 1e-4, "rtol": 0}}  # attention in shards sums in another order (test_sequence.py)
+TOLERANCE = {"sequence": split_tolerance(operation="attention")}  # attention in shards sums in another order
 
 
 def _scaled(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -15,14 +15,14 @@ import torch
 import families
 import pipemap
 from families import fresh, output
-from helpers import processes_gone, with_copy
+from helpers import processes_gone, split_tolerance, with_copy
 from pipemap.hooks.guidance_sequence_workers import ProcessGuidanceSequenceHook
 from pipemap.hooks.launch import TIMEOUT_ENV
 from pipemap.hooks.workers import ENV
 
 ON_CPU = {f"cuda:{i}": "cpu" for i in range(4)}
 STEPS = 3
-TOLERANCE = {"atol": 1e-4, "rtol": 0}
+TOLERANCE = split_tolerance(operation="attention")  # attention in shards sums in another order
 
 
 def _wan(monkeypatch, timeout_s: int):

@@ -15,6 +15,7 @@ only, no memory) and counting their tensors at the target dtype, exactly as ``in
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import json
@@ -55,6 +56,7 @@ class Entry:
     configs: dict
     scheduler_config: dict = field(default_factory=dict)  # the published scheduler_config.json, for the dry run
     tokenizer_max_length: dict = field(default_factory=dict)  # each tokenizer's model_max_length, for the dry run
+    family: str = ""  # what `pipemap catalog` groups it under: the model line it belongs to ("FLUX.1", "Wan")
 
     @property
     def pipeline_class(self) -> str:
@@ -74,7 +76,7 @@ def entries() -> dict[str, Entry]:
         entries[data["name"]] = Entry(data["name"], data["repo"], tuple(data.get("aliases", ())),
                                       data.get("description", ""), data["dtype"], data.get("component_dtypes", {}),
                                       data["model_index"], data["configs"], data.get("scheduler_config", {}),
-                                      data.get("tokenizer_max_length", {}))
+                                      data.get("tokenizer_max_length", {}), data.get("family", ""))
     return entries
 
 
@@ -105,12 +107,31 @@ def resolve(name: str) -> str | None:
     return _lookup().get(str(name).strip().lower())
 
 
+def nearest(name: str, count: int = 3) -> list[str]:
+    """The catalog names closest to ``name`` (spelled as any of their names, aliases or repo ids), best first.
+
+    >>> nearest("flux-schnell")[0]
+    'flux.1-schnell'
+    """
+    table = _lookup()
+    text = str(name).strip().lower()
+    close = difflib.get_close_matches(text, list(table), n=4 * count, cutoff=0.5)
+    inside = [key for key in table if len(text) >= 3 and (text in key or key in text)]  # "flux" in "flux.1-dev"
+    return list(dict.fromkeys(table[key] for key in close + inside))[:count]
+
+
+def unknown(name: str, reason: str = "no such folder, and no catalog name") -> NotAPipelineError:
+    """The error for a source that is neither a folder nor a catalog name: the nearest names and where to look."""
+    near = nearest(name)
+    hint = f"the nearest catalog names: {', '.join(near)}; " if near else ""
+    return NotAPipelineError(str(name), f"{reason} ({hint}`pipemap catalog` lists them all)")
+
+
 def entry(name: str) -> Entry:
-    """The catalog entry for ``name``; a NotAPipelineError that lists the known names if there is none."""
+    """The catalog entry for ``name``; a NotAPipelineError that names the nearest ones if there is none."""
     resolved = resolve(name)
     if resolved is None:
-        raise NotAPipelineError(str(name), "it is neither a folder nor a catalog name (known: "
-                                f"{', '.join(names())}; `pipemap catalog` lists them)")
+        raise unknown(name, "it is neither a folder nor a catalog name")
     return entries()[resolved]
 
 
@@ -244,28 +265,48 @@ def write_counts(recorded: dict) -> None:
     _recorded_counts.cache_clear()
 
 
+def families() -> dict[str, list[str]]:
+    """The catalog's names by family, families in the order of their first name, names sorted.
+
+    >>> families()["FLUX.1"][:2]
+    ['chroma1-hd', 'flux.1-dev']
+    """
+    grouped: dict[str, list[str]] = {}
+    for name in names():
+        grouped.setdefault(entries()[name].family or "other", []).append(name)
+    return dict(sorted(grouped.items(), key=lambda item: item[0].lower()))
+
+
 def run_catalog() -> int:
-    """Print the catalog as a table (``pipemap catalog``): each pipeline, the short names ``pipemap plan`` takes, its
-    models' sizes at the published dtype, and the total. Returns the exit code."""
+    """Print the catalog as a table (``pipemap catalog``), grouped by family: each pipeline, the short names
+    ``pipemap plan`` takes, its models' sizes at the published dtype, and the total. Returns the exit code."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="pipemap catalog: `pipemap plan NAME` plans any of these by name; nothing is downloaded")
+    table = Table(title=f"pipemap catalog: {len(names())} pipelines; `pipemap plan NAME` plans any of these by name, "
+                  "`pipemap simulate NAME` dry-runs it; nothing is downloaded")
     table.add_column("pipeline (names `plan` takes)")
     table.add_column("component", no_wrap=True)
     table.add_column("size", justify="right", no_wrap=True)
     recorded = recorded_sizes()
-    for name in names():
-        found = entries()[name]
-        sizes = recorded.get(name) or {c.name: c.bytes for c in inventory(name).models}
-        dtypes = ", ".join([found.dtype] + [f"{c} {d}" for c, d in found.component_dtypes.items()])
-        short = ", ".join(a for a in found.aliases if a != name and "/" not in a)
-        about = [Text(name, "bold"), Text(f"names: {short}"), Text(found.repo, "dim"),
-                 Text(f"{found.pipeline_class}, {dtypes}", "dim")]
-        for i, (component, size) in enumerate(sizes.items()):
-            table.add_row(about[i] if i < len(about) else "", Text(component), format_bytes(size))
-        rest = Text("\n").join(about[len(sizes):])
-        table.add_row(rest, Text("total", "bold"), Text(format_bytes(sum(sizes.values())), "bold"), end_section=True)
+    for family, members in families().items():
+        table.add_row(Text(f"{family} ({len(members)})", "bold magenta"), "", "", end_section=True)
+        for name in members:
+            sizes = recorded.get(name) or {c.name: c.bytes for c in inventory(name).models}
+            _catalog_rows(table, entries()[name], sizes)
     Console().print(table)
     return 0
+
+
+def _catalog_rows(table, found: Entry, sizes: dict[str, int]) -> None:
+    from rich.text import Text
+
+    dtypes = ", ".join([found.dtype] + [f"{c} {d}" for c, d in found.component_dtypes.items()])
+    short = ", ".join(a for a in found.aliases if a != found.name and "/" not in a)
+    about = [Text(found.name, "bold"), Text(f"names: {short}"), Text(found.repo, "dim"),
+             Text(f"{found.pipeline_class}, {dtypes}", "dim")]
+    for i, (component, size) in enumerate(sizes.items()):
+        table.add_row(about[i] if i < len(about) else "", Text(component), format_bytes(size))
+    rest = Text("\n").join(about[len(sizes):])
+    table.add_row(rest, Text("total", "bold"), Text(format_bytes(sum(sizes.values())), "bold"), end_section=True)

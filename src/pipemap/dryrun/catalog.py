@@ -48,7 +48,9 @@ def pipeline(name: str, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str
             parts[component] = _other(library, class_name)
     cls = getattr(diffusers, found.pipeline_class)
     accepted = set(inspect.signature(cls.__init__).parameters)
-    pipe = cls(**{k: v for k, v in parts.items() if k in accepted})
+    # the pipeline's own settings in model_index.json (SD 2.1's requires_safety_checker: false), as from_pretrained
+    options = {k: v for k, v in found.model_index.items() if not k.startswith("_") and not isinstance(v, list)}
+    pipe = cls(**{k: v for k, v in {**options, **parts}.items() if k in accepted})
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

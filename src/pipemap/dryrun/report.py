@@ -1,4 +1,5 @@
-"""What a dry run reports: whether the plan ran, what broke (the operation, component and devices), and each
+"""What a dry run reports: whether the plan ran (``ok``), what broke (the operation, component and devices), whether
+it fits (``fits``: every device's peak within its memory, else an ``Overrun`` per device with its advice), and each
 device's weights, activations and peak with the phase and component that set it, and its memory over the call."""
 
 from __future__ import annotations
@@ -31,8 +32,43 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class Overrun:
+    """A device whose peak in a dry run passed its memory: the figures, what set the peak, and what would help."""
+
+    device: str
+    peak: int
+    memory: int
+    phase: str
+    component: str
+    weights: int
+
+    def advice(self) -> str:
+        """What would bring the peak under the memory, from what filled it: the weights, VAE decode, or a call's
+        activations."""
+        if self.weights > self.memory:
+            return (f"its weights alone take {format_bytes(self.weights)}: a GPU with more memory, more GPUs, or "
+                    "--strategy balanced_low_memory / balanced_ultra_low_memory (weights kept in CPU RAM, onloaded "
+                    "at their call)")
+        activations = self.peak - self.weights
+        calls = "a smaller call (height, width, frames, num_images_per_prompt)"
+        if self.phase.startswith("VAE decode"):
+            return f"pipe.vae.enable_tiling() (--vae-tiling), {calls}, or another GPU for the VAE"
+        if activations > self.memory:
+            return f"{calls}: its activations alone take {format_bytes(activations)}; or a GPU with more memory"
+        return (f"{calls}, --headroom measure (the plan keeps the {format_bytes(activations)} of activations free), "
+                "or --strategy balanced_low_memory (weights onloaded at their call)")
+
+    def __str__(self) -> str:
+        by = f" in {self.component!r}" if self.component else ""
+        return (f"{self.device}: peak {format_bytes(self.peak)} is above its memory {format_bytes(self.memory)}, set "
+                f"by {self.phase or 'the call'}{by}; try {self.advice()}")
+
+
+@dataclass(frozen=True)
 class SimulationReport:
-    """The outcome of a dry run; byte figures are keyed by the plan's device names (``cuda:0``, not ``meta:0``)."""
+    """The outcome of a dry run; byte figures are keyed by the plan's device names (``cuda:0``, not ``meta:0``).
+    ``ok``: the call ran to its end; ``fits``: it ran and no device's peak passed its memory (``overruns`` names
+    those that did); ``pipemap simulate`` exits 1 unless both."""
 
     ok: bool
     error: Failure | None
@@ -54,6 +90,24 @@ class SimulationReport:
     # host copies left in their files (the disk tier): weights the run read through the files' maps, not RAM
     disk_bytes: int = 0
 
+    @property
+    def overruns(self) -> tuple[Overrun, ...]:
+        """Each device whose peak passed its memory, with what set the peak (the weights as ``weights_held``)."""
+        memory = {d.device: d.memory for d in self.plan.devices}
+        return tuple(Overrun(device, peak, memory[device], self.peak_phase.get(device, ""),
+                             self.peak_component.get(device, ""), self.weights_held(device))
+                     for device, peak in self.peak_bytes.items() if device in memory and peak > memory[device])
+
+    @property
+    def fits(self) -> bool:
+        """Whether the call ran and every device's peak stayed within its memory."""
+        return self.ok and not self.overruns
+
+    @property
+    def verdict(self) -> str:
+        """``ok``, ``DOES NOT FIT`` (it ran, a peak passed its device's memory) or ``FAILED`` (it did not run)."""
+        return "FAILED" if not self.ok else "ok" if self.fits else "DOES NOT FIT"
+
     def weights_held(self, device: str) -> int:
         """The table's weights on ``device``: the most weight bytes it held at once, as the memory ledger reserves
         them (``simulate_many``): what was there at the start and what hooks onloaded and kept, such as a streamed
@@ -64,7 +118,8 @@ class SimulationReport:
         """Each device's memory over the call: the budget line, the peak marked with its phase and component
         (``report.picture().svg()``; ``pipemap simulate ... --svg run.svg``)."""
         budgets = {d.device: d.budget for d in self.plan.devices}
-        title = f"pipemap dry run: {self.plan.strategy}" + ("" if self.ok else " (failed)")
+        title = f"pipemap dry run: {self.plan.strategy}" + {"ok": "", "FAILED": " (failed)"}.get(
+            self.verdict, " (does not fit)")
         return Timeline(title, tuple(self.timeline), budgets, dict(self.peak_component))
 
     def _repr_html_(self) -> str:
@@ -72,7 +127,7 @@ class SimulationReport:
         return f"<div class='pipemap-simulation'>{self.picture().svg()}<pre>{escape(str(self))}</pre></div>"
 
     def __str__(self) -> str:
-        lines = [f"dry run {'ok' if self.ok else 'FAILED'} in {self.seconds:.2f} s; call {self.call}"]
+        lines = [f"dry run {self.verdict} in {self.seconds:.2f} s; call {self.call}"]
         if self.error:
             lines.append(f"error: {self.error}")
         lines.append(f"{'device':<10}{'weights':>12}{'activations':>13}{'peak':>12}{'memory':>12}  peak set by")
@@ -88,6 +143,7 @@ class SimulationReport:
                          f"{format_bytes(host.disk + host.kept):>12}  left in the files, read through their maps")
         for note in dict.fromkeys(self.bound_peaks.values()):
             lines.append(f"(bound): a peak at most this high; the dry run assumed {note}")
+        lines += [f"does not fit: {over}" for over in self.overruns]
         return "\n".join(lines + list(self.advice))
 
 

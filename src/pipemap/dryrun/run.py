@@ -17,7 +17,8 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import cast
@@ -34,7 +35,7 @@ from ..errors import CallArgumentError, PipelineMappedError, PipemapError, Simul
 from ..hooks import unhook_component
 from ..modes import Mode
 from ..plan import Plan
-from ..quiet import PATCHING
+from ..quiet import PATCHING, quiet_diffusers, quiet_transformers
 from ..units import format_bytes
 from . import catalog as catalog_dryrun
 from . import known, patches, standin
@@ -50,10 +51,21 @@ def _one_at_a_time(function):
 
     @functools.wraps(function)
     def run(*args, **kwargs):
-        with PATCHING:
+        with PATCHING, _hushed():
             return function(*args, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def _hushed() -> Iterator[None]:
+    """What diffusers and transformers say at every dry run about the stand-ins (a fake VAE cast with ``to()``: "should
+    be kept in float32: []", a fake tensor's ``__array__``) and about pipeline code that runs as written
+    (``upcast_vae`` deprecated): said up to 4 times a dry run, and nothing the user can act on there."""
+    with quiet_diffusers(), quiet_transformers(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
+        warnings.filterwarnings("ignore", message="__array__ implementation", category=DeprecationWarning)
+        yield
 
 
 @_one_at_a_time
