@@ -4,6 +4,7 @@ the request running when SIGTERM comes and refuses new ones."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -161,28 +162,35 @@ def test_past_the_apps_limit_requests_get_503_json_and_probes_still_answer(servi
 
 @pytest.mark.slow
 def test_pipemap_serve_finishes_running_work_on_sigterm_and_refuses_new(tiny_folders, tmp_path):
+    with _serving(tiny_folders["sd"], tmp_path) as (server, port), \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as session:
+        wait_until(lambda: _up(session) or server.poll() is not None, 240)
+        assert server.poll() is None, (tmp_path / "serve.log").read_text()
+        running = in_background(ask, session, prompt="a slow cat", seed=3, num_inference_steps=30)
+        wait_until(lambda: session.get("/health").json()["running"] == 1)
+        server.send_signal(signal.SIGTERM)
+        assert pngs(running())  # the request running when the signal came is answered
+        assert server.wait(60) in (0, -signal.SIGTERM)
+        with pytest.raises(httpx.ConnectError):
+            session.get("/health")
+
+
+@contextlib.contextmanager
+def _serving(folder: str, tmp_path):
+    """``pipemap serve folder`` as a process of its own on a free port of 127.0.0.1 (its log in tmp_path), killed at
+    the end; yields the process and the port."""
     with socket.socket() as probe:  # a port free now; the server binds it a few seconds later
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the child writes it until it exits
-    server = subprocess.Popen([sys.executable, "-m", "pipemap", "serve", tiny_folders["sd"], "--port", str(port)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as session:
-            wait_until(lambda: _up(session) or server.poll() is not None, 240)
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()
-            running = in_background(ask, session, prompt="a slow cat", seed=3, num_inference_steps=30)
-            wait_until(lambda: session.get("/health").json()["running"] == 1)
-            server.send_signal(signal.SIGTERM)
-            assert pngs(running())  # the request running when the signal came is answered
-            assert server.wait(60) in (0, -signal.SIGTERM)
-            with pytest.raises(httpx.ConnectError):
-                session.get("/health")
-    finally:
-        server.kill()
-        server.wait()
-        log.close()
+    with open(tmp_path / "serve.log", "w") as log:  # the child writes it until it exits
+        server = subprocess.Popen([sys.executable, "-m", "pipemap", "serve", folder, "--port", str(port)], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield server, port
+        finally:
+            server.kill()
+            server.wait()
 
 
 def _up(session) -> bool:
@@ -201,34 +209,23 @@ def _cpu_seconds(pid: int) -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's CPU time in /proc")
 def test_a_client_leaving_a_big_new_shapes_dry_run_leaves_the_server_idle_and_sigterm_exits_soon(tiny_folders,
                                                                                                tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the child writes it until it exits
-    server = subprocess.Popen([sys.executable, "-m", "pipemap", "serve", tiny_folders["sd"], "--port", str(port)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as session:
-            wait_until(lambda: _up(session) or server.poll() is not None, 240)
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()
-            body = b'{"prompt": "a cat", "size": "1000x1000"}'  # a new shape: its dry run takes many seconds
-            with socket.create_connection(("127.0.0.1", port)) as leaving:
-                leaving.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                                b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-                start = _cpu_seconds(server.pid)
-                wait_until(lambda: _cpu_seconds(server.pid) - start > 0.5, 30)  # its dry run is under way
-            threading.Event().wait(2)  # the client left: within 2 s its dry run has stopped
-            before = _cpu_seconds(server.pid)
-            threading.Event().wait(1)
-            assert _cpu_seconds(server.pid) - before < 0.3  # idle
-            answered = time.monotonic()
-            assert session.get("/health/live").status_code == 200 and time.monotonic() - answered < 1
-            server.send_signal(signal.SIGTERM)
-            stopping = time.monotonic()
-            server.wait(10)
-            assert time.monotonic() - stopping < 5
-    finally:
-        server.kill()
-        server.wait()
-        log.close()
+    with _serving(tiny_folders["sd"], tmp_path) as (server, port), \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as session:
+        wait_until(lambda: _up(session) or server.poll() is not None, 240)
+        assert server.poll() is None, (tmp_path / "serve.log").read_text()
+        body = b'{"prompt": "a cat", "size": "1000x1000"}'  # a new shape: its dry run takes many seconds
+        with socket.create_connection(("127.0.0.1", port)) as leaving:
+            leaving.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                            b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            start = _cpu_seconds(server.pid)
+            wait_until(lambda: _cpu_seconds(server.pid) - start > 0.5, 30)  # its dry run is under way
+        threading.Event().wait(2)  # the client left: within 2 s its dry run has stopped
+        before = _cpu_seconds(server.pid)
+        threading.Event().wait(1)
+        assert _cpu_seconds(server.pid) - before < 0.3  # idle
+        answered = time.monotonic()
+        assert session.get("/health/live").status_code == 200 and time.monotonic() - answered < 1
+        server.send_signal(signal.SIGTERM)
+        stopping = time.monotonic()
+        server.wait(10)
+        assert time.monotonic() - stopping < 5
