@@ -17,7 +17,7 @@ import pipemap.serve  # noqa: E402
 HOMES = {"ROUTES": "app", "create_app": "app", "GenerationRequest": "requests", "Limits": "requests",
          "RequestError": "requests", "Background": "server", "run": "server", "Options": "service",
          "Service": "service", "resolve_folder": "service", "DrainingError": "worker", "QueueFullError": "worker",
-         "WorkDropped": "worker", "run_sequential": "worker"}
+         "WorkDropped": "worker", "run_sequential": "worker", "ConnectionLimits": "connections"}
 
 
 def test_the_public_names_are_the_modules_own():

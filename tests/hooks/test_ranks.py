@@ -52,6 +52,12 @@ def _family(name: str):
     return families.true_cfg(name, STEPS)
 
 
+def _planned(pipe, call: dict, **options):
+    """strategy "parallel" for the call's guidance (true CFG: a second denoiser call a step), as a user plans it."""
+    guidance = {k: call[k] for k in ("negative_prompt", "true_cfg_scale", "guidance_scale") if k in call}
+    return pipemap.plan(pipe, hardware="2x64MiB,cpu=1GiB", strategy="parallel", headroom=0.0, call=guidance, **options)
+
+
 def _denoiser(pipe) -> str:
     return "unet" if "unet" in pipe.components else "transformer"
 
@@ -66,7 +72,7 @@ def _listening(pids: list[int]) -> list[str]:
 def test_a_parallel_plan_remapped_runs_its_ranks_in_worker_processes_with_no_setting_and_equals_plain(unset, name):
     pipe, call = _family(name)
     plain = output(pipe(**fresh(call)))
-    plan = pipemap.plan(pipe, hardware="2x64MiB,cpu=1GiB", strategy="parallel", headroom=0.0)
+    plan = _planned(pipe, call)
     denoiser = _denoiser(pipe)
     assert plan.placement(denoiser).replicas == ("cuda:1",)
     assert (plan.ranks, plan.ranks_asked) == ("process", False)  # ranks="auto" with nothing set: processes
@@ -117,7 +123,7 @@ def test_the_four_gpu_halves_run_on_three_worker_processes_with_no_setting_and_e
 def test_threads_when_asked_by_name_and_a_changed_ranks_at_dispatch(unset, asked):
     pipe, call = _family("qwen_image")
     plain = output(pipe(**fresh(call)))
-    plan = pipemap.plan(pipe, hardware="2x64MiB,cpu=1GiB", strategy="parallel", headroom=0.0, ranks=asked)
+    plan = _planned(pipe, call, ranks=asked)
     assert (plan.ranks, plan.ranks_asked) == (asked, True) and "(asked for by name)" in plan.explain()
     pipemap.dispatch(pipe, plan.remap(ON_CPU), ranks="thread")  # dispatch's word wins over the plan's
     assert pipemap.stats(pipe)["transformer"]["ranks"] == "thread" and not hasattr(pipe.transformer._hf_hook,

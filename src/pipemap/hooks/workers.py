@@ -197,7 +197,7 @@ class Workers:
     ``sync`` starts new ones."""
 
     def __init__(self, component: str, home: torch.device, devices: tuple[torch.device, ...],
-                 runtime: str = "process"):
+                 runtime: str | None = None):
         self.component, self.home, self.devices, self.runtime = component, home, devices, runtime
         self.ranks: list[_Rank] = []
         self.group: Any = None  # a ProcessGroup with a gloo or NCCL backend (``_group``)
@@ -250,7 +250,7 @@ class Workers:
         self.gloo = gloo = self.transport in ("shared", "gloo")
         self.wire = wire(self.home, gloo)
         try:
-            self.launcher = launcher(self.component, self.devices, self.runtime)
+            self.launcher = launcher(self.component, self.devices, self.runtime or workers_mode())
             host = self.host = self.launcher.host
             server = listener(host)
             port = server.getsockname()[1]
