@@ -144,6 +144,13 @@ def _add_serve(commands) -> None:
     serve.add_argument("--autoscale", metavar="MIN:MAX", help="with --ray: replicas scaled on queue length")
     serve.add_argument("--ray-public", action="store_true", help="with --ray and no RAY_ADDRESS: bind the local "
                        "Ray's own ports on all interfaces (default: 127.0.0.1 only)")
+    serve.add_argument("--replicas-per-node", type=int, metavar="N", help="with --ray: at most N replicas on one "
+                       "node (default: as many as fit)")
+    serve.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode"), default="HeadOnly",
+                       help="with --ray: where Ray Serve's HTTP proxies run (default HeadOnly: the head node's "
+                       "--host:--port; EveryNode: one per node, behind a load balancer)")
+    serve.add_argument("--config-out", metavar="FILE", help="with --ray: write the deployment as a Ray Serve "
+                       "config file (for `serve deploy FILE` or a KubeRay RayService) and exit")
     serve.set_defaults(run=_serve)
 
 
@@ -265,9 +272,7 @@ def _serve(args) -> int:
                       tuple(args.served_model_name), Access(args.api_key or None, local, args.max_body),
                       args.max_batch, args.batch_window_ms / 1000, args.max_frames)
     if args.ray:
-        from .serve.deployment import run_on_ray
-
-        return run_on_ray(options, args.host, args.port, args.replicas, args.autoscale, public=args.ray_public)
+        return _serve_on_ray(args, options)
     from .serve import run
     from .serve.service import Loading
 
@@ -281,6 +286,22 @@ def _serve(args) -> int:
     if loading.failed is not None:
         raise loading.failed
     return 0
+
+
+def _serve_on_ray(args, options) -> int:
+    """``serve --ray``: deploy on Ray, or with ``--config-out`` write the Ray Serve config file instead."""
+    if not args.ray_public and "RAY_ADDRESS" not in os.environ:  # read when ray is imported: before it is
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # a local Ray's processes all on 127.0.0.1
+    from .serve.deployment import RaySettings, run_on_ray
+
+    settings = RaySettings(args.replicas, args.autoscale, args.replicas_per_node,
+                           proxy_location=args.proxy_location, public=args.ray_public)
+    if args.config_out:
+        from .serve.ray_config import write_config
+
+        print(f"wrote {write_config(options, settings, args.host, args.port, args.config_out)}: serve deploy it")
+        return 0
+    return run_on_ray(options, settings, args.host, args.port)
 
 
 def _demo(args) -> int:

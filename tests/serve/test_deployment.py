@@ -27,6 +27,7 @@ from pipemap.hooks.workers import ENV  # noqa: E402
 from pipemap.serve import Options  # noqa: E402
 from pipemap.serve.deployment import (  # noqa: E402
     AutoscaleSpecError,
+    RaySettings,
     application,
     autoscaling,
     gpus,
@@ -44,7 +45,7 @@ def test_a_replica_asks_for_the_gpus_its_plan_uses(tiny_folders):
     assert gpus(pipemap.plan(folder, hardware="cuda:0=1GiB,cpu=4GiB")) == 1
     assert gpus(pipemap.plan(folder, hardware="2x5MiB,cpu=1GiB", headroom=0.0)) == 2
     assert gpus(pipemap.plan(folder, hardware="cpu=4GiB")) == 0
-    deployment = application(Options(folder, hardware="2x5MiB,cpu=1GiB", headroom=0.0), autoscale="1:3")
+    deployment = application(Options(folder, hardware="2x5MiB,cpu=1GiB", headroom=0.0), RaySettings(autoscale="1:3"))
     options = deployment._bound_deployment  # what Ray is asked for, as Ray Serve holds it
     assert options.ray_actor_options["num_gpus"] == 2
     assert options._deployment_config.autoscaling_config.min_replicas == 1
