@@ -88,7 +88,9 @@ def test_a_local_ray_without_the_plan_s_gpus_runs_them_on_the_cpu_as_serve_does_
 def test_the_queue_limit_and_the_grace_follow_the_options(tiny_folders):
     deployment = application(Options(tiny_folders["sd"], hardware="cpu=4GiB", max_queue=2, timeout=300.0))
     config = deployment._bound_deployment._deployment_config
-    assert config.max_queued_requests == 2  # Ray's router answers 503 past it, as a replica's queue would 429
+    # the app's limit is 2 waiting and 8 running at most: Ray takes more, so the app's 429 JSON answers past it
+    assert config.max_ongoing_requests == config.max_queued_requests == 2 + 8 + 16
+    assert (config.backpressure_config.status_code, config.backpressure_config.retry_after_s) == (429, 5)
     assert config.graceful_shutdown_timeout_s == 305.0  # not Ray's 20 s: a request running may finish
 
 

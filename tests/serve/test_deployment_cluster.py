@@ -67,7 +67,7 @@ def cluster():
 def url(cluster, tiny_folders):
     """``pipemap serve --ray --replicas 2 --replicas-per-node 1`` on the cluster, no hardware pinned: each replica
     plans for its node. One request waiting and one running per replica at most."""
-    options = Options(tiny_folders["sd"], headroom=0.0, max_queue=1, workers=1, timeout=60.0, max_steps=4000)
+    options = Options(tiny_folders["sd"], headroom=0.0, max_queue=1, workers=1, timeout=60.0, max_steps=1000)
     return deploy(options, RaySettings(replicas=2, per_node=1), "127.0.0.1", _free_port())
 
 
@@ -96,7 +96,7 @@ def test_two_replicas_land_on_two_nodes_each_planned_for_its_own_and_answer_as_a
 
 def test_past_the_queue_the_app_answers_429_json_with_retry_after_and_one_request_id(url):
     # two replicas, each running one request and holding one: six slow requests at once leave some refused
-    slow = {**BODY, "num_inference_steps": 4000, "timeout": 20}
+    slow = {**BODY, "num_inference_steps": 900, "timeout": 6}
     with httpx.Client(base_url=url, timeout=120) as client:
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             sent = [pool.submit(client.post, GENERATIONS, json=slow, headers={"X-Request-Id": f"r{i}"})
@@ -104,7 +104,7 @@ def test_past_the_queue_the_app_answers_429_json_with_retry_after_and_one_reques
             answers = [f.result() for f in sent]
     refused = [r for r in answers if r.status_code == 429]
     assert refused, [r.status_code for r in answers]
-    assert {r.status_code for r in answers} <= {200, 429, 504}  # never Ray's plain 503
+    assert {r.status_code for r in answers} <= {200, 429, 504}, [r.text[:200] for r in answers]  # no plain 503
     for response in refused:
         assert response.json()["error"]["code"] == "queue_full"
         assert int(response.headers["retry-after"]) >= 1

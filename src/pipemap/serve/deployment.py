@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import ray
 from prometheus_client import Info
 from ray import serve
+from ray.serve._private import replica as ray_replica
 from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -36,6 +37,7 @@ from ..errors import AutoscaleSpecError
 from ..hooks.ray_workers import ray_init_options
 from ..hooks.workers import ENV, workers_mode
 from ..plan import Plan
+from .access import is_local
 from .app import create_app
 from .server import PROBES
 from .service import MOST_WORKERS, Options, Service, make_plan
@@ -119,14 +121,15 @@ def deployment_options(options: Options, settings: RaySettings, plan: Plan, gpus
     entry has them): each replica's GPUs (``replica_gpus``) and CPUs, its limits, its grace, its count or scaling."""
     num_gpus = replica_gpus(plan, gpus_here)
     # the app's own limit: its queue and the requests it runs. Ray sends a replica more than that (and the probes'
-    # share), so past the queue the app's 429 JSON answers with its Retry-After, never Ray's refusal; Ray's own
-    # queue, past every replica's, refuses with 429 and a Retry-After too
+    # share), so past the queue the app's 429 JSON answers with its Retry-After, never Ray's refusal. Ray's router
+    # counts as queued every request not yet assigned, a burst's too (with a limit of 1, two requests at once to
+    # idle replicas get Ray's refusal): its limit is a replica's, and it refuses with 429 and a Retry-After too
     takes = options.max_queue + (options.workers or MOST_WORKERS)
     scaling = ({"autoscaling_config": autoscaling(settings.autoscale, takes)} if settings.autoscale
                else {"num_replicas": settings.replicas})
     spread = {"max_replicas_per_node": settings.per_node} if settings.per_node else {}
     # a replica going away gets as long as a request may take (Ray's default grace is 20 s, then it is killed)
-    return {"name": "pipemap", "max_ongoing_requests": takes + PROBES, "max_queued_requests": options.max_queue,
+    return {"name": "pipemap", "max_ongoing_requests": takes + PROBES, "max_queued_requests": takes + PROBES,
             "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
             "graceful_shutdown_timeout_s": options.timeout + 5, "health_check_period_s": 2,
             "health_check_timeout_s": 30, "ray_actor_options": actor_options(settings.num_cpus, num_gpus),
@@ -173,12 +176,34 @@ class RayAnswers:
         await self.app(scope, receive, send_one if scope["type"] == "http" else send)
 
 
+class _BindOn:
+    """Ray Serve's ``add_port_to_grpc_server`` with the wildcard address a replica's own gRPC server asks for
+    (``[::]:0``) replaced by ``host``."""
+
+    def __init__(self, add, host: str):
+        self.add, self.host = add, host
+
+    def __call__(self, server, address: str):
+        return self.add(server, f"{self.host}:0" if address == "[::]:0" else address)
+
+
+def keep_replica_grpc_on_loopback() -> None:
+    """A replica on a node whose address is loopback (a local Ray that is not ``--ray-public``) binds its
+    inter-deployment gRPC server there too: Ray Serve binds it to every interface, with no setting to say otherwise
+    (Ray 2.60's ``replica.py``); peers reach it at the node's address, so nothing else changes."""
+    node = ray.util.get_node_ip_address()
+    if is_local(node) and hasattr(ray_replica, "add_port_to_grpc_server"):
+        add = ray_replica.add_port_to_grpc_server
+        ray_replica.add_port_to_grpc_server = _BindOn(getattr(add, "add", add), node)
+
+
 @serve.ingress()
 class PipemapReplica:
     """One replica: plans for its node (``node_options``; the driver's ``plan`` where the user pinned the hardware),
     loads the pipeline onto the plan and serves the pipemap app."""
 
     def __init__(self, options: Options, plan: dict | None = None):
+        keep_replica_grpc_on_loopback()  # before Ray Serve starts it, once this constructor returns
         mine, source = node_options(options)
         # cuda:N in a plan are this replica's GPUs: Ray sets CUDA_VISIBLE_DEVICES to those it was given
         made = Plan.from_dict(plan) if plan is not None and source == "pinned" else make_plan(mine)
