@@ -22,12 +22,15 @@ from PIL import Image
 ray = pytest.importorskip("ray", reason="the Ray Serve tests need ray: pip install -e '.[ray]'")
 httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
 psutil = pytest.importorskip("psutil")
+yaml = pytest.importorskip("yaml")
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+from ray.serve.schema import ServeDeploySchema  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
 from pipemap.serve import Options  # noqa: E402
 from pipemap.serve.deployment import LOOPBACK_ENV, NODE_HARDWARE, RaySettings, deploy  # noqa: E402
+from pipemap.serve.ray_config import write_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 GENERATIONS = "/v1/images/generations"
@@ -168,3 +171,18 @@ def _wait(predicate, seconds: float) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "gave up waiting"
         time.sleep(0.2)
+
+
+def test_the_written_config_file_deploys_on_the_cluster_as_serve_deploy_does(url, tiny_folders, tmp_path):
+    out = tmp_path / "serve.yaml"
+    port = int(url.rsplit(":", 1)[1])  # Serve's proxy already listens there: the file names the same
+    write_config(Options(tiny_folders["sd"], max_queue=1, workers=1), RaySettings(replicas=1), "127.0.0.1", port,
+                 out)
+    serve.delete("pipemap")
+    # what `serve deploy serve.yaml` asks of the controller, through the head's dashboard
+    serve.context._get_global_client().deploy_apps(ServeDeploySchema.model_validate(yaml.safe_load(out.read_text())),
+                                                   _blocking=True)
+    with httpx.Client(base_url=url, timeout=120) as client:
+        response = client.post(GENERATIONS, json=BODY)
+        assert response.status_code == 200, response.text
+        assert client.get("/v1/replica").json()["hardware_from"] in ("node", "detected")
