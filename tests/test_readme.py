@@ -82,6 +82,10 @@ SKIP = {
     "pip install": "installs into the environment",
     "python -m pytest -q tests/test_families.py": "runs a test file of its own (every family: minutes)",
     "pipemap serve path/to/flux --ray": "needs Ray (tests/serve runs the Ray deployment)",
+    "ray start": "starts a Ray node (tests/serve/test_deployment_cluster.py simulates a cluster)",
+    "PIPEMAP_NODE_HARDWARE=": "starts a Ray node (tests/serve/test_deployment_cluster.py simulates a cluster)",
+    "RAY_ADDRESS=": "needs a Ray cluster (tests/serve/test_deployment_cluster.py simulates one)",
+    "serve deploy": "needs a Ray cluster (tests/serve/test_deployment_cluster.py deploys the file on one)",
     "pipemap plan PATH|NAME": "the synopsis: placeholders, checked against --help by test_the_synopsis_names_...",
     "pipemap simulate PATH|NAME": "the synopsis",
     "[--concurrent N]": "the synopsis",
@@ -90,6 +94,7 @@ SKIP = {
     "[--max-n N]": "the synopsis",
     "[--served-model-name": "the synopsis",
     "[--ray [--replicas": "the synopsis",
+    "[--proxy-location": "the synopsis",
     "pipemap demo [--hardware SPEC]": "the synopsis",
     "pipemap tiny save KIND FOLDER": "the synopsis",
 }
