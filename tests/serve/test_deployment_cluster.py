@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
-from pipemap.serve import Options  # noqa: E402
+from pipemap.serve import Options, ray_proxy  # noqa: E402
 from pipemap.serve.deployment import LOOPBACK_ENV, NODE_HARDWARE, RaySettings, deploy  # noqa: E402
 from pipemap.serve.ray_config import write_config  # noqa: E402
 
@@ -46,6 +46,7 @@ def cluster():
     patch.setenv(LOOPBACK_ENV, "0")  # every process Ray starts takes 127.0.0.1 as its address
     # and this one, which read the variable when it imported ray: else it waits for ever on the head's GCS
     patch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    patch.setenv(ray_proxy.ENV, ray_proxy.CALLBACK)  # Ray's proxy answers its own errors as the app does
     # the head's dashboard answers Ray's state API (which actor runs on which node)
     made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1",
                                                         "include_dashboard": True, "dashboard_port": _free_port(),
@@ -56,7 +57,8 @@ def cluster():
         found = made.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=SMALL)
         ray.init(address=made.address, log_to_driver=False)
         patch.setenv("RAY_ADDRESS", made.address)
-        yield {"head": made.head_node.node_id, "stated": stated.node_id, "found": found.node_id}
+        yield {"head": made.head_node.node_id, "stated": stated.node_id, "found": found.node_id,
+               "cluster": made, "nodes": {stated.node_id: stated, found.node_id: found}}
     finally:
         try:
             serve.shutdown()
@@ -186,3 +188,44 @@ def test_the_written_config_file_deploys_on_the_cluster_as_serve_deploy_does(url
         response = client.post(GENERATIONS, json=BODY)
         assert response.status_code == 200, response.text
         assert client.get("/v1/replica").json()["hardware_from"] in ("node", "detected")
+
+
+def test_a_node_lost_under_load_leaves_no_request_unanswered_and_its_replica_comes_back_elsewhere(cluster, url):
+    # after the config file's deployment: one replica, on one of the two worker nodes; that node is lost
+    with httpx.Client(base_url=url, timeout=120) as client:
+        lost = client.get("/v1/replica").json()["node_id"]
+        answers: list = []
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            stream = [pool.submit(_ask, client, answers, 8) for _ in range(2)]
+            _wait(lambda: len(answers) >= 4, 60)
+            cluster["cluster"].remove_node(cluster["nodes"][lost])
+            lost_at = time.monotonic()
+            _wait(lambda: _answered_from_another(answers, lost), 90)
+            back_in = time.monotonic() - lost_at
+            for future in stream:
+                future.result()
+    statuses = [status for status, _, _, _ in answers]
+    assert set(statuses) <= {200, 429, 503}, answers  # never Ray's plain 500, never a hang (a transport error)
+    assert all(retry is not None for status, retry, _, _ in answers if status != 200)
+    assert back_in < 60, back_in
+
+
+def _ask(client, answers: list, seconds_after_back: float) -> None:
+    """POST the small request over and over, noting (status, Retry-After, node, time) of each, until answers have
+    come from a node other than the first's for ``seconds_after_back`` seconds."""
+    while True:
+        try:
+            response = client.post(GENERATIONS, json={**BODY, "timeout": 30})
+        except httpx.TransportError as error:  # a hang past the client's timeout: no answer
+            answers.append((type(error).__name__, None, None, time.monotonic()))
+            return
+        answers.append((response.status_code, response.headers.get("retry-after"),
+                        response.headers.get("x-pipemap-node"), time.monotonic()))
+        nodes = [node for _, _, node, _ in answers if node]
+        moved = [t for _, _, node, t in answers if node and node != nodes[0]]
+        if moved and time.monotonic() - moved[0] > seconds_after_back:
+            return
+
+
+def _answered_from_another(answers: list, lost: str) -> bool:
+    return any(status == 200 and node not in (None, lost) for status, _, node, _ in answers)

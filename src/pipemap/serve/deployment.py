@@ -37,6 +37,7 @@ from ..errors import AutoscaleSpecError
 from ..hooks.ray_workers import ray_init_options
 from ..hooks.workers import ENV, workers_mode
 from ..plan import Plan
+from . import ray_proxy
 from .access import is_local
 from .app import create_app
 from .server import PROBES
@@ -258,6 +259,11 @@ def init_options(address: str | None, public: bool) -> dict:
     return {**ray_init_options(address, public), **({"address": "local"} if address is None else {})}
 
 
+def http_options(options: Options, host: str, port: int) -> dict:
+    """Ray Serve's proxy: where it listens, and how long a request may wait for a replica and run (then 504)."""
+    return {"host": host, "port": port, "request_timeout_s": options.timeout + 5}
+
+
 def deploy(options: Options, settings: RaySettings, host: str, port: int) -> str:
     """Deploy the app on the Ray cluster ``RAY_ADDRESS`` names (joined unless this process already is) or a new
     local one; return its URL. A local Ray binds its own ports (GCS, raylet, agents, workers) to 127.0.0.1 unless
@@ -267,13 +273,15 @@ def deploy(options: Options, settings: RaySettings, host: str, port: int) -> str
         # read by each process the local Ray starts: without it Ray's agents bind this machine's address, and its
         # gRPC servers every interface, whatever node address it is given
         os.environ[LOOPBACK_ENV] = "0"
+    if address is None:  # Ray's proxy answers its own errors as the app does (a cluster's head is started so)
+        os.environ.setdefault(ray_proxy.ENV, ray_proxy.CALLBACK)
     ray.init(**init_options(address, settings.public))
     here = ray.cluster_resources().get("GPU", 0.0) if address is None else None  # a local Ray: this machine
     plan = make_plan(options)
     if replica_gpus(plan, here) < gpus(plan):
         print(f"pipemap: this machine has {here:g} GPUs, fewer than the plan's: each replica runs them on the CPU "
               "(plan for this machine, or leave --hardware out, to use what it has)", flush=True)
-    serve.start(proxy_location=settings.proxy_location, http_options={"host": host, "port": port})
+    serve.start(proxy_location=settings.proxy_location, http_options=http_options(options, host, port))
     serve.run(application(options, settings, gpus_here=here, plan=plan), name="pipemap", route_prefix="/")
     return f"http://{host}:{port}"
 

@@ -20,7 +20,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from .access import Access
-from .deployment import RaySettings, application, deployment_options
+from .deployment import RaySettings, application, deployment_options, http_options
 from .service import Options, make_plan
 
 BUILDER = "pipemap.serve.ray_config:build"
@@ -50,7 +50,7 @@ def config(options: Options, settings: RaySettings, host: str, port: int) -> dic
     app = {"name": "pipemap", "route_prefix": "/", "import_path": BUILDER,
            "args": {"options": options_args(options), "settings": dataclasses.asdict(settings)},
            "deployments": [deployment]}
-    data = {"proxy_location": settings.proxy_location, "http_options": {"host": host, "port": port},
+    data = {"proxy_location": settings.proxy_location, "http_options": http_options(options, host, port),
             "applications": [app]}
     ServeDeploySchema.model_validate(data)
     return data
