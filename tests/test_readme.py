@@ -82,7 +82,8 @@ SKIP = {
     "pip install": "installs into the environment",
     "python -m pytest -q tests/test_families.py": "runs a test file of its own (every family: minutes)",
     "pipemap serve path/to/flux --ray": "needs Ray (tests/serve runs the Ray deployment)",
-    "ray start": "starts a Ray node (tests/serve/test_deployment_cluster.py simulates a cluster)",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=": "starts a Ray head node (tests/serve/test_deployment_cluster.py "
+    "simulates a cluster)",
     "PIPEMAP_NODE_HARDWARE=": "starts a Ray node (tests/serve/test_deployment_cluster.py simulates a cluster)",
     "RAY_ADDRESS=": "needs a Ray cluster (tests/serve/test_deployment_cluster.py simulates one)",
     "serve deploy": "needs a Ray cluster (tests/serve/test_deployment_cluster.py deploys the file on one)",
