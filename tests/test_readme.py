@@ -82,14 +82,21 @@ SKIP = {
     "pip install": "installs into the environment",
     "python -m pytest -q tests/test_families.py": "runs a test file of its own (every family: minutes)",
     "pipemap serve path/to/flux --ray": "needs Ray (tests/serve runs the Ray deployment)",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=": "starts a Ray head node (tests/serve/test_deployment_cluster.py "
+    "simulates a cluster)",
+    "PIPEMAP_NODE_HARDWARE=": "starts a Ray node (tests/serve/test_deployment_cluster.py simulates a cluster)",
+    "RAY_ADDRESS=": "needs a Ray cluster (tests/serve/test_deployment_cluster.py simulates one)",
+    "serve deploy": "needs a Ray cluster (tests/serve/test_deployment_cluster.py deploys the file on one)",
     "pipemap plan PATH|NAME": "the synopsis: placeholders, checked against --help by test_the_synopsis_names_...",
     "pipemap simulate PATH|NAME": "the synopsis",
     "[--concurrent N]": "the synopsis",
     "pipemap run PATH --prompt TEXT": "the synopsis",
     "pipemap serve PATH|NAME": "the synopsis",
     "[--max-n N]": "the synopsis",
-    "[--served-model-name": "the synopsis",
+    "[--api-key-file PATH]": "the synopsis",
+    "[--head-timeout S]": "the synopsis",
     "[--ray [--replicas": "the synopsis",
+    "[--proxy-location": "the synopsis",
     "pipemap demo [--hardware SPEC]": "the synopsis",
     "pipemap tiny save KIND FOLDER": "the synopsis",
 }
@@ -334,7 +341,10 @@ def test_the_synopsis_names_only_options_that_exist():
         command = re.match(r"pipemap (\w+)", line.strip())
         current = command[1] if command else current  # a continuation line belongs to the command above
         named.setdefault(current, set()).update(re.findall(r"--[a-z][a-z-]*", line.split("#")[0]))
-    table = re.findall(r"^\| `(--[a-z-]+)", README.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    text = README.read_text(encoding="utf-8")
+    options = text[text.index("`OPTIONS` (for"):]
+    options = options[:options.index("\n\n", options.index("| option"))]  # that table only, not serve's own
+    table = re.findall(r"^\| `(--[a-z-]+)", options, flags=re.MULTILINE)
     for command in ("plan", "simulate", "run"):
         named[command].update(table)
     assert set(named) >= {"plan", "simulate", "run", "serve", "demo", "tiny", "catalog", "doctor"}

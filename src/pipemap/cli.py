@@ -245,6 +245,13 @@ SERVE_OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
     (("--autoscale",), {"metavar": "MIN:MAX"}, "with --ray: replicas scaled on queue length"),
     (("--ray-public",), {"action": "store_true"}, "with --ray and no RAY_ADDRESS: bind the local Ray's own ports on "
      "all interfaces (default: 127.0.0.1 only)"),
+    (("--replicas-per-node",), {"type": int, "metavar": "N"}, "with --ray: at most N replicas on one node (default: "
+     "as many as fit)"),
+    (("--proxy-location",), {"choices": ("HeadOnly", "EveryNode"), "default": "HeadOnly"}, "with --ray: where Ray "
+     "Serve's HTTP proxies run (default HeadOnly: the head node's --host:--port; EveryNode: one per node, behind a "
+     "load balancer)"),
+    (("--config-out",), {"metavar": "FILE"}, "with --ray: write the deployment as a Ray Serve config file (for serve "
+     "deploy FILE or a KubeRay RayService) and exit"),
 )
 
 
@@ -382,9 +389,7 @@ def _serve(args) -> int:
                       tuple(args.served_model_name), Access(key, local, args.max_body),
                       args.max_batch, args.batch_window_ms / 1000, args.max_frames)
     if args.ray:
-        from .serve.deployment import run_on_ray
-
-        return run_on_ray(options, args.host, args.port, args.replicas, args.autoscale, public=args.ray_public)
+        return _serve_on_ray(args, options)
     from .serve import run
     from .serve.connections import ConnectionLimits
     from .serve.service import Loading
@@ -416,6 +421,22 @@ def _api_key(args) -> str | None:
     if args.api_key_file is not None:
         return args.api_key_file  # the key read from the file (``_key_file``)
     return os.environ.get("PIPEMAP_API_KEY") or None
+
+
+def _serve_on_ray(args, options) -> int:
+    """``serve --ray``: deploy on Ray, or with ``--config-out`` write the Ray Serve config file instead."""
+    if not args.ray_public and "RAY_ADDRESS" not in os.environ:  # read when ray is imported: before it is
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # a local Ray's processes all on 127.0.0.1
+    from .serve.deployment import RaySettings, run_on_ray
+
+    settings = RaySettings(args.replicas, args.autoscale, args.replicas_per_node,
+                           proxy_location=args.proxy_location, public=args.ray_public)
+    if args.config_out:
+        from .serve.ray_config import write_config
+
+        print(f"wrote {write_config(options, settings, args.host, args.port, args.config_out)}: serve deploy it")
+        return 0
+    return run_on_ray(options, settings, args.host, args.port)
 
 
 def _demo(args) -> int:

@@ -27,6 +27,7 @@ from pipemap.hooks.workers import ENV  # noqa: E402
 from pipemap.serve import Options  # noqa: E402
 from pipemap.serve.deployment import (  # noqa: E402
     AutoscaleSpecError,
+    RaySettings,
     application,
     autoscaling,
     gpus,
@@ -44,7 +45,7 @@ def test_a_replica_asks_for_the_gpus_its_plan_uses(tiny_folders):
     assert gpus(pipemap.plan(folder, hardware="cuda:0=1GiB,cpu=4GiB")) == 1
     assert gpus(pipemap.plan(folder, hardware="2x5MiB,cpu=1GiB", headroom=0.0)) == 2
     assert gpus(pipemap.plan(folder, hardware="cpu=4GiB")) == 0
-    deployment = application(Options(folder, hardware="2x5MiB,cpu=1GiB", headroom=0.0), autoscale="1:3")
+    deployment = application(Options(folder, hardware="2x5MiB,cpu=1GiB", headroom=0.0), RaySettings(autoscale="1:3"))
     options = deployment._bound_deployment  # what Ray is asked for, as Ray Serve holds it
     assert options.ray_actor_options["num_gpus"] == 2
     assert options._deployment_config.autoscaling_config.min_replicas == 1
@@ -87,7 +88,9 @@ def test_a_local_ray_without_the_plan_s_gpus_runs_them_on_the_cpu_as_serve_does_
 def test_the_queue_limit_and_the_grace_follow_the_options(tiny_folders):
     deployment = application(Options(tiny_folders["sd"], hardware="cpu=4GiB", max_queue=2, timeout=300.0))
     config = deployment._bound_deployment._deployment_config
-    assert config.max_queued_requests == 2  # Ray's router answers 503 past it, as a replica's queue would 429
+    # the app's limit is 2 waiting and 8 running at most: Ray takes more, so the app's 429 JSON answers past it
+    assert config.max_ongoing_requests == config.max_queued_requests == 2 + 8 + 16
+    assert (config.backpressure_config.status_code, config.backpressure_config.retry_after_s) == (429, 5)
     assert config.graceful_shutdown_timeout_s == 305.0  # not Ray's 20 s: a request running may finish
 
 

@@ -1,28 +1,67 @@
 """``pipemap serve --ray``: the same app as a Ray Serve deployment, one replica per copy of the plan.
 
-The plan is made once, on the driver, for the machine a replica gets (``--hardware``, or this machine); each
-replica asks Ray for the whole GPUs that plan uses (``num_gpus``) and loads the pipeline onto it. Ray routes HTTP
-requests to replicas, restarts a replica that dies, and with ``autoscale`` adds or removes replicas as their
-ongoing requests (queue plus running) rise above or fall below the target.
+The driver plans for the machine a replica gets (``--hardware``, or this machine) to size what each replica asks
+Ray for (the whole GPUs that plan uses, ``num_gpus``). A replica plans again for the node it lands on, unless the
+user pinned ``--hardware``: its node's ``PIPEMAP_NODE_HARDWARE`` (a node's shape, as its operator states it) or the
+GPUs and RAM it finds there (``GET /v1/replica`` and ``/metrics``' ``pipemap_replica`` say which node and plan).
+Ray routes HTTP requests to replicas, restarts a replica that dies, and with ``autoscale`` adds or removes
+replicas as their ongoing requests (queue plus running) rise above or fall below the target.
+
+Ray answers as the app does: each replica takes more requests than the app's own queue holds, so past the queue
+limit the app's 429 JSON with its Retry-After answers, not Ray's plain 503 (Ray's own limit, far past it, answers
+429 with a Retry-After too); Ray's proxy gives each answer its one ``X-Request-Id``; a local Ray keeps its sockets
+on loopback unless asked (``local_ray``). Ray Serve's HTTP proxy runs on the head node only by default
+(``proxy_location``): nodes sharing a host would bind one port.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
 import threading
+from dataclasses import dataclass
 
 import ray
+from prometheus_client import Info
 from ray import serve
+from ray.serve._private import replica as ray_replica
+from starlette.datastructures import MutableHeaders
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from ..devices import normalize_device
 from ..errors import AutoscaleSpecError
 from ..hooks.ray_workers import ray_init_options
 from ..hooks.workers import ENV, workers_mode
 from ..plan import Plan
+from . import ray_proxy
+from .access import is_local
 from .app import create_app
-from .service import Options, Service, default_workers, make_plan
+from .server import PROBES
+from .service import MOST_WORKERS, Options, Service, make_plan
+
+__all__ = ["AutoscaleSpecError", "RaySettings", "application", "deploy", "ray_init_options", "run_on_ray"]
+
+NODE_HARDWARE = "PIPEMAP_NODE_HARDWARE"  # a node's shape, as its operator states it ('2x24GiB,cpu=64GiB')
+PROXY_LOCATIONS = ("HeadOnly", "EveryNode", "Disabled")
+RETRY_AFTER_S = 5  # Ray's own refusal, past the app's queue and then some: a flood, not a queue to drain
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """How the app is laid on Ray: ``replicas`` (or ``autoscale`` ``MIN:MAX``), at most ``per_node`` of them on one
+    node (None: as many as fit), the CPUs each asks for, where Ray Serve's HTTP proxies run (``HeadOnly``: the head
+    node's one; ``EveryNode`` behind a load balancer) and whether a local Ray opens its ports (``public``)."""
+
+    replicas: int = 1
+    autoscale: str | None = None
+    per_node: int | None = None
+    num_cpus: float = 1.0
+    proxy_location: str = "HeadOnly"
+    public: bool = False
 
 
 def gpus(plan: Plan) -> int:
@@ -78,17 +117,112 @@ def autoscaling(text: str, max_ongoing: int) -> dict:
             "target_ongoing_requests": max(1, min(2, max_ongoing)), "upscale_delay_s": 5, "downscale_delay_s": 60}
 
 
+def deployment_options(options: Options, settings: RaySettings, plan: Plan, gpus_here: float | None = None) -> dict:
+    """``serve.deployment``'s arguments for ``options`` on ``plan`` (as a Ray Serve config file's ``deployments:``
+    entry has them): each replica's GPUs (``replica_gpus``) and CPUs, its limits, its grace, its count or scaling."""
+    num_gpus = replica_gpus(plan, gpus_here)
+    # the app's own limit: its queue and the requests it runs. Ray sends a replica more than that (and the probes'
+    # share), so past the queue the app's 429 JSON answers with its Retry-After, never Ray's refusal. Ray's router
+    # counts as queued every request not yet assigned, a burst's too (with a limit of 1, two requests at once to
+    # idle replicas get Ray's refusal): its limit is a replica's, and it refuses with 429 and a Retry-After too
+    takes = options.max_queue + (options.workers or MOST_WORKERS)
+    scaling = ({"autoscaling_config": autoscaling(settings.autoscale, takes)} if settings.autoscale
+               else {"num_replicas": settings.replicas})
+    spread = {"max_replicas_per_node": settings.per_node} if settings.per_node else {}
+    # a replica going away gets as long as a request may take (Ray's default grace is 20 s, then it is killed)
+    return {"name": "pipemap", "max_ongoing_requests": takes + PROBES, "max_queued_requests": takes + PROBES,
+            "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
+            "graceful_shutdown_timeout_s": options.timeout + 5, "health_check_period_s": 2,
+            "health_check_timeout_s": 30, "ray_actor_options": actor_options(settings.num_cpus, num_gpus),
+            **scaling, **spread, **worker_bundles(plan, settings.num_cpus, num_gpus)}
+
+
+def node_options(options: Options) -> tuple[Options, str]:
+    """The options a replica plans with where it lands, and where their hardware comes from: the user's
+    ``--hardware`` (``pinned``), else its node's ``PIPEMAP_NODE_HARDWARE`` (``node``), else what the replica finds
+    there, its GPUs (those Ray gave it: ``CUDA_VISIBLE_DEVICES``) and RAM (``detected``)."""
+    if options.hardware is not None:
+        return options, "pinned"
+    stated = os.environ.get(NODE_HARDWARE, "").strip()
+    if stated:
+        return dataclasses.replace(options, hardware=stated), "node"
+    return options, "detected"
+
+
+def landing(plan: Plan, source: str, hardware: str | None) -> dict:
+    """What ``GET /v1/replica`` says of a replica: its node, and the plan it made for it."""
+    context = ray.get_runtime_context()
+    return {"node_id": context.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "hardware": hardware or "detected", "hardware_from": source, "strategy": plan.strategy,
+            "device_map": plan.device_map}
+
+
+class RayAnswers:
+    """ASGI middleware of a replica's app: Ray's proxy gives every answer an ``X-Request-Id`` (the client's, or its
+    own, which the app reads as the client's), so the app's copy is dropped and one is sent; every answer names the
+    node that made it (``X-Pipemap-Node``)."""
+
+    def __init__(self, app, node: str):
+        self.app, self.node = app, node
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def send_one(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": list(message.get("headers", []))}
+                headers = MutableHeaders(scope=message)
+                del headers["x-request-id"]
+                headers["x-pipemap-node"] = self.node
+            await send(message)
+
+        await self.app(scope, receive, send_one if scope["type"] == "http" else send)
+
+
+class _BindOn:
+    """Ray Serve's ``add_port_to_grpc_server`` with the wildcard address a replica's own gRPC server asks for
+    (``[::]:0``) replaced by ``host``."""
+
+    def __init__(self, add, host: str):
+        self.add, self.host = add, host
+
+    def __call__(self, server, address: str):
+        return self.add(server, f"{self.host}:0" if address == "[::]:0" else address)
+
+
+def keep_replica_grpc_on_loopback() -> None:
+    """A replica on a node whose address is loopback (a local Ray that is not ``--ray-public``) binds its
+    inter-deployment gRPC server there too: Ray Serve binds it to every interface, with no setting to say otherwise
+    (Ray 2.60's ``replica.py``); peers reach it at the node's address, so nothing else changes."""
+    node = ray.util.get_node_ip_address()
+    if is_local(node) and hasattr(ray_replica, "add_port_to_grpc_server"):
+        add = ray_replica.add_port_to_grpc_server
+        ray_replica.add_port_to_grpc_server = _BindOn(getattr(add, "add", add), node)
+
+
 @serve.ingress()
 class PipemapReplica:
-    """One replica: loads the pipeline onto the plan made on the driver and serves the pipemap app."""
+    """One replica: plans for its node (``node_options``; the driver's ``plan`` where the user pinned the hardware),
+    loads the pipeline onto the plan and serves the pipemap app."""
 
-    def __init__(self, options: Options, plan: dict):
-        # cuda:N in the plan are this replica's GPUs: Ray sets CUDA_VISIBLE_DEVICES to those it was given
-        self.service = Service.load(options, Plan.from_dict(plan))
+    def __init__(self, options: Options, plan: dict | None = None):
+        keep_replica_grpc_on_loopback()  # before Ray Serve starts it, once this constructor returns
+        mine, source = node_options(options)
+        # cuda:N in a plan are this replica's GPUs: Ray sets CUDA_VISIBLE_DEVICES to those it was given
+        made = Plan.from_dict(plan) if plan is not None and source == "pinned" else make_plan(mine)
+        self.service = Service.load(mine, made)
+        self.landing = landing(made, source, mine.hardware)
+        Info("pipemap_replica", "The node this replica runs on and the plan it made there",
+             registry=self.service.metrics.registry).info(
+            {key: str(self.landing[key]) for key in ("node_id", "node_ip", "hardware_from", "strategy")})
         self.service.start()
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.service)
+        app = create_app(self.service)
+        app.router.routes.append(Route("/v1/replica", self._where, methods=["GET"]))
+        app.add_middleware(RayAnswers, node=self.landing["node_id"])
+        return app
+
+    async def _where(self, request: Request) -> JSONResponse:
+        return JSONResponse(self.landing)
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose device failed for good (``Service.notice``) is restarted."""
@@ -101,46 +235,61 @@ class PipemapReplica:
             service.worker.drain()
 
 
-def application(options: Options, replicas: int = 1, autoscale: str | None = None, num_cpus: float = 1.0,
-                gpus_here: float | None = None, plan: Plan | None = None):
-    """The Ray Serve application for ``options``: the plan made here, each replica asking for its GPUs (none where
-    ``gpus_here``, a local Ray's GPUs, are too few: ``replica_gpus``); ``plan``: the one made for ``options``.
+def application(options: Options, settings: RaySettings = RaySettings(), gpus_here: float | None = None,
+                plan: Plan | None = None):
+    """The Ray Serve application for ``options``: the plan made here sizes what each replica asks for (no GPUs
+    where ``gpus_here``, a local Ray's GPUs, are too few: ``replica_gpus``); ``plan``: the one made for ``options``.
 
-    >>> serve.run(application(Options("path/to/sdxl", hardware="2x24GiB"), autoscale="1:4"))   # doctest: +SKIP
+    >>> settings = RaySettings(autoscale="1:4")                                                # doctest: +SKIP
+    >>> serve.run(application(Options("path/to/sdxl", hardware="2x24GiB"), settings))         # doctest: +SKIP
     """
     plan = plan or make_plan(options)
-    num_gpus = replica_gpus(plan, gpus_here)
-    # a request waits in Ray's router rather than being refused by a replica whose own queue is full
-    max_ongoing = options.max_queue + (options.workers or default_workers(plan))
-    scaling = {"autoscaling_config": autoscaling(autoscale, max_ongoing)} if autoscale else {"num_replicas": replicas}
-    # the queue limit holds in Ray's router too (past it: 503 at once), and a replica going away gets as long as a
-    # request may take (Ray's default grace is 20 s, then it is killed)
-    deployment = serve.deployment(PipemapReplica, name="pipemap", max_ongoing_requests=max_ongoing,
-                                  max_queued_requests=options.max_queue,
-                                  graceful_shutdown_timeout_s=options.timeout + 5,
-                                  ray_actor_options=actor_options(num_cpus, num_gpus),
-                                  health_check_period_s=2, health_check_timeout_s=30, **scaling,
-                                  **worker_bundles(plan, num_cpus, num_gpus))
+    deployment = serve.deployment(PipemapReplica, **deployment_options(options, settings, plan, gpus_here))
+    pinned = plan.to_dict() if options.hardware is not None else None  # else each replica plans for its node
     # ray annotates the decorator form's return, but given the class it returns the Deployment
-    return deployment.bind(options, plan.to_dict())  # type: ignore[attr-defined, unused-ignore]
+    return deployment.bind(options, pinned)  # type: ignore[attr-defined, unused-ignore]
 
 
-def run_on_ray(options: Options, host: str, port: int, replicas: int = 1, autoscale: str | None = None,
-               public: bool = False) -> int:
-    """``pipemap serve --ray``: deploy on the Ray cluster ``ray.init`` finds (``RAY_ADDRESS``) or a local one, and
-    keep serving until Ctrl-C or SIGTERM. A local one binds its own ports (GCS, object store, dashboard) to
-    127.0.0.1 unless ``public``: they run any code sent to them."""
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": every process Ray starts takes 127.0.0.1 for its address
+
+
+def init_options(address: str | None, public: bool) -> dict:
+    """``ray.init``'s arguments: a cluster's address as given; else a new local Ray (never one another process left
+    behind in Ray's temp folder), on loopback unless ``public``."""
+    return {**ray_init_options(address, public), **({"address": "local"} if address is None else {})}
+
+
+def http_options(options: Options, host: str, port: int) -> dict:
+    """Ray Serve's proxy: where it listens, and how long a request may wait for a replica and run (then 504)."""
+    return {"host": host, "port": port, "request_timeout_s": options.timeout + 5}
+
+
+def deploy(options: Options, settings: RaySettings, host: str, port: int) -> str:
+    """Deploy the app on the Ray cluster ``RAY_ADDRESS`` names (joined unless this process already is) or a new
+    local one; return its URL. A local Ray binds its own ports (GCS, raylet, agents, workers) to 127.0.0.1 unless
+    ``settings.public``: they run any code sent to them."""
     address = os.environ.get("RAY_ADDRESS")
-    ray.init(**ray_init_options(address, public))
+    if address is None and not settings.public:
+        # read by each process the local Ray starts: without it Ray's agents bind this machine's address, and its
+        # gRPC servers every interface, whatever node address it is given
+        os.environ[LOOPBACK_ENV] = "0"
+    if address is None:  # Ray's proxy answers its own errors as the app does (a cluster's head is started so)
+        os.environ.setdefault(ray_proxy.ENV, ray_proxy.CALLBACK)
+    ray.init(**init_options(address, settings.public))
     here = ray.cluster_resources().get("GPU", 0.0) if address is None else None  # a local Ray: this machine
     plan = make_plan(options)
-    app = application(options, replicas, autoscale, gpus_here=here, plan=plan)
     if replica_gpus(plan, here) < gpus(plan):
         print(f"pipemap: this machine has {here:g} GPUs, fewer than the plan's: each replica runs them on the CPU "
               "(plan for this machine, or leave --hardware out, to use what it has)", flush=True)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(app, name="pipemap", route_prefix="/")
-    print(f"pipemap: serving on Ray at http://{host}:{port} (POST /v1/images/generations)", flush=True)
+    serve.start(proxy_location=settings.proxy_location, http_options=http_options(options, host, port))
+    serve.run(application(options, settings, gpus_here=here, plan=plan), name="pipemap", route_prefix="/")
+    return f"http://{host}:{port}"
+
+
+def run_on_ray(options: Options, settings: RaySettings, host: str, port: int) -> int:
+    """``pipemap serve --ray``: ``deploy``, and keep serving until Ctrl-C or SIGTERM."""
+    url = deploy(options, settings, host, port)
+    print(f"pipemap: serving on Ray at {url} (POST /v1/images/generations)", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
