@@ -23,7 +23,7 @@ STEPS = 3
 
 @pytest.mark.slow
 def test_qwen_image_s_second_branch_runs_on_a_worker_equals_plain_and_a_dead_worker_costs_only_a_miss(monkeypatch):
-    monkeypatch.setenv(ENV, "process")
+    monkeypatch.delenv(ENV, raising=False)  # as a user runs it: ranks="auto", worker processes
     pipe, call = families.true_cfg("qwen_image", STEPS)
     plain = output(pipe(**fresh(call)))
     plan = with_copy(pipe, "guidance")
@@ -58,7 +58,7 @@ def test_qwen_image_s_second_branch_runs_on_a_worker_equals_plain_and_a_dead_wor
 @pytest.mark.slow
 def test_wan_planned_parallel_runs_its_second_branch_on_a_worker_and_equals_plain(monkeypatch):
     # the planner's own parallel plan (not a hand-made one): Wan calls its transformer once per guidance branch
-    monkeypatch.setenv(ENV, "process")
+    monkeypatch.delenv(ENV, raising=False)  # as a user runs it: ranks="auto", worker processes
     pipe, call = families.true_cfg("wan_t2v", STEPS)
     plain = output(pipe(**fresh(call)))
     plan = pipemap.plan(pipe, hardware="2x64MiB,cpu=1GiB", strategy="parallel", headroom=0.0)
