@@ -43,6 +43,20 @@ def _a_ledger_of_its_own(monkeypatch):
     monkeypatch.setattr(admission, "_SHARED", [])
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _a_module_ledger_of_its_own():
+    """The same for a module's own fixtures (a served pipeline, module-scoped): they are set up before the function
+    fixture above, so without this one a service joined the ledger of whatever test ran before it on the worker, and
+    a pipeline that test left placed on 5 MiB GPUs shrank the service's room (test_app's first test answered 400
+    insufficient_memory, in a full run ordered by xdist)."""
+    from pipemap.runtime import admission
+
+    saved = admission._SHARED
+    admission._SHARED = []
+    yield
+    admission._SHARED = saved
+
+
 torch.set_num_threads(1)
 hub_constants.HF_HOME = os.environ["HF_HOME"]  # in case a plugin imported huggingface_hub before this file ran
 diffusers_logging.set_verbosity_error()
