@@ -31,7 +31,7 @@ ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray of 3 logical CPUs (loopback): room for two workers' bundles, not for three."""
-    ray.init(num_cpus=3, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=100 * 2**20, log_to_driver=False)
     try:
         yield

@@ -114,7 +114,7 @@ def ray_url(tiny_folders):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=100 * 2**20, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
