@@ -271,29 +271,22 @@ RANKS_ENV = "PIPEMAP_WORKERS"
 AUTO_RANKS = "auto"
 
 
-def asked_ranks(value: object, environ: Mapping[str, str]) -> tuple[str, bool] | None:
-    """The runtime ``value`` (``ranks=``) names and whether it was asked for by name (then a model that cannot
-    travel to a worker is an error, not a fall-back to threads); ``"auto"`` or None: ``PIPEMAP_WORKERS`` where set,
-    else processes, not by name. None: ``value`` names none (the caller raises, naming ``RANKS``)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO_RANKS):
+def resolve_ranks(value: object, environ: Mapping[str, str] | None = None) -> tuple[str, bool]:
+    """The runtime ``ranks=`` asks for, and whether it was asked for by name (then a model that cannot travel to a
+    worker is an error, not a fall-back to threads): ``"auto"`` or None is ``PIPEMAP_WORKERS`` where set (``environ``:
+    ``os.environ`` by default), else processes, not by name. ``WorkersOptionError`` for a word that names none, in the
+    argument or in ``PIPEMAP_WORKERS``."""
+    environ = os.environ if environ is None else environ
+    word = value.strip().lower() if isinstance(value, str) else value
+    if word is None or word == AUTO_RANKS:
         told = environ.get(RANKS_ENV, "").strip().lower()
         if not told:
             return "process", False
-        return (told, True) if told in RANKS else None
-    if isinstance(value, str) and value.strip().lower() in RANKS:
-        return value.strip().lower(), True
-    return None
-
-
-def resolve_ranks(value: object, environ: Mapping[str, str] | None = None) -> tuple[str, bool]:
-    """The runtime ``ranks=`` asks for (``asked_ranks``; ``environ``: ``os.environ`` by default), and whether by
-    name; ``WorkersOptionError`` for a word that names none, in the argument or in ``PIPEMAP_WORKERS``."""
-    environ = os.environ if environ is None else environ
-    found = asked_ranks(value, environ)
-    if found is not None:
-        return found
-    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO_RANKS):
+        if told in RANKS:
+            return told, True
         raise WorkersOptionError(RANKS_ENV, environ.get(RANKS_ENV), RANKS)
+    if word in RANKS:
+        return str(word), True
     raise WorkersOptionError("ranks", value, (AUTO_RANKS, *RANKS))
 
 

@@ -147,8 +147,8 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
 
     def make(p: Placement) -> PlacementHook:
         row = TABLE[p.mode]
-        if row.workers_hook is not None and p.replicas and runtime_of(plan)[0] != "thread":
-            runtime, asked = runtime_of(plan)
+        runtime, asked = runtime_of(plan) if row.workers_hook is not None and p.replicas else ("thread", False)
+        if runtime != "thread" and row.workers_hook is not None:
             hook = _imported(row.workers_hook).for_placement(p, plan.execution_device, None, runtime, asked)
         else:
             hook = HOOKS[p.mode](p, plan.execution_device, ledger() if p.mode in MOVING else None)

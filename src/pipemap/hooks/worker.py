@@ -253,11 +253,15 @@ def numerics() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def numerics_set(settings: dict[str, Any]):
-    """``settings`` (``numerics``) in force in this process for the block, the worker's own back after it."""
+    """``settings`` (``numerics``) in force in this process for the block, the worker's own back after it; where
+    they are the worker's own already (the caller changed none: the usual call), nothing is set."""
     before = numerics()
+    if settings == before:
+        yield
+        return
     _apply(settings)
     try:
-        if "attention" in settings:
+        if settings.get("attention", before.get("attention")) != before.get("attention"):
             from diffusers.models.attention_dispatch import attention_backend  # here: only a diffusers model's call
 
             with attention_backend(settings["attention"]):
