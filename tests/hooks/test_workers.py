@@ -206,3 +206,18 @@ def test_ranks_sharing_a_gpu_run_on_gloo_through_the_host_as_nccl_takes_one_rank
     assert shared_gpu((cuda0, cuda1, cuda1))
     assert not shared_gpu((cuda0, cuda1)) and not shared_gpu((cpu, cpu)) and not shared_gpu((cuda0, cpu))
     assert wire(cuda0, True) == cpu and wire(cuda0, False) == cuda0 and wire(cpu, False) == cpu
+
+
+def test_the_transport_of_a_staged_gpu_pair_is_decided_once_per_process(monkeypatch):
+    # WP5: NCCL reads NCCL_P2P_DISABLE once per process, at its first communicator (no GPU needed: the decision only)
+    from pipemap.hooks import groups
+
+    monkeypatch.delenv(groups.P2P_ENV, raising=False)
+    monkeypatch.setattr(groups, "_NCCL_MADE", [])
+    assert groups.nccl_transport(staged=False, cuda=True) == "direct"
+    assert groups.nccl_transport(staged=True, cuda=False) == "direct"  # gloo goes through the host anyway
+    assert groups.nccl_transport(staged=True, cuda=True) == "p2p_off"  # the process's first group: off for all
+    assert os.environ[groups.P2P_ENV] == "1"
+    monkeypatch.delenv(groups.P2P_ENV)
+    monkeypatch.setattr(groups, "_NCCL_MADE", [True])  # a communicator already runs with peer-to-peer on
+    assert groups.nccl_transport(staged=True, cuda=True) == "gloo" and groups.P2P_ENV not in os.environ
