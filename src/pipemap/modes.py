@@ -102,7 +102,7 @@ class ModeFacts:
     copies: bool  # it keeps a whole copy on each of ``Placement.replicas``
     loads_on: str  # where ``from_pretrained`` loads it: "device" (its own) or "cpu" (dispatch moves it after)
     hook: tuple[str, str]  # (module, class) of its hook, imported when a plan first uses the mode
-    workers_hook: tuple[str, str] | None  # the same with ``PIPEMAP_WORKERS=process``; None: no worker variant
+    ranks: bool  # its hook runs ranks on other devices (``hooks.ranks``: threads, worker processes or Ray actors)
     cost: str  # the pricing kind ``cost.py`` prices it by (its compute, the bytes it moves, which devices work)
     label: str  # what the picture calls what it puts on a device besides its home (a copy, the pieces it moves)
     pattern: str  # the picture's fill pattern for it: "" (plain), "hatch" or "dots"
@@ -169,26 +169,23 @@ _HOOKS = "pipemap.hooks."
 # Keyed by the mode's string, not by ``Mode``: an enum takes no member at run time, so a test registers a made-up
 # mode as a row here (``register``) and a placement keeps its mode as a plain string; the built-in rows are ``Mode``s
 TABLE: dict[str, ModeFacts] = {row.mode: row for row in (
-    ModeFacts(Mode.RESIDENT, False, False, "device", (_HOOKS + "resident", "PlacementHook"), None, "resident",
+    ModeFacts(Mode.RESIDENT, False, False, "device", (_HOOKS + "resident", "PlacementHook"), False, "resident",
               "resident", "", Peak.HELD, True, _resident_text),
-    ModeFacts(Mode.OFFLOAD, True, False, "cpu", (_HOOKS + "offload", "OffloadHook"), None, "onload",
+    ModeFacts(Mode.OFFLOAD, True, False, "cpu", (_HOOKS + "offload", "OffloadHook"), False, "onload",
               "onloaded", "hatch", Peak.ONLOADED, False, _room_text),
-    ModeFacts(Mode.STREAM, True, False, "cpu", (_HOOKS + "stream", "StreamHook"), None, "stream",
+    ModeFacts(Mode.STREAM, True, False, "cpu", (_HOOKS + "stream", "StreamHook"), False, "stream",
               "blocks in flight", "dots", Peak.STREAMED, False, _stream_text),
-    ModeFacts(Mode.SPLIT, False, False, "cpu", (_HOOKS + "split", "SplitHook"), None, "split",
+    ModeFacts(Mode.SPLIT, False, False, "cpu", (_HOOKS + "split", "SplitHook"), False, "split",
               "shards", "hatch", Peak.HELD, True, _split_text),
-    ModeFacts(Mode.REPLICATED, False, True, "device", (_HOOKS + "replica", "ReplicaHook"),
-              (_HOOKS + "replica_workers", "ProcessReplicaHook"), "replicated", "copy", "hatch", Peak.HELD, True,
-              _replicated_text),
-    ModeFacts(Mode.GUIDANCE, False, True, "device", (_HOOKS + "guidance", "GuidanceHook"),
-              (_HOOKS + "guidance_workers", "ProcessGuidanceHook"), "guidance", "copy: 2nd guidance branch",
-              "hatch", Peak.HELD, False, _guidance_text),
-    ModeFacts(Mode.SEQUENCE, False, True, "device", (_HOOKS + "sequence", "SequenceHook"),
-              (_HOOKS + "sequence_workers", "ProcessSequenceHook"), "sequence", "copy: share of tokens", "hatch",
-              Peak.HELD, False, _sequence_text),
+    ModeFacts(Mode.REPLICATED, False, True, "device", (_HOOKS + "replica", "ReplicaHook"), True, "replicated",
+              "copy", "hatch", Peak.HELD, True, _replicated_text),
+    ModeFacts(Mode.GUIDANCE, False, True, "device", (_HOOKS + "guidance", "GuidanceHook"), True, "guidance",
+              "copy: 2nd guidance branch", "hatch", Peak.HELD, False, _guidance_text),
+    ModeFacts(Mode.SEQUENCE, False, True, "device", (_HOOKS + "sequence", "SequenceHook"), True, "sequence",
+              "copy: share of tokens", "hatch", Peak.HELD, False, _sequence_text),
     ModeFacts(Mode.GUIDANCE_SEQUENCE, False, True, "device", (_HOOKS + "guidance_sequence", "GuidanceSequenceHook"),
-              (_HOOKS + "guidance_sequence_workers", "ProcessGuidanceSequenceHook"), "guidance_sequence",
-              "copy: a branch's share of tokens", "hatch", Peak.HELD, False, _guidance_sequence_text),
+              True, "guidance_sequence", "copy: a branch's share of tokens", "hatch", Peak.HELD, False,
+              _guidance_sequence_text),
 )}
 
 
@@ -263,7 +260,7 @@ def device_use(placements: Iterable[Placed], device: str) -> int:
 # ---- how a split's ranks run -------------------------------------------------------------------------------------
 
 RANKS = ("process", "thread", "ray")
-"""What runs the other ranks of a split denoiser (the modes with a ``workers_hook``): a worker process per GPU that
+"""What runs the other ranks of a split denoiser (the modes whose row says ``ranks``): a worker process per GPU that
 pipemap spawns (``"process"``, the default), threads of the caller's process (``"thread"``: one GIL; what the dry
 run's stand-ins always use), or the same worker processes as Ray actors (``"ray"``). ``"auto"`` asks for the
 environment's choice (``PIPEMAP_WORKERS``), else processes."""
@@ -291,5 +288,5 @@ def resolve_ranks(value: object, environ: Mapping[str, str] | None = None) -> tu
 
 
 def splits(p: Placed) -> bool:
-    """Whether a placement's mode runs ranks of a split (its hook has a worker variant) on copies it has."""
-    return bool(p.replicas) and facts(p.mode).workers_hook is not None
+    """Whether a placement's mode runs ranks on other devices (``ModeFacts.ranks``) and it has some."""
+    return bool(p.replicas) and facts(p.mode).ranks

@@ -197,7 +197,7 @@ def test_a_plan_of_guidance_mode_round_trips_and_places_the_copy():
                 (DeviceUse("cuda:0", 100, 100, 10), DeviceUse("cuda:1", 100, 100, 10)), "cuda:0")
     assert Plan.from_json(plan.to_json()) == plan
     assert repr(GuidanceHook.for_placement(plan.components[0], "cuda:0", None)) == (
-        "GuidanceHook('transformer', device=cuda:0, replicas=[cuda:1])")
+        "GuidanceHook('transformer', device=cuda:0, replicas=[cuda:1], ranks=thread)")
 
 
 # ---- the model changed inside a call, or a cache on: the copy's result is not used ------------------------------

@@ -6,21 +6,22 @@ What is split, where, and how attention exchanges are diffusers' own context par
 ``_cp_plan`` (which inputs and layer outputs to cut along which dimension, which output to gather) and the attention
 backends' context-parallel path (``dispatch_attention_fn`` with a ``ParallelConfig``, Ulysses attention). diffusers
 runs it on a ``torch.distributed`` process group with one process per GPU, each running the whole pipeline; pipemap
-keeps the pipeline in one process, so the ranks are threads over the GPUs (``exchange.py``), and the cut and the
-gather are done by ``_Cut``/``_Gather`` (diffusers' own split and gather hooks with the rank read from here instead
-of from the default process group torch.distributed would need).
+keeps the pipeline in the caller's process, and the other ranks are what the plan's ``ranks`` names
+(``ranks.Ranks``): worker processes in a ``torch.distributed`` group with this one (``workers.py``), or threads
+meeting in an in-process group (``threads.py``, ``exchange.py``). The cut and the gather are done by
+``_Cut``/``_Gather`` (diffusers' own split and gather hooks with the rank read from here instead of from the default
+process group torch.distributed would need).
 
 Rank 0 is a copy on the transformer's own GPU that shares its weights, run in the calling thread; its output is the
-call's. A call whose tokens do not divide among the GPUs runs whole on the transformer's own GPU.
+call's. At each call the inputs go whole to every rank (each cuts its own share, as diffusers' ranks do), and all run
+at once. A call whose tokens do not divide among the GPUs raises ``Unsplittable`` on every rank at the same layer,
+before any exchange: it then runs whole on the transformer's own GPU.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -35,92 +36,63 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 
 from ..errors import PlanMismatchError, Unsplittable
 from ..replication import SEQUENCE_BROKEN
-from .copies import CopiesHook, call_on
-from .exchange import Exchange, ThreadGroup, release, thread_groups
-from .replica import CallerState, replica
+from .copies import CopiesHook
+from .exchange import ThreadGroup
+
+if TYPE_CHECKING:
+    from .ranks import Ranks
 
 _HOOK_NAME = "pipemap-sequence---{}"
 
 
 class SequenceHook(CopiesHook):
-    """A transformer on ``device`` with a copy on each of ``replicas``: each call's tokens split across all of them.
+    """A transformer on ``device`` with a rank on each of ``replicas``: each call's tokens split across all of them.
 
-    ``whole`` counts the calls that ran whole on ``device`` because their tokens did not divide among the GPUs.
+    ``home`` is rank 0's copy, here, sharing the module's weights. ``whole`` counts the calls that ran whole on
+    ``device`` because their tokens did not divide among the GPUs.
     """
 
-    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
-        super().__init__(component, device, execution_device, replicas)
-        self.ranks: list[torch.nn.Module] = []
-        self.groups: list[ThreadGroup] = []
+    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...],
+                 runtime: str = "thread", asked: bool = False):
+        super().__init__(component, device, execution_device, replicas, runtime, asked)
+        self.home: torch.nn.Module | None = None
         self.whole = 0
 
     def init_hook(self, module):
         check_splittable(self.component, module, 1 + len(self.replica_devices))
-        home = replica(module, self.device)  # shares the module's weights; made before its forward is taken over
-        module = super().init_hook(module)
-        self.ranks = [home, *self.replicas]
-        self.groups = thread_groups(len(self.ranks), self.component)
-        for rank, (copy, group) in enumerate(zip(self.ranks, self.groups)):
-            enable_split(copy, rank, group)
-        return module
+        return super().init_hook(module)
+
+    def bring_up(self, module) -> None:
+        """Every rank given the module and made a rank of the split; rank 0 a copy here (made anew with new
+        workers: a new group)."""
+        super().bring_up(module)
+        assert self.ranks is not None
+        self.home = self.ranks.split(module)
 
     def detach_hook(self, module):
-        module = super().detach_hook(module)
-        release(self.groups)
-        self.ranks, self.groups = [], []
-        return module
+        self.home = None
+        return super().detach_hook(module)
 
     def run(self, *args, **kwargs):
-        state, inputs = CallerState.capture((self.device, *self.replica_devices)), (args, kwargs)
-        others = [functools.partial(call_on, copy, device, None, inputs, state)
-                  for copy, device in zip(self.ranks[1:], self.replica_devices)]
         try:
-            return run_ranks(self.start, self.groups[0].exchange, functools.partial(self.ranks[0], *args, **kwargs),
-                             others, self.replica_devices)
+            return split_call(self.live_ranks(), self.home, (), args, kwargs)
         except Unsplittable:
             self.whole += 1
             return self.forward_own(*args, **kwargs)
 
     def __getstate__(self):
-        return {**super().__getstate__(), "ranks": [], "groups": []}
+        return {**super().__getstate__(), "home": None}
 
 
-def run_ranks(start: Callable[[Callable[[], Any], torch.device], Future], exchange: Exchange,
-              first: Callable[[], Any], others: Sequence[Callable[[], Any]], devices: tuple[torch.device, ...]) -> Any:
-    """One split call: ``first`` (rank 0) in this thread, each of ``others`` started on its device of ``devices``
-    (``start``: a hook's pool), all meeting at ``exchange``; rank 0's output once every rank is done. A call whose
-    tokens do not divide raises ``Unsplittable`` (the caller runs it whole); otherwise the rank that failed first
-    raises, not those it released from the exchange."""
-    exchange.renew()
-    jobs = [start(_rank_run(exchange, job), device) for job, device in zip(others, devices)]
-    output, failures = None, []
-    try:
-        output = _rank_run(exchange, first)()
-    except BaseException as err:
-        failures.append(err)
-    failures += [e for e in (job.exception() for job in jobs) if e is not None]  # every rank done first
-    unsplit = next((e for e in failures if isinstance(e, Unsplittable)), None)
-    if unsplit is not None:
-        raise unsplit
-    if failures:
-        raise next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), failures[0])
-    return output
-
-
-def _rank_run(exchange: Exchange, call: Callable[[], Any]) -> Callable[[], Any]:
-    """A rank's run; if it fails, the ranks waiting for it at the exchange are released (they fail too). Every rank
-    finds a share that does not divide at the same layer, so ``Unsplittable`` releases nobody."""
-
-    def run():
-        try:
-            return call()
-        except Unsplittable:
-            raise
-        except BaseException:
-            exchange.abort()
-            raise
-
-    return run
+def split_call(ranks: Ranks, home: torch.nn.Module | None, to: tuple[int, ...], args: tuple, kwargs: dict) -> Any:
+    """One split call: the whole inputs sent to the ranks ``to`` (every other rank where empty), each cutting its
+    own share, as diffusers' ranks do; rank 0's copy ``home`` run here meanwhile; its output (the gathered whole:
+    the other ranks keep theirs). ``Unsplittable`` where the tokens do not divide (every rank met it at the same
+    layer, before any exchange: the caller runs the call whole)."""
+    assert home is not None  # set by bring_up
+    count = len(to) or len(ranks.devices)
+    pending = ranks.submit([(args, kwargs)] * count, to=to, reply=False, expected=(Unsplittable,))
+    return ranks.together(pending, functools.partial(home, *args, **kwargs))
 
 
 def check_splittable(component: str, module: torch.nn.Module, ranks: int) -> None:
