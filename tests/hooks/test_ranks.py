@@ -19,7 +19,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 import families
 import pipemap
 from families import fresh, output
-from helpers import processes_gone, with_copy
+from helpers import processes_gone, split_tolerance, with_copy
 from pipemap import modes, tiny
 from pipemap.errors import CannotTravelError, RanksFallbackWarning, WorkerCallError, WorkerDiedError
 from pipemap.hooks.copies import CopiesHook
@@ -168,6 +168,20 @@ def test_a_sequence_split_runs_its_other_rank_in_a_worker_process_with_no_settin
     assert hook.ranks.served == [pid] * (2 * STEPS) and hook.whole == 0  # its share of every call
     pipemap.reset(pipe)
     assert processes_gone([pid])
+
+
+def test_guidance_x_sequence_runs_its_three_other_ranks_in_worker_processes_with_no_setting_and_equals_plain(unset):
+    pipe, call = families.true_cfg("wan_t2v", STEPS)
+    plain = output(pipe(**fresh(call)))
+    plan = with_copy(pipe, "guidance_sequence", hardware="4x64MiB,cpu=1GiB", copies=3)
+    pipemap.dispatch(pipe, plan.remap({f"cuda:{i}": "cpu" for i in range(4)}))
+    hook = pipe.transformer._hf_hook
+    pids = hook.pids()
+    assert hook.runtime == "process" and len(pids) == 3 and hook.replicas == []  # no rank's copy in this process
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **split_tolerance(operation="attention"))
+    assert set(hook.ranks.served) <= set(pids) and hook.hits == STEPS - 1 and hook.whole == 0
+    pipemap.reset(pipe)
+    assert processes_gone(pids)
 
 
 @pytest.mark.parametrize("asked", ["thread", "process"])
