@@ -38,6 +38,8 @@ from ..errors import PlanMismatchError, Unsplittable
 from ..replication import SEQUENCE_BROKEN
 from .copies import CopiesHook
 from .exchange import ThreadGroup
+from .ulysses import FUSED
+from .ulysses import install as install_fused
 
 if TYPE_CHECKING:
     from .ranks import Ranks
@@ -132,6 +134,8 @@ def enable_split(module: torch.nn.Module, rank: int, group: ThreadGroup) -> None
     context._rank, context._world_size, context._mesh, context._flattened_mesh = rank, ranks, mesh, mesh
     context._ulysses_mesh, context._ulysses_local_rank, context._ring_mesh, context._ring_local_rank = (
         mesh, rank, whole, 0)
+    install_fused()  # queries, keys and values in one exchange (``ulysses.py``: diffusers sends them in three)
+    setattr(context, FUSED, True)
     config = ParallelConfig(context_parallel_config=context)
     config._rank, config._world_size = rank, ranks
     for processor in _processors(module):

@@ -212,6 +212,7 @@ class Workers:
         self.hellos: list[dict] = []  # per worker started last: what it reported at start (tests read it)
         self.launcher: Any = None  # what started them (``launcher``): it frees what it holds at close
         self.lock = threading.RLock()  # sends and receives take turns (a call's lock serializes them already)
+        self.watcher: Watcher | None = None  # watches a split call's workers (``watching``)
 
     @property
     def running(self) -> bool:
@@ -297,6 +298,9 @@ class Workers:
                 forget(group)
         self.group = self.store = self.launcher = None
         self.subgroups = []
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
         self.outstanding = []
 
     def interrupt(self) -> None:
@@ -475,23 +479,13 @@ class Workers:
         worker's own error (its traceback; an out-of-memory error as ``torch.OutOfMemoryError``), to raise instead
         of rank 0's (``failure``)."""
         seen: list[BaseException] = []
-        stop = threading.Event()
-
-        def watch() -> None:
-            while not stop.wait(_POLL_S):
-                found = self._failed(call)
-                if found is not None:
-                    seen.append(found)
-                    self.interrupt()
-                    return
-
-        watcher = threading.Thread(target=watch, name=f"pipemap-{self.component}-watch", daemon=True)
-        watcher.start()
+        if self.watcher is None:
+            self.watcher = Watcher(self)
+        self.watcher.arm(call, seen)
         try:
             yield seen
         finally:
-            stop.set()
-            watcher.join()
+            self.watcher.disarm()
 
     def failure(self, call: Call, seen: list[BaseException], grace: float = 2.0) -> BaseException | None:
         """After rank 0's share of a split call failed: the worker's error that caused it (what the watcher saw,
@@ -621,6 +615,50 @@ def stop_workers(module: torch.nn.Module) -> None:
         found = _ALL.pop(module, None)
     if found is not None:
         found.close()
+
+
+class Watcher:
+    """One thread per ``Workers`` that watches a split call's ranks while it is armed (``Workers.watching``): a
+    thread started per call cost a split call of a small model about 2 ms of wall time on a busy host. A check runs
+    under the lock ``disarm`` takes, so once ``disarm`` returns the thread reads no pipe of the call."""
+
+    def __init__(self, workers: Workers):
+        self.workers = workers
+        self.cond = threading.Condition()
+        self.armed: tuple[Call, list[BaseException]] | None = None
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name=f"pipemap-{workers.component}-watch", daemon=True)
+        self.thread.start()
+
+    def arm(self, call: Call, seen: list[BaseException]) -> None:
+        with self.cond:
+            self.armed = (call, seen)
+            self.cond.notify()
+
+    def disarm(self) -> None:
+        with self.cond:
+            self.armed = None
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed, self.armed = True, None
+            self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while self.armed is None and not self.closed:
+                    self.cond.wait()
+                if self.closed or self.armed is None:
+                    return
+                call, seen = self.armed
+                found = self.workers._failed(call)
+                if found is not None:
+                    seen.append(found)
+                    self.armed = None
+            if found is not None:
+                self.workers.interrupt()  # outside the lock: it kills the workers, and ``close`` may wait
+            time.sleep(_POLL_S)
 
 
 class Sent:
