@@ -22,9 +22,9 @@ from families import fresh, output
 from helpers import processes_gone, split_tolerance, with_copy
 from pipemap import modes, tiny
 from pipemap.errors import CannotTravelError, RanksFallbackWarning, WorkerCallError, WorkerDiedError
+from pipemap.hooks.calls import join_batch, split_batch
 from pipemap.hooks.copies import CopiesHook
 from pipemap.hooks.launch import TIMEOUT_ENV
-from pipemap.hooks.replica import join_batch, split_batch
 from pipemap.hooks.resident import PlacementHook
 from pipemap.hooks.worker import caller_state, entered, numerics
 from pipemap.hooks.workers import ENV

@@ -17,8 +17,8 @@ from helpers import pipeline_state, plain_pipeline, run, split_tolerance, with_c
 from pipemap import tiny
 from pipemap.errors import DispatchError, PlanMismatchError
 from pipemap.hooks import SequenceHook
+from pipemap.hooks.context import all_gather_op, gather
 from pipemap.hooks.exchange import release, thread_groups
-from pipemap.hooks.sequence import all_gather_op, gather
 
 ON_CPU = {f"cuda:{i}": "cpu" for i in range(4)}
 TOLERANCE = split_tolerance(operation="attention")  # attention in shards sums in another order

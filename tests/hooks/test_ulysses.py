@@ -8,8 +8,8 @@ import torch
 
 import pipemap
 from pipemap import tiny
+from pipemap.hooks.context import _processors
 from pipemap.hooks.exchange import ThreadGroup
-from pipemap.hooks.sequence import _processors
 from pipemap.hooks.ulysses import FUSED, FusedUlyssesAttention
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}

@@ -27,5 +27,3 @@ from .resetting import reset
 __all__ = ["Move", "change_check", "check_pipeline", "dispatch", "follow", "onload_peaks", "place",
            "place_component", "place_copy", "place_module", "planned", "replace", "replace_component", "reset",
            "stats"]
-
-_place = place_component  # its old name, which tests/hooks/test_changes.py and test_split_cuda.py still import

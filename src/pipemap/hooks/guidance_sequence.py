@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from ..errors import PipemapError
+from ..errors import PipemapError, Unsplittable
 from ..modes import branch_devices
+from .context import check_splittable
 from .copies import CopiesHook
 from .guidance import Failed, GuidanceHook, Inputs
-from .sequence import Unsplittable, check_splittable, split_call
+from .sequence import split_call
 
 
 class GuidanceSequenceHook(GuidanceHook):

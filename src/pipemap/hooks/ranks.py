@@ -17,13 +17,15 @@ half), sends parts of a call to chosen ranks (``submit``) and takes their output
 own share meanwhile while they run theirs (``together``), and closes them. So adding a parallel mode is one hook
 file, and the dry run runs the same hook code as a real run.
 
-``ranks_for`` picks the runtime from the hook's (the plan's ``ranks``), with the checks ``ranks="auto"`` makes
-before it starts a worker: a component that cannot travel to another process (``workers.travel_problem``) or a
-group that fails its bring-up check runs on threads instead, with a ``RanksFallbackWarning`` that says why.
+``copies.ranks_for`` picks the runtime from the hook's (the plan's ``ranks``), and ``copies.CopiesHook`` makes the
+checks ``ranks="auto"`` makes before it starts a worker: a component that cannot travel to another process
+(``workers.travel_problem``) or a group that fails its bring-up check runs on threads instead, with a
+``RanksFallbackWarning`` that says why.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -59,7 +61,7 @@ class Ranks(Protocol):
         ...
 
     def split(self, module: torch.nn.Module, halves: tuple[tuple[int, ...], ...] = ()) -> torch.nn.Module | None:
-        """Each rank's copy made its rank of a sequence split (``sequence.enable_split``) over all the ranks, or over
+        """Each rank's copy made its rank of a sequence split (``context.enable_split``) over all the ranks, or over
         its own of ``halves`` (disjoint tuples of ranks, each a group of its own); rank 0's copy of ``module``, made
         its rank likewise (None where rank 0 is in none of ``halves``)."""
         ...
@@ -90,8 +92,6 @@ class Ranks(Protocol):
 def pick(failures: Sequence[BaseException], expected: tuple[type, ...]) -> BaseException:
     """The failure of a split call to raise: an expected one (``Unsplittable``: every rank met it), else the first
     that is not a rank released from a collective because another failed."""
-    import threading
-
     found = next((e for e in failures if isinstance(e, expected)), None) if expected else None
     if found is not None:
         return found

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..errors import Unsplittable
 from ..runtime.transfer import move_tensor
+from .calls import CallerState, replica, run_part
 from .exchange import Exchange, ThreadGroup, release, thread_groups
 from .ranks import Part, pick
-from .replica import CallerState, _run_replica, replica
 from .resident import quietly
 
 
@@ -77,7 +78,7 @@ class ThreadRanks:
             groups = thread_groups(len(members), self.component if not halves else f"{self.component}-part")
             self.groups.append(groups)
             by_rank.update(zip(members, groups))
-        from .sequence import enable_split  # here: a plan with no split imports no context-parallel code
+        from .context import enable_split  # here: a plan with no split imports no context-parallel code
 
         for rank, group in by_rank.items():
             self.exchange_of[rank] = group.exchange
@@ -102,7 +103,7 @@ class ThreadRanks:
             # the inputs copied here, in the caller's thread: on CUDA the copy then sits on the caller's stream
             # before its later work; a rank's thread's copy would land wherever the caller has got to
             moved = self._moved_to(rank, part, device)
-            run = quietly(functools.partial(_run_replica, self.copies[rank - 1], device, None, moved, state))
+            run = quietly(functools.partial(run_part, self.copies[rank - 1], device, None, moved, state))
             jobs.append(self._start(rank, _aborting(self.exchange_of.get(rank), run), device))
         replies = reply if isinstance(reply, tuple) else (reply,) * len(parts)
         call = ThreadCall(jobs, replies, expected)
@@ -179,7 +180,6 @@ def _aborting(exchange: Exchange | None, call: Callable[[], Any]) -> Callable[[]
     finds a share that does not divide at the same layer, so ``Unsplittable`` releases nobody."""
     if exchange is None:
         return call
-    from ..errors import Unsplittable
 
     def run():
         try:

@@ -6,7 +6,7 @@ the host a launch (NCCL) or a meeting (gloo, the threads' exchange) whatever its
 model that fixed cost is most of a rank's host time (issue 48, WP11: a tiny Flux rank cost 2.5-3x a plain call's
 host time). xDiT and SGLang stack the three into one exchange; diffusers offers no such option, so pipemap puts a
 subclass in its place (``install``) that does, for the configurations pipemap's own splits make
-(``sequence.enable_split`` marks them: ``FUSED``) and where the three are alike (same shape and dtype, no mask to
+(``context.enable_split`` marks them: ``FUSED``) and where the three are alike (same shape and dtype, no mask to
 gather); every other call, a user's own context parallelism included, runs diffusers' code unchanged. The stacked
 exchange moves the same values to the same ranks, so the attention's inputs, and its output, are exactly
 diffusers'. Backward is diffusers' own (per tensor).

@@ -176,7 +176,7 @@ class _Worker:
             self._module(*rest)
             pipe.send(("synced", os.getpid()))
         elif kind == "split":
-            from .sequence import enable_split  # here: only a sequence split's worker loads the context-parallel code
+            from .context import enable_split  # here: only a sequence split's worker loads the context-parallel code
 
             if self.module is None:
                 raise RuntimeError("no copy of the component was sent to this worker")

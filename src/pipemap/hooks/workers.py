@@ -68,6 +68,7 @@ from ..errors import (
     WorkersOptionError,
 )
 from ..modes import RANKS, resolve_ranks
+from .calls import replica
 from .groups import (
     GROUP_NAMES,
     forget,
@@ -83,7 +84,6 @@ from .groups import (
 )
 from .launch import launcher, timeout_s
 from .payload import Inputs, Pickler, Raised, digest, metas, named_tensors, packed, unpacked
-from .replica import replica
 from .worker import Source, Start, caller_state
 
 ENV = "PIPEMAP_WORKERS"
@@ -355,7 +355,7 @@ class Workers:
     def split(self, module: torch.nn.Module, halves: tuple[tuple[int, ...], ...] = ()) -> torch.nn.Module | None:
         """Each worker's copy made its rank of a sequence split (``split_group``); rank 0's, a copy of ``module``
         here sharing its weights, made anew over the new group too (None where rank 0 is in none of ``halves``)."""
-        from .sequence import enable_split
+        from .context import enable_split
 
         group = self.split_group(halves)
         if group is None:
@@ -397,7 +397,7 @@ class Workers:
     # -- calls --
 
     def split_group(self, halves: tuple[tuple[int, ...], ...] = ()) -> Any:
-        """Make each worker's copy its rank of a sequence split (``sequence.enable_split``) over the whole group, or
+        """Make each worker's copy its rank of a sequence split (``context.enable_split``) over the whole group, or
         over its own of ``halves`` (disjoint lists of ranks, each a group of its own: ``subgroup``); rank 0's group
         (None where rank 0 is in none of them)."""
         if not halves:
