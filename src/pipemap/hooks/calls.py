@@ -16,28 +16,56 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from diffusers.hooks.hooks import HookRegistry
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..runtime.transfer import move, move_tensor
 
 
-def replica(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def replica(module: torch.nn.Module, device: torch.device, share: bool = True) -> torch.nn.Module:
     """A copy of ``module`` whose weights are on ``device``, copied there straight from where they are (never
-    through the home GPU); on the module's own device the copy shares the weights (inference only reads them)."""
+    through the home GPU); on the module's own device the copy shares the weights (inference only reads them),
+    unless ``share`` is False."""
     memo: dict[int, object] = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         if id(tensor) in memo:
             continue
-        if tensor.device == device:
+        if tensor.device == device and share:
             memo[id(tensor)] = tensor
             continue
-        moved = move_tensor(tensor.detach(), device)
+        moved = move_tensor(tensor.detach(), device) if tensor.device != device else tensor.detach().clone()
         memo[id(tensor)] = torch.nn.Parameter(moved, requires_grad=False) if isinstance(
             tensor, torch.nn.Parameter) else moved
     copied = copy.deepcopy(module, memo)
     for name in ("_hf_hook", "_old_forward", "forward", "encode", "decode", "tiled_encode", "tiled_decode"):
         copied.__dict__.pop(name, None)  # a hooked module's traces: the copy runs its class's own methods
+    for sub in copied.modules():
+        own_diffusers_hooks(sub)
     return copied
+
+
+def own_diffusers_hooks(module: torch.nn.Module) -> None:
+    """The diffusers hooks of a deep-copied ``module`` (layerwise casting, caches: ``diffusers.hooks.HookRegistry``)
+    registered anew over the copy. A deep copy keeps the forward diffusers wrapped in a closure, which still calls
+    the original module's hooks and forward: the copy would cast and read the original's weights (a race with the
+    original's own call, and the copy's weights never cast)."""
+    registry = module.__dict__.get("_diffusers_hook")
+    if registry is None:
+        return
+    hooks = [(name, registry.hooks[name]) for name in registry._hook_order]  # the hooks' deep copies, in order
+    module.__dict__.pop("forward", None)
+    del module._diffusers_hook
+    fresh = HookRegistry.check_if_exists_or_initialize(module)
+    for name, hook in hooks:
+        fresh.register_hook(hook, name)
+
+
+def casts_in_place(module: torch.nn.Module) -> bool:
+    """Whether diffusers' layerwise casting is on ``module``: its hooks cast the weights in place around each call,
+    so a rank whose copy shares them (a rank on the module's own device: a plan remapped onto one device) would read
+    them half cast while another rank runs."""
+    return any("layerwise_casting" in getattr(getattr(m, "_diffusers_hook", None), "hooks", {})
+               for m in module.modules())
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import Unsplittable
 from ..runtime.transfer import move_tensor
-from .calls import CallerState, replica, run_part
+from .calls import CallerState, casts_in_place, replica, run_part
 from .exchange import Exchange, ThreadGroup, release, thread_groups
 from .ranks import Part, pick
 from .resident import quietly
@@ -69,7 +69,8 @@ class ThreadRanks:
         return []
 
     def bring_up(self, module: torch.nn.Module) -> None:
-        self.copies = [replica(module, device) for device in self.devices]
+        share = not casts_in_place(module)  # a copy on the module's own device shares its weights where it may
+        self.copies = [replica(module, device, share) for device in self.devices]
 
     def split(self, module: torch.nn.Module, halves: tuple[tuple[int, ...], ...] = ()) -> torch.nn.Module | None:
         self._release()
