@@ -160,8 +160,9 @@ NEGATIVE = {"negative_prompt": " ", "true_cfg_scale": 4.0}  # Qwen-Image's true 
 
 def _speedup(name: str, gpus: int, count: bool = True, **call) -> tuple[float, pipemap.Plan]:
     """One H100's estimate of ``call`` over ``gpus`` H100s' ("auto" planning for that very call: no dry run)."""
-    one = pipemap.plan(name, hardware=H100.format(1), strategy="auto", call=call or None)
-    many = pipemap.plan(name, hardware=H100.format(gpus), strategy="auto", call=call or None)
+    # the published runs' ranks are processes, each launching in its own interpreter (threads: one after the other)
+    one = pipemap.plan(name, hardware=H100.format(1), strategy="auto", call=call or None, ranks="process")
+    many = pipemap.plan(name, hardware=H100.format(gpus), strategy="auto", call=call or None, ranks="process")
     seconds = [pipemap.estimate(name, p, count=count, **call).seconds for p in (one, many)]
     return seconds[0] / seconds[1], many
 
