@@ -25,6 +25,7 @@ from typing import Any
 
 from .counts import PIPELINE, ComponentCounts, Counts, Tally
 from .devices import is_accelerator
+from .experts import EXPERTS, expert_steps
 from .granularity import LOOSE, Block
 from .hardware import Performance
 from .inventory.values import PER_STEP, Component, Inventory
@@ -842,15 +843,19 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
     dtype_bytes = _dtype_bytes(plan.dtype)
     by_name = {c.name: c for c in inventory.models}
     cached = page_cached(plan)
+    experts = expert_steps(inventory.source, set(by_name), work.steps if steps is None else steps)
     found = {}
     for p in plan.components:
         if p.component not in by_name:
             continue
         component = by_name[p.component]
-        counted = _counted(counts, p.component)
-        cost = component_cost(p, component, dtype_bytes, perf, work, mechanism, counted, steps, plan.ranks)
-        whole = (counted or formula_component(component, dtype_bytes, work)).total(work.steps if steps is None
-                                                                                    else steps)
+        counted, at, at_steps = _counted(counts, p.component), work, steps
+        if experts is not None and p.component in experts:  # its own steps of the call, each as counted
+            at = replace(work, steps=experts[p.component])
+            at_steps, counted = at.steps, _expert_counts(p.component, counts, component, dtype_bytes, at)
+        cost = component_cost(p, component, dtype_bytes, perf, at, mechanism, counted, at_steps, plan.ranks)
+        whole = (counted or formula_component(component, dtype_bytes, at)).total(at.steps if at_steps is None
+                                                                                  else at_steps)
         bound = is_accelerator(p.execution_device) and is_launch_bound(whole, perf, token_ranks(p))
         found[p.component] = _with_disk(replace(cost, launch_bound=bound), disk_seconds(p, component, perf, work,
                                                                                         cached))
@@ -859,6 +864,18 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
         seconds = compute_seconds(code.total(steps), perf, is_accelerator(plan.execution_device))
         found[PIPELINE] = Cost(PIPELINE, seconds, 0.0, seconds)
     return found
+
+
+def _expert_counts(name: str, counts: Counts | None, component: Component, dtype_bytes: int,
+                   work: Workload) -> ComponentCounts:
+    """One of two experts' counts a step (``experts``): a call's work as counted for whichever expert the counted
+    steps ran (a two-step dry run sees the first one only; the two share an architecture), else the formula's."""
+    ran = [c for c in (counts.get(e) for e in EXPERTS) if c is not None and c.calls_per_step] if counts else []
+    if not ran:
+        return replace(formula_component(component, dtype_bytes, work), component=name)
+    calls = sum(c.calls_per_step for c in ran)  # each step calls one of them: the counted steps' calls a step
+    per_call = sum((c.per_step for c in ran), start=Tally()).scaled(1 / calls)
+    return ComponentCounts(name, per_step=per_call.scaled(calls), calls_per_step=calls, pieces=ran[0].pieces)
 
 
 def _counted(counts: Counts | None, component: str) -> ComponentCounts | None:
