@@ -88,3 +88,17 @@ def test_a_tiny_two_expert_wan_placed_runs_as_plain(wan22, strategy):
     pipe = pipemap.load(folder, plan=plan.remap(ON_CPU), progress=False)
     torch.testing.assert_close(families.output(pipe(**families.fresh(call))), reference, atol=1e-5, rtol=0)
     pipemap.reset(pipe)
+
+
+def test_a_tiny_two_expert_wan_in_parallel_copies_both_experts_and_runs_as_plain(wan22):
+    # two GPUs with room for both experts beside the rest: "parallel" gives each expert its guidance copy (each
+    # step's second call on cuda:1, whichever expert the step runs), not the first expert alone
+    folder, call, reference, _ran = wan22
+    inventory = pipemap.inspect(folder)
+    room = int(1.05 * sum(c.bytes for c in inventory.models))
+    plan = pipemap.plan(folder, hardware=f"2x{room}B,cpu=1GiB", strategy="parallel", headroom=0.0)
+    for name in experts.EXPERTS:
+        assert (plan.placement(name).mode, plan.placement(name).replicas) == ("guidance", ("cuda:1",))
+    pipe = pipemap.load(folder, plan=plan.remap(ON_CPU), progress=False)
+    torch.testing.assert_close(families.output(pipe(**families.fresh(call))), reference, atol=1e-5, rtol=0)
+    pipemap.reset(pipe)

@@ -31,6 +31,7 @@ from .errors import (
     UnknownComponentError,
     UnknownDeviceError,
 )
+from .experts import EXPERTS
 from .granularity import Block, Pieces, cut
 from .hardware import Hardware
 from .inventory.values import DENOISERS, Component, Inventory
@@ -291,29 +292,40 @@ def _parallel(request: Problem) -> dict[str, str | Place]:
     as its mode says (``replication``). Balanced where no two GPUs can (``notes`` say why)."""
     for name, mode in request.parallel:
         counts = replication.copy_counts(mode, len(request.rooms), request.heads)
-        for count in counts if name in dict(request.components) else ():
-            placed = _replicated(request, name, count, mode)
-            if placed is not None:
-                return placed
+        # two experts (Wan 2.2) run one after the other, each at its own steps: both copied where both fit
+        for names in dict.fromkeys(((name, *_partners(request, name)), (name,))):
+            for count in counts if name in dict(request.components) else ():
+                placed = _replicated(request, names, count, mode)
+                if placed is not None:
+                    return placed
     return _balanced(request)
 
 
-def _replicated(request: Problem, name: str, count: int, mode: str = Mode.REPLICATED
+def _partners(request: Problem, name: str) -> tuple[str, ...]:
+    """The other expert of a two-expert denoiser (``experts.EXPERTS``) among the components to place."""
+    present = dict(request.components)
+    return tuple(e for e in EXPERTS if e != name and e in present) if name in EXPERTS else ()
+
+
+def _replicated(request: Problem, names: str | tuple[str, ...], count: int, mode: str = Mode.REPLICATED
                 ) -> dict[str, str | Place] | None:
-    """``name`` on the ``count`` roomiest GPUs, the rest balanced in what is left; None if that does not fit."""
-    size = dict(request.components)[name]
+    """``names`` (one component or several) each on the ``count`` roomiest GPUs, the rest balanced in what is left;
+    None if that does not fit."""
+    names = (names,) if isinstance(names, str) else names
+    size = sum(dict(request.components)[name] for name in names)
     rooms = dict(request.rooms)
     chosen = sorted(rooms, key=lambda d: (-rooms[d], list(rooms).index(d)))[:count]
     if any(size > rooms[d] for d in chosen):
         return None
     for device in chosen:
         rooms[device] -= size
-    rest = tuple(c for c in request.components if c[0] != name)
+    rest = tuple(c for c in request.components if c[0] not in names)
     try:
         placed: dict[str, str | Place] = dict(_balanced(replace(request, components=rest, rooms=tuple(rooms.items()))))
     except DoesNotFitError:
         return None
-    placed[name] = Place(chosen[0], mode, chosen[0], (), tuple(chosen[1:]))
+    for name in names:
+        placed[name] = Place(chosen[0], mode, chosen[0], (), tuple(chosen[1:]))
     return placed
 
 
