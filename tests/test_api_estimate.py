@@ -249,3 +249,13 @@ def test_qwen_image_at_2048_over_h800s_is_priced_as_vllm_omni_ran_it(gpus, publi
     assert len(transformer.replicas) == gpus - 1 and transformer.mode == ("sequence" if gpus > 1 else "resident")
     seconds = pipemap.estimate("qwen-image", plan, count=False, height=2048, width=2048, **NEGATIVE).seconds
     assert 0.9 < seconds / published < 1.15
+
+
+def test_auto_prices_its_splits_for_the_runtime_that_will_run_them():
+    # FLUX.1-dev on two H100s is launch-bound once split: as worker processes each rank launches in parallel and
+    # the split wins (xDiT: 1.53x); as threads of one process the two ranks' launches take turns on one interpreter,
+    # so auto keeps every call on one GPU
+    process, thread = (pipemap.plan("flux.1-dev", hardware=H100.format(2), strategy="auto", ranks=ranks)
+                       for ranks in ("process", "thread"))
+    assert process.placement("transformer").mode == "sequence" and process.ranks == "process"
+    assert not thread.placement("transformer").replicas and thread.ranks is None

@@ -145,7 +145,8 @@ class Request:
         else:
             counts = self.known_counts(inventory) if strategy == AUTO else None
             work = workload_for(inventory, self.call) if self.call else None
-            made = plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts, work)
+            made = plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts, work,
+                                  resolve_ranks(self.ranks)[0])
         return with_ranks(made, self.ranks)
 
     def known_counts(self, inventory: Inventory) -> Counts | None:
