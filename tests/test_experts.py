@@ -99,6 +99,7 @@ def test_a_tiny_two_expert_wan_in_parallel_copies_both_experts_and_runs_as_plain
     plan = pipemap.plan(folder, hardware=f"2x{room}B,cpu=1GiB", strategy="parallel", headroom=0.0)
     for name in experts.EXPERTS:
         assert (plan.placement(name).mode, plan.placement(name).replicas) == ("guidance", ("cuda:1",))
+    assert any("transformer_2, the second expert" in note and "copied the same way" in note for note in plan.notes)
     pipe = pipemap.load(folder, plan=plan.remap(ON_CPU), progress=False)
     torch.testing.assert_close(families.output(pipe(**families.fresh(call))), reference, atol=1e-5, rtol=0)
     pipemap.reset(pipe)
