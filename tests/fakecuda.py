@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import traceback
 import types
@@ -49,6 +50,8 @@ import torch
 import torch.distributed._functional_collectives as _funcol
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from pipemap.hooks.worker import SETUP_ENV
 
 aten = torch.ops.aten
 # the op torch's functional collectives end with (a result that waits on first use); the fake hands it the CudaTensor
@@ -1076,9 +1079,15 @@ class Patches:
         self.saved.append((target, name, getattr(target, name) if raising else getattr(target, name, _ABSENT)))
         setattr(target, name, value)
 
+    def setenv(self, name: str, value: str) -> None:
+        self.saved.append((os.environ, name, os.environ.get(name, _ABSENT)))
+        os.environ[name] = value
+
     def undo(self) -> None:
         for target, name, value in reversed(self.saved):
-            if value is _ABSENT:
+            if target is os.environ:
+                os.environ.pop(name, None) if value is _ABSENT else os.environ.__setitem__(name, value)
+            elif value is _ABSENT:
                 delattr(target, name)
             else:
                 setattr(target, name, value)
@@ -1088,11 +1097,19 @@ class Patches:
 _ABSENT = object()
 
 
+# a worker process pipemap starts from a process with the fake installs it too, with as many GPUs (``in_worker``)
+SETUP = f"{__name__}:in_worker"
+GPUS_ENV = "PIPEMAP_FAKE_CUDA_GPUS"
+
+
 def install(monkeypatch=None, gpus: int = 2) -> FakeCuda:
     """Install a fake CUDA with ``gpus`` devices: for one test (``monkeypatch`` undoes every patch), or for a script
-    (``fake.exit()`` undoes them)."""
+    (``fake.exit()`` undoes them). Worker processes pipemap starts meanwhile install one of their own
+    (``PIPEMAP_WORKER_SETUP``, read by ``pipemap.hooks.worker.set_up``), with ``gpus`` devices."""
     patches = Patches() if monkeypatch is None else None
     monkeypatch = monkeypatch or patches
+    monkeypatch.setenv(SETUP_ENV, SETUP)
+    monkeypatch.setenv(GPUS_ENV, str(gpus))
     fake = FakeCuda(gpus)
     fake.cudart = FakeCudart(fake)
     FakeCuda.active = fake
@@ -1147,6 +1164,14 @@ def install(monkeypatch=None, gpus: int = 2) -> FakeCuda:
 
     fake.exit = leave
     return fake
+
+
+def in_worker() -> None:
+    """The fake in a worker process of a process that has it (``PIPEMAP_WORKER_SETUP``), for the worker's life: its
+    device, streams and allocator are the fake's, so its CUDA branches run. Its races are its own (not the test's
+    fixture's to check)."""
+    fake = install(None, gpus=int(os.environ.get(GPUS_ENV, "2")))
+    fake.expect_races = True
 
 
 # ---- helpers for tests -------------------------------------------------------------------------------------------

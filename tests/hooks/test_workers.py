@@ -8,6 +8,7 @@ import os
 import socket
 from importlib.util import find_spec
 
+import psutil
 import pytest
 import torch
 
@@ -35,6 +36,19 @@ def test_workers_mode_defaults_to_processes_and_refuses_other_words(monkeypatch)
     with pytest.raises(WorkersOptionError, match=r"needs Ray, which is not installed \(pip install") as caught:
         workers_mode()  # where Ray is not installed: said at once, not an ImportError at the first call
     assert caught.value.accepted == ("thread", "process")
+
+
+def test_workers_start_from_a_forkserver_where_the_platform_has_one_or_as_asked(monkeypatch):
+    from pipemap.hooks.launch import START_ENV, start_method
+
+    monkeypatch.delenv(START_ENV, raising=False)
+    assert start_method() == "forkserver"  # Linux, macOS: a server that imported torch and diffusers once
+    monkeypatch.setenv(START_ENV, " Spawn ")
+    assert start_method() == "spawn"
+    monkeypatch.setenv(START_ENV, "fork")  # never: a fork of the caller would carry its CUDA state
+    with pytest.raises(WorkersOptionError, match=START_ENV) as caught:
+        start_method()
+    assert caught.value.accepted == ("forkserver", "spawn")
 
 
 def test_the_timeout_is_read_in_seconds_and_must_be_positive(monkeypatch):
@@ -164,9 +178,10 @@ def test_a_call_names_the_tensors_the_worker_holds_from_the_last_call_and_sends_
 
 
 @pytest.mark.slow
-def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_compute():
+def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_compute(monkeypatch):
     from pipemap.hooks.groups import P2P_ENV
-    from pipemap.hooks.worker import Source, caller_state
+    from pipemap.hooks.launch import start_method
+    from pipemap.hooks.worker import SETUP_ENV, Source, caller_state
     from pipemap.hooks.workers import Workers
     from pipemap.runtime import transfer
 
@@ -187,12 +202,17 @@ def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_c
     finally:
         workers.close()
         transfer.clear_staged()
+    # set after the forkserver started (the first workers above): each worker still runs in the caller's environment
+    # of its start, as a spawned one does
+    monkeypatch.setenv(SETUP_ENV, "os:getpid")
     unstaged = Workers("m", cpu, (cpu,))
     try:
         unstaged.sync(module, Source.of(module))
         assert not unstaged.staged and unstaged.hellos[0] == {
             "pid": unstaged.pids()[0], "host": socket.gethostname(), "staged": False, "gloo": False,
-            P2P_ENV: os.environ.get(P2P_ENV)}
+            P2P_ENV: os.environ.get(P2P_ENV), "setup": ["os:getpid"]}
+        forked = start_method() == "forkserver"  # by the server, not by this process
+        assert (psutil.Process(unstaged.pids()[0]).ppid() != os.getpid()) == forked
         assert unstaged.describe() == "'m': ranks on cpu, cpu, exchanging directly"
     finally:
         unstaged.close()
@@ -214,6 +234,10 @@ def test_the_transport_of_a_staged_gpu_pair_is_decided_once_per_process(monkeypa
 
     monkeypatch.delenv(groups.P2P_ENV, raising=False)
     monkeypatch.setattr(groups, "_NCCL_MADE", [])
+    monkeypatch.setattr(groups.dist, "is_nccl_available", lambda: False)  # a CPU build (the fake CUDA): gloo
+    assert groups.nccl_transport(staged=False, cuda=True) == "gloo"
+    assert groups.nccl_transport(staged=True, cuda=False) == "direct"
+    monkeypatch.setattr(groups.dist, "is_nccl_available", lambda: True)
     assert groups.nccl_transport(staged=False, cuda=True) == "direct"
     assert groups.nccl_transport(staged=True, cuda=False) == "direct"  # gloo goes through the host anyway
     assert groups.nccl_transport(staged=True, cuda=True) == "p2p_off"  # the process's first group: off for all
@@ -221,3 +245,33 @@ def test_the_transport_of_a_staged_gpu_pair_is_decided_once_per_process(monkeypa
     monkeypatch.delenv(groups.P2P_ENV)
     monkeypatch.setattr(groups, "_NCCL_MADE", [True])  # a communicator already runs with peer-to-peer on
     assert groups.nccl_transport(staged=True, cuda=True) == "gloo" and groups.P2P_ENV not in os.environ
+
+
+@pytest.mark.slow
+def test_a_worker_of_a_process_under_the_fake_cuda_runs_its_cuda_branch_over_gloo_and_equals_plain(fake_cuda):
+    # issue 48: the fake runs inside the workers (PIPEMAP_WORKER_SETUP), so their CUDA branches run in CI: the
+    # worker's device set, its copy and call on a fake GPU (its allocator's peak), gloo where this torch has no NCCL
+    import fakecuda
+    from pipemap.hooks.worker import SETUP_ENV, Source, caller_state
+    from pipemap.hooks.workers import Workers
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 32)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        want = module(x)
+    home, other = torch.device("cuda:0"), torch.device("cuda:1")
+    placed = module.to(home)
+    workers = Workers("m", home, (other,))
+    try:
+        workers.sync(placed, Source.of(placed))
+        assert os.environ[SETUP_ENV] == fakecuda.SETUP and workers.hellos[0]["setup"] == [fakecuda.SETUP]
+        assert workers.transport == "gloo" and workers.gloo and workers.hellos[0]["gloo"]  # the fake has no NCCL
+        with torch.no_grad():
+            (out,) = workers.receive(workers.send([((x.to(home),), {})], caller_state()))
+        assert fakecuda.on_device(out) and out.device == home
+        torch.testing.assert_close(fakecuda.host(out), want, atol=0, rtol=0)
+        peaks = workers.peaks()  # the worker's fake allocator held its copy's weight, bias, input and output
+        assert peaks["cuda:1"] >= (64 * 32 + 32 + 8 * 64 + 8 * 32) * 4, peaks
+    finally:
+        workers.close()
