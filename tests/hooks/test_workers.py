@@ -248,30 +248,33 @@ def test_the_transport_of_a_staged_gpu_pair_is_decided_once_per_process(monkeypa
 
 
 @pytest.mark.slow
-def test_a_worker_of_a_process_under_the_fake_cuda_runs_its_cuda_branch_over_gloo_and_equals_plain(fake_cuda):
-    # issue 48: the fake runs inside the workers (PIPEMAP_WORKER_SETUP), so their CUDA branches run in CI: the
-    # worker's device set, its copy and call on a fake GPU (its allocator's peak), gloo where this torch has no NCCL
-    import fakecuda
-    from pipemap.hooks.worker import SETUP_ENV, Source, caller_state
-    from pipemap.hooks.workers import Workers
+def test_a_replica_worker_of_a_process_under_the_fake_cuda_runs_its_cuda_branch_and_equals_plain(fake_cuda,
+                                                                                                  tiny_folders):
+    # issue 48: the fake runs inside the workers (PIPEMAP_WORKER_SETUP), so their CUDA branches run in CI: a plan for
+    # two GPUs NOT remapped, the worker's copy loaded from the folder onto its fake cuda:1, its allocator's peak
+    # reported, gloo where this torch has no NCCL (the fake has none)
+    from diffusers import DiffusionPipeline
 
-    torch.manual_seed(0)
-    module = torch.nn.Linear(64, 32)
-    x = torch.randn(8, 64)
-    with torch.no_grad():
-        want = module(x)
-    home, other = torch.device("cuda:0"), torch.device("cuda:1")
-    placed = module.to(home)
-    workers = Workers("m", home, (other,))
+    import fakecuda
+    import pipemap
+    from pipemap import tiny
+    from pipemap.hooks.worker import SETUP_ENV
+
+    plain, pipe = (DiffusionPipeline.from_pretrained(tiny_folders["sd"]) for _ in range(2))
+    for each in (plain, pipe):
+        each.set_progress_bar_config(disable=True)
+    call = dict(tiny.default_call(plain, "sd"), num_images_per_prompt=2, output_type="pt")  # a batch of 4: 2 + 2
+    want = plain(**dict(call, generator=torch.Generator().manual_seed(0))).images
+    plan = pipemap.plan(pipe, hardware="2x8MiB,cpu=1GiB", strategy="parallel", headroom=0.0)  # unet 3.0 MiB
+    assert plan.placement("unet").mode == "replicated" and plan.placement("unet").replicas == ("cuda:1",)
+    pipemap.dispatch(pipe, plan, ranks="process")
     try:
-        workers.sync(placed, Source.of(placed))
+        got = pipe(**dict(call, generator=torch.Generator().manual_seed(0))).images
+        workers = pipe.unet._hf_hook.workers
         assert os.environ[SETUP_ENV] == fakecuda.SETUP and workers.hellos[0]["setup"] == [fakecuda.SETUP]
-        assert workers.transport == "gloo" and workers.gloo and workers.hellos[0]["gloo"]  # the fake has no NCCL
-        with torch.no_grad():
-            (out,) = workers.receive(workers.send([((x.to(home),), {})], caller_state()))
-        assert fakecuda.on_device(out) and out.device == home
-        torch.testing.assert_close(fakecuda.host(out), want, atol=0, rtol=0)
-        peaks = workers.peaks()  # the worker's fake allocator held its copy's weight, bias, input and output
-        assert peaks["cuda:1"] >= (64 * 32 + 32 + 8 * 64 + 8 * 32) * 4, peaks
+        assert workers.pids()[0] != os.getpid() and workers.sent == [0]  # its copy read from the folder by itself
+        assert workers.transport == "gloo" and workers.hellos[0]["gloo"]  # not NCCL: the fake has none
+        assert workers.peaks()["cuda:1"] >= plan.placement("unet").bytes  # its copy sat on its fake GPU
+        torch.testing.assert_close(fakecuda.host(got), want, atol=1e-4, rtol=0)
     finally:
-        workers.close()
+        pipemap.reset(pipe)
