@@ -132,9 +132,11 @@ def _context(module: str) -> Any:
     part of a split's start and of the worker tests' time. A forkserver pays that once per caller: a fresh
     interpreter (started as ``spawn`` starts one, so nothing of the caller's state, CUDA included, is in it) imports
     ``PRELOAD`` and the first component's model module, then forks each worker from itself. It never initialises
-    CUDA (importing torch and diffusers does not; ``tests/hooks/test_workers.py`` checks it), so each forked worker
-    initialises CUDA itself, as a spawned one does. What the server cannot give a worker is the caller's
-    environment of now: the worker is handed it (``serve``'s ``environ``)."""
+    CUDA: torch initialises it lazily, at the first call that needs a device, and importing torch, diffusers and
+    pipemap makes none (none of them calls ``torch.cuda`` at module level), so each forked worker initialises CUDA
+    itself, as a spawned one does. What the server cannot give a worker is the caller's environment of now: the
+    worker is handed it (``serve``'s ``environ``). ``fork`` is never used: a fork of the caller would carry its
+    CUDA state."""
     method = start_method()
     context = multiprocessing.get_context(method)
     if method == "forkserver":
