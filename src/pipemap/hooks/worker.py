@@ -11,6 +11,7 @@ import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
 import sys
 import threading
@@ -105,6 +106,9 @@ def serve(start: Start, pipe, parent: int | None, environ: dict[str, str] | None
     started this worker (a forkserver's child has the server's otherwise)."""
     if parent is not None:
         _watch(parent)
+        # Ctrl-C in a terminal reaches every process of its group, these workers too: it is the caller's to handle
+        # (rank 0 stops its workers, or they follow it when it exits), never a reason for a worker to die mid-split
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
