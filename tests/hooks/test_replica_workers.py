@@ -61,9 +61,10 @@ def _workers_alive(pids: list[int]) -> list[int]:
 
 
 def _worker_children() -> list[psutil.Process]:
-    """This process's children less multiprocessing's resource tracker (one per interpreter, started by spawn)."""
+    """This process's children less multiprocessing's resource tracker and forkserver (one each per interpreter)."""
     return [p for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+            if not any(k in " ".join(p.cmdline()) for k in ("resource_tracker", "forkserver"))
+            and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.slow
@@ -78,7 +79,7 @@ def test_a_folder_s_unet_on_a_worker_equals_plain_diffusers_follows_a_change_and
     workers = hook.ranks
     assert workers is not None and workers.sent == [0]  # the worker loaded every tensor from the folder itself
     (pid,) = hook.pids()
-    assert pid != os.getpid() and pid in [p.pid for p in psutil.Process().children()]
+    assert pid != os.getpid() and pid in [p.pid for p in psutil.Process().children(recursive=True)]
     steps = calls[0]["num_inference_steps"]
     for call, want, worker_calls in zip(calls, wanted, [steps, steps, 0], strict=True):
         workers.served.clear()
