@@ -270,7 +270,7 @@ def test_a_replica_worker_of_a_process_under_the_fake_cuda_runs_its_cuda_branch_
     pipemap.dispatch(pipe, plan, ranks="process")
     try:
         got = pipe(**dict(call, generator=torch.Generator().manual_seed(0))).images
-        workers = pipe.unet._hf_hook.workers
+        workers = pipe.unet._hf_hook.ranks
         assert os.environ[SETUP_ENV] == fakecuda.SETUP and workers.hellos[0]["setup"] == [fakecuda.SETUP]
         assert workers.pids()[0] != os.getpid() and workers.sent == [0]  # its copy read from the folder by itself
         assert workers.transport == "gloo" and workers.hellos[0]["gloo"]  # not NCCL: the fake has none

@@ -1,9 +1,9 @@
 """A process per device for a split denoiser: the caller's process is rank 0 and keeps the pipeline (its ``__call__``
-unchanged, no launcher); each other device a split denoiser uses gets a worker process of its own (started with
-``spawn``), rank 1, 2, ... of a ``torch.distributed`` process group with rank 0 (NCCL between GPUs, gloo on the
+unchanged, no launcher); each other device a split denoiser uses gets a worker process of its own (forked by a
+forkserver that imported torch and diffusers once, or spawned: ``launch.py``), rank 1, 2, ... of a ``torch.distributed`` process group with rank 0 (NCCL between GPUs, gloo on the
 CPU), which holds its own copy of the component and runs the calls rank 0 sends it.
 
-Why processes: the ranks as threads of the caller's process (``replica.py``, ``copies.py``) share its GIL and each
+Why processes: the ranks as threads of the caller's process (``threads.py``) share its GIL and each
 other's CUDA streams (issue 34). Here each rank launches its own kernels on its own streams, and the only traffic is
 the call's inputs going out and its outputs coming back.
 
@@ -21,8 +21,8 @@ What travels, and how (``payload.py``):
 The modules: ``workers.py`` (this one: rank 0's end, the workers of each component; ``Workers`` is the seam's
 ``ranks.Ranks`` for processes, as ``threads.ThreadRanks`` is for threads), ``worker.py`` (a worker's end:
 ``serve``, the caller's state and numerics a call runs under), ``groups.py`` (process groups: transports, the
-bring-up check, loopback listening), ``payload.py`` (what travels), ``launch.py`` (what starts a worker: a spawned
-child, or a Ray actor, ``ray_workers.py``; the waits' bound).
+bring-up check, loopback listening), ``payload.py`` (what travels), ``launch.py`` (what starts a worker: a forked or
+spawned child, or a Ray actor, ``ray_workers.py``; the waits' bound).
 
 Waits are bounded: rank 0 polls each pipe with the worker's liveness checked (``_receive``) and a deadline
 (``PIPEMAP_WORKER_TIMEOUT``, seconds, default 120; a first copy's load has a bound of its own, ``load_bound``); the
