@@ -1,7 +1,8 @@
 """A process per device for a split denoiser: the caller's process is rank 0 and keeps the pipeline (its ``__call__``
 unchanged, no launcher); each other device a split denoiser uses gets a worker process of its own (forked by a
-forkserver that imported torch and diffusers once, or spawned: ``launch.py``), rank 1, 2, ... of a ``torch.distributed`` process group with rank 0 (NCCL between GPUs, gloo on the
-CPU), which holds its own copy of the component and runs the calls rank 0 sends it.
+forkserver that imported torch and diffusers once, or spawned: ``launch.py``), rank 1, 2, ... of a
+``torch.distributed`` process group with rank 0 (NCCL between GPUs, gloo on the CPU), which holds its own copy of
+the component and runs the calls rank 0 sends it.
 
 Why processes: the ranks as threads of the caller's process (``threads.py``) share its GIL and each
 other's CUDA streams (issue 34). Here each rank launches its own kernels on its own streams, and the only traffic is
