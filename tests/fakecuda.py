@@ -837,7 +837,7 @@ class HostMode(TorchFunctionMode):
 
 def _to(fake: FakeCuda, func, tensor, *args, **kwargs):
     if isinstance(tensor, CudaTensor) and func is torch.Tensor.to:
-        return func(tensor, *args, **kwargs)
+        return _to_on_gpu(fake, func, tensor, *args, **kwargs)
     target, dtype, non_blocking = _target(func, (tensor, *args), kwargs)
     if target is None or target.type != "cuda":
         return func(tensor, *args, **kwargs)
@@ -846,6 +846,17 @@ def _to(fake: FakeCuda, func, tensor, *args, **kwargs):
                                      non_blocking=non_blocking) if fake.index(target) != tensor.device.index else tensor
     inner = tensor.to(dtype=dtype or tensor.dtype, copy=True)
     return fake.host_to_device(tensor, inner, fake.index(target), non_blocking)
+
+
+def _to_on_gpu(fake: FakeCuda, func, tensor: CudaTensor, *args, **kwargs):
+    """``.to()`` of a fake tensor. To its own GPU it is a dtype change at most: torch's ``to`` given a device builds
+    its result with ``empty_strided`` on the CUDA backend under ``inference_mode``, past this fake's dispatch (the
+    CLIP text encoder's ``input_ids.to(dtype=torch.int, device=...)``)."""
+    target, dtype, non_blocking = _target(func, (tensor, *args), kwargs)
+    if target is None or target.type != "cuda" or fake.index(target) != tensor.device.index:
+        return func(tensor, *args, **kwargs)
+    options = {k: v for k, v in kwargs.items() if k in ("copy", "memory_format")}
+    return func(tensor, dtype=dtype or tensor.dtype, non_blocking=non_blocking, **options)
 
 
 def _set_data_host(fake: FakeCuda, func, tensor, value):
