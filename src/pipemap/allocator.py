@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .devices import is_accelerator
-from .modes import facts
+from .modes import Placed, facts
 
 MIB = 2**20
 SMALL_SEGMENT = 2 * MIB  # the small pool's segment, for requests up to 1 MiB (kSmallBuffer)
@@ -36,18 +36,18 @@ def pool_slack(memory: int) -> int:
     return POOL_SLACK if memory >= SLACK_FROM else 0
 
 
-def side_pools(placements: Iterable, device: str) -> int:
+def side_pools(placements: Iterable[Placed], device: str) -> int:
     """The side stream pools the placements use on ``device``: one where a moving mode (offload, stream) runs there,
     whose copies run on a side stream."""
     return int(any(p.execution_device == device and facts(p.mode).moves_weights for p in placements))
 
 
-def side_slack(placements: Iterable, device: str, memory: int) -> int:
+def side_slack(placements: Iterable[Placed], device: str, memory: int) -> int:
     """The slack of the side pools the placements use on ``device`` (none on the CPU)."""
     return pool_slack(memory) * side_pools(placements, device) if is_accelerator(device) else 0
 
 
-def slack(placements: Iterable, device: str, memory: int) -> int:
+def slack(placements: Iterable[Placed], device: str, memory: int) -> int:
     """What the allocator may keep reserved on ``device`` beside what a plan's tensors allocate: ``POOL_SLACK`` for
     the default stream's pool and for each side pool (none on the CPU, or on a GPU under ``SLACK_FROM``)."""
     placements = list(placements)
