@@ -46,12 +46,13 @@ def child(folder: str) -> None:
     import torch
 
     import pipemap
+    from pipemap.allocator import POOL_SLACK
     from pipemap.api import memory_for
 
     torch.set_num_threads(1)
     total = sum(m.bytes for m in pipemap.inspect(folder).models)
     vae = next(m.bytes for m in pipemap.inspect(folder).models if m.name == "vae")
-    plan = pipemap.plan(folder, hardware=f"cuda:0={total + 8 * MIB},cpu={vae + 4 * MIB}", headroom=0.0)
+    plan = pipemap.plan(folder, hardware=f"cuda:0={total + 8 * MIB + POOL_SLACK},cpu={vae + 4 * MIB}", headroom=0.0)
     pipe = pipemap.load(folder, plan=plan.remap({"cuda:0": "cpu"}), progress=False)
     pipe.set_progress_bar_config(disable=True)
     admission = memory_for(pipe, plan)
