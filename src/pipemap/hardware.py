@@ -495,7 +495,7 @@ def _seconds(spec: str, key: str, text: str) -> float:
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:
-    value = float(_size(spec, f"{key}={text}", text))
+    value = float(_size(spec, f"{key}={text}", text, memory=False))
     if value <= 0:
         raise HardwareSpecError(spec, f"{key}={text}", "a bandwidth must be above zero bytes per second")
     return value
@@ -512,12 +512,14 @@ def _flops(spec: str, text: str) -> float:
     return flops
 
 
-def _size(spec: str, part: str, text: str) -> int:
+def _size(spec: str, part: str, text: str, memory: bool = True) -> int:
+    """Bytes of a spec's size; a memory size in KB/MB/GB is noted (``_note_decimal``), a speed's figure not."""
     try:
         size = parse_bytes(text.strip())
     except ValueError as err:
         raise HardwareSpecError(spec, part, str(err)) from err
-    _note_decimal(text)
+    if memory:
+        _note_decimal(text)
     return size
 
 
