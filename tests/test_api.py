@@ -19,9 +19,9 @@ import torch
 
 import pipemap
 from helpers import plain_pipeline
-from pipemap.allocator import POOL_SLACK
 from pipemap.cli import main
 from pipemap.hardware import Performance
+from pipemap.modes import POOL_SLACK
 from pipemap.units import parse_bytes
 
 E = pipemap  # the error classes, short

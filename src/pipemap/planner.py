@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import replication
-from .allocator import pool_slack, side_slack
 from .cost import (
     Workload,
     bytes_moved,
@@ -35,7 +34,7 @@ from .errors import (
 from .granularity import Block, Pieces, cut
 from .hardware import Hardware
 from .inventory.values import DENOISERS, Component, Inventory
-from .modes import Mode, Peak, device_use, facts, held
+from .modes import Mode, Peak, device_use, facts, held, pool_slack, side_slack
 from .plan import Candidate, DeviceUse, Placement, Plan
 from .tiers import place_tiers
 from .units import format_bytes, parse_bytes
@@ -72,7 +71,7 @@ class Problem:
     # (denoiser, mode) strategy "parallel" may copy it for, the fastest first (``replication.parallel_modes``)
     parallel: tuple[tuple[str, str], ...] = ()
     heads: int = 0  # the denoiser's attention heads (0: unknown): a sequence split runs on GPU counts dividing them
-    # each GPU's allocator slack for a side stream's pool, kept where a moved component runs (``allocator``)
+    # each GPU's allocator slack for a side stream's pool, kept where a moved component runs (``modes.slack``)
     side_slack: tuple[tuple[str, int], ...] = ()
 
 
@@ -335,7 +334,7 @@ MIXED: dict[str, Strategy] = {
 
 def budgets(hw: Hardware, headroom=None) -> dict[str, int]:
     """Each device's budget: its memory less the headroom (a fraction of each GPU, bytes, or a per-device dict), and
-    on a GPU less the caching allocator's slack of its default stream's pool (``allocator.pool_slack``; a moved
+    on a GPU less the caching allocator's slack of its default stream's pool (``modes.pool_slack``; a moved
     component's side stream keeps as much again on the GPU it runs on: ``_assemble``).
 
     A dict sets the devices it names; the GPUs it leaves out keep the default 10%, the CPU its own default (10%, at

@@ -46,8 +46,8 @@ def child(folder: str) -> None:
     import torch
 
     import pipemap
-    from pipemap.allocator import POOL_SLACK
     from pipemap.api import memory_for
+    from pipemap.modes import POOL_SLACK
 
     torch.set_num_threads(1)
     total = sum(m.bytes for m in pipemap.inspect(folder).models)

@@ -10,7 +10,7 @@ from html import escape
 
 import torch
 
-from ..allocator import slack
+from ..modes import slack
 from ..picture import Sample, Timeline
 from ..plan import Plan
 from ..units import format_bytes
@@ -42,7 +42,7 @@ class Overrun:
     phase: str
     component: str
     weights: int
-    slack: int = 0  # what CUDA's caching allocator keeps reserved beside the peak (``allocator.slack``)
+    slack: int = 0  # what CUDA's caching allocator keeps reserved beside the peak (``modes.slack``)
 
     def advice(self) -> str:
         """What would bring the peak under the memory, from what filled it: the weights, VAE decode, or a call's
@@ -97,8 +97,8 @@ class SimulationReport:
     @property
     def reserved_bytes(self) -> dict[str, int]:
         """Each device's peak as CUDA counts it: the bytes its caching allocator reserves, the peak allocated plus
-        the slack of the stream pools the plan uses there (``allocator.slack``: none on the CPU, or on a stand-in
-        GPU under ``allocator.SLACK_FROM``)."""
+        the slack of the stream pools the plan uses there (``modes.slack``: none on the CPU, or on a stand-in
+        GPU under ``modes.SLACK_FROM``)."""
         memory = {d.device: d.memory for d in self.plan.devices}
         return {device: peak + slack(self.plan.components, device, memory.get(device, 0))
                 for device, peak in self.peak_bytes.items()}

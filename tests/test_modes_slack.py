@@ -1,4 +1,4 @@
-"""The caching allocator's slack in budgets and dry runs (``pipemap.allocator``): what a plan keeps per stream pool,
+"""The caching allocator's slack in budgets and dry runs (``pipemap.modes.slack``): what a plan keeps per stream pool,
 and, under the fake CUDA (its allocator has CUDA's segments), the smallest GPU a plan accepts holds the load and
 the call."""
 
@@ -10,8 +10,8 @@ import torch
 import pipemap
 from helpers import inventory, plain_pipeline, run
 from pipemap import tiny
-from pipemap.allocator import POOL_SLACK, SLACK_FROM, slack
 from pipemap.errors import DoesNotFitError
+from pipemap.modes import POOL_SLACK, SLACK_FROM, slack
 from pipemap.plan import Placement
 from pipemap.planner import budgets
 
