@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# pipemap's GPU check, one script for one GPU machine (the device tool's H200), done in under 7 minutes:
+# pipemap's GPU check, one script for one GPU machine (the device tool's H200), done in under 10 minutes (7 for
+# bench/gpu_check.py, then up to 2.5 for bench/gpu_workers.py, the worker processes over NCCL):
 #
 #   bash bench/gpu_check.sh "$OUT"                 # on the GPU machine; carry [".whl"] (bench/fetch_wheels.sh)
 #   PYTHON=.venv/bin/python bash bench/gpu_check.sh /tmp/gpu-check --dry-cpu    # here, without a GPU
@@ -43,4 +44,11 @@ timeout -k 10 "$left" "$PY" bench/gpu_check.py "$out" --time-budget "$((left - 1
 rc=${PIPESTATUS[0]}
 [ "$rc" = 124 ] && echo "gpu_check.py stopped at the ${left}s limit; table.md/results.json hold what it finished" \
     | tee -a "$out/log.txt"
+# the worker processes where NCCL runs (issue 48): each split mode equal to plain, a worker killed and one raising
+# inside a sequence split, typed within seconds, the next call working (gpu_workers.md/.json beside table.md)
+echo "== bench/gpu_workers.py" | tee -a "$out/log.txt"
+timeout -k 10 "${GPU_WORKERS_LIMIT:-150}" "$PY" -X faulthandler bench/gpu_workers.py "$out" 2>&1 \
+    | grep -v "UserWarning" | tee -a "$out/log.txt"
+workers_rc=${PIPESTATUS[0]}
+[ "$rc" = 0 ] && rc=$workers_rc
 exit "$rc"

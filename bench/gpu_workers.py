@@ -72,7 +72,7 @@ def check_mode(mode: str, device: str) -> dict:
     diff = float((out - plain).abs().max()) if out is not None else None
     row = {"check": f"{mode}: equals plain", "ok": err is None and diff is not None and diff <= TOLERANCE,
            "seconds": took, "detail": f"max diff {diff:.2e}" if diff is not None else repr(err),
-           "transport": hook.workers.describe() if hook.workers is not None else "-"}
+           "transport": hook.ranks.describe() if hook.ranks is not None and hook.runtime != "thread" else "-"}
     pids = hook.pids()
     pipemap.reset(pipe)
     row["ok"] = row["ok"] and processes_gone(pids)
@@ -95,7 +95,7 @@ def check_failures(device: str) -> list[dict]:
     os.remove(flag)
     rows.append({"check": "worker out of memory inside the split", "seconds": took, "detail": repr(err)[:160],
                  "ok": isinstance(err, torch.OutOfMemoryError) and took < 10})
-    (pid,) = hook.running_workers().pids()  # new workers since the failure
+    (pid,) = hook.live_ranks().pids()  # new workers since the failure
     seen: list[int] = []
 
     def kill_second(module, args, kwargs):

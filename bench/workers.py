@@ -127,6 +127,64 @@ def measure(kind: str, scale: int, steps: int, repeats: int, device: str = "cpu"
     return found
 
 
+def transformer_inputs(pipe, call: dict) -> tuple[tuple, dict]:
+    """The inputs of the transformer's first call in a pipeline call of one step."""
+    captured: dict = {}
+
+    def grab(module, args, kwargs):
+        captured.setdefault("inputs", (args, kwargs))
+
+    handle = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    pipe(**dict(call, num_inference_steps=1))
+    handle.remove()
+    return captured["inputs"]
+
+
+def per_rank(scale: int, calls: int, ranks: str) -> tuple[float, float]:
+    """Host CPU seconds per transformer call (the tiny Flux's, channels x ``scale``) of rank 0 and of the other rank
+    of a sequence split over two ranks on the CPU (``ranks``: "thread" or "process"); of a plain call with "plain".
+    With threads, rank 0 is the calling thread's CPU time and the other rank the rest of the process's (its thread);
+    with processes, rank 0 is the caller's process (gloo's threads included) and the other the worker's. Totals over
+    ``calls`` calls, divided: psutil reads a child's CPU time in 10 ms steps."""
+    pipe, call, _ = case("flux", scale, 1)
+    inputs, kwargs = transformer_inputs(pipe, call)
+    model = pipe.transformer
+    try:
+        with torch.no_grad():
+            if ranks != "plain":
+                os.environ["PIPEMAP_WORKERS"] = ranks
+                pipemap.dispatch(pipe, with_copy(pipe, "sequence", "transformer").remap(onto("cpu")))
+            for _ in range(3):
+                model(*inputs, **kwargs)
+            hook = getattr(model, "_hf_hook", None)
+            workers = [psutil.Process(pid) for pid in getattr(hook, "pids", list)()]
+            mine, process, theirs = time.thread_time(), time.process_time(), _cpu(workers)
+            for _ in range(calls):
+                model(*inputs, **kwargs)
+            mine, process = time.thread_time() - mine, time.process_time() - process
+            theirs = _cpu(workers) - theirs
+    finally:
+        if ranks != "plain":
+            pipemap.reset(pipe)
+        os.environ.pop("PIPEMAP_WORKERS", None)
+    if ranks == "thread":
+        return mine / calls, (process - mine) / calls
+    return process / calls, theirs / calls
+
+
+def per_rank_table(scales: tuple[int, ...], calls: int) -> str:
+    rows = ["| transformer | ranks | plain call CPU (ms) | rank 0 CPU (ms) | other rank CPU (ms) | rank 0 / plain | "
+            "other / plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for scale in scales:
+        plain, _ = per_rank(scale, calls, "plain")
+        for ranks in ("thread", "process"):
+            first, other = per_rank(scale, calls, ranks)
+            rows.append(f"| flux x{scale}, sequence over 2 | {ranks} | {plain * 1e3:.2f} | {first * 1e3:.2f} | "
+                        f"{other * 1e3:.2f} | {first / plain:.2f} | {other / plain:.2f} |")
+            print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
 def table_rows(name: str, found: dict[str, tuple[float, float, float] | str]) -> list[str]:
     plain = found.get("plain")
     rows = []
@@ -157,9 +215,20 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--out", type=Path, help="write the table to OUT/workers.md (RESULTS.md untouched)")
     parser.add_argument("--only", help="comma-separated pipelines of the table (sd, flux, flux-true-cfg)")
+    parser.add_argument("--per-rank", type=int, metavar="CALLS", help="instead of the table: each rank's host CPU "
+                        "per transformer call of the Flux sequence split (x1 and x--scale), over CALLS calls")
     parser.add_argument("--ray", action="store_true", help="also the worker as a Ray actor (PIPEMAP_WORKERS=ray; "
                         "a local Ray of this machine's CPUs is started)")
     args = parser.parse_args()
+    if args.per_rank:
+        table = per_rank_table((1, args.scale), args.per_rank)
+        print(table)
+        if not args.no_record:
+            record(f"bench/workers.py --per-rank {args.per_rank} --scale {args.scale}", table,
+                   "- per transformer call, each rank's host CPU time against a plain call's, on the CPU (compute "
+                   "included: at x1 it is a small part); the tiny Flux's transformer, its tokens split over two "
+                   "ranks (Ulysses), gloo between processes")
+        return
     ranks_of = (*RANKS, "ray") if args.ray else RANKS
     if args.ray:
         import ray
@@ -185,18 +254,24 @@ def main() -> None:
         return
     if args.no_record:
         return
+    record(f"bench/workers.py --repeats {args.repeats} --scale {args.scale} --steps {args.steps}"
+           f"{' --ray' if args.ray else ''}{' --only ' + args.only if args.only else ''}", table,
+           "- strategy parallel's modes on 2 GPUs (guidance_sequence: 4) remapped onto the CPU (sd: the CFG "
+              "batch cut in halves; flux: tokens split; flux with true CFG: each step's second branch started ahead; "
+           "guidance_sequence: each branch's tokens split over two GPUs); process: the other ranks worker "
+           "processes (gloo), ray: the same as Ray actors, thread: threads of the caller")
+
+
+def record(command: str, table: str, what: str) -> None:
+    """The table appended to bench/RESULTS.md under a header naming the command, the machine and the commit."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = (f"\n## {now} — `bench/workers.py --repeats {args.repeats} --scale {args.scale} --steps {args.steps}"
-              f"{' --ray' if args.ray else ''}{' --only ' + args.only if args.only else ''}`\n\n"
-              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    load = os.getloadavg()[0]
+    header = (f"\n## {now} — `{command}`\n\n"
+              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {load:.1f}, "
               f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n"
-              f"- versions: torch {torch.__version__}, git {commit}\n"
-              "- strategy parallel's modes on 2 GPUs (guidance_sequence: 4) remapped onto the CPU (sd: the CFG "
-              "batch cut in halves; flux: tokens split; flux with true CFG: each step's second branch started ahead; "
-              "guidance_sequence: each branch's tokens split over two GPUs); process: the other ranks worker "
-              "processes (gloo), ray: the same as Ray actors, thread: threads of the caller\n\n")
+              f"- versions: torch {torch.__version__}, git {commit}\n{what}\n\n")
     with open(HERE / "RESULTS.md", "a", encoding="utf-8") as results:
         results.write(header + table + "\n")
 

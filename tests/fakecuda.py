@@ -37,8 +37,13 @@ Threads started while the fake is installed run under its host mode (factories w
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
+import multiprocessing.util
+import os
+import shutil
+import tempfile
 import threading
 import traceback
 import types
@@ -49,6 +54,8 @@ import torch
 import torch.distributed._functional_collectives as _funcol
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from pipemap.hooks.worker import SETUP_ENV
 
 aten = torch.ops.aten
 # the op torch's functional collectives end with (a result that waits on first use); the fake hands it the CudaTensor
@@ -280,6 +287,7 @@ class FakeCuda:
         self.host_cached: dict[int, int] = {}  # its freed blocks, still page-locked until ``_host_emptyCache``
         self.sticky: str | None = None  # a sticky error (illegal address, device assert): every later call fails
         self.corrupt_pairs: set[tuple[int, int]] = set()  # (source, destination) GPUs whose direct copies corrupt
+        self.workers_folder: str | None = None  # where its worker processes' fakes write their races (``install``)
 
     # ---- devices and streams, per thread
 
@@ -705,6 +713,18 @@ class FakeCuda:
 
     def assert_no_races(self) -> None:
         assert not self.races, self.report()
+        assert not self.worker_races(), "\n".join(self.worker_races())
+
+    def worker_races(self) -> list[str]:
+        """What each worker process under this fake that has stopped found (``in_worker``): its report, per pid."""
+        folder = self.workers_folder
+        if folder is None or not os.path.isdir(folder):
+            return []
+        found = []
+        for name in sorted(os.listdir(folder)):
+            with open(os.path.join(folder, name)) as report:
+                found.append(f"worker {name.removesuffix('.txt')}: {report.read()}")
+        return found
 
     def take(self) -> list[Race]:
         """The races found so far, forgotten (a test that breaks an ordering on purpose reads them)."""
@@ -1096,9 +1116,15 @@ class Patches:
         self.saved.append((target, name, getattr(target, name) if raising else getattr(target, name, _ABSENT)))
         setattr(target, name, value)
 
+    def setenv(self, name: str, value: str) -> None:
+        self.saved.append((os.environ, name, os.environ.get(name, _ABSENT)))
+        os.environ[name] = value
+
     def undo(self) -> None:
         for target, name, value in reversed(self.saved):
-            if value is _ABSENT:
+            if target is os.environ:
+                os.environ.pop(name, None) if value is _ABSENT else os.environ.__setitem__(name, value)
+            elif value is _ABSENT:
                 delattr(target, name)
             else:
                 setattr(target, name, value)
@@ -1108,12 +1134,29 @@ class Patches:
 _ABSENT = object()
 
 
-def install(monkeypatch=None, gpus: int = 2) -> FakeCuda:
+# a worker process pipemap starts from a process with the fake installs it too, with as many GPUs (``in_worker``),
+# and writes the races its own fake found to a file of the folder RACES_ENV names when it exits
+SETUP = f"{__name__}:in_worker"
+GPUS_ENV = "PIPEMAP_FAKE_CUDA_GPUS"
+RACES_ENV = "PIPEMAP_FAKE_CUDA_RACES"
+
+
+def install(monkeypatch=None, gpus: int = 2, worker: bool = False) -> FakeCuda:
     """Install a fake CUDA with ``gpus`` devices: for one test (``monkeypatch`` undoes every patch), or for a script
-    (``fake.exit()`` undoes them)."""
+    (``fake.exit()`` undoes them). Worker processes pipemap starts meanwhile install one of their own
+    (``PIPEMAP_WORKER_SETUP``, read by ``pipemap.hooks.worker.set_up``), with ``gpus`` devices; the races they found
+    by the time they stopped count as this fake's (``worker_races``)."""
     patches = Patches() if monkeypatch is None else None
     monkeypatch = monkeypatch or patches
+    folder = None
+    if not worker:
+        folder = tempfile.mkdtemp(prefix="fakecuda-workers-")
+        atexit.register(shutil.rmtree, folder, True)
+        monkeypatch.setenv(SETUP_ENV, SETUP)
+        monkeypatch.setenv(GPUS_ENV, str(gpus))
+        monkeypatch.setenv(RACES_ENV, folder)
     fake = FakeCuda(gpus)
+    fake.workers_folder = folder
     fake.cudart = FakeCudart(fake)
     FakeCuda.active = fake
     cuda = torch.cuda
@@ -1167,6 +1210,22 @@ def install(monkeypatch=None, gpus: int = 2) -> FakeCuda:
 
     fake.exit = leave
     return fake
+
+
+def in_worker() -> None:
+    """The fake in a worker process of a process that has it (``PIPEMAP_WORKER_SETUP``), for the worker's life: its
+    device, streams and allocator are the fake's, so its CUDA branches run. Its races are its own (not the test's
+    fixture's to check)."""
+    fake = install(None, gpus=int(os.environ.get(GPUS_ENV, "2")), worker=True)
+    folder = os.environ.get(RACES_ENV)
+    if folder:  # run as the worker ends (multiprocessing's exit functions), after rank 0 told it to stop
+        multiprocessing.util.Finalize(fake, _write_races, (fake, folder), exitpriority=10)
+
+
+def _write_races(fake: FakeCuda, folder: str) -> None:
+    if fake.races:
+        with open(os.path.join(folder, f"{os.getpid()}.txt"), "w") as out:
+            out.write(fake.report())
 
 
 # ---- helpers for tests -------------------------------------------------------------------------------------------

@@ -539,13 +539,13 @@ def _wan_vae():
                                             temperal_downsample=[False, True, True]))
 
 
-def _wan_transformer(**extra):
+def _wan_transformer(seed: int = 0, **extra):
     from diffusers import WanTransformer3DModel
 
     return _seeded(lambda: WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, out_channels=16, text_dim=32,
         freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32, **extra))
+        rope_max_seq_len=32, **extra), seed)
 
 
 def _video_call(**extra) -> dict:
@@ -1101,3 +1101,17 @@ def output(result) -> torch.Tensor:
         if value is not None:
             return torch.as_tensor(np.asarray(value) if isinstance(value, list) else value)
     return torch.as_tensor(result[0])
+
+
+def wan22_t2v(boundary_ratio: float = 0.9):
+    """Wan 2.2's two experts (as diffusers' own Wan 2.2 tests build them): ``transformer`` for the steps at or above
+    ``boundary_ratio`` of the training timesteps, ``transformer_2`` (other weights) for the rest. Not in
+    ``BUILDERS``: the tests of two experts build it (tests/test_experts.py)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    pipe = WanPipeline(transformer=_wan_transformer(in_channels=16), vae=_wan_vae(),
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder=_seeded(t5),
+                       tokenizer=t5_tokenizer(), transformer_2=_wan_transformer(1, in_channels=16),
+                       boundary_ratio=boundary_ratio)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, {**_video_call(guidance_scale=6.0, height=16, width=16, num_frames=5), "num_inference_steps": 6}

@@ -180,12 +180,12 @@ def test_catalog_pipeline_auto_plan_through_the_command_line():
 
 def test_split_blocks_go_straight_to_their_gpu_never_through_the_first(tiny_folders):
     # home is the meta device here, the shard stays on the CPU: a block that passed through home would be moved
-    from pipemap.dispatch import _place
+    from pipemap.dispatch import place_component
 
     unet = plain_pipeline(tiny_folders["sd"]).unet
     block = unet.up_blocks[0]
     placement = Placement("unet", "meta", 0, "split", "meta", shards=(("up_blocks.0", "cpu", 0),))
-    moves = _place(unet, placement)
+    moves = place_component(unet, placement)
     block_tensors = {id(t) for t in list(block.parameters()) + list(block.buffers())}
     assert moves and not any(id(m.original) in block_tensors for m in moves)
     assert {p.device.type for p in block.parameters()} == {"cpu"}

@@ -147,7 +147,8 @@ def test_replace_is_the_old_name_of_replace_component():
 # stand-in plan for real weights (their data would be lost on success); this test lifts that guard, since what it
 # checks is the undo.
 
-dispatch_module = importlib.import_module("pipemap.dispatch")  # the module: pipemap.dispatch is the function
+checks_module = importlib.import_module("pipemap.dispatch.checks")
+moves_module = importlib.import_module("pipemap.dispatch.moves")
 STANDINS = {"cuda:0": "meta:0", "cuda:1": "meta:1"}
 
 
@@ -195,10 +196,10 @@ def failing_at(position: int, real):
 @pytest.mark.slow
 def test_a_failure_at_every_tensor_restores_everything(pipe_and_plan, monkeypatch):
     pipe, plan = pipe_and_plan
-    monkeypatch.setattr(dispatch_module, "_check_standins", lambda modules, plan: None)
-    before, real, weights = state(pipe), dispatch_module.move_tensor, values(pipe)
+    monkeypatch.setattr(checks_module, "check_standins", lambda modules, plan: None)
+    before, real, weights = state(pipe), moves_module.move_tensor, values(pipe)
     for position in itertools.count():
-        monkeypatch.setattr(dispatch_module, "move_tensor", failing_at(position, real))
+        monkeypatch.setattr(moves_module, "move_tensor", failing_at(position, real))
         try:
             pipemap.dispatch(pipe, plan, check_transfers=False)
         except pipemap.DispatchError as err:

@@ -105,12 +105,10 @@ def test_two_gpus_offload_and_stream_mixed(tiny_folders, reference_outputs):
     assert pipeline_state(pipe) == before
 
 
-@pytest.mark.parametrize(("mode", "threads", "processes"), [
-    ("replicated", "ReplicaHook", "ProcessReplicaHook"), ("guidance", "GuidanceHook", "ProcessGuidanceHook"),
-    ("sequence", "SequenceHook", "ProcessSequenceHook"),
-    ("guidance_sequence", "GuidanceSequenceHook", "ProcessGuidanceSequenceHook")])
-def test_a_split_s_ranks_are_worker_processes_by_default_threads_where_asked_and_on_stand_ins(
-        monkeypatch, mode, threads, processes):
+@pytest.mark.parametrize(("mode", "hook"), [
+    ("replicated", "ReplicaHook"), ("guidance", "GuidanceHook"), ("sequence", "SequenceHook"),
+    ("guidance_sequence", "GuidanceSequenceHook")])
+def test_a_split_s_ranks_are_worker_processes_by_default_threads_where_asked_and_on_stand_ins(monkeypatch, mode, hook):
     from pipemap.hooks import hook_maker
 
     copies = ("cuda:1",) if mode != "guidance_sequence" else ("cuda:1", "cuda:2", "cuda:3")
@@ -119,12 +117,14 @@ def test_a_split_s_ranks_are_worker_processes_by_default_threads_where_asked_and
 
     def made(placement, ranks=None, asked=False):  # made, not attached: nothing started
         plan = Plan("parallel", (placement,), (), placement.device, ranks=ranks, ranks_asked=asked)
-        return type(hook_maker(plan)(placement)).__name__
+        made = hook_maker(plan)(placement)
+        assert type(made).__name__ == hook  # one hook per mode, whatever runs its ranks
+        return made.runtime, made.asked
 
     monkeypatch.delenv("PIPEMAP_WORKERS", raising=False)
-    assert made(on_gpus) == processes  # a plan that does not say: ranks="auto", worker processes
-    assert made(on_gpus, "process") == made(on_gpus, "ray", True) == processes
-    assert made(on_gpus, "thread", True) == threads
-    assert made(on_standins, "process") == threads  # the dry run keeps its threads
+    assert made(on_gpus) == ("process", False)  # a plan that does not say: ranks="auto", worker processes
+    assert made(on_gpus, "process") == ("process", False) and made(on_gpus, "ray", True) == ("ray", True)
+    assert made(on_gpus, "thread", True) == ("thread", True)
+    assert made(on_standins, "process", True) == ("thread", False)  # the dry run keeps its threads
     monkeypatch.setenv("PIPEMAP_WORKERS", "thread")  # the environment's default, for a plan that does not say
-    assert made(on_gpus) == threads and made(on_gpus, "process") == processes
+    assert made(on_gpus) == ("thread", True) and made(on_gpus, "process") == ("process", False)

@@ -42,9 +42,7 @@ def test_each_mode_has_every_fact(mode):
     row = facts(mode)
     hook = getattr(importlib.import_module(row.hook[0]), row.hook[1])
     assert issubclass(hook, PlacementHook) and hook.moves_weights is row.moves_weights
-    if row.workers_hook is not None:  # a worker variant is one of the modes that keep copies
-        assert row.copies and issubclass(getattr(importlib.import_module(row.workers_hook[0]), row.workers_hook[1]),
-                                          PlacementHook)
+    assert isinstance(row.ranks, bool) and (not row.ranks or row.copies)  # ranks run on the copies it keeps
     assert row.loads_on in ("device", "cpu")
     assert row.cost in cost.PRICING_KINDS
     assert row.label and row.pattern in ("", "hatch", "dots")

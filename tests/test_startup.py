@@ -53,8 +53,7 @@ NOT_FOR_A_RESIDENT_LOAD = (
     "pipemap.hooks.moving",
     "pipemap.hooks.mapped", "pipemap.hooks.packing", "pipemap.hooks.split", "pipemap.hooks.replica",
     "pipemap.hooks.copies", "pipemap.hooks.guidance", "pipemap.hooks.sequence", "pipemap.hooks.exchange",
-    "pipemap.hooks.workers", "pipemap.hooks.replica_workers", "pipemap.hooks.guidance_workers",
-    "pipemap.hooks.sequence_workers",
+    "pipemap.hooks.workers", "pipemap.hooks.threads", "pipemap.hooks.ranks", "pipemap.hooks.guidance_sequence",
     "ray", "starlette", "uvicorn", "fastapi", "optimum", "rich", "torch.utils.flop_counter",
 )
 

@@ -15,7 +15,7 @@ import fakecuda
 
 fake = fakecuda.install()
 
-from pipemap.dispatch import _place  # noqa: E402
+from pipemap.dispatch import place_component  # noqa: E402
 from pipemap.hooks import HOOKS, Ledger, hook_component  # noqa: E402
 from pipemap.plan import Placement  # noqa: E402
 
@@ -69,7 +69,7 @@ ok = ops["copy_ h2d"] <= len(hook.blocks) + 1  # one per block, and one for the 
 split = Net()
 placement = Placement("unet", "cuda:0", 1, "split", "cuda:0", 0,
                       tuple((f"blocks.{i}", "cuda:1", 0) for i in range(1, 6)))
-_place(split, placement)
+place_component(split, placement)
 hook_component(split, HOOKS["split"](placement, "cuda:0", Ledger()))
 split(x, temb)
 ops.clear()

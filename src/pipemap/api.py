@@ -145,7 +145,8 @@ class Request:
         else:
             counts = self.known_counts(inventory) if strategy == AUTO else None
             work = workload_for(inventory, self.call) if self.call else None
-            made = plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts, work)
+            made = plan_inventory(inventory, hw, strategy, budgets(hw, self.headroom), counts, work,
+                                  resolve_ranks(self.ranks)[0])
         return with_ranks(made, self.ranks)
 
     def known_counts(self, inventory: Inventory) -> Counts | None:
@@ -416,6 +417,15 @@ def iter_many(pipe, calls, workers: int = 2, *, return_exceptions: bool = False,
                               memory=memory_for(pipe, plan))
 
 
+# what each runtime of a split's ranks (``Plan.ranks``) is priced as (``cost.rank_launch_seconds``, ``sequence_cost``)
+RANKS_PRICED = {"process": "worker processes: each rank launches its kernels in its own interpreter, at once; an "
+                           "exchange is an NCCL collective",
+                "ray": "Ray actors: each rank launches its kernels in its own process, at once; an exchange is an "
+                       "NCCL collective",
+                "thread": "threads of one process: the ranks' launches one after the other (one interpreter lock), "
+                          "an exchange a barrier pair"}
+
+
 @dataclass(frozen=True)
 class Estimate:
     """Predicted seconds of one call of a plan and their parts: each component's compute, copies and the copies its
@@ -430,6 +440,7 @@ class Estimate:
     images: int = 1
     speeds: str = ""  # where the GPU's figures come from (``Performance.origin``): a fit, a generation's default
     launch: str = ""  # the host's seconds a kernel launch and where they come from (``Performance.kernel_text``)
+    ranks: str | None = None  # what the split's ranks were priced as (``Plan.ranks``): None without a split
 
     @property
     def per_image(self) -> float:
@@ -453,6 +464,8 @@ class Estimate:
                  f"{'component':<18}{'compute s':>11}{'copies s':>11}{'hidden s':>11}{'total s':>11}"]
         for c in self.components.values():
             lines.append(f"{c.component:<18}{c.compute:>11.3g}{c.transfer:>11.3g}{c.hidden:>11.3g}{c.total:>11.3g}")
+        if self.ranks is not None:
+            lines.append(f"ranks: priced as {RANKS_PRICED[self.ranks]}")
         bound = launch_bound(self.components)
         if bound:
             launch = f"{self.launch}; " if self.launch else ""
@@ -490,7 +503,7 @@ def estimate(source, plan: Plan, *, hardware: Hardware | str | None = None, coun
     parts = predict(plan, inventory, perf, work, counts=counts)
     priced = f"{counts.origin} counts" if counts is not None else "the formula on parameter counts"
     return Estimate(sum(c.total for c in parts.values()), parts, work, priced,
-                    int(call.get("num_images_per_prompt") or 1), perf.origin, perf.kernel_text)
+                    int(call.get("num_images_per_prompt") or 1), perf.origin, perf.kernel_text, plan.ranks)
 
 
 def runnable(plan: Plan) -> Plan:

@@ -25,6 +25,7 @@ from typing import Any
 
 from .counts import PIPELINE, ComponentCounts, Counts, Tally
 from .devices import is_accelerator
+from .experts import EXPERTS, expert_steps
 from .granularity import LOOSE, Block
 from .hardware import Performance
 from .inventory.values import PER_STEP, Component, Inventory
@@ -69,12 +70,26 @@ EXCHANGE_LATENCY = 50e-6
 # point-to-point calls): its latency grows with them, as nccl-tests' alltoall_perf small-message times do from 2 to 8
 # GPUs (approximate, not fitted). The same for a call's broadcast and gather.
 RANK_LATENCY = 10e-6
+# Load imbalance: each collective waits for the slowest rank's GPU work, and the slowest of more ranks is slower:
+# a rank's GPU time grows by this share for every rank beyond two (two ranks are what the Hopper host's launch is
+# fitted on). Fitted on vLLM-Omni's Qwen-Image at 2048x2048 over 8 H800s (bench/CALIBRATION.md: 30.8 s against
+# 24.5 s without it). A launch-bound rank's host sets the pace and hides it (xDiT's eager FLUX.1-dev on 4 H100s).
+RANK_IMBALANCE = 0.114
 # Around each all-to-all, Ulysses attention permutes its tensors into the layout the exchange sends and back (a
 # contiguous copy each way): 38% of the exchange's time on an H100 (pytorch/pytorch#178066), priced as that share of
 # the exchange's time on top of its bytes over the link
 PERMUTE_SHARE = 0.38
 # and at each call its inputs are broadcast to the other ranks and its output gathered back: two collectives more
 SEQUENCE_CALL_COLLECTIVES = 2
+# Each exchange is host work on every rank as well: the copy into the layout the all-to-all sends, the collective,
+# the copy back (diffusers' ``TemplatedUlyssesAttention``: ``permute().contiguous()``, ``all_to_all_single``,
+# ``permute().contiguous()``), three launches at the host's price a kernel, on top of the plain call's kernels that
+# every rank launches: what a split adds to a launch-bound rank's time
+EXCHANGE_LAUNCHES = 3
+# Ranks run as threads of one process (``Plan.ranks == "thread"``) launch through one interpreter lock, so their
+# host work adds up rank by rank, and each exchange is two meetings at a ``threading.Barrier`` instead of one NCCL
+# collective: 202 us the pair, measured on the 2-core VM of bench/repros/workers/REVIEW.md (section 6)
+THREAD_EXCHANGE_SECONDS = 202e-6
 # A batch cut across copies meets once a call: the parts gathered (an all-gather of the outputs) and the inputs
 # broadcast, each a small collective: NCCL's small-message latency over NVLink is 10-30 us (nccl-tests), the host's
 # hand-over around it as much again
@@ -210,13 +225,27 @@ def compute_seconds(work: Tally, perf: Performance, on_gpu: bool = True) -> floa
     return max(gpu_seconds(work, perf), work.kernels * perf.kernel_seconds)
 
 
-def shared_compute(work: Tally, perf: Performance, on_gpu: bool, gpus: int) -> float:
+def shared_compute(work: Tally, perf: Performance, on_gpu: bool, gpus: int, ranks: str | None = None,
+                   imbalance: float = 0.0) -> float:
     """Seconds each of ``gpus`` GPUs takes for its share of ``work`` when a call is cut across them (a batch's parts,
     a sequence's tokens): the GPU's time shares, the host's does not: each GPU's process launches every kernel of
-    its share (a part of a batch or of the tokens runs the same kernels), so a launch-bound call gains little."""
+    its share (a part of a batch or of the tokens runs the same kernels), so a launch-bound call gains little; ranks
+    that are threads of one process (``ranks="thread"``) launch one after the other (``rank_launch_seconds``).
+    ``imbalance``: the share the slowest rank's GPU work adds (a sequence split's ``RANK_IMBALANCE``)."""
     if not on_gpu:
         return work.flops / perf.cpu_flops / gpus
-    return max(gpu_seconds(work, perf) / gpus, work.kernels * perf.kernel_seconds)
+    return max(gpu_seconds(work, perf) / gpus * (1 + imbalance), rank_launch_seconds(work.kernels, perf, gpus, ranks))
+
+
+def rank_launch_seconds(kernels: float, perf: Performance, gpus: int, ranks: str | None = None) -> float:
+    """The host's seconds launching ``kernels`` on each of ``gpus`` ranks: in parallel for worker processes (each its
+    own interpreter: ``"process"``, ``"ray"``, or a plan without ranks), one rank after the other for threads of one
+    process (one interpreter lock).
+
+    >>> rank_launch_seconds(1000, Performance(flops=1e12, kernel_seconds=1e-5), 4, "thread")
+    0.04
+    """
+    return kernels * perf.kernel_seconds * (gpus if ranks == "thread" else 1)
 
 
 def launch_seconds(work: Tally, perf: Performance, on_gpu: bool = True) -> float:
@@ -502,11 +531,13 @@ def _dtype_bytes(dtype: str | None) -> int:
 
 def component_cost(placement: Placement, component: Component, dtype_bytes: int, perf: Performance,
                    work: Workload, mechanism: Mechanism = PIPEMAP, counted: ComponentCounts | None = None,
-                   steps: int | None = None) -> Cost:
+                   steps: int | None = None, ranks: str | None = None) -> Cost:
     """Seconds one image spends in a component as placed: its compute (``counted``, else the formula), plus the
-    moves its mode implies (``moved_per_image`` bytes, over the host link or between GPUs), less what overlaps."""
+    moves its mode implies (``moved_per_image`` bytes, over the host link or between GPUs), less what overlaps.
+    ``ranks``: what runs a split's ranks (``Plan.ranks``; threads launch one after the other), processes if None."""
     counted = counted or formula_component(component, dtype_bytes, work)
-    priced = _Priced(placement, component, perf, work, mechanism, counted, work.steps if steps is None else steps)
+    priced = _Priced(placement, component, perf, work, mechanism, counted, work.steps if steps is None else steps,
+                     ranks)
     return _PRICES[facts(placement.mode).cost](priced)
 
 
@@ -521,6 +552,7 @@ class _Priced:
     mechanism: Mechanism
     counted: ComponentCounts
     steps: int
+    ranks: str | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -553,27 +585,46 @@ def _stream_price(x: _Priced) -> Cost:
 def _replicated_price(x: _Priced) -> Cost:
     """Each call's parts run at once on the copies, gathered at each call."""
     parts = min(GUIDANCE_BATCH, 1 + len(x.placement.replicas)) if x.work.guidance else 1
-    share = shared_compute(x.counted.total(x.steps), x.perf, x.on_gpu, parts)
+    share = shared_compute(x.counted.total(x.steps), x.perf, x.on_gpu, parts, x.ranks)
     transfer = x.moved / x.perf.peer_bandwidth + (x.counted.calls(x.steps) * COLLECTIVE_LATENCY if parts > 1 else 0.0)
     return Cost(x.component.name, share, transfer, share + transfer)
 
 
 def _guidance_price(x: _Priced) -> Cost:
-    return guidance_cost(x.component, x.compute, x.moved, x.perf, x.work)
+    return guidance_cost(x.component, x.compute, x.moved, x.perf, x.work, _thread_floor(x, x.placement))
 
 
 def _sequence_price(x: _Priced) -> Cost:
-    share = shared_compute(x.counted.total(x.steps), x.perf, x.on_gpu, 1 + len(x.placement.replicas))
-    return sequence_cost(x.placement, x.component, share, x.moved, x.perf, x.work)
+    return sequence_cost(x.placement, x.component, _split_share(x, x.placement), x.moved, x.perf, x.work, x.ranks)
+
+
+def _split_share(x: _Priced, split: Placement) -> float:
+    """Each rank's seconds for its share of a sequence split's calls: the GPU's work shared (the slowest of more than
+    two ranks slower by ``RANK_IMBALANCE`` a rank), the host launching the plain call's kernels and each exchange's
+    own (``EXCHANGE_LAUNCHES``) on every rank."""
+    gpus = 1 + len(split.replicas)
+    exchanges = Tally(kernels=EXCHANGE_LAUNCHES * exchanges_per_image(x.component, x.work))
+    return shared_compute(x.counted.total(x.steps) + exchanges, x.perf, x.on_gpu, gpus, x.ranks,
+                          RANK_IMBALANCE * max(0, gpus - 2))
+
+
+def _thread_floor(x: _Priced, placement: Placement) -> float:
+    """For ranks that are threads of one process, the host's seconds launching every call's kernels on every rank
+    that runs it, one after the other: what guidance branches at once cannot hide. 0 for processes."""
+    if x.ranks != "thread" or not x.on_gpu:
+        return 0.0
+    exchanges = EXCHANGE_LAUNCHES * exchanges_per_image(x.component, x.work) if token_ranks(placement) > 1 else 0
+    return rank_launch_seconds(x.counted.total(x.steps).kernels + exchanges, x.perf, token_ranks(placement), x.ranks)
 
 
 def _guidance_sequence_price(x: _Priced) -> Cost:
     """Each branch split across its half of the GPUs (``sequence_cost`` at that half), the second branch of each
     step after the first hidden behind the first as guidance branches at once hide it (``guidance_cost``)."""
     within = _first_branch(x.placement)
-    share = shared_compute(x.counted.total(x.steps), x.perf, x.on_gpu, 1 + len(within.replicas))
-    split = sequence_cost(within, x.component, share, _sequence_moved(within, x.component, x.work), x.perf, x.work)
-    both = guidance_cost(x.component, split.compute, guidance_moved(x.work), x.perf, x.work)
+    split = sequence_cost(within, x.component, _split_share(x, within), _sequence_moved(within, x.component, x.work),
+                          x.perf, x.work, x.ranks)
+    both = guidance_cost(x.component, split.compute, guidance_moved(x.work), x.perf, x.work,
+                         _thread_floor(x, x.placement))
     exchanges = split.transfer * waited_share(x.work)  # a hidden call's exchanges are hidden with it
     return replace(both, transfer=both.transfer + exchanges, total=both.total + exchanges)
 
@@ -699,14 +750,16 @@ def guidance_moved(work: Workload) -> float:
     return (work.steps - 1) * work.latent_tokens * REPLICA_BYTES_PER_TOKEN + PROMPT_BYTES if work.guidance else 0
 
 
-def guidance_cost(component: Component, compute: float, moved: float, perf: Performance, work: Workload) -> Cost:
+def guidance_cost(component: Component, compute: float, moved: float, perf: Performance, work: Workload,
+                  host_floor: float = 0.0) -> Cost:
     """Guidance branches at once: every step after the first runs its second call on the copy while the first runs
     (the first step has no step before it to start the call from), so one call of each of those steps is hidden;
     the copy's inputs and output cross the peer link and each call is checked on arrival. A call without true
-    guidance (one call a step) gains nothing."""
+    guidance (one call a step) gains nothing. ``host_floor``: the seconds the host needs for every call's launches
+    when the branches' ranks share one interpreter (threads: ``_thread_floor``), which no branch hides."""
     if not work.guidance:
         return Cost(component.name, compute, 0.0, compute)
-    waited = compute * waited_share(work)
+    waited = max(compute * waited_share(work), host_floor)
     transfer = moved / perf.peer_bandwidth
     return Cost(component.name, waited, transfer, waited + transfer + work.calls * VERIFY_SECONDS)
 
@@ -733,21 +786,29 @@ def _width_guess(component: Component) -> int:
 
 
 def sequence_cost(placement: Placement, component: Component, share: float, moved: float, perf: Performance,
-                  work: Workload) -> Cost:
+                  work: Workload, ranks: str | None = None) -> Cost:
     """A sequence split over ``1 + len(replicas)`` GPUs: each computes its share of the tokens (the attention too:
     all tokens for its share of the heads; ``share``: its seconds, ``shared_compute``), then waits for the
     exchanges, which Ulysses attention does not overlap; the GPUs send at once, so the link carries one GPU's share
     at a time. What grows with the ranks: each collective's latency (``rank_latency``), and the permute copies
-    around each exchange (``PERMUTE_SHARE``)."""
+    around each exchange (``PERMUTE_SHARE``). Ranks as threads (``ranks="thread"``) meet at a barrier pair an exchange
+    (``THREAD_EXCHANGE_SECONDS``) instead of an NCCL collective."""
     gpus = 1 + len(placement.replicas)
     calls = calls_per_image(component, work)
     layers = max(1, len(component.blocks))
-    latency = calls * (layers * EXCHANGED_TENSORS * EXCHANGE_LATENCY + SEQUENCE_CALL_COLLECTIVES * COLLECTIVE_LATENCY
+    each = THREAD_EXCHANGE_SECONDS if ranks == "thread" else EXCHANGE_LATENCY
+    latency = calls * (layers * EXCHANGED_TENSORS * each + SEQUENCE_CALL_COLLECTIVES * COLLECTIVE_LATENCY
                        + (layers * EXCHANGED_TENSORS + SEQUENCE_CALL_COLLECTIVES) * rank_latency(gpus))
     exchanged = calls * exchanged_per_call(component, work, gpus)
     permutes = exchanged / perf.peer_bandwidth * PERMUTE_SHARE / (1 - PERMUTE_SHARE)
     transfer = moved / gpus / perf.peer_bandwidth + permutes + latency
     return Cost(component.name, share, transfer, share + transfer)
+
+
+def exchanges_per_image(component: Component, work: Workload) -> float:
+    """How many all-to-alls one image's calls of a sequence-split component make: ``EXCHANGED_TENSORS`` at each
+    attention layer of each call."""
+    return calls_per_image(component, work) * max(1, len(component.blocks)) * EXCHANGED_TENSORS
 
 
 def rank_latency(gpus: int) -> float:
@@ -782,15 +843,19 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
     dtype_bytes = _dtype_bytes(plan.dtype)
     by_name = {c.name: c for c in inventory.models}
     cached = page_cached(plan)
+    experts = expert_steps(inventory.source, set(by_name), work.steps if steps is None else steps)
     found = {}
     for p in plan.components:
         if p.component not in by_name:
             continue
         component = by_name[p.component]
-        counted = _counted(counts, p.component)
-        cost = component_cost(p, component, dtype_bytes, perf, work, mechanism, counted, steps)
-        whole = (counted or formula_component(component, dtype_bytes, work)).total(work.steps if steps is None
-                                                                                    else steps)
+        counted, at, at_steps = _counted(counts, p.component), work, steps
+        if experts is not None and p.component in experts:  # its own steps of the call, each as counted
+            at = replace(work, steps=experts[p.component])
+            at_steps, counted = at.steps, _expert_counts(p.component, counts, component, dtype_bytes, at)
+        cost = component_cost(p, component, dtype_bytes, perf, at, mechanism, counted, at_steps, plan.ranks)
+        whole = (counted or formula_component(component, dtype_bytes, at)).total(at.steps if at_steps is None
+                                                                                  else at_steps)
         bound = is_accelerator(p.execution_device) and is_launch_bound(whole, perf, token_ranks(p))
         found[p.component] = _with_disk(replace(cost, launch_bound=bound), disk_seconds(p, component, perf, work,
                                                                                         cached))
@@ -799,6 +864,18 @@ def predict(plan: Plan, inventory: Inventory, perf: Performance, work: Workload 
         seconds = compute_seconds(code.total(steps), perf, is_accelerator(plan.execution_device))
         found[PIPELINE] = Cost(PIPELINE, seconds, 0.0, seconds)
     return found
+
+
+def _expert_counts(name: str, counts: Counts | None, component: Component, dtype_bytes: int,
+                   work: Workload) -> ComponentCounts:
+    """One of two experts' counts a step (``experts``): a call's work as counted for whichever expert the counted
+    steps ran (a two-step dry run sees the first one only; the two share an architecture), else the formula's."""
+    ran = [c for c in (counts.get(e) for e in EXPERTS) if c is not None and c.calls_per_step] if counts else []
+    if not ran:
+        return replace(formula_component(component, dtype_bytes, work), component=name)
+    calls = sum(c.calls_per_step for c in ran)  # each step calls one of them: the counted steps' calls a step
+    per_call = sum((c.per_step for c in ran), start=Tally()).scaled(1 / calls)
+    return ComponentCounts(name, per_step=per_call.scaled(calls), calls_per_step=calls, pieces=ran[0].pieces)
 
 
 def _counted(counts: Counts | None, component: str) -> ComponentCounts | None:

@@ -147,10 +147,10 @@ DISK_ORIGINS = {
 # 2023 A100 host with torch 2.1, a Sapphire Rapids or Genoa H100/B200 host with a newer torch). Each default is
 # fitted on one published figure a host's launches set (bench/CALIBRATION.md): KERNEL_SECONDS on SD 1.5 on an A100
 # (fal's benchmark); the data-centre Hopper hosts' on FLUX.1-dev split over 2 H100s (xDiT's Ulysses-2 run, 4.38 s:
-# each rank launches every kernel of its half, ~3,700 a call, for ~0.12 s of GPU work), from the source the H100's
-# sustained share is fitted on (its 1-GPU run); Blackwell hosts take the Hopper hosts' (no Blackwell figure yet);
-# every other class the A100 host's, stated as such.
-HOST_LAUNCH = {"hopper": 36.2e-6, "blackwell": 36.2e-6}
+# each rank launches every kernel of its half and its exchanges' own, ~3,700 + 680 a call, for ~0.12 s of GPU
+# work), from the source the H100's sustained share is fitted on (its 1-GPU run); Blackwell hosts take the Hopper
+# hosts' (no Blackwell figure yet); every other class the A100 host's, stated as such.
+HOST_LAUNCH = {"hopper": 30.6e-6, "blackwell": 30.6e-6}
 KERNEL_ORIGINS = {
     "default": "the default, fitted on one A100 host (bench/CALIBRATION.md); `pipemap doctor` measures this machine's",
     "default_hopper": "a Hopper host's default, fitted on FLUX.1-dev on 2 H100s (bench/CALIBRATION.md); `pipemap "

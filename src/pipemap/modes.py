@@ -103,7 +103,7 @@ class ModeFacts:
     copies: bool  # it keeps a whole copy on each of ``Placement.replicas``
     loads_on: str  # where ``from_pretrained`` loads it: "device" (its own) or "cpu" (dispatch moves it after)
     hook: tuple[str, str]  # (module, class) of its hook, imported when a plan first uses the mode
-    workers_hook: tuple[str, str] | None  # the same with ``PIPEMAP_WORKERS=process``; None: no worker variant
+    ranks: bool  # its hook runs ranks on other devices (``hooks.ranks``: threads, worker processes or Ray actors)
     cost: str  # the pricing kind ``cost.py`` prices it by (its compute, the bytes it moves, which devices work)
     label: str  # what the picture calls what it puts on a device besides its home (a copy, the pieces it moves)
     pattern: str  # the picture's fill pattern for it: "" (plain), "hatch" or "dots"
@@ -170,26 +170,33 @@ _HOOKS = "pipemap.hooks."
 # Keyed by the mode's string, not by ``Mode``: an enum takes no member at run time, so a test registers a made-up
 # mode as a row here (``register``) and a placement keeps its mode as a plain string; the built-in rows are ``Mode``s
 TABLE: dict[str, ModeFacts] = {row.mode: row for row in (
-    ModeFacts(Mode.RESIDENT, False, False, "device", (_HOOKS + "resident", "PlacementHook"), None, "resident",
-              "resident", "", Peak.HELD, True, _resident_text),
-    ModeFacts(Mode.OFFLOAD, True, False, "cpu", (_HOOKS + "offload", "OffloadHook"), None, "onload",
-              "onloaded", "hatch", Peak.ONLOADED, False, _room_text),
-    ModeFacts(Mode.STREAM, True, False, "cpu", (_HOOKS + "stream", "StreamHook"), None, "stream",
-              "blocks in flight", "dots", Peak.STREAMED, False, _stream_text),
-    ModeFacts(Mode.SPLIT, False, False, "cpu", (_HOOKS + "split", "SplitHook"), None, "split",
-              "shards", "hatch", Peak.HELD, True, _split_text),
-    ModeFacts(Mode.REPLICATED, False, True, "device", (_HOOKS + "replica", "ReplicaHook"),
-              (_HOOKS + "replica_workers", "ProcessReplicaHook"), "replicated", "copy", "hatch", Peak.HELD, True,
-              _replicated_text),
-    ModeFacts(Mode.GUIDANCE, False, True, "device", (_HOOKS + "guidance", "GuidanceHook"),
-              (_HOOKS + "guidance_workers", "ProcessGuidanceHook"), "guidance", "copy: 2nd guidance branch",
-              "hatch", Peak.HELD, False, _guidance_text),
-    ModeFacts(Mode.SEQUENCE, False, True, "device", (_HOOKS + "sequence", "SequenceHook"),
-              (_HOOKS + "sequence_workers", "ProcessSequenceHook"), "sequence", "copy: share of tokens", "hatch",
-              Peak.HELD, False, _sequence_text),
-    ModeFacts(Mode.GUIDANCE_SEQUENCE, False, True, "device", (_HOOKS + "guidance_sequence", "GuidanceSequenceHook"),
-              (_HOOKS + "guidance_sequence_workers", "ProcessGuidanceSequenceHook"), "guidance_sequence",
-              "copy: a branch's share of tokens", "hatch", Peak.HELD, False, _guidance_sequence_text),
+    ModeFacts(mode=Mode.RESIDENT, moves_weights=False, copies=False, loads_on="device",
+              hook=(_HOOKS + "resident", "PlacementHook"), ranks=False, cost="resident", label="resident",
+              pattern="", peak=Peak.HELD, weightless_copy=True, text=_resident_text),
+    ModeFacts(mode=Mode.OFFLOAD, moves_weights=True, copies=False, loads_on="cpu",
+              hook=(_HOOKS + "offload", "OffloadHook"), ranks=False, cost="onload", label="onloaded",
+              pattern="hatch", peak=Peak.ONLOADED, weightless_copy=False, text=_room_text),
+    ModeFacts(mode=Mode.STREAM, moves_weights=True, copies=False, loads_on="cpu",
+              hook=(_HOOKS + "stream", "StreamHook"), ranks=False, cost="stream", label="blocks in flight",
+              pattern="dots", peak=Peak.STREAMED, weightless_copy=False, text=_stream_text),
+    ModeFacts(mode=Mode.SPLIT, moves_weights=False, copies=False, loads_on="cpu",
+              hook=(_HOOKS + "split", "SplitHook"), ranks=False, cost="split", label="shards",
+              pattern="hatch", peak=Peak.HELD, weightless_copy=True, text=_split_text),
+    ModeFacts(mode=Mode.REPLICATED, moves_weights=False, copies=True, loads_on="device",
+              hook=(_HOOKS + "replica", "ReplicaHook"), ranks=True, cost="replicated", label="copy",
+              pattern="hatch", peak=Peak.HELD, weightless_copy=True, text=_replicated_text),
+    ModeFacts(mode=Mode.GUIDANCE, moves_weights=False, copies=True, loads_on="device",
+              hook=(_HOOKS + "guidance", "GuidanceHook"), ranks=True, cost="guidance",
+              label="copy: 2nd guidance branch", pattern="hatch", peak=Peak.HELD, weightless_copy=False,
+              text=_guidance_text),
+    ModeFacts(mode=Mode.SEQUENCE, moves_weights=False, copies=True, loads_on="device",
+              hook=(_HOOKS + "sequence", "SequenceHook"), ranks=True, cost="sequence",
+              label="copy: share of tokens", pattern="hatch", peak=Peak.HELD, weightless_copy=False,
+              text=_sequence_text),
+    ModeFacts(mode=Mode.GUIDANCE_SEQUENCE, moves_weights=False, copies=True, loads_on="device",
+              hook=(_HOOKS + "guidance_sequence", "GuidanceSequenceHook"), ranks=True, cost="guidance_sequence",
+              label="copy: a branch's share of tokens", pattern="hatch", peak=Peak.HELD, weightless_copy=False,
+              text=_guidance_sequence_text),
 )}
 
 
@@ -312,7 +319,7 @@ def slack(placements: Iterable[Placed], device: str, memory: int) -> int:
 # ---- how a split's ranks run -------------------------------------------------------------------------------------
 
 RANKS = ("process", "thread", "ray")
-"""What runs the other ranks of a split denoiser (the modes with a ``workers_hook``): a worker process per GPU that
+"""What runs the other ranks of a split denoiser (the modes whose row says ``ranks``): a worker process per GPU that
 pipemap spawns (``"process"``, the default), threads of the caller's process (``"thread"``: one GIL; what the dry
 run's stand-ins always use), or the same worker processes as Ray actors (``"ray"``). ``"auto"`` asks for the
 environment's choice (``PIPEMAP_WORKERS``), else processes."""
@@ -340,5 +347,5 @@ def resolve_ranks(value: object, environ: Mapping[str, str] | None = None) -> tu
 
 
 def splits(p: Placed) -> bool:
-    """Whether a placement's mode runs ranks of a split (its hook has a worker variant) on copies it has."""
-    return bool(p.replicas) and facts(p.mode).workers_hook is not None
+    """Whether a placement's mode runs ranks on other devices (``ModeFacts.ranks``) and it has some."""
+    return bool(p.replicas) and facts(p.mode).ranks

@@ -31,11 +31,12 @@ from .errors import (
     UnknownComponentError,
     UnknownDeviceError,
 )
+from .experts import EXPERTS
 from .granularity import Block, Pieces, cut
 from .hardware import Hardware
 from .inventory.values import DENOISERS, Component, Inventory
 from .modes import Mode, Peak, device_use, facts, held, pool_slack, side_slack
-from .plan import Candidate, DeviceUse, Placement, Plan
+from .plan import Candidate, DeviceUse, Placement, Plan, with_ranks
 from .tiers import place_tiers
 from .units import format_bytes, parse_bytes
 
@@ -295,29 +296,40 @@ def _parallel(request: Problem) -> dict[str, str | Place]:
     as its mode says (``replication``). Balanced where no two GPUs can (``notes`` say why)."""
     for name, mode in request.parallel:
         counts = replication.copy_counts(mode, len(request.rooms), request.heads)
-        for count in counts if name in dict(request.components) else ():
-            placed = _replicated(request, name, count, mode)
-            if placed is not None:
-                return placed
+        # two experts (Wan 2.2) run one after the other, each at its own steps: both copied where both fit
+        for names in dict.fromkeys(((name, *_partners(request, name)), (name,))):
+            for count in counts if name in dict(request.components) else ():
+                placed = _replicated(request, names, count, mode)
+                if placed is not None:
+                    return placed
     return _balanced(request)
 
 
-def _replicated(request: Problem, name: str, count: int, mode: str = Mode.REPLICATED
+def _partners(request: Problem, name: str) -> tuple[str, ...]:
+    """The other expert of a two-expert denoiser (``experts.EXPERTS``) among the components to place."""
+    present = dict(request.components)
+    return tuple(e for e in EXPERTS if e != name and e in present) if name in EXPERTS else ()
+
+
+def _replicated(request: Problem, names: str | tuple[str, ...], count: int, mode: str = Mode.REPLICATED
                 ) -> dict[str, str | Place] | None:
-    """``name`` on the ``count`` roomiest GPUs, the rest balanced in what is left; None if that does not fit."""
-    size = dict(request.components)[name]
+    """``names`` (one component or several) each on the ``count`` roomiest GPUs, the rest balanced in what is left;
+    None if that does not fit."""
+    names = (names,) if isinstance(names, str) else names
+    size = sum(dict(request.components)[name] for name in names)
     rooms = dict(request.rooms)
     chosen = sorted(rooms, key=lambda d: (-rooms[d], list(rooms).index(d)))[:count]
     if any(size > rooms[d] for d in chosen):
         return None
     for device in chosen:
         rooms[device] -= size
-    rest = tuple(c for c in request.components if c[0] != name)
+    rest = tuple(c for c in request.components if c[0] not in names)
     try:
         placed: dict[str, str | Place] = dict(_balanced(replace(request, components=rest, rooms=tuple(rooms.items()))))
     except DoesNotFitError:
         return None
-    placed[name] = Place(chosen[0], mode, chosen[0], (), tuple(chosen[1:]))
+    for name in names:
+        placed[name] = Place(chosen[0], mode, chosen[0], (), tuple(chosen[1:]))
     return placed
 
 
@@ -386,12 +398,14 @@ def _reserve(memory: int, headroom: float | int | str) -> int:
 
 
 def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, budget: Mapping[str, int],
-                   counts: Counts | None = None, work: Workload | None = None) -> Plan:
+                   counts: Counts | None = None, work: Workload | None = None, ranks: str | None = None) -> Plan:
     """The plan for an inventory on given hardware and budgets; ``plan()`` without the argument handling.
     ``counts``: the call's counted work, for ``"auto"`` to price its candidates by (else the formula); ``work``: the
-    call ``"auto"`` and ``"parallel"`` plan for (the pipeline's default call unless given: ``cost.workload_for``)."""
+    call ``"auto"`` and ``"parallel"`` plan for (the pipeline's default call unless given: ``cost.workload_for``);
+    ``ranks``: what will run a split's ranks (``modes.RANKS``), for ``"auto"`` to price splits as they will run
+    (processes if None)."""
     if strategy == AUTO:
-        return auto_plan(inventory, hw, budget, counts, work)
+        return auto_plan(inventory, hw, budget, counts, work, ranks)
     sizes = {c.name: c.bytes for c in inventory.models}
     fixed = _fixed(strategy, sizes, hw) if isinstance(strategy, dict) else {}
     name = strategy if isinstance(strategy, str) else "balanced"
@@ -545,17 +559,18 @@ def _fits(inventory: Inventory, hardware: Hardware, strategy: str) -> bool:
 
 
 def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], counts: Counts | None = None,
-              work: Workload | None = None) -> Plan:
+              work: Workload | None = None, ranks: str | None = None) -> Plan:
     """The fastest plan that fits: every strategy's plan, priced by the cost model, the quickest kept.
 
     The plan carries every candidate (``plan.explain()``): its predicted seconds per image, its per-device peaks,
     or why it does not fit, and says what priced them: the call's counted work (``counts``) or the formula, at the
-    call ``work`` (the pipeline's default call unless given).
+    call ``work`` (the pipeline's default call unless given), its splits' ranks run by ``ranks`` (threads launch one
+    after the other: ``cost.rank_launch_seconds``).
     """
     candidates, plans = [], {}
     for name in (*STRATEGIES, *MIXED):
         try:
-            plans[name] = plan_inventory(inventory, hw, name, budget, work=work)
+            plans[name] = with_ranks(plan_inventory(inventory, hw, name, budget, work=work), ranks or "process")
         except DoesNotFitError as err:
             candidates.append(Candidate(name, None, (), f"{err.component} does not fit"))
             continue
@@ -587,7 +602,8 @@ def auto_plan(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], cou
     called = work or workload_for(inventory)
     shape = (f"auto: priced for the {'call' if work is not None else 'default call'} {called.describe()}",)
     notes = (priced_by(counts), *shape, *((f"auto: {bound}",) if bound else ()), why, *disk)
-    return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + notes)
+    return replace(best, strategy=AUTO, candidates=tuple(candidates), notes=best.notes + notes, ranks=None,
+                   ranks_asked=False)
 
 
 TIE = 0.03  # candidates priced this close are a tie: the cost model's own error on published figures is wider

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .cost import Workload, component_cost, workload_for
+from .experts import EXPERTS
 from .hardware import Performance
 from .inventory.values import DENOISERS, Component, Inventory
 from .modes import Mode, branch_devices
@@ -158,8 +159,19 @@ def plan_notes(inventory: Inventory, placed: Mapping[str, Any], work: Workload |
     place: Any = placed.get(denoiser)  # a device name or a planner.Place
     copies = getattr(place, "replicas", ())
     if copies:
-        return [_what_runs_where(denoiser, place.mode, place.device, copies)]
+        return [_what_runs_where(denoiser, place.mode, place.device, copies), *_second_expert(placed, denoiser)]
     return [_no_copies(inventory, denoiser, work or workload_for(inventory))]
+
+
+def _second_expert(placed: Mapping[str, Any], denoiser: str) -> list[str]:
+    """A line for a two-expert pipeline's second expert (``experts.EXPERTS``: Wan 2.2), copied as the first or not."""
+    second = next((e for e in EXPERTS if e != denoiser and e in placed), None) if denoiser in EXPERTS else None
+    if second is None:
+        return []
+    copies = getattr(placed[second], "replicas", ())
+    if copies:
+        return [f"parallel: {second}, the second expert (its own steps of each call), copied the same way"]
+    return [f"parallel: {second}, the second expert, has no copies: no GPU holds both experts beside the rest"]
 
 
 def call_note(inventory: Inventory, work: Workload | None = None) -> str:

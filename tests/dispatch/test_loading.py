@@ -186,10 +186,10 @@ def test_load_walks_no_model_it_loaded_onto_the_cpu_and_dispatch_still_moves_one
         tiny_folders, reference_outputs, monkeypatch, fake_cuda):
     import importlib
 
-    placing = importlib.import_module("pipemap.dispatch")  # the package, not the function it exports
+    placing = importlib.import_module("pipemap.dispatch.placing")
     walked: list[str] = []
-    place = placing._place
-    monkeypatch.setattr(placing, "_place", lambda module, p, moves=None: walked.append(p.component) or place(
+    place = placing.place_component
+    monkeypatch.setattr(placing, "place_component", lambda module, p, moves=None: walked.append(p.component) or place(
         module, p, moves))
     folder = tiny_folders["sd"]
     plan = pipemap.plan(folder, hardware="cuda:0=1GiB,cpu=4GiB", strategy={"unet": "cuda:0", "text_encoder": "cpu",

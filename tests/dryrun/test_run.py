@@ -127,7 +127,7 @@ def skip_hook(monkeypatch):
     """Make dispatch leave one component unhooked: the fault a dry run must catch."""
 
     def skip(component: str):
-        module = importlib.import_module("pipemap.dispatch")  # the module, not the function of the same name
+        module = importlib.import_module("pipemap.dispatch.following")  # where dispatch attaches each hook
         original = module.hook_component
 
         def hook_component(module, hook):

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pipemap.dispatch import _place
+from pipemap.dispatch import place_component as _place
 from pipemap.hooks import Ledger, OffloadHook, ReplicaHook, changes, hook_component, unhook_component
 from pipemap.hooks.changes import follow_component, groups, remember, settle, signature
 from pipemap.plan import Placement

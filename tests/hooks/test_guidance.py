@@ -13,6 +13,7 @@ import families
 import pipemap
 from families import fresh, output
 from helpers import pipeline_state, with_copy
+from pipemap import tiny
 from pipemap.hooks import GuidanceHook, hook_component, unhook_component
 from pipemap.hooks.guidance import Inputs, alike, predict, same
 from pipemap.plan import DeviceUse, Placement, Plan
@@ -128,6 +129,26 @@ def test_more_families_with_true_guidance_equal_plain(name):
     assert pipe.transformer._hf_hook.hits == STEPS - 1
 
 
+def test_a_copy_beside_its_model_holds_its_own_weights_under_layerwise_casting():
+    """Layerwise casting casts the weights in place around each call: a thread rank on the model's own device (a plan
+    remapped onto the CPU) sharing them read them half cast about one call in five
+    (bench/repros/workers/thread_guidance_layerwise_race.py); it gets its own."""
+    pipe = tiny.build("flux")
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(tiny.default_call(pipe, "flux", output_type="pt"), num_inference_steps=STEPS,
+                negative_prompt="blurry", true_cfg_scale=2.0)
+    pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    plain = output(pipe(**fresh(call)))
+    pipemap.dispatch(pipe, with_copy(pipe, "guidance").remap(ON_CPU), ranks="thread")
+    hook = pipe.transformer._hf_hook
+    home = {p.data_ptr() for p in pipe.transformer.parameters()}
+    assert not home & {p.data_ptr() for p in hook.replicas[0].parameters()}
+    for _ in range(3):  # one call in five failed when the copy shared them
+        torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=0, rtol=0)
+    assert hook.hits > 0  # the copy computed
+    pipemap.reset(pipe)
+
+
 # ---- by hand: predicting the next call, checking the one that arrives --------------------------------------------
 
 
@@ -197,7 +218,7 @@ def test_a_plan_of_guidance_mode_round_trips_and_places_the_copy():
                 (DeviceUse("cuda:0", 100, 100, 10), DeviceUse("cuda:1", 100, 100, 10)), "cuda:0")
     assert Plan.from_json(plan.to_json()) == plan
     assert repr(GuidanceHook.for_placement(plan.components[0], "cuda:0", None)) == (
-        "GuidanceHook('transformer', device=cuda:0, replicas=[cuda:1])")
+        "GuidanceHook('transformer', device=cuda:0, replicas=[cuda:1], ranks=thread)")
 
 
 # ---- the model changed inside a call, or a cache on: the copy's result is not used ------------------------------

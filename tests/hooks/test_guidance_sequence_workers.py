@@ -16,7 +16,7 @@ import families
 import pipemap
 from families import fresh, output
 from helpers import processes_gone, split_tolerance, with_copy
-from pipemap.hooks.guidance_sequence_workers import ProcessGuidanceSequenceHook
+from pipemap.hooks.guidance_sequence import GuidanceSequenceHook
 from pipemap.hooks.launch import TIMEOUT_ENV
 from pipemap.hooks.workers import ENV
 
@@ -42,24 +42,25 @@ def test_wan_s_halves_run_on_three_workers_at_once_equal_plain_and_a_dead_worker
     dry = pipemap.simulate(pipe, plan, steps=2, advice=False, **extra)
     pipemap.dispatch(pipe, plan.remap(ON_CPU))
     hook = pipe.transformer._hf_hook
-    assert isinstance(hook, ProcessGuidanceSequenceHook) and hook.replicas == [] and hook.workers is not None
+    assert isinstance(hook, GuidanceSequenceHook) and hook.runtime == "process"
+    assert hook.replicas == [] and hook.ranks is not None
     # what each worker holds is what the dry run's stand-in for its GPU held: the plan's figure and Wan's rotary
     # tables (buffers no file holds)
-    held = hook.workers.held()
+    held = hook.ranks.held()
     assert held == [dry.weights_held(f"cuda:{i}") for i in (1, 2, 3)] and min(held) >= plan.placement(
         "transformer").bytes
     first, second, third = pids = hook.pids()
     assert len(set(pids)) == 3 and os.getpid() not in pids
     # while rank 0 computes a later step's first branch, that step's second is on the second half: both outstanding
     outstanding: list[int] = []
-    handle = hook.home.register_forward_pre_hook(lambda m, a: outstanding.append(len(hook.workers.outstanding)))
+    handle = hook.home.register_forward_pre_hook(lambda m, a: outstanding.append(len(hook.ranks.outstanding)))
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
     handle.remove()
     assert (hook.hits, hook.misses, hook.whole) == (STEPS - 1, 0, 0)
     assert outstanding == [1, 1] + [2] * (STEPS - 1)
     # rank 1 answered every first-half call (both calls of step 1, the first of each later one); ranks 2 and 3
     # each later step's second call
-    served = hook.workers.served
+    served = hook.ranks.served
     assert [served.count(p) for p in pids] == [STEPS + 1, STEPS - 1, STEPS - 1]
 
     # a change after placing (load_state_dict into one weight) reaches every worker: only that tensor is sent, and
@@ -69,7 +70,7 @@ def test_wan_s_halves_run_on_three_workers_at_once_equal_plain_and_a_dead_worker
         each.transformer.load_state_dict(changed, strict=False)
     torch.testing.assert_close(output(pipe(**fresh(call))), output(twin(**fresh(call))), **TOLERANCE)
     hook = pipe.transformer._hf_hook
-    assert hook.pids() == pids and hook.workers.sent == [1, 1, 1] and (hook.hits, hook.whole) == (STEPS - 1, 0)
+    assert hook.pids() == pids and hook.ranks.sent == [1, 1, 1] and (hook.hits, hook.whole) == (STEPS - 1, 0)
     plain = output(twin(**fresh(call)))
 
     os.kill(third, signal.SIGKILL)  # between calls: the next call starts new workers

@@ -14,7 +14,7 @@ import families
 import pipemap
 from families import fresh, output
 from helpers import processes_gone, with_copy
-from pipemap.hooks.guidance_workers import ProcessGuidanceHook
+from pipemap.hooks.guidance import GuidanceHook
 from pipemap.hooks.workers import ENV
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
@@ -31,14 +31,15 @@ def test_qwen_image_s_second_branch_runs_on_a_worker_equals_plain_and_a_dead_wor
                            **{k: v for k, v in fresh(call).items() if k not in ("generator", "num_inference_steps")})
     pipemap.dispatch(pipe, plan.remap(ON_CPU))
     hook = pipe.transformer._hf_hook
-    assert isinstance(hook, ProcessGuidanceHook) and hook.replicas == [] and hook.workers is not None
+    assert isinstance(hook, GuidanceHook) and hook.runtime == "process"
+    assert hook.replicas == [] and hook.ranks is not None
     # what the worker holds on its device is what the dry run's stand-in for cuda:1 held, and the plan's figure
-    assert hook.workers.held() == [dry.weights_held("cuda:1")] == [plan.placement("transformer").bytes]
+    assert hook.ranks.held() == [dry.weights_held("cuda:1")] == [plan.placement("transformer").bytes]
     (pid,) = hook.pids()
     assert pid != os.getpid()
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)
     assert (hook.hits, hook.misses) == (STEPS - 1, 0)  # the first step has no step before it to predict from
-    assert hook.workers.served == [pid] * (STEPS - 1)  # each later step's second branch computed by the worker
+    assert hook.ranks.served == [pid] * (STEPS - 1)  # each later step's second branch computed by the worker
 
     def kill_once(module, args):  # a step's first branch runs here while its second was sent: kill the worker
         if hook.hits + hook.misses == 1:
@@ -65,10 +66,10 @@ def test_wan_planned_parallel_runs_its_second_branch_on_a_worker_and_equals_plai
     assert (plan.placement("transformer").mode, plan.placement("transformer").replicas) == ("guidance", ("cuda:1",))
     pipemap.dispatch(pipe, plan.remap(ON_CPU))
     hook = pipe.transformer._hf_hook
-    assert isinstance(hook, ProcessGuidanceHook)
+    assert isinstance(hook, GuidanceHook) and hook.runtime == "process"
     (pid,) = hook.pids()
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)
-    assert (hook.hits, hook.misses) == (STEPS - 1, 0) and hook.workers.served == [pid] * (STEPS - 1)
+    assert (hook.hits, hook.misses) == (STEPS - 1, 0) and hook.ranks.served == [pid] * (STEPS - 1)
     assert pid != os.getpid()
     pipemap.reset(pipe)
     assert processes_gone([pid])

@@ -1,4 +1,4 @@
-"""What runs a split denoiser's other ranks (``ranks=``: ``modes.RANKS``, ``hooks.workers``): worker processes by
+"""What runs a split denoiser's other ranks (``ranks=``: ``modes.RANKS``, ``hooks.ranks``): worker processes by
 default, threads where asked for, where the model cannot travel to a worker (with a warning), and on the dry run's
 stand-ins; a worker that fails inside a split is the error raised, typed, at once. Each test that starts a worker
 (a spawned interpreter importing torch and diffusers) builds the smallest pipeline its mode needs."""
@@ -19,12 +19,16 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 import families
 import pipemap
 from families import fresh, output
-from helpers import processes_gone, with_copy
-from pipemap import tiny
+from helpers import processes_gone, split_tolerance, with_copy
+from pipemap import modes, tiny
 from pipemap.errors import CannotTravelError, RanksFallbackWarning, WorkerCallError, WorkerDiedError
+from pipemap.hooks.calls import join_batch, split_batch
+from pipemap.hooks.copies import CopiesHook
 from pipemap.hooks.launch import TIMEOUT_ENV
+from pipemap.hooks.resident import PlacementHook
 from pipemap.hooks.worker import caller_state, entered, numerics
 from pipemap.hooks.workers import ENV
+from pipemap.runtime.transfer import move
 from worker_faults import RaisingInWorker
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
@@ -66,6 +70,68 @@ def _listening(pids: list[int]) -> list[str]:
             if c.status == psutil.CONN_LISTEN and c.pid in pids]
 
 
+# ---- a made-up parallel mode, written once over the seam --------------------------------------------------------
+
+
+class SwappedHook(CopiesHook):
+    """A made-up parallel mode: each call's batch cut in two, the FIRST part sent to rank 1 and the last computed
+    here, joined in order. Written once, over ``ranks.Ranks`` alone: whatever runs the ranks."""
+
+    takes_forward = False
+
+    def pre_forward(self, module, *args, **kwargs):
+        args, kwargs = PlacementHook.pre_forward(self, module, *args, **kwargs)
+        first, last = split_batch(args, kwargs, 2)
+        self.sent = self.live_ranks().submit([first])
+        return last
+
+    def post_forward(self, module, output):
+        (theirs,) = self.sent.result()
+        return PlacementHook.post_forward(self, module, join_batch([move(theirs, self.device), output]))
+
+
+SWAPPED = modes.ModeFacts(**{**modes.facts("replicated").__dict__, "mode": "swapped", "hook": (__name__, "SwappedHook"),
+                             "text": lambda p: f"swapped: first part on {p.replicas[0]}"})
+
+
+@pytest.fixture
+def swapped():
+    modes.register(SWAPPED)
+    yield SWAPPED.mode
+    modes.unregister(SWAPPED.mode)
+
+
+def _swapped_plan(pipe, mode: str):
+    plan = pipemap.plan(pipe, hardware="2x8MiB,cpu=1GiB", strategy="parallel", headroom=0.0)
+    assert plan.placement("unet").mode == "replicated"
+    return plan.with_components(tuple(p if p.component != "unet" else p.__class__(**{**p.__dict__, "mode": mode})
+                                      for p in plan.components))
+
+
+@pytest.mark.parametrize("ranks", ["dry-run", "thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_made_up_parallel_mode_runs_on_threads_processes_and_in_the_dry_run_equal_to_plain(unset, swapped, ranks):
+    pipe = tiny.build("sd")
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(tiny.default_call(pipe, "sd", output_type="pt"), num_inference_steps=STEPS)
+    plain = output(pipe(**fresh(call)))
+    plan = _swapped_plan(pipe, swapped)
+    if ranks == "dry-run":  # the stand-ins: the same hook over in-process ranks, rank 1's part on meta:1
+        report = pipemap.simulate(pipe, plan)
+        assert report.ok, report.error
+        used = {d.device: d.used for d in plan.devices}
+        assert report.weight_bytes["cuda:1"] == pytest.approx(used["cuda:1"], rel=0.01)  # the copy landed there
+        assert report.activation_bytes["cuda:1"] > 0  # rank 1 computed its part of the batch there
+        return
+    pipemap.dispatch(pipe, plan.remap(ON_CPU), ranks=ranks)
+    hook = pipe.unet._hf_hook
+    assert type(hook) is SwappedHook and hook.runtime == ranks
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
+    pids = hook.pids()
+    assert (len(pids) == 1 and pids[0] in hook.ranks.served) if ranks == "process" else hook.replicas
+    pipemap.reset(pipe)
+    assert processes_gone(pids)
+
+
 # Wan's planned parallel plan on a worker: tests/hooks/test_guidance_workers.py; guidance_sequence's three workers:
 # tests/hooks/test_guidance_sequence_workers.py (both as a user runs them, with no setting but the timeout's)
 @pytest.mark.parametrize("name", [pytest.param("flux", marks=pytest.mark.slow), "qwen_image", "sdxl"])
@@ -85,7 +151,7 @@ def test_a_parallel_plan_remapped_runs_its_ranks_in_worker_processes_with_no_set
     # the workers listen on loopback only (a plan for one machine): their store, gloo's pairs
     assert [a for a in _listening([os.getpid(), pid]) if not a.startswith("127.")] == []
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
-    assert pid in hook.workers.served  # the second process computed
+    assert pid in hook.ranks.served  # the second process computed
     report = pipemap.stats(pipe)[denoiser]
     assert report["ranks"] == "process" and report["ranks_why"].startswith("ranks='auto'")
     pipemap.reset(pipe)
@@ -99,9 +165,23 @@ def test_a_sequence_split_runs_its_other_rank_in_a_worker_process_with_no_settin
     hook = pipe.transformer._hf_hook
     (pid,) = hook.pids()
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
-    assert hook.workers.served == [pid] * (2 * STEPS) and hook.whole == 0  # its share of every call
+    assert hook.ranks.served == [pid] * (2 * STEPS) and hook.whole == 0  # its share of every call
     pipemap.reset(pipe)
     assert processes_gone([pid])
+
+
+def test_guidance_x_sequence_runs_its_three_other_ranks_in_worker_processes_with_no_setting_and_equals_plain(unset):
+    pipe, call = families.true_cfg("wan_t2v", STEPS)
+    plain = output(pipe(**fresh(call)))
+    plan = with_copy(pipe, "guidance_sequence", hardware="4x64MiB,cpu=1GiB", copies=3)
+    pipemap.dispatch(pipe, plan.remap({f"cuda:{i}": "cpu" for i in range(4)}))
+    hook = pipe.transformer._hf_hook
+    pids = hook.pids()
+    assert hook.runtime == "process" and len(pids) == 3 and hook.replicas == []  # no rank's copy in this process
+    torch.testing.assert_close(output(pipe(**fresh(call))), plain, **split_tolerance(operation="attention"))
+    assert set(hook.ranks.served) <= set(pids) and hook.hits == STEPS - 1 and hook.whole == 0
+    pipemap.reset(pipe)
+    assert processes_gone(pids)
 
 
 @pytest.mark.parametrize("asked", ["thread", "process"])
@@ -111,8 +191,8 @@ def test_threads_when_asked_by_name_and_a_changed_ranks_at_dispatch(unset, asked
     plan = _planned(pipe, call, ranks=asked)
     assert (plan.ranks, plan.ranks_asked) == (asked, True) and "(asked for by name)" in plan.explain()
     pipemap.dispatch(pipe, plan.remap(ON_CPU), ranks="thread")  # dispatch's word wins over the plan's
-    assert pipemap.stats(pipe)["transformer"]["ranks"] == "thread" and not hasattr(pipe.transformer._hf_hook,
-                                                                                    "workers")
+    hook = pipe.transformer._hf_hook
+    assert pipemap.stats(pipe)["transformer"]["ranks"] == hook.runtime == "thread" and hook.replicas  # copies here
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, **TOLERANCE)
     pipemap.reset(pipe)
     with pytest.raises(pipemap.WorkersOptionError, match="ranks='threads' is not understood"):

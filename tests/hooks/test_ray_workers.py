@@ -158,8 +158,8 @@ def test_the_tiny_flux_sequence_split_on_a_ray_actor_equals_plain(on_ray):
     (pid,) = hook.pids()
     got = torch.as_tensor(pipe(**dict(call, generator=torch.Generator().manual_seed(0))).images)
     torch.testing.assert_close(got, plain, atol=1e-4, rtol=0)
-    assert hook.workers.served == [pid] * call["num_inference_steps"] and pid != os.getpid()
-    assert type(hook.workers.ranks[0].process).__name__ == "Actor"
+    assert hook.ranks.served == [pid] * call["num_inference_steps"] and pid != os.getpid()
+    assert type(hook.ranks.ranks[0].process).__name__ == "Actor"
     pipemap.reset(pipe)
     assert processes_gone([pid], 30)
 
@@ -175,8 +175,8 @@ def test_qwen_image_s_second_guidance_branch_on_a_ray_actor_equals_plain(on_ray)
     hook = pipe.transformer._hf_hook
     (pid,) = hook.pids()
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)
-    assert (hook.hits, hook.misses) == (2, 0) and hook.workers.served == [pid, pid]  # steps 2 and 3 on the actor
-    assert pid != os.getpid() and type(hook.workers.ranks[0].process).__name__ == "Actor"
+    assert (hook.hits, hook.misses) == (2, 0) and hook.ranks.served == [pid, pid]  # steps 2 and 3 on the actor
+    assert pid != os.getpid() and type(hook.ranks.ranks[0].process).__name__ == "Actor"
     pipemap.reset(pipe)
     assert processes_gone([pid], 30)
 
@@ -195,8 +195,8 @@ def test_wan_s_branches_each_split_over_two_ranks_on_three_ray_actors_equal_plai
     pids = hook.pids()
     torch.testing.assert_close(output(pipe(**fresh(call))), plain, atol=1e-4, rtol=0)
     assert (hook.hits, hook.misses, hook.whole) == (2, 0, 0)
-    assert [hook.workers.served.count(p) for p in pids] == [4, 2, 2]  # the first half's rank 1; the second half
-    assert {type(r.process).__name__ for r in hook.workers.ranks} == {"Actor"} and os.getpid() not in pids
+    assert [hook.ranks.served.count(p) for p in pids] == [4, 2, 2]  # the first half's rank 1; the second half
+    assert {type(r.process).__name__ for r in hook.ranks.ranks} == {"Actor"} and os.getpid() not in pids
     pipemap.reset(pipe)
     assert processes_gone(pids, 30)
 

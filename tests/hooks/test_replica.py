@@ -12,7 +12,7 @@ import pipemap
 from helpers import assert_split_close
 from pipemap import tiny
 from pipemap.hooks import ReplicaHook, hook_component, unhook_component
-from pipemap.hooks.replica import join_batch, replica, split_batch
+from pipemap.hooks.calls import join_batch, replica, split_batch
 from pipemap.plan import Placement
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}

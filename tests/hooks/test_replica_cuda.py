@@ -13,7 +13,7 @@ import torch
 from helpers import assert_split_close
 from pipemap.dispatch import place_module
 from pipemap.hooks import ReplicaHook, hook_component, unhook_component
-from pipemap.hooks.replica import CallerState, replica
+from pipemap.hooks.calls import CallerState, replica
 
 
 class Denoiser(torch.nn.Module):

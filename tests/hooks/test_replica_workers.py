@@ -19,7 +19,7 @@ from diffusers import DiffusionPipeline
 import pipemap
 from pipemap import tiny
 from pipemap.errors import WorkerDiedError
-from pipemap.hooks.replica_workers import ProcessReplicaHook
+from pipemap.hooks.replica import ReplicaHook
 from pipemap.hooks.workers import ENV
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
@@ -42,12 +42,12 @@ def _images(pipe, call: dict) -> torch.Tensor:
     return torch.as_tensor(pipe(**dict(call, generator=torch.Generator().manual_seed(0))).images)
 
 
-def _dispatched(pipe) -> ProcessReplicaHook:
+def _dispatched(pipe) -> ReplicaHook:
     plan = pipemap.plan(pipe, hardware=TWO_GPUS, strategy="parallel", headroom=0.0)
     assert plan.placement("unet").mode == "replicated" and plan.placement("unet").replicas == ("cuda:1",)
     pipemap.dispatch(pipe, plan.remap(ON_CPU))
     hook = pipe.unet._hf_hook
-    assert isinstance(hook, ProcessReplicaHook) and hook.replicas == []  # no copy in this process
+    assert isinstance(hook, ReplicaHook) and hook.runtime == "process" and hook.replicas == []  # none in this process
     return hook
 
 
@@ -61,9 +61,10 @@ def _workers_alive(pids: list[int]) -> list[int]:
 
 
 def _worker_children() -> list[psutil.Process]:
-    """This process's children less multiprocessing's resource tracker (one per interpreter, started by spawn)."""
+    """This process's children less multiprocessing's resource tracker and forkserver (one each per interpreter)."""
     return [p for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+            if not any(k in " ".join(p.cmdline()) for k in ("resource_tracker", "forkserver"))
+            and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.slow
@@ -75,10 +76,10 @@ def test_a_folder_s_unet_on_a_worker_equals_plain_diffusers_follows_a_change_and
     calls = _calls(plain, "sd")
     wanted = [_images(plain, call) for call in calls]
     hook = _dispatched(pipe)
-    workers = hook.workers
+    workers = hook.ranks
     assert workers is not None and workers.sent == [0]  # the worker loaded every tensor from the folder itself
     (pid,) = hook.pids()
-    assert pid != os.getpid() and pid in [p.pid for p in psutil.Process().children()]
+    assert pid != os.getpid() and pid in [p.pid for p in psutil.Process().children(recursive=True)]
     steps = calls[0]["num_inference_steps"]
     for call, want, worker_calls in zip(calls, wanted, [steps, steps, 0], strict=True):
         workers.served.clear()
@@ -91,7 +92,7 @@ def test_a_folder_s_unet_on_a_worker_equals_plain_diffusers_follows_a_change_and
     for each in (plain, pipe):
         each.unet.load_state_dict(changed, strict=False)
     torch.testing.assert_close(_images(pipe, calls[0]), _images(plain, calls[0]), atol=1e-4, rtol=0)
-    assert pipe.unet._hf_hook.workers is workers and workers.sent == [1] and hook.pids() == []  # old hook detached
+    assert pipe.unet._hf_hook.ranks is workers and workers.sent == [1] and hook.pids() == []  # old hook detached
     assert pipe.unet._hf_hook.pids() == [pid]  # the same worker, brought in line
 
     pipemap.reset(pipe)
@@ -122,7 +123,7 @@ def test_a_replaced_unet_stops_the_old_ones_workers_and_runs_on_its_own(on_worke
     assert _workers_alive([old]) == [] and previous.device.type == "cpu"  # stopped now, not when it is collected
     got = _images(pipe, call)
     new = pipe.unet._hf_hook
-    assert isinstance(new, ProcessReplicaHook) and new.pids() and new.pids() != [old]
+    assert isinstance(new, ReplicaHook) and new.runtime == "process" and new.pids() and new.pids() != [old]
     pipemap.reset(pipe)
     plain = tiny.build("sd")
     plain.set_progress_bar_config(disable=True)
@@ -137,15 +138,15 @@ def test_a_worker_killed_between_calls_is_replaced_and_one_killed_during_a_call_
     call = tiny.default_call(pipe, "sdxl")
     want = _images(pipe, call)
     hook = _dispatched(pipe)
-    assert hook.workers is not None and hook.workers.sent == [len(pipe.unet.state_dict())]
+    assert hook.ranks is not None and hook.ranks.sent == [len(pipe.unet.state_dict())]
     torch.testing.assert_close(_images(pipe, call), want, atol=1e-4, rtol=0)
 
     (first,) = hook.pids()
     os.kill(first, signal.SIGKILL)  # between calls: the next call starts a new worker and gives the same image
-    hook.workers.ranks[0].process.join(timeout=10)
+    hook.ranks.ranks[0].process.join(timeout=10)
     torch.testing.assert_close(_images(pipe, call), want, atol=1e-4, rtol=0)
     (second,) = hook.pids()
-    assert second != first and hook.workers.served[-1] == second
+    assert second != first and hook.ranks.served[-1] == second
 
     def kill_once(module, args):  # the home half runs here, the worker's half was sent: kill the worker now
         handle.remove()
@@ -217,7 +218,7 @@ def test_a_pair_the_copy_check_staged_runs_its_replica_workers_staged_and_equal_
     try:
         hook = _dispatched(pipe)
         torch.testing.assert_close(_images(pipe, call), want, atol=1e-4, rtol=0)
-        workers = hook.workers
+        workers = hook.ranks
         assert workers is not None and workers.staged and workers.served  # a staged worker computed
         assert [h["staged"] for h in workers.hellos] == [True] and workers.hellos[0][P2P_ENV] == "1"
         assert "through host memory" in workers.describe()

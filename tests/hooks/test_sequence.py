@@ -17,8 +17,8 @@ from helpers import pipeline_state, plain_pipeline, run, split_tolerance, with_c
 from pipemap import tiny
 from pipemap.errors import DispatchError, PlanMismatchError
 from pipemap.hooks import SequenceHook
+from pipemap.hooks.context import all_gather_op, gather
 from pipemap.hooks.exchange import release, thread_groups
-from pipemap.hooks.sequence import all_gather_op, gather
 
 ON_CPU = {f"cuda:{i}": "cpu" for i in range(4)}
 TOLERANCE = split_tolerance(operation="attention")  # attention in shards sums in another order
@@ -58,7 +58,7 @@ def test_the_tiny_flux_split_on_the_cpu_equals_plain_and_reset_leaves_no_trace()
     before = pipeline_state(pipe)
     pipemap.dispatch(pipe, with_copy(pipe, "sequence").remap(ON_CPU))
     hook = pipe.transformer._hf_hook
-    assert isinstance(hook, SequenceHook) and len(hook.ranks) == 2
+    assert isinstance(hook, SequenceHook) and hook.runtime == "thread" and len(hook.replicas) == 1
     tokens: list[int] = []
     threads: list[str] = []
 
@@ -66,7 +66,8 @@ def test_the_tiny_flux_split_on_the_cpu_equals_plain_and_reset_leaves_no_trace()
         tokens.append(kwargs["hidden_states"].shape[1])
         threads.append(threading.current_thread().name)
 
-    handles = [rank.transformer_blocks[0].register_forward_pre_hook(seen, with_kwargs=True) for rank in hook.ranks]
+    handles = [rank.transformer_blocks[0].register_forward_pre_hook(seen, with_kwargs=True)
+               for rank in (hook.home, *hook.replicas)]
     torch.testing.assert_close(_run(pipe, call), plain, **TOLERANCE)
     latent_tokens = (32 // 8) ** 2 * 4  # 32x32 pixels, a 2x VAE, 2x2 patches packed: 64 tokens, 32 for each rank
     assert sorted(set(tokens)) == [latent_tokens // 2] and hook.whole == 0
@@ -74,7 +75,7 @@ def test_the_tiny_flux_split_on_the_cpu_equals_plain_and_reset_leaves_no_trace()
     for handle in handles:
         handle.remove()
     pipemap.reset(pipe)
-    assert pipeline_state(pipe) == before and hook.ranks == [] and hook.groups == []
+    assert pipeline_state(pipe) == before and hook.ranks is None and hook.home is None and hook.replicas == []
 
 
 @pytest.mark.slow
@@ -83,7 +84,7 @@ def test_a_folder_loaded_onto_a_sequence_plan_equals_plain(tmp_path):
     plain = plain_pipeline(folder)
     pipe = pipemap.load(folder, plan=with_copy(plain, "sequence").remap(ON_CPU))
     assert isinstance(pipe.transformer._hf_hook, SequenceHook)
-    assert pipe.transformer.device.type == "cpu" and pipe.transformer._hf_hook.ranks[1].device.type == "cpu"
+    assert pipe.transformer.device.type == "cpu" and pipe.transformer._hf_hook.replicas[0].device.type == "cpu"
     torch.testing.assert_close(run(pipe, "flux"), run(plain, "flux"), **TOLERANCE)
 
 
@@ -192,7 +193,8 @@ def test_the_tiny_flux_split_over_two_fake_gpus_equals_plain_with_no_race(fake_c
     plain = _run(pipe, call)
     pipemap.dispatch(pipe, with_copy(pipe, "sequence"))
     hook = pipe.transformer._hf_hook
-    assert isinstance(hook, SequenceHook) and [str(r.device) for r in hook.ranks] == ["cuda:0", "cuda:1"]
+    assert isinstance(hook, SequenceHook)
+    assert [str(r.device) for r in (hook.home, *hook.replicas)] == ["cuda:0", "cuda:1"]
     split = _run(pipe, call)
     assert hook.whole == 0  # both fake GPUs computed their half of the tokens, exchanging through the collectives
     torch.testing.assert_close(fakecuda.host(split), plain, **TOLERANCE)

@@ -15,7 +15,7 @@ import pipemap
 from helpers import split_tolerance, with_copy
 from pipemap import tiny
 from pipemap.hooks.launch import TIMEOUT_ENV
-from pipemap.hooks.sequence_workers import ProcessSequenceHook
+from pipemap.hooks.sequence import SequenceHook
 from pipemap.hooks.workers import ENV
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu"}
@@ -40,18 +40,19 @@ def test_the_tiny_flux_split_with_a_worker_process_equals_plain_and_runs_whole_w
     dry = pipemap.simulate(pipe, plan, advice=False, **{k: v for k, v in call.items() if k != "generator"})
     pipemap.dispatch(pipe, plan.remap(ON_CPU))
     hook = pipe.transformer._hf_hook
-    assert isinstance(hook, ProcessSequenceHook) and hook.workers is not None and len(hook.ranks) == 1
+    assert isinstance(hook, SequenceHook) and hook.runtime == "process"
+    assert hook.ranks is not None and hook.home is not None
     # what the worker holds on its device is what the dry run's stand-in for cuda:1 held, and the plan's figure
-    assert hook.workers.held() == [dry.weights_held("cuda:1")] == [plan.placement("transformer").bytes]
+    assert hook.ranks.held() == [dry.weights_held("cuda:1")] == [plan.placement("transformer").bytes]
     (pid,) = hook.pids()
     assert pid != os.getpid()
     tokens: list[int] = []
-    handle = hook.ranks[0].transformer_blocks[0].register_forward_pre_hook(
+    handle = hook.home.transformer_blocks[0].register_forward_pre_hook(
         lambda m, a, k: tokens.append(k["hidden_states"].shape[1]), with_kwargs=True)
     torch.testing.assert_close(_run(pipe, call), plain, **TOLERANCE)
     latent_tokens = (32 // 8) ** 2 * 4  # 64 latent tokens: 32 for each rank
     assert set(tokens) == {latent_tokens // 2} and hook.whole == 0
-    assert hook.workers.served == [pid] * call["num_inference_steps"]  # the worker ran its share of every call
+    assert hook.ranks.served == [pid] * call["num_inference_steps"]  # the worker ran its share of every call
     handle.remove()
     torch.testing.assert_close(_run(pipe, odd), plain_odd, **TOLERANCE)
     assert hook.whole == odd["num_inference_steps"] and hook.pids() == [pid]  # ran whole here, the worker kept

@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 
-from pipemap.dispatch import _place
+from pipemap.dispatch import place_component as _place
 from pipemap.hooks import HOOKS, Ledger, hook_component, unhook_component
 from pipemap.plan import Placement
 

@@ -8,6 +8,7 @@ import os
 import socket
 from importlib.util import find_spec
 
+import psutil
 import pytest
 import torch
 
@@ -35,6 +36,19 @@ def test_workers_mode_defaults_to_processes_and_refuses_other_words(monkeypatch)
     with pytest.raises(WorkersOptionError, match=r"needs Ray, which is not installed \(pip install") as caught:
         workers_mode()  # where Ray is not installed: said at once, not an ImportError at the first call
     assert caught.value.accepted == ("thread", "process")
+
+
+def test_workers_start_from_a_forkserver_where_the_platform_has_one_or_as_asked(monkeypatch):
+    from pipemap.hooks.launch import START_ENV, start_method
+
+    monkeypatch.delenv(START_ENV, raising=False)
+    assert start_method() == "forkserver"  # Linux, macOS: a server that imported torch and diffusers once
+    monkeypatch.setenv(START_ENV, " Spawn ")
+    assert start_method() == "spawn"
+    monkeypatch.setenv(START_ENV, "fork")  # never: a fork of the caller would carry its CUDA state
+    with pytest.raises(WorkersOptionError, match=START_ENV) as caught:
+        start_method()
+    assert caught.value.accepted == ("forkserver", "spawn")
 
 
 def test_the_timeout_is_read_in_seconds_and_must_be_positive(monkeypatch):
@@ -164,9 +178,10 @@ def test_a_call_names_the_tensors_the_worker_holds_from_the_last_call_and_sends_
 
 
 @pytest.mark.slow
-def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_compute():
+def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_compute(monkeypatch):
     from pipemap.hooks.groups import P2P_ENV
-    from pipemap.hooks.worker import Source, caller_state
+    from pipemap.hooks.launch import start_method
+    from pipemap.hooks.worker import SETUP_ENV, Source, caller_state
     from pipemap.hooks.workers import Workers
     from pipemap.runtime import transfer
 
@@ -187,12 +202,17 @@ def test_a_pair_the_copy_check_staged_starts_its_workers_staged_and_they_still_c
     finally:
         workers.close()
         transfer.clear_staged()
+    # set after the forkserver started (the first workers above): each worker still runs in the caller's environment
+    # of its start, as a spawned one does
+    monkeypatch.setenv(SETUP_ENV, "os:getpid")
     unstaged = Workers("m", cpu, (cpu,))
     try:
         unstaged.sync(module, Source.of(module))
         assert not unstaged.staged and unstaged.hellos[0] == {
             "pid": unstaged.pids()[0], "host": socket.gethostname(), "staged": False, "gloo": False,
-            P2P_ENV: os.environ.get(P2P_ENV)}
+            P2P_ENV: os.environ.get(P2P_ENV), "setup": ["os:getpid"]}
+        forked = start_method() == "forkserver"  # by the server, not by this process
+        assert (psutil.Process(unstaged.pids()[0]).ppid() != os.getpid()) == forked
         assert unstaged.describe() == "'m': ranks on cpu, cpu, exchanging directly"
     finally:
         unstaged.close()
@@ -214,6 +234,10 @@ def test_the_transport_of_a_staged_gpu_pair_is_decided_once_per_process(monkeypa
 
     monkeypatch.delenv(groups.P2P_ENV, raising=False)
     monkeypatch.setattr(groups, "_NCCL_MADE", [])
+    monkeypatch.setattr(groups.dist, "is_nccl_available", lambda: False)  # a CPU build (the fake CUDA): gloo
+    assert groups.nccl_transport(staged=False, cuda=True) == "gloo"
+    assert groups.nccl_transport(staged=True, cuda=False) == "direct"
+    monkeypatch.setattr(groups.dist, "is_nccl_available", lambda: True)
     assert groups.nccl_transport(staged=False, cuda=True) == "direct"
     assert groups.nccl_transport(staged=True, cuda=False) == "direct"  # gloo goes through the host anyway
     assert groups.nccl_transport(staged=True, cuda=True) == "p2p_off"  # the process's first group: off for all
@@ -221,3 +245,36 @@ def test_the_transport_of_a_staged_gpu_pair_is_decided_once_per_process(monkeypa
     monkeypatch.delenv(groups.P2P_ENV)
     monkeypatch.setattr(groups, "_NCCL_MADE", [True])  # a communicator already runs with peer-to-peer on
     assert groups.nccl_transport(staged=True, cuda=True) == "gloo" and groups.P2P_ENV not in os.environ
+
+
+@pytest.mark.slow
+def test_a_replica_worker_of_a_process_under_the_fake_cuda_runs_its_cuda_branch_and_equals_plain(fake_cuda,
+                                                                                                  tiny_folders):
+    # issue 48: the fake runs inside the workers (PIPEMAP_WORKER_SETUP), so their CUDA branches run in CI: a plan for
+    # two GPUs NOT remapped, the worker's copy loaded from the folder onto its fake cuda:1, its allocator's peak
+    # reported, gloo where this torch has no NCCL (the fake has none)
+    from diffusers import DiffusionPipeline
+
+    import fakecuda
+    import pipemap
+    from pipemap import tiny
+    from pipemap.hooks.worker import SETUP_ENV
+
+    plain, pipe = (DiffusionPipeline.from_pretrained(tiny_folders["sd"]) for _ in range(2))
+    for each in (plain, pipe):
+        each.set_progress_bar_config(disable=True)
+    call = dict(tiny.default_call(plain, "sd"), num_images_per_prompt=2, output_type="pt")  # a batch of 4: 2 + 2
+    want = plain(**dict(call, generator=torch.Generator().manual_seed(0))).images
+    plan = pipemap.plan(pipe, hardware="2x8MiB,cpu=1GiB", strategy="parallel", headroom=0.0)  # unet 3.0 MiB
+    assert plan.placement("unet").mode == "replicated" and plan.placement("unet").replicas == ("cuda:1",)
+    pipemap.dispatch(pipe, plan, ranks="process")
+    try:
+        got = pipe(**dict(call, generator=torch.Generator().manual_seed(0))).images
+        workers = pipe.unet._hf_hook.ranks
+        assert os.environ[SETUP_ENV] == fakecuda.SETUP and workers.hellos[0]["setup"] == [fakecuda.SETUP]
+        assert workers.pids()[0] != os.getpid() and workers.sent == [0]  # its copy read from the folder by itself
+        assert workers.transport == "gloo" and workers.hellos[0]["gloo"]  # not NCCL: the fake has none
+        assert workers.peaks()["cuda:1"] >= plan.placement("unet").bytes  # its copy sat on its fake GPU
+        torch.testing.assert_close(fakecuda.host(got), want, atol=1e-4, rtol=0)
+    finally:
+        pipemap.reset(pipe)

@@ -143,7 +143,7 @@ def test_dispatch_checks_every_gpu_a_stream_and_split_plan_copies_between(monkey
 
     from pipemap import catalog
 
-    dispatch = importlib.import_module("pipemap.dispatch")  # the module: pipemap.dispatch is the function
+    dispatch = importlib.import_module("pipemap.dispatch.placing")  # where dispatch checks the transfers
     strategy = "auto" if shape == "stream" else "balanced_split+ultra_low_memory"
     plan = pipemap.plan(catalog.inventory(name), hardware="2x16GiB", strategy=strategy)
     modes = {p.component: (p.mode, p.execution_device) for p in plan.components}

@@ -33,7 +33,7 @@ def test_plan_devices_names_the_replica_gpus(parallel_plan):
 @pytest.mark.slow  # over 2 s: out of the quick subset
 def test_dispatch_checks_the_pairs_of_every_replica_gpu(fake_cuda, parallel_plan, monkeypatch):
     fake_cuda.gpus = 4
-    dispatch = importlib.import_module("pipemap.dispatch")  # the module: pipemap.dispatch is the function
+    dispatch = importlib.import_module("pipemap.dispatch.placing")  # where dispatch makes its hooks
     checked = []
     real = transfer.check_transfers
     monkeypatch.setattr(transfer, "check_transfers", lambda devices, copy=None, **kw: checked.append(

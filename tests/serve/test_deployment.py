@@ -28,6 +28,7 @@ from pipemap.serve import Options  # noqa: E402
 from pipemap.serve.deployment import (  # noqa: E402
     AutoscaleSpecError,
     RaySettings,
+    Resources,
     application,
     autoscaling,
     gpus,
@@ -50,6 +51,25 @@ def test_a_replica_asks_for_the_gpus_its_plan_uses(tiny_folders):
     assert options.ray_actor_options["num_gpus"] == 2
     assert options._deployment_config.autoscaling_config.min_replicas == 1
     assert options._deployment_config.autoscaling_config.max_replicas == 3
+
+
+def test_a_replica_asks_for_the_host_ram_its_plan_keeps_as_ray_s_memory(tiny_folders, monkeypatch):
+    folder = tiny_folders["sd"]
+    on_cpu = Options(folder, hardware="cpu=4GiB")
+    plan = make_plan(on_cpu)
+    assert plan.host.resident > 0  # every component computed on the CPU: its weights in RAM
+    assert application(on_cpu, plan=plan)._bound_deployment.ray_actor_options["memory"] == plan.host.resident
+    offloaded = Options(folder, hardware="cuda:0=4MiB,cpu=1GiB", strategy="balanced_low_memory", headroom=0.0)
+    plan = make_plan(offloaded)
+    assert plan.host.offloaded > 0 and plan.host.resident == 0  # host copies, brought to the GPU for their calls
+    # and the pinned buffers what it reads from its files passes through
+    assert application(offloaded, plan=plan)._bound_deployment.ray_actor_options["memory"] == \
+        plan.host.offloaded + plan.host.staging
+    resident = Options(folder, hardware="2x64MiB,cpu=1GiB", headroom=0.0)
+    assert "memory" not in application(resident)._bound_deployment.ray_actor_options  # all on the GPUs
+    # with worker ranks on Ray, bundle 0 holds all the replica asks for (Ray Serve checks the actor fits in it)
+    assert Resources(1.0, 2, 5 * 2**20).bundle() == {"CPU": 1.0, "GPU": 2.0, "memory": 5.0 * 2**20}
+    assert Resources(0.5, 0, 0).bundle() == {"CPU": 0.5}
 
 
 def test_with_ray_workers_a_replica_that_splits_its_denoiser_gets_a_strict_pack_bundle_per_worker(

@@ -1,9 +1,10 @@
-"""``pipemap serve --ray`` past one machine: a Ray cluster of a head and two worker nodes simulated on this machine
+"""``pipemap serve --ray`` past one machine: a Ray cluster of a head and three worker nodes simulated on this machine
 (``ray.cluster_utils.Cluster``, every node on 127.0.0.1), each node of its own shape.
 
-The head node has no CPU for replicas and runs Ray Serve's one HTTP proxy; each worker node has one CPU, so the two
-replicas land one on each; one node states its hardware (``PIPEMAP_NODE_HARDWARE``: two small GPUs), the other's is
-found there, and each replica plans for its own. Every Ray process listens on loopback only.
+The head node has no CPU for replicas and runs Ray Serve's one HTTP proxy; each worker node has one CPU, and the
+third too little RAM for a replica's plan, so the two replicas land one on each of the others; one node states its
+hardware (``PIPEMAP_NODE_HARDWARE``: two small GPUs), the other's is found there, and each replica plans for its
+own. Every Ray process listens on loopback only.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ pytestmark = pytest.mark.slow
 GENERATIONS = "/v1/images/generations"
 BODY = {"prompt": "a tiny cat", "size": "32x32", "num_inference_steps": 2, "seed": 5}
 SMALL = 80 * 2**20  # each node's object store: the images are kilobytes
+TOO_LITTLE = 2**20  # RAM: the tiny SD pipeline's weights alone are 5.75 MiB
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head node (no CPU for replicas: Serve's controller and proxy need none) and two worker nodes of one CPU
-    each, the first stating two 5 MiB GPUs as its hardware; shut down however the tests end."""
+    """A head node (no CPU for replicas: Serve's controller and proxy need none) and three worker nodes of one CPU
+    each, the first stating two 5 MiB GPUs as its hardware, the third with too little RAM for any replica; shut
+    down however the tests end."""
     patch = pytest.MonkeyPatch()
     patch.setenv(LOOPBACK_ENV, "0")  # every process Ray starts takes 127.0.0.1 as its address
     # and this one, which read the variable when it imported ray: else it waits for ever on the head's GCS
@@ -55,10 +58,12 @@ def cluster():
         stated = made.add_node(num_cpus=1, num_gpus=2, node_ip_address="127.0.0.1", object_store_memory=SMALL,
                                env_vars={NODE_HARDWARE: "2x5MiB,cpu=1GiB"})
         found = made.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=SMALL)
+        # a node with a CPU free but less RAM (Ray's ``memory``) than a replica's plan keeps: it gets no replica
+        small = made.add_node(num_cpus=1, memory=TOO_LITTLE, node_ip_address="127.0.0.1", object_store_memory=SMALL)
         ray.init(address=made.address, log_to_driver=False)
         patch.setenv("RAY_ADDRESS", made.address)
         yield {"head": made.head_node.node_id, "stated": stated.node_id, "found": found.node_id,
-               "cluster": made, "nodes": {stated.node_id: stated, found.node_id: found}}
+               "small": small.node_id, "cluster": made, "nodes": {stated.node_id: stated, found.node_id: found}}
     finally:
         try:
             serve.shutdown()
@@ -80,6 +85,7 @@ def test_two_replicas_land_on_two_nodes_each_planned_for_its_own_and_answer_as_a
                                                                                           tiny_folders):
     alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
     replicas = [a for a in alive if (a.name or "").startswith("SERVE_REPLICA::pipemap")]
+    # not on the node whose RAM is too small for the plan (each replica asks for its plan's, as Ray's ``memory``)
     assert sorted(a.node_id for a in replicas) == sorted([cluster["stated"], cluster["found"]])
     assert [a.node_id for a in alive if a.class_name == "ProxyActor"] == [cluster["head"]]  # one proxy, the head's
 
@@ -117,6 +123,27 @@ def test_past_the_queue_the_app_answers_429_json_with_retry_after_and_one_reques
         assert response.headers.get_list("x-request-id") == [f"r{i}"]
 
 
+def test_requests_of_one_shape_go_to_the_replica_that_measured_it_while_it_has_a_worker_free(url, cluster):
+    shaped = {**BODY, "size": "64x64"}  # a shape neither replica has answered yet
+    with httpx.Client(base_url=url, timeout=120) as client:
+        first = client.post(GENERATIONS, json=shaped)
+        assert first.status_code == 200, first.text
+        time.sleep(2)  # its replica's shapes reach the proxy's router (Ray pushes them every 0.1 s)
+        # one after another, each finds the replica that measured the shape free (one worker each): Ray's own
+        # router picks either replica, six in a row on the first's node 1 time in 64. Ray counts a request done
+        # when its replica's call returns, a moment after the client has the answer: the pause waits for that
+        nodes = []
+        for i in range(6):
+            time.sleep(0.5)
+            nodes.append(client.post(GENERATIONS, json={**shaped, "seed": i}).headers["x-pipemap-node"])
+        assert set(nodes) == {first.headers["x-pipemap-node"]}, nodes
+        # two at once: the second finds it busy, and goes to the other replica rather than wait there
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(lambda i: client.post(GENERATIONS, json={**shaped, "seed": i,
+                                                                          "num_inference_steps": 60}), range(2)))
+    assert {r.headers["x-pipemap-node"] for r in both} == {cluster["stated"], cluster["found"]}
+
+
 def test_every_socket_of_the_cluster_listens_on_loopback(url):
     listening = _listening(psutil.Process())
     assert listening and all(_loopback(address) for address, _ in listening), listening
@@ -136,15 +163,18 @@ def _loopback(address: str) -> bool:
     return address.removeprefix("::ffff:") in ("127.0.0.1", "::1")
 
 
-def _until_both(client, ask, cluster, tries: int = 40) -> dict:
-    """The first answer from each worker node's replica (``X-Pipemap-Node``), asking until both have answered."""
+def _until_both(client, ask, cluster, tries: int = 20) -> dict:
+    """The first answer from each worker node's replica (``X-Pipemap-Node``), asking two at a time (one of a shape
+    goes to the replica that measured it while it has a worker free: ``ray_router``) until both have answered."""
     answers: dict = {}
-    for _ in range(tries):
-        response = ask()
-        assert response.status_code == 200, response.text
-        answers.setdefault(response.headers["x-pipemap-node"], response)
-        if len(answers) == 2:
-            break
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for _ in range(tries):
+            for response in pool.map(lambda _: ask(), range(2)):
+                assert response.status_code in (200, 429), response.text  # a replica's queue of one, full: again
+                if response.status_code == 200:
+                    answers.setdefault(response.headers["x-pipemap-node"], response)
+            if len(answers) == 2:
+                break
     assert set(answers) == {cluster["stated"], cluster["found"]}
     return answers
 

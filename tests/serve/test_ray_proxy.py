@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 httpx = pytest.importorskip("httpx", reason="the serve tests need httpx: pip install -e '.[test]'")
@@ -12,7 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response  # noq
 from starlette.routing import Route  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from pipemap.serve.ray_proxy import RayErrorsAsJson, middlewares  # noqa: E402
+from pipemap.serve.ray_proxy import RayErrorsAsJson, ShapeHeader, middlewares  # noqa: E402
 
 
 async def _silent(scope, receive, send) -> None:
@@ -48,4 +50,30 @@ def test_the_app_s_own_answers_pass_untouched():
         assert client.get("/x").json() == {"error": {"code": "pipeline_error"}}
     with _proxy(PlainTextResponse("pipemap_running 0\n")) as client:  # /metrics: text, but no error
         assert client.get("/x").text == "pipemap_running 0\n"
-    assert isinstance(middlewares()[0], Middleware)
+    assert all(isinstance(m, Middleware) for m in middlewares())
+
+
+def test_a_generation_s_shape_is_named_for_ray_s_router_and_its_body_handed_on_unchanged():
+    seen: list = []
+
+    async def app(scope, receive, send) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        seen.append(([v for k, v in scope["headers"] if k.replace(b"-", b"_") == b"serve_multiplexed_model_id"],
+                     body))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    cat = {"prompt": "a cat", "size": "64x64", "seed": 1}
+    client = TestClient(ShapeHeader(app))  # no lifespan: a proxy's middleware sees HTTP only
+    client.post("/v1/images/generations", json=cat)
+    client.post("/v1/images/generations", json=cat, headers={"serve-multiplexed-model-id": "mine"})
+    client.post("/v1/images/generations", content=b"{not json", headers={"content-type": "application/json"})
+    client.post("/v1/images/edits", json=cat)
+    named, body = seen[0]
+    assert named == [b"size=64x64,prompt=0"] and json.loads(body) == cat
+    assert seen[1][0] == [b"mine"]  # the client's own id stands
+    assert seen[2] == ([], b"{not json")  # the app answers it
+    assert seen[3][0] == []  # not a generation

@@ -71,7 +71,7 @@ def run(case: str) -> bool:
     got = output(pipe(**fresh(call)))
     wall = time.monotonic() - t0
     diff = (got.float() - plain.float()).abs().max().item()
-    served = list(getattr(hook.workers, "served", []))
+    served = list(getattr(hook.ranks, "served", []))
     others = sorted(set(served) - {os.getpid()})
     stats = {k: getattr(hook, k) for k in ("hits", "misses", "whole") if hasattr(hook, k)}
     pipemap.reset(pipe)

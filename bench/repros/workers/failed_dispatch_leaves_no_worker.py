@@ -24,8 +24,15 @@ from pipemap import tiny  # noqa: E402
 
 
 def workers() -> list[int]:
-    return [c.pid for c in psutil.Process().children(recursive=True)
-            if "spawn_main" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE]
+    """Worker processes: spawned children, or a forkserver's (they share the server's command line; the server
+    itself is this process's own child)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        line = " ".join(child.cmdline())
+        forked = "forkserver" in line and child.ppid() != os.getpid()
+        if ("spawn_main" in line or forked) and child.status() != psutil.STATUS_ZOMBIE:
+            found.append(child.pid)
+    return found
 
 
 pipe = tiny.build("flux")

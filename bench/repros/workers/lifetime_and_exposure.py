@@ -97,7 +97,7 @@ def main() -> None:
     pipe, call, plain, hook = placed()
     pids = hook.pids()
     print("listening sockets of rank 0 and its worker:", listening({os.getpid(), *pids}))
-    store = hook.workers.store
+    store = hook.ranks.store
     port = store.port
     addrs = [a.address for ifs in psutil.net_if_addrs().values() for a in ifs
              if a.family == socket.AF_INET and not a.address.startswith("127.")]

@@ -24,7 +24,7 @@ from ..inventory.values import Component, Inventory
 from ..modes import facts
 from ..plan import Plan
 from ..quiet import PATCHING, quiet_progress
-from . import place
+from .placing import place
 
 
 def load_onto(folder: Path, index: dict, plan: Plan, passed: dict, dtype: torch.dtype | None, variant: str | None,

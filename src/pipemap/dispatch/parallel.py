@@ -36,7 +36,7 @@ from ..errors import ForeignHookError, RunManyCallError
 from ..hooks import PlacementHook
 from ..hooks.changes import remember
 from ..runtime.admission import Admission
-from . import follow
+from .following import follow
 from .guard import unguarded_class
 
 _local = threading.local()

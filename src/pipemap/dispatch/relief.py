@@ -26,7 +26,8 @@ from ..plan import Plan
 from ..runtime.admission import OutOfMemory
 from ..runtime.placed import replan
 from ..units import format_bytes
-from . import Move, place_module, stats
+from .counters import stats
+from .moves import Move, place_module
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ from accelerate.hooks import CpuOffload
 from ..hooks import Moved
 from ..hooks.packing import nbytes_of, slots
 from ..plan import Plan
-from . import dispatch, reset, stats
+from .counters import stats
+from .placing import dispatch
+from .resetting import reset
 
 # ---- bytes moved, beside diffusers' model offload ----------------------------------------------------------------
 

@@ -155,13 +155,13 @@ class StorageTracker(TorchDispatchMode):
 
 def _with_replicas(pipe, only: str | None = None) -> list[torch.nn.Module]:
     """The pipeline's models, each followed by the copies its hook holds (a replicated denoiser's; a sequence
-    split's ranks, the first of them a copy on the denoiser's own GPU)."""
+    split's rank 0, a copy on the denoiser's own GPU, then its other ranks' copies held in this process)."""
     found = []
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module) and only in (None, name):
             hook = getattr(module, "_hf_hook", None)
-            copies: list[torch.nn.Module] = getattr(hook, "ranks", None) or list(getattr(hook, "replicas", ()))
-            found += [module, *copies]
+            home = getattr(hook, "home", None)
+            found += [module, *([home] if isinstance(home, torch.nn.Module) else []), *getattr(hook, "replicas", ())]
     return found
 
 

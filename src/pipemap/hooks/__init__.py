@@ -8,9 +8,9 @@ offload        OffloadHook      offload.py    the whole component copied from CP
 stream         StreamHook       stream.py     blocks copied through a few GPU buffers, the next ones prefetched
 split          SplitHook        split.py      blocks on other GPUs, activations passed on between them
 replicated     ReplicaHook      replica.py    the batch cut across copies of the component on several GPUs
-guidance       GuidanceHook     guidance.py   each step's second guidance branch run ahead on a copy on another GPU,
+guidance       GuidanceHook     guidance.py   each step's second guidance branch run ahead on a rank on another GPU,
                                               used only when the call that arrives has exactly its inputs
-sequence       SequenceHook     sequence.py   the call's tokens split across copies on several GPUs, attention
+sequence       SequenceHook     sequence.py   the call's tokens split across ranks on several GPUs, attention
                                               exchanging keys and values (diffusers' context parallelism)
 guidance_      GuidanceSeq-     guidance_     both: each step's first call's tokens split across half the GPUs,
 sequence       uenceHook        sequence.py   its second call's across the other half, started ahead
@@ -18,11 +18,16 @@ sequence       uenceHook        sequence.py   its second call's across the other
 
 Every hook derives from ``PlacementHook`` (``resident.py``, which also attaches and removes hooks). ``moving.py`` is
 what offload and stream share (onloading through ``streams.Queues``, the ledger of what one dispatch holds where);
-``packing.py`` packs a group of tensors into one exact-size (pinned) host buffer; ``copies.py`` is what guidance and
-sequence share (copies, threads, the forward they replace); ``exchange.py`` is the in-process process group a
-sequence split exchanges through. ``dispatch`` checks, places and
+``packing.py`` packs a group of tensors into one exact-size (pinned) host buffer.
+
+The last four modes run ranks on other devices, each hook written once over one seam (``ranks.Ranks``, the hooks'
+shared part ``copies.CopiesHook``): bring the component up on every rank, split the ranks into groups, submit parts
+of a call to chosen ranks and take their outputs, close. What runs the ranks is the plan's ``ranks``: threads of this
+process (``threads.py``, meeting in ``exchange.py``'s in-process group; always on the dry run's stand-ins), or a
+worker process per GPU over ``torch.distributed`` (``workers.py`` rank 0's end, ``worker.py`` a worker's,
+``groups.py``, ``payload.py``, ``launch.py``; Ray actors: ``ray_workers.py``). ``dispatch`` checks, places and
 undoes; it knows no mode but through ``HOOKS``. Which hook a mode gets is its row of the mode table
-(``pipemap.modes.TABLE``: ``hook``, ``workers_hook``); ``HOOKS``, ``MOVING`` and ``_ON_WORKERS`` are views of it.
+(``pipemap.modes.TABLE``: ``hook``; ``ranks``: whether it runs ranks); ``HOOKS`` and ``MOVING`` are views of it.
 """
 
 from __future__ import annotations
@@ -51,10 +56,8 @@ if TYPE_CHECKING:
 
 # Each mode's hook (module, class) is its row of the mode table (``pipemap.modes.TABLE``); a mode's module is imported
 # when a plan first uses the mode: a resident plan's first load then imports no streaming, offloading, copying or
-# context-parallel code (issue 28). A plan whose split ranks run as worker processes (``Plan.ranks``: "process" or
-# "ray", the default where a plan splits a denoiser) gets a mode's worker variant (``workers.py``) from
-# ``hook_maker``: ``_ON_WORKERS`` is the table's view of them.
-_ON_WORKERS = {mode: row.workers_hook for mode, row in TABLE.items() if row.workers_hook is not None}
+# context-parallel code (issue 28). A mode that runs ranks (the table's ``ranks``) gets the plan's runtime for them
+# (``Plan.ranks``: "process", the default where a plan splits a denoiser, "ray" or "thread") from ``hook_maker``.
 # the built-in hooks and other names of the wing re-exported here, imported on first read like the hooks
 _LAZY = {"Ledger": "moving"} | {TABLE[m].hook[1]: TABLE[m].hook[0].rpartition(".")[2] for m in Mode}
 
@@ -146,10 +149,8 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
         return shared[0]
 
     def make(p: Placement) -> PlacementHook:
-        row = TABLE[p.mode]
-        runtime, asked = runtime_of(plan) if row.workers_hook is not None and p.replicas else ("thread", False)
-        if runtime != "thread" and row.workers_hook is not None:
-            hook = _imported(row.workers_hook).for_placement(p, plan.execution_device, None, runtime, asked)
+        if TABLE[p.mode].ranks:  # its ranks run by the plan's runtime (``copies.CopiesHook``)
+            hook = _imported(TABLE[p.mode].hook).for_placement(p, plan.execution_device, None, *runtime_of(plan))
         else:
             hook = HOOKS[p.mode](p, plan.execution_device, ledger() if p.mode in MOVING else None)
         if hook.moves_weights:
@@ -168,14 +169,14 @@ def ranks_report(hook: Any) -> dict[str, str]:
     devices = getattr(hook, "replica_devices", ())
     if not devices:
         return {}
+    runtime = getattr(hook, "runtime", "thread")
     fallback = getattr(hook, "fallback", None)
-    if fallback:  # a worker variant turned into its thread hook at dispatch (``workers.OnWorkers.init_hook``)
-        runtime, why = "thread", f"ranks='auto' chose {hook.runtime} workers, but {fallback}"
-    elif hasattr(type(hook), "thread_hook"):  # a worker variant (``workers.OnWorkers``)
-        runtime = hook.runtime
-        why = "asked for by name" if hook.asked else "ranks='auto': worker processes wherever a plan splits"
+    if fallback:  # ranks="auto" chose workers, and the hook ran threads after all (``copies.CopiesHook``)
+        why = f"ranks='auto' chose worker processes, but {fallback}"
+    elif runtime == "thread":
+        why = "asked for (ranks='thread' or PIPEMAP_WORKERS=thread), or the dry run's stand-ins"
     else:
-        runtime, why = "thread", "asked for (ranks='thread' or PIPEMAP_WORKERS=thread), or the dry run's stand-ins"
+        why = "asked for by name" if hook.asked else "ranks='auto': worker processes wherever a plan splits"
     report = {"ranks": runtime, "ranks_why": why}
     devices_text = [str(hook.device), *(str(d) for d in devices)]
     staged = transfer.exchange_line(hook.component, devices_text)

@@ -239,7 +239,7 @@ def rehook(module: torch.nn.Module, hook: PlacementHook, placement: Placement, p
     """A new hook of the same kind over ``module`` as it is now: the onloaded copies written back, the old hook
     removed (masters back in place, buffers unpinned), every tensor placed anew, then hooked again."""
     settle(module)
-    fresh = type(hook).for_placement(placement, str(hook.execution_device), getattr(hook, "ledger", None))
+    fresh = hook.renewed(placement)
     fresh.lock, fresh.moved = hook.lock, hook.moved  # one lock with the hooks it takes turns with; counts go on
     fresh.change_check = hook.change_check
     unhook_component(module)

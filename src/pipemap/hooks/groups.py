@@ -100,7 +100,9 @@ def nccl_transport(staged: bool, cuda: bool) -> str:
     peer-to-peer off, set now for the whole process (its later groups run through host memory too: slower, never
     wrong); ``"gloo"``: a staged pair in a process whose NCCL already runs with peer-to-peer on, so the group goes
     over gloo through host memory instead. Workers get the setting in their own environment before their first
-    communicator (``serve``)."""
+    communicator (``serve``). Where this torch has no NCCL (a CPU build, under the tests' fake CUDA): ``"gloo"``."""
+    if cuda and not dist.is_nccl_available():
+        return "gloo"
     if not (staged and cuda):
         return "direct"
     if os.environ.get(P2P_ENV) == "1":

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..runtime.transfer import move, move_tensor
+from ..errors import PipemapError
+from ..runtime.transfer import move
 from .changes import Signature, signature, unchanged
-from .copies import CopiesHook, call_on
-from .replica import CallerState
+from .copies import CopiesHook
 
 _MISSING = object()
 
@@ -66,7 +66,7 @@ class Branches:
     """One thread's recent calls of the denoiser, and the call started ahead on the copy."""
 
     history: deque = field(default_factory=lambda: deque(maxlen=2))
-    ahead: tuple[Inputs, Future] | None = None
+    ahead: tuple[Inputs, Any] | None = None  # the inputs and the ``ranks.Pending`` of the call started ahead
     compared: dict = field(default_factory=dict)  # two tensors' values compared, by identity and version (``predict``)
 
 
@@ -76,11 +76,11 @@ class GuidanceHook(CopiesHook):
     ``hits`` and ``misses`` count the calls started ahead that were used and those that were not.
     """
 
-    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
-        super().__init__(component, device, execution_device, self.copied(replicas))
+    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...],
+                 runtime: str = "thread", asked: bool = False):
+        super().__init__(component, device, execution_device, replicas, runtime, asked)
         self.hits = self.misses = 0
         self._threads: dict[int, Branches] = {}
-        self._moved: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
         self._home: torch.nn.Module | None = None
         self._made: Signature | None = None  # the model's signature when the copy was made from it
 
@@ -96,7 +96,7 @@ class GuidanceHook(CopiesHook):
 
     def detach_hook(self, module):
         module = super().detach_hook(module)
-        self._threads, self._moved, self._home, self._made = {}, {}, None, None
+        self._threads, self._home, self._made = {}, None, None
         return module
 
     def copy_is_current(self) -> bool:
@@ -127,10 +127,10 @@ class GuidanceHook(CopiesHook):
         """The result of the call started ahead if this call's inputs are exactly its inputs, else ``_MISSING``."""
         if branches.ahead is None:
             return _MISSING
-        (started, future), branches.ahead = branches.ahead, None
+        (started, pending), branches.ahead = branches.ahead, None
         if started.spec == inputs.spec and all(same(started, inputs, i) for i in range(len(inputs.leaves))):
             try:
-                result = move(future.result(), self.device)  # copied home here, where it is used (G2)
+                result = move(pending.result()[0], self.device)  # copied home here, where it is used (G2)
             except Exception:  # the copy failed (its GPU out of memory): the call runs as usual
                 self.misses += 1
                 return _MISSING
@@ -139,31 +139,26 @@ class GuidanceHook(CopiesHook):
         self.misses += 1
         return _MISSING
 
-    def _start(self, upcoming: Inputs) -> Future:
-        copy, device = self.replicas[0], self.replica_devices[0]
-        state = CallerState.capture((self.device, device))
-        inputs = self._on_copy(upcoming, device)
-        return self.start(lambda: call_on(copy, device, None, inputs, state), device)
-
-    def _on_copy(self, upcoming: Inputs, device: torch.device) -> tuple[tuple, dict]:
-        """The call's inputs, with the tensors the last call ahead already copied to ``device`` (the negative
-        prompt's embeddings, every step) taken from there instead of copied again."""
-        moved: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
-        leaves = []
-        for leaf, version in zip(upcoming.leaves, upcoming.versions):
-            if isinstance(leaf, torch.Tensor) and leaf.device != device:
-                kept = self._moved.get(id(leaf))
-                there = kept[2] if kept and kept[0] is leaf and version is not None and kept[1] == version else None
-                if there is None:
-                    there = move_tensor(leaf, device)
-                moved[id(leaf)] = (leaf, version, there)
-                leaf = there
-            leaves.append(leaf)
-        self._moved = moved
-        return tree_unflatten(leaves, upcoming.spec)
+    def _start(self, upcoming: Inputs) -> Any:  # a ``ranks.Pending``
+        """The call ``upcoming`` started on the copy's rank (a worker that is gone: a miss, the call runs here)."""
+        inputs = tree_unflatten(list(upcoming.leaves), upcoming.spec)
+        try:
+            return self.live_ranks().submit([inputs])
+        except PipemapError as err:  # the worker gone (stopped): this branch runs here, the next call starts anew
+            return Failed(err)
 
     def __getstate__(self):
-        return {**super().__getstate__(), "_threads": {}, "_moved": {}, "_home": None}
+        return {**super().__getstate__(), "_threads": {}, "_home": None}
+
+
+class Failed:
+    """A call that could not be started ahead: a miss, its error kept for whoever asks."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def result(self) -> list:
+        raise self.error
 
 
 def predict(history: tuple[Inputs, ...], arriving: Inputs, compared: dict | None = None) -> Inputs | None:

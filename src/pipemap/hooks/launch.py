@@ -1,5 +1,6 @@
-"""What starts a split's worker processes (``workers.launcher``): a spawned child of the caller's process
-(``_Spawn``, ``ranks="process"``), or a Ray actor (``ray_workers.RayLauncher``, ``ranks="ray"``); each gives a
+"""What starts a split's worker processes (``workers.launcher``): a child of the caller's process forked by a
+forkserver that imported torch, diffusers and pipemap once (``_Spawn``, ``ranks="process"``; spawned where no
+forkserver exists), or a Ray actor (``ray_workers.RayLauncher``, ``ranks="ray"``); each gives a
 handle to watch and stop the worker, and rank 0's end of its connection. Also the bound every wait on a worker has
 (``timeout_s``).
 """
@@ -73,16 +74,17 @@ class _Spawned:
 
 
 class _Spawn:
-    """Starts each worker as a child process (``spawn``): ``PIPEMAP_WORKERS=process``."""
+    """Starts each worker as a child process (forkserver, else ``spawn``): ``PIPEMAP_WORKERS=process``."""
 
     host = "127.0.0.1"
 
     def launch(self, component: str, start: Start, index: int) -> tuple[_Spawned, Any]:
         """Worker ``index`` (0 for rank 1) started; its handle and rank 0's end of its pipe."""
-        context = multiprocessing.get_context("spawn")
+        context = _context(start.source.module)
         ours, theirs = context.Pipe()
+        # the caller's environment as it is now: a forkserver's children inherit the server's, read once at its start
         process = context.Process(target=serve, name=f"pipemap-{component}-rank{start.rank}", daemon=True,
-                                  args=(start, theirs, os.getpid()))
+                                  args=(start, theirs, os.getpid(), dict(os.environ)))
         with _without_main():
             process.start()
         theirs.close()
@@ -106,12 +108,49 @@ def launcher(component: str, devices: tuple[torch.device, ...], runtime: str = "
 
 _SPAWNING = threading.Lock()
 
+START_ENV = "PIPEMAP_WORKER_START"  # "forkserver" (the default where the platform has one) or "spawn"
+# what every worker imports before it says it lives: its own loop (torch, torch.distributed, diffusers' utils and
+# torch._dynamo through pipemap.hooks) and what loading any diffusers model needs (safetensors, accelerate)
+PRELOAD = ("pipemap.hooks.worker", "pipemap.hooks.sequence", "diffusers.models.modeling_utils")
+
+
+def start_method() -> str:
+    """How worker processes start (``PIPEMAP_WORKER_START``): ``forkserver`` where the platform has it, or
+    ``spawn``."""
+    text = os.environ.get(START_ENV, "").strip().lower()
+    methods = tuple(m for m in ("forkserver", "spawn") if m in multiprocessing.get_all_start_methods())
+    if not text:
+        return methods[0]
+    if text not in methods:
+        raise WorkersOptionError(START_ENV, text, methods)
+    return text
+
+
+def _context(module: str) -> Any:
+    """The multiprocessing context workers start in. ``spawn`` starts a fresh interpreter per worker, which imports
+    torch, diffusers and pipemap again before it can say it lives: 5-15 s of CPU each start on 2 cores, the larger
+    part of a split's start and of the worker tests' time. A forkserver pays that once per caller: a fresh
+    interpreter (started as ``spawn`` starts one, so nothing of the caller's state, CUDA included, is in it) imports
+    ``PRELOAD`` and the first component's model module, then forks each worker from itself. It never initialises
+    CUDA: torch initialises it lazily, at the first call that needs a device, and importing torch, diffusers and
+    pipemap makes none (none of them calls ``torch.cuda`` at module level), so each forked worker initialises CUDA
+    itself, as a spawned one does. What the server cannot give a worker is the caller's environment of now: the
+    worker is handed it (``serve``'s ``environ``). ``fork`` is never used: a fork of the caller would carry its
+    CUDA state."""
+    method = start_method()
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # read when the server starts (the first worker of this process): later calls change nothing
+        context.set_forkserver_preload([*PRELOAD, module])
+    return context
+
 
 @contextlib.contextmanager
 def _without_main():
-    """``spawn`` without the caller's main script: by default a spawned child first runs the parent's ``__main__``
-    file again (the reason scripts need ``if __name__ == "__main__":``), so ``pipe(prompt)`` at the top of a script
-    would run again in each worker. A worker needs none of it: its target is a function of this module."""
+    """A start without the caller's main script: by default a spawned (or forkserver's) child first runs the
+    parent's ``__main__`` file again (the reason scripts need ``if __name__ == "__main__":``), so ``pipe(prompt)`` at
+    the top of a script would run again in each worker. A worker needs none of it: its target is a function of
+    ``worker.py``."""
     prepare = multiprocessing.spawn.get_preparation_data
 
     def without(name):

@@ -1,93 +1,75 @@
 """Denoiser replicas (mode ``"replicated"``, strategy ``"parallel"``): a whole copy of the denoiser on each of several
 GPUs; each call's batch (classifier-free guidance concatenates the unconditional and conditional halves;
 ``num_images_per_prompt``) is cut along its first dimension, the first part run on the home copy in the calling
-thread and each other part on its own copy in a thread of its own, and the outputs joined in order on the home
-device. ``torch.nn.DataParallel`` does the same cut for a training batch, but replicates the module at every call and
-gathers on one device it owns; here the copies are made once, at dispatch, and live where the plan put them.
+thread and each other part on its own rank (``ranks.Ranks``: a worker process on its GPU by default, or a thread),
+and the outputs joined in order on the home device. ``torch.nn.DataParallel`` does the same cut for a training
+batch, but replicates the module at every call and gathers on one device it owns; here the copies are made once, at
+dispatch, and live where the plan put them.
 
-A replica's thread runs under the caller's per-thread state (``CallerState``), as ``parallel_apply`` (what
-``DataParallel`` runs) carries it into its threads: grad and inference mode, autocast, and on CUDA each device's
-current stream, so the copies into and out of the replica are ordered after the caller's work and before what the
-caller does next on its stream.
+A rank runs under the caller's per-thread state (``calls.CallerState`` for a thread; ``worker.caller_state`` for a
+worker process). The batch's cut and join are ``calls.split_batch`` and ``calls.join_batch``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
-import itertools
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from ..runtime.transfer import move
+from .calls import join_batch, split_batch
+from .copies import CopiesHook
+from .resident import PlacementHook, outside_graphs
 
-from ..runtime.transfer import move, move_tensor
-from .resident import PlacementHook, outside_graphs, quietly
+if TYPE_CHECKING:
+    from .ranks import Pending
 
 
-class ReplicaHook(PlacementHook):
-    """A resident denoiser with a copy on each of ``replicas``: each call's batch split across the copies.
+class ReplicaHook(CopiesHook):
+    """A resident denoiser with a rank on each of ``replicas``: each call's batch split across the ranks.
 
     The first part runs on the module itself, in the calling thread, between ``pre_forward`` and ``post_forward``;
-    the other parts start in ``pre_forward`` on threads of this hook's pool (inline on the dry run's stand-in
-    devices, whose checking modes are thread-local) and are joined in ``post_forward``.
+    the other parts are submitted to the ranks in ``pre_forward`` and joined in ``post_forward``.
     """
 
-    rehooked_on_change = True
-    keeps_copies = True
+    takes_forward = False  # the module's own forward runs the first part
 
-    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
-        super().__init__(component, device, execution_device)
-        self.replica_devices = tuple(torch.device(d) for d in replicas)
-        self.replicas: list[torch.nn.Module] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[list[Future]] = []  # one entry per call in progress (a stack: calls may nest)
+    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...],
+                 runtime: str = "thread", asked: bool = False):
+        super().__init__(component, device, execution_device, replicas, runtime, asked)
+        self._pending: list[Pending | None] = []  # one entry per call in progress (a stack: calls may nest)
         self._joining = False  # post_forward runs: a failure there has cleaned up already
 
-    @classmethod
-    def for_placement(cls, p, execution_device: str, ledger) -> ReplicaHook:
-        """The hook of a replicated placement (``hooks.HOOKS``): copies on ``p.replicas``."""
-        return cls(p.component, p.device, execution_device, p.replicas)
-
-    def init_hook(self, module):
-        self.replicas = [replica(module, device) for device in self.replica_devices]
-        return module
-
     def detach_hook(self, module):
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        self.replicas, self._pool, self._pending = [], None, []
-        return module
+        self._pending = []
+        return super().detach_hook(module)
 
     def pre_forward(self, module, *args, **kwargs):
-        args, kwargs = super().pre_forward(module, *args, **kwargs)
-        chunks = split_batch(args, kwargs, 1 + len(self.replicas))
-        state = CallerState.capture((self.device, *self.replica_devices))
-        # each part's inputs copied here, in the caller's thread: on CUDA the copy then sits on the caller's stream
-        # before the home part's kernels; a pool thread's copy lands wherever the caller has got to, and the
-        # replica waits for that much of the home part
-        moved = [move(c, d) for c, d in zip(chunks[1:], self.replica_devices)]
-        self._pending.append([self._start(r, d, c, state) for r, d, c in
-                              zip(self.replicas, self.replica_devices, moved)])
+        args, kwargs = PlacementHook.pre_forward(self, module, *args, **kwargs)
+        chunks = split_batch(args, kwargs, 1 + len(self.replica_devices))
+        self._pending.append(self.live_ranks().submit(chunks[1:]) if len(chunks) > 1 else None)
         return chunks[0]
 
     def post_forward(self, module, output):
+        pending = self._pending.pop()
+        if pending is None:
+            return PlacementHook.post_forward(self, module, output)
         self._joining = True
         try:
-            # each part's output copied home here, where the caller uses it: from a pool thread the copy would
+            # each part's output copied home here, where the caller uses it: from a rank's thread the copy would
             # make the caller's stream wait for the whole part at whatever point the caller had reached (G2)
-            parts = [output] + [move(o, self.device) for o in _joined(self._pending.pop())]
+            parts = [output] + [move(o, self.device) for o in pending.result()]
         finally:
             self._joining = False
-        return super().post_forward(module, join_batch(parts) if len(parts) > 1 else output)
+        return PlacementHook.post_forward(self, module, join_batch(parts))
 
     def abort(self, module) -> None:
         """The home part failed (out of memory on the home GPU, say): wait for this call's other parts and drop
-        them, so nothing of the call stays pending."""
+        them, so nothing of the call stays pending (the home part's own error is the one raised)."""
         if self._pending and not self._joining:
-            wait(self._pending.pop())
+            pending = self._pending.pop()
+            if pending is not None:
+                with contextlib.suppress(Exception):
+                    pending.result()
 
     def enter_part(self, module, *args, **kwargs):  # a submodule called directly runs on the home copy alone
         return PlacementHook.pre_forward(self, module, *args, **kwargs)
@@ -95,117 +77,8 @@ class ReplicaHook(PlacementHook):
     def leave_part(self, module, output):
         return PlacementHook.post_forward(self, module, output)
 
-    def _start(self, module: torch.nn.Module, device: torch.device, chunk, state: CallerState) -> Future:
-        run = quietly(functools.partial(_run_replica, module, device, None, chunk, state))  # its own call
-        if device.type == "meta":
-            done: Future = Future()
-            done.set_result(run())
-            return done
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix=f"pipemap-{self.component}")
-        return self._pool.submit(run)
-
-    def __getstate__(self):  # a deep copy (the dry run's fake copy of a module) leaves the copies and threads behind
-        return {**self.__dict__, "replicas": [], "_pool": None, "_pending": []}
-
-    def __repr__(self) -> str:
-        copies = ", ".join(str(d) for d in self.replica_devices)
-        return f"ReplicaHook({self.component!r}, device={self.device}, replicas=[{copies}])"
-
-
-def replica(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """A copy of ``module`` whose weights are on ``device``, copied there straight from where they are (never
-    through the home GPU); on the module's own device the copy shares the weights (inference only reads them)."""
-    memo: dict[int, object] = {}
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if id(tensor) in memo:
-            continue
-        if tensor.device == device:
-            memo[id(tensor)] = tensor
-            continue
-        moved = move_tensor(tensor.detach(), device)
-        memo[id(tensor)] = torch.nn.Parameter(moved, requires_grad=False) if isinstance(
-            tensor, torch.nn.Parameter) else moved
-    copied = copy.deepcopy(module, memo)
-    for name in ("_hf_hook", "_old_forward", "forward", "encode", "decode", "tiled_encode", "tiled_decode"):
-        copied.__dict__.pop(name, None)  # a hooked module's traces: the copy runs its class's own methods
-    return copied
-
-
-def _joined(jobs: list[Future]) -> list:
-    """Every part's output, once all have finished (the first failure raised after that)."""
-    wait(jobs)
-    return [job.result() for job in jobs]
-
-
-@dataclass(frozen=True)
-class CallerState:
-    """What PyTorch keeps per thread that a replica's thread must share with the caller's."""
-
-    grad: bool
-    inference: bool
-    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of each autocast the caller runs under
-    autocast_cache: bool
-    streams: tuple = ()  # the caller's current stream on each CUDA device of the call
-
-    @classmethod
-    def capture(cls, devices) -> CallerState:
-        autocast = tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
-                         if torch.is_autocast_enabled(kind))
-        cuda = torch.cuda.is_available()
-        streams = tuple(torch.cuda.current_stream(d) for d in dict.fromkeys(devices) if d.type == "cuda" and cuda)
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast,
-                   torch.is_autocast_cache_enabled(), streams)
-
-    @contextlib.contextmanager
-    def entered(self, device: torch.device):
-        """This state in the running thread, ``device`` its current CUDA device."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.set_grad_enabled(self.grad))
-            if self.inference:
-                stack.enter_context(torch.inference_mode())
-            for kind, dtype in self.autocast:
-                stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=self.autocast_cache))
-            for stream in self.streams:  # each sets its device current: the replica's device comes last
-                stack.enter_context(torch.cuda.stream(stream))
-            if device.type == "cuda":
-                stack.enter_context(torch.cuda.device(device))
-            yield
-
-
-def _run_replica(module, device: torch.device, home: torch.device | None, chunk, state: CallerState):
-    # the inputs are on ``device`` already (moved in the caller's thread, ``ReplicaHook.pre_forward`` and guidance's
-    # ``_on_copy``): this ``move`` is then a no-op. With ``home`` None the output stays on ``device`` and the caller
-    # copies it home where it uses it; else the copy out runs here, and the caller's stream waits for it
-    with state.entered(device):
-        args, kwargs = move(chunk, device)
-        output = module(*args, **kwargs)
-        return output if home is None else move(output, home)
-
-
-def _batched(leaf, batch: int) -> bool:
-    return isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch
-
-
-def split_batch(args: tuple, kwargs: dict, parts: int) -> list[tuple[tuple, dict]]:
-    """``(args, kwargs)`` cut into up to ``parts`` calls along the batch: the first dimension of the first tensor
-    that has one (the latents); every tensor of that first dimension is cut, everything else goes whole to each."""
-    leaves, spec = tree_flatten((args, kwargs))
-    batch = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), 0)
-    parts = min(parts, batch)
-    if parts < 2:
-        return [(args, kwargs)]
-    pieces = [leaf.tensor_split(parts) if _batched(leaf, batch) else [leaf] * parts for leaf in leaves]
-    return [tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
-
-
-def join_batch(outputs: list):
-    """The outputs of the parts of a call as one output: every tensor concatenated along the batch, in order."""
-    flat = [tree_flatten(o)[0] for o in outputs]
-    first, spec = tree_flatten(outputs[0])
-    joined = [torch.cat([f[i] for f in flat]) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
-              for i, leaf in enumerate(first)]
-    return tree_unflatten(joined, spec)
+    def __getstate__(self):
+        return {**super().__getstate__(), "_pending": []}
 
 
 outside_graphs(ReplicaHook)

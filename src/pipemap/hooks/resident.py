@@ -103,6 +103,10 @@ class PlacementHook(ModelHook):
         """The hook of a resident placement (``hooks.HOOKS``)."""
         return cls(p.component, p.device, execution_device)
 
+    def renewed(self, p) -> PlacementHook:
+        """A new hook of this one's kind for placement ``p`` (a changed model is hooked anew: ``changes.rehook``)."""
+        return type(self).for_placement(p, str(self.execution_device), getattr(self, "ledger", None))
+
     def moved_groups(self) -> list:
         """The groups of tensors this hook moves to its device at each call (``packing.Group``): none here."""
         return []

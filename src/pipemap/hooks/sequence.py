@@ -6,234 +6,78 @@ What is split, where, and how attention exchanges are diffusers' own context par
 ``_cp_plan`` (which inputs and layer outputs to cut along which dimension, which output to gather) and the attention
 backends' context-parallel path (``dispatch_attention_fn`` with a ``ParallelConfig``, Ulysses attention). diffusers
 runs it on a ``torch.distributed`` process group with one process per GPU, each running the whole pipeline; pipemap
-keeps the pipeline in one process, so the ranks are threads over the GPUs (``exchange.py``), and the cut and the
-gather are done by ``_Cut``/``_Gather`` (diffusers' own split and gather hooks with the rank read from here instead
-of from the default process group torch.distributed would need).
+keeps the pipeline in the caller's process, and the other ranks are what the plan's ``ranks`` names
+(``ranks.Ranks``): worker processes in a ``torch.distributed`` group with this one (``workers.py``), or threads
+meeting in an in-process group (``threads.py``, ``exchange.py``). Each rank's copy is made a rank of the split by
+``context.enable_split`` (diffusers' own split and gather hooks with the rank read from pipemap's instead of from the
+default process group torch.distributed would need).
 
 Rank 0 is a copy on the transformer's own GPU that shares its weights, run in the calling thread; its output is the
-call's. A call whose tokens do not divide among the GPUs runs whole on the transformer's own GPU.
+call's. At each call the inputs go whole to every rank (each cuts its own share, as diffusers' ranks do), and all run
+at once. A call whose tokens do not divide among the GPUs raises ``Unsplittable`` on every rank at the same layer,
+before any exchange: it then runs whole on the transformer's own GPU.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
-from diffusers.hooks.context_parallel import (
-    ContextParallelGatherHook,
-    ContextParallelSplitHook,
-    _get_submodule_by_name,
-)
-from diffusers.hooks.hooks import HookRegistry
-from diffusers.models._modeling_parallel import ContextParallelConfig, ContextParallelInput, ParallelConfig
-from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-from ..errors import PlanMismatchError, Unsplittable
-from ..replication import SEQUENCE_BROKEN
-from .copies import CopiesHook, call_on
-from .exchange import Exchange, ThreadGroup, release, thread_groups
-from .replica import CallerState, replica
+from ..errors import Unsplittable
+from .context import check_splittable
+from .copies import CopiesHook
 
-_HOOK_NAME = "pipemap-sequence---{}"
+if TYPE_CHECKING:
+    from .ranks import Ranks
 
 
 class SequenceHook(CopiesHook):
-    """A transformer on ``device`` with a copy on each of ``replicas``: each call's tokens split across all of them.
+    """A transformer on ``device`` with a rank on each of ``replicas``: each call's tokens split across all of them.
 
-    ``whole`` counts the calls that ran whole on ``device`` because their tokens did not divide among the GPUs.
+    ``home`` is rank 0's copy, here, sharing the module's weights. ``whole`` counts the calls that ran whole on
+    ``device`` because their tokens did not divide among the GPUs.
     """
 
-    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...]):
-        super().__init__(component, device, execution_device, replicas)
-        self.ranks: list[torch.nn.Module] = []
-        self.groups: list[ThreadGroup] = []
+    def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...],
+                 runtime: str = "thread", asked: bool = False):
+        super().__init__(component, device, execution_device, replicas, runtime, asked)
+        self.home: torch.nn.Module | None = None
         self.whole = 0
 
     def init_hook(self, module):
         check_splittable(self.component, module, 1 + len(self.replica_devices))
-        home = replica(module, self.device)  # shares the module's weights; made before its forward is taken over
-        module = super().init_hook(module)
-        self.ranks = [home, *self.replicas]
-        self.groups = thread_groups(len(self.ranks), self.component)
-        for rank, (copy, group) in enumerate(zip(self.ranks, self.groups)):
-            enable_split(copy, rank, group)
-        return module
+        return super().init_hook(module)
+
+    def bring_up(self, module) -> None:
+        """Every rank given the module and made a rank of the split; rank 0 a copy here (made anew with new
+        workers: a new group)."""
+        super().bring_up(module)
+        assert self.ranks is not None
+        self.home = self.ranks.split(module)
 
     def detach_hook(self, module):
-        module = super().detach_hook(module)
-        release(self.groups)
-        self.ranks, self.groups = [], []
-        return module
+        self.home = None
+        return super().detach_hook(module)
 
     def run(self, *args, **kwargs):
-        state, inputs = CallerState.capture((self.device, *self.replica_devices)), (args, kwargs)
-        others = [functools.partial(call_on, copy, device, None, inputs, state)
-                  for copy, device in zip(self.ranks[1:], self.replica_devices)]
         try:
-            return run_ranks(self.start, self.groups[0].exchange, functools.partial(self.ranks[0], *args, **kwargs),
-                             others, self.replica_devices)
+            return split_call(self.live_ranks(), self.home, (), args, kwargs)
         except Unsplittable:
             self.whole += 1
             return self.forward_own(*args, **kwargs)
 
     def __getstate__(self):
-        return {**super().__getstate__(), "ranks": [], "groups": []}
+        return {**super().__getstate__(), "home": None}
 
 
-def run_ranks(start: Callable[[Callable[[], Any], torch.device], Future], exchange: Exchange,
-              first: Callable[[], Any], others: Sequence[Callable[[], Any]], devices: tuple[torch.device, ...]) -> Any:
-    """One split call: ``first`` (rank 0) in this thread, each of ``others`` started on its device of ``devices``
-    (``start``: a hook's pool), all meeting at ``exchange``; rank 0's output once every rank is done. A call whose
-    tokens do not divide raises ``Unsplittable`` (the caller runs it whole); otherwise the rank that failed first
-    raises, not those it released from the exchange."""
-    exchange.renew()
-    jobs = [start(_rank_run(exchange, job), device) for job, device in zip(others, devices)]
-    output, failures = None, []
-    try:
-        output = _rank_run(exchange, first)()
-    except BaseException as err:
-        failures.append(err)
-    failures += [e for e in (job.exception() for job in jobs) if e is not None]  # every rank done first
-    unsplit = next((e for e in failures if isinstance(e, Unsplittable)), None)
-    if unsplit is not None:
-        raise unsplit
-    if failures:
-        raise next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), failures[0])
-    return output
-
-
-def _rank_run(exchange: Exchange, call: Callable[[], Any]) -> Callable[[], Any]:
-    """A rank's run; if it fails, the ranks waiting for it at the exchange are released (they fail too). Every rank
-    finds a share that does not divide at the same layer, so ``Unsplittable`` releases nobody."""
-
-    def run():
-        try:
-            return call()
-        except Unsplittable:
-            raise
-        except BaseException:
-            exchange.abort()
-            raise
-
-    return run
-
-
-def check_splittable(component: str, module: torch.nn.Module, ranks: int) -> None:
-    """Raise ``PlanMismatchError`` unless ``module`` can split its tokens ``ranks`` ways: a ``_cp_plan`` whose
-    diffusers path is exact (``replication.SEQUENCE_BROKEN``), attention heads that divide among the ranks (Ulysses
-    gives each GPU a share of the heads), an attention backend with a context-parallel path."""
-    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
-    if not getattr(module, "_cp_plan", None):
-        reason = f"{type(module).__name__} has no context-parallel plan (_cp_plan) to split its tokens by"
-    elif type(module).__name__ in SEQUENCE_BROKEN:
-        name = type(module).__name__
-        reason = f"diffusers' context-parallel {name} is not exact: {SEQUENCE_BROKEN[name]}"
-    elif not isinstance(heads, int) or heads % ranks:
-        reason = f"its {heads} attention heads do not divide among {ranks} GPUs"
-    else:
-        backend = next((p._attention_backend for p in _processors(module)), None)
-        name = AttentionBackendName(backend) if backend else _AttentionBackendRegistry.get_active_backend()[0]
-        if _AttentionBackendRegistry._is_context_parallel_available(name):
-            return
-        reason = f"its attention backend {name.value!r} has no context-parallel path"
-    raise PlanMismatchError(component, f"{reason}; re-plan it for fewer GPUs, or with strategy 'balanced'")
-
-
-def _processors(module: torch.nn.Module) -> list:
-    return [m.processor for m in module.modules()
-            if hasattr(getattr(m, "processor", None), "_parallel_config")]
-
-
-def enable_split(module: torch.nn.Module, rank: int, group: ThreadGroup) -> None:
-    """Make ``module`` (a copy) rank ``rank`` of a sequence split over ``group``: its attention processors take the
-    context-parallel path (Ulysses over ``group``), and its ``_cp_plan`` cuts and gathers at the layers it names."""
-    ranks = group.size()
-    context = ContextParallelConfig(ulysses_degree=ranks)
-    mesh: Any = _Mesh(group, rank)
-    whole: Any = _Mesh(group, 0)
-    # what ContextParallelConfig.setup would set from a torch.distributed DeviceMesh
-    context._rank, context._world_size, context._mesh, context._flattened_mesh = rank, ranks, mesh, mesh
-    context._ulysses_mesh, context._ulysses_local_rank, context._ring_mesh, context._ring_local_rank = (
-        mesh, rank, whole, 0)
-    config = ParallelConfig(context_parallel_config=context)
-    config._rank, config._world_size = rank, ranks
-    for processor in _processors(module):
-        processor._parallel_config = config
-    for path, entry in cast(dict, module._cp_plan).items():
-        found = _get_submodule_by_name(module, path)
-        for sub in found if isinstance(found, list) else [found]:
-            hook = _Cut(entry, context, rank) if isinstance(entry, dict) else _Gather(entry, context, group)
-            HookRegistry.check_if_exists_or_initialize(sub).register_hook(hook, _HOOK_NAME.format(path))
-
-
-class _Mesh:
-    """The part of a ``DeviceMesh`` diffusers' Ulysses attention reads: its group and this rank's place in it."""
-
-    def __init__(self, group: ThreadGroup, rank: int):
-        self.group, self.rank = group, rank
-
-    def get_group(self) -> ThreadGroup:
-        return self.group
-
-    def size(self) -> int:
-        return self.group.size()
-
-    def get_local_rank(self) -> int:
-        return self.rank
-
-
-class _Cut(ContextParallelSplitHook):
-    """diffusers' split hook, cutting this rank's share (its own sharder asks torch.distributed for the rank)."""
-
-    def __init__(self, metadata, context: ContextParallelConfig, rank: int):
-        super().__init__(metadata, context)
-        self.rank, self.ranks = rank, context.ulysses_degree or 1
-
-    def _prepare_cp_input(self, x: torch.Tensor, cp_input: ContextParallelInput) -> torch.Tensor:
-        if cp_input.expected_dims is not None and x.dim() != cp_input.expected_dims:
-            return x  # as diffusers: a tensor of another rank is passed whole (Wan's 1-D timestep)
-        if x.shape[cp_input.split_dim] % self.ranks:
-            raise Unsplittable(f"{tuple(x.shape)} along {cp_input.split_dim} among {self.ranks}")
-        return x.chunk(self.ranks, dim=cp_input.split_dim)[self.rank]
-
-
-class _Gather(ContextParallelGatherHook):
-    """diffusers' gather hook, through the thread group (its own asks torch.distributed for the rank)."""
-
-    def __init__(self, metadata: Any, context: ContextParallelConfig, group: ThreadGroup):
-        entries: Any = metadata if isinstance(metadata, (list, tuple)) else [metadata]
-        super().__init__(entries, context)
-        self.group = group
-
-    def post_forward(self, module, output):
-        single = isinstance(output, torch.Tensor)
-        outputs = [output] if single else list(output)
-        entries: list[Any] = list(cast(Any, self.metadata))
-        for i, entry in enumerate(entries):
-            if entry is not None:
-                outputs[i] = gather(outputs[i], entry.gather_dim, self.group)
-        return outputs[0] if single else type(output)(outputs)
-
-
-def gather(x: torch.Tensor, dim: int, group: ThreadGroup) -> torch.Tensor:
-    """Every rank's ``x`` joined along ``dim``, in rank order."""
-    home = x.device
-    if home.type != "cpu" and group.name() == "gloo":  # two ranks on one GPU (``workers.shared_gpu``): gloo's
-        x = x.cpu()  # all-gather read a GPU tensor as host memory (a segfault on the H200): through the host
-    joined = funcol.wait_tensor(_all_gather(x.contiguous(), 0, group)).to(home)
-    return torch.cat(joined.chunk(group.size(), dim=0), dim=dim) if dim else joined
-
-
-def all_gather_op(functional: Any = funcol) -> Any:
-    """torch's functional all-gather: ``all_gather_single`` since torch 2.13 (``all_gather_tensor`` is deprecated
-    there), ``all_gather_tensor`` in torch 2.11 and older, which lack the new name (the H200 run of bench/workers.py
-    found it); the same op either way."""
-    return getattr(functional, "all_gather_single", None) or functional.all_gather_tensor
-
-
-_all_gather = all_gather_op()
+def split_call(ranks: Ranks, home: torch.nn.Module | None, to: tuple[int, ...], args: tuple, kwargs: dict) -> Any:
+    """One split call: the whole inputs sent to the ranks ``to`` (every other rank where empty), each cutting its
+    own share, as diffusers' ranks do; rank 0's copy ``home`` run here meanwhile; its output (the gathered whole:
+    the other ranks keep theirs). ``Unsplittable`` where the tokens do not divide (every rank met it at the same
+    layer, before any exchange: the caller runs the call whole)."""
+    assert home is not None  # set by bring_up
+    count = len(to) or len(ranks.devices)
+    pending = ranks.submit([(args, kwargs)] * count, to=to, reply=False, expected=(Unsplittable,))
+    return ranks.together(pending, functools.partial(home, *args, **kwargs))

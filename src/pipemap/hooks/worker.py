@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import socket
 import sys
 import threading
@@ -96,12 +99,20 @@ class Start:
 # ---- a worker's end ----------------------------------------------------------------------------------------------
 
 
-def serve(start: Start, pipe, parent: int | None) -> None:
+def serve(start: Start, pipe, parent: int | None, environ: dict[str, str] | None = None) -> None:
     """A worker process: say it lives, load the copy, join the group, then answer rank 0's messages until told to
-    stop or until rank 0 is gone (its end of ``pipe`` closed; where ``parent`` is rank 0's pid, also when this
-    process's parent changes: a child process outlives nothing of its parent's)."""
+    stop or until rank 0 is gone (its end of ``pipe`` closed; where ``parent`` is rank 0's pid, also when that
+    process ends: a child process outlives nothing of its parent's). ``environ``: the caller's environment when it
+    started this worker (a forkserver's child has the server's otherwise)."""
     if parent is not None:
         _watch(parent)
+        # Ctrl-C in a terminal reaches every process of its group, these workers too: it is the caller's to handle
+        # (rank 0 stops its workers, or they follow it when it exits), never a reason for a worker to die mid-split
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    setup = set_up()
     if start.staged:  # before this process's first communicator: NCCL reads it once per process (WP5)
         os.environ[P2P_ENV] = "1"
     os.environ.setdefault(NCCL_ERRORS_ENV, "2")  # a watchdog timeout aborts the communicator, not this process
@@ -109,7 +120,7 @@ def serve(start: Start, pipe, parent: int | None) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     hello = {"pid": os.getpid(), "host": socket.gethostname(), "staged": start.staged, "gloo": start.gloo,
-             P2P_ENV: os.environ.get(P2P_ENV)}
+             P2P_ENV: os.environ.get(P2P_ENV), "setup": setup}
     pipe.send(("ready", hello))  # alive: the load that follows has a bound of its own (WP7)
     try:
         module = start.source.load(device)
@@ -133,11 +144,34 @@ def serve(start: Start, pipe, parent: int | None) -> None:
             pipe.send(("error", traceback.format_exc(), isinstance(err, torch.OutOfMemoryError)))
 
 
+SETUP_ENV = "PIPEMAP_WORKER_SETUP"
+
+
+def set_up() -> list[str]:
+    """Call each ``module:function`` named in ``PIPEMAP_WORKER_SETUP`` (comma-separated), before anything else a
+    worker does: what a caller's process installed that its workers need too. The tests' fake CUDA
+    (``tests/fakecuda.py``) names itself there while installed, so a worker of a process under it runs its CUDA
+    branches (its device set, its allocator's peaks, gloo in place of NCCL) on the fake too. The names called."""
+    names = [n.strip() for n in os.environ.get(SETUP_ENV, "").split(",") if n.strip()]
+    for name in names:
+        module, _, function = name.partition(":")
+        _import(module, function)()
+    return names
+
+
 def _watch(parent: int) -> None:
-    """Exit this process when rank 0's process is gone, whatever this one is waiting on."""
+    """Exit this process when rank 0's process is gone, whatever this one is waiting on. A forkserver's child has
+    the server for its parent, not rank 0: multiprocessing hands it a pipe end rank 0 holds open (``sentinel``),
+    which reads as closed once rank 0's process ends, killed or not."""
+    known = multiprocessing.parent_process()
+    sentinel = known.sentinel if known is not None and known.pid == parent else None
 
     def watch() -> None:
         while True:
+            if sentinel is not None:
+                if multiprocessing.connection.wait([sentinel], timeout=0.5):
+                    os._exit(0)
+                continue
             time.sleep(0.5)
             if os.getppid() != parent:
                 os._exit(0)
@@ -176,7 +210,7 @@ class _Worker:
             self._module(*rest)
             pipe.send(("synced", os.getpid()))
         elif kind == "split":
-            from .sequence import enable_split  # here: only a sequence split's worker loads the context-parallel code
+            from .context import enable_split  # here: only a sequence split's worker loads the context-parallel code
 
             if self.module is None:
                 raise RuntimeError("no copy of the component was sent to this worker")

@@ -1,9 +1,9 @@
 """A process per device for a split denoiser: the caller's process is rank 0 and keeps the pipeline (its ``__call__``
-unchanged, no launcher); each other device a split denoiser uses gets a worker process of its own (started with
-``spawn``), rank 1, 2, ... of a ``torch.distributed`` process group with rank 0 (NCCL between GPUs, gloo on the
+unchanged, no launcher); each other device a split denoiser uses gets a worker process of its own (forked by a
+forkserver that imported torch and diffusers once, or spawned: ``launch.py``), rank 1, 2, ... of a ``torch.distributed`` process group with rank 0 (NCCL between GPUs, gloo on the
 CPU), which holds its own copy of the component and runs the calls rank 0 sends it.
 
-Why processes: the ranks as threads of the caller's process (``replica.py``, ``copies.py``) share its GIL and each
+Why processes: the ranks as threads of the caller's process (``threads.py``) share its GIL and each
 other's CUDA streams (issue 34). Here each rank launches its own kernels on its own streams, and the only traffic is
 the call's inputs going out and its outputs coming back.
 
@@ -18,10 +18,11 @@ What travels, and how (``payload.py``):
   hash of its bytes, ``payload.digest``). No weight is ever pickled. What cannot travel (a diffusers hook's closure,
   a class of the caller's ``__main__``) is found before any worker starts (``travel_problem``).
 
-The modules: ``workers.py`` (this one: rank 0's end, the workers of each component, the hooks' shared part
-``OnWorkers``), ``worker.py`` (a worker's end: ``serve``, the caller's state and numerics a call runs under),
-``groups.py`` (process groups: transports, the bring-up check, loopback listening), ``payload.py`` (what travels),
-``launch.py`` (what starts a worker: a spawned child, or a Ray actor, ``ray_workers.py``; the waits' bound).
+The modules: ``workers.py`` (this one: rank 0's end, the workers of each component; ``Workers`` is the seam's
+``ranks.Ranks`` for processes, as ``threads.ThreadRanks`` is for threads), ``worker.py`` (a worker's end:
+``serve``, the caller's state and numerics a call runs under), ``groups.py`` (process groups: transports, the
+bring-up check, loopback listening), ``payload.py`` (what travels), ``launch.py`` (what starts a worker: a forked or
+spawned child, or a Ray actor, ``ray_workers.py``; the waits' bound).
 
 Waits are bounded: rank 0 polls each pipe with the worker's liveness checked (``_receive``) and a deadline
 (``PIPEMAP_WORKER_TIMEOUT``, seconds, default 120; a first copy's load has a bound of its own, ``load_bound``); the
@@ -34,12 +35,10 @@ error or death, so that error is raised at once, not the group's timeout. Worker
 the interpreter's exit (``atexit``), and by themselves when rank 0's process dies.
 
 Which runtime runs a split's ranks is the plan's ``ranks`` (``modes.RANKS``; ``pipemap.plan(..., ranks=)``):
-``"auto"`` (the default) means worker processes (``PIPEMAP_WORKERS`` where set says otherwise), ``hooks.hook_maker``
-then gives the replicated mode, guidance branches, the sequence split and both at once their worker variants
-(``replica_workers.py``, ``guidance_workers.py``, ``sequence_workers.py``, ``guidance_sequence_workers.py``). Under
-``"auto"`` a component that cannot travel, or a group that fails its bring-up check, runs on the thread hook instead,
-with a ``RanksFallbackWarning`` (``OnWorkers.init_hook``); named by the user, it is an error. ``"ray"`` is the same
-with each worker a Ray actor: only the start differs (``launch.launcher``).
+``"auto"`` (the default) means worker processes (``PIPEMAP_WORKERS`` where set says otherwise). Under ``"auto"`` a
+component that cannot travel (``travel_problem``), or a group that fails its bring-up check, runs on threads instead,
+with a ``RanksFallbackWarning`` (``copies.CopiesHook.attach_ranks``); named by the user, it is an error. ``"ray"`` is
+the same with each worker a Ray actor: only the start differs (``launch.launcher``).
 """
 
 from __future__ import annotations
@@ -54,23 +53,22 @@ import itertools
 import os
 import threading
 import time
-import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import (
-    CannotTravelError,
-    RanksFallbackWarning,
     RanksSelfTestError,
     WorkerCallError,
     WorkerDiedError,
     WorkersOptionError,
 )
 from ..modes import RANKS, resolve_ranks
+from .calls import replica
 from .groups import (
     GROUP_NAMES,
     forget,
@@ -85,9 +83,8 @@ from .groups import (
     wire,
 )
 from .launch import launcher, timeout_s
-from .payload import Inputs, Pickler, digest, metas, named_tensors, packed, unpacked
-from .replica import replica
-from .worker import Source, Start
+from .payload import Inputs, Pickler, Raised, digest, metas, named_tensors, packed, unpacked
+from .worker import Source, Start, caller_state
 
 ENV = "PIPEMAP_WORKERS"
 MODES = RANKS  # "ray": the worker processes as Ray actors (``ray_workers.py``)
@@ -215,6 +212,7 @@ class Workers:
         self.hellos: list[dict] = []  # per worker started last: what it reported at start (tests read it)
         self.launcher: Any = None  # what started them (``launcher``): it frees what it holds at close
         self.lock = threading.RLock()  # sends and receives take turns (a call's lock serializes them already)
+        self.watcher: Watcher | None = None  # watches a split call's workers (``watching``)
 
     @property
     def running(self) -> bool:
@@ -300,6 +298,9 @@ class Workers:
                 forget(group)
         self.group = self.store = self.launcher = None
         self.subgroups = []
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
         self.outstanding = []
 
     def interrupt(self) -> None:
@@ -345,10 +346,58 @@ class Workers:
         rank 0's allocator cannot see (WP9)."""
         return {str(r.device): self._ask(r, ("peak",), "call") for r in self.ranks}
 
+    # -- the seam (``ranks.Ranks``): what a mode's hook asks of its ranks --
+
+    def bring_up(self, module: torch.nn.Module) -> None:
+        """Each worker's copy made equal to ``module`` (its hooks left here), workers started where none runs."""
+        self.sync(plain_copy(module), Source.of(module))
+
+    def split(self, module: torch.nn.Module, halves: tuple[tuple[int, ...], ...] = ()) -> torch.nn.Module | None:
+        """Each worker's copy made its rank of a sequence split (``split_group``); rank 0's, a copy of ``module``
+        here sharing its weights, made anew over the new group too (None where rank 0 is in none of ``halves``)."""
+        from .context import enable_split
+
+        group = self.split_group(halves)
+        if group is None:
+            return None
+        home = plain_copy(module)
+        enable_split(home, 0, group)
+        return home
+
+    def submit(self, parts: Sequence[tuple[tuple, dict]], to: tuple[int, ...] = (),
+               reply: bool | tuple[bool, ...] = True, expected: tuple[type, ...] = ()) -> Sent:
+        return Sent(self, self.send(list(parts), caller_state(), reply, expected, to), expected)
+
+    def together(self, pending: Any, home: Callable[[], Any]) -> Any:  # a ``Sent``
+        """``home`` run here while the workers of ``pending`` run their shares, watched (``watching``): a worker's
+        error or death inside the split ends rank 0's share at once and is what is raised (its traceback, typed),
+        rank 0's own error otherwise; either stops the workers (ranks left inside an exchange: new ones at the next
+        call). ``Unsplittable`` where the tokens do not divide: every rank met it at the same layer, before any
+        exchange (the workers are kept where each raised it too)."""
+        call = pending.call
+        seen: list[BaseException] = []
+        try:
+            with self.watching(call) as seen:
+                output = home()
+        except tuple(pending.expected):
+            answers = self.receive(call)
+            if not all(isinstance(a, Raised) for a in answers):
+                self.close()
+            raise
+        except BaseException as err:
+            cause = self.failure(call, seen)
+            if cause is not None:
+                raise cause from err
+            raise
+        if seen:  # a worker failed after rank 0's share was done
+            raise self.failure(call, seen) or seen[0]
+        self.receive(call)
+        return output
+
     # -- calls --
 
-    def split(self, halves: tuple[tuple[int, ...], ...] = ()) -> Any:
-        """Make each worker's copy its rank of a sequence split (``sequence.enable_split``) over the whole group, or
+    def split_group(self, halves: tuple[tuple[int, ...], ...] = ()) -> Any:
+        """Make each worker's copy its rank of a sequence split (``context.enable_split``) over the whole group, or
         over its own of ``halves`` (disjoint lists of ranks, each a group of its own: ``subgroup``); rank 0's group
         (None where rank 0 is in none of them)."""
         if not halves:
@@ -430,23 +479,13 @@ class Workers:
         worker's own error (its traceback; an out-of-memory error as ``torch.OutOfMemoryError``), to raise instead
         of rank 0's (``failure``)."""
         seen: list[BaseException] = []
-        stop = threading.Event()
-
-        def watch() -> None:
-            while not stop.wait(_POLL_S):
-                found = self._failed(call)
-                if found is not None:
-                    seen.append(found)
-                    self.interrupt()
-                    return
-
-        watcher = threading.Thread(target=watch, name=f"pipemap-{self.component}-watch", daemon=True)
-        watcher.start()
+        if self.watcher is None:
+            self.watcher = Watcher(self)
+        self.watcher.arm(call, seen)
         try:
             yield seen
         finally:
-            stop.set()
-            watcher.join()
+            self.watcher.disarm()
 
     def failure(self, call: Call, seen: list[BaseException], grace: float = 2.0) -> BaseException | None:
         """After rank 0's share of a split call failed: the worker's error that caused it (what the watcher saw,
@@ -578,85 +617,60 @@ def stop_workers(module: torch.nn.Module) -> None:
         found.close()
 
 
-class OnWorkers:
-    """What the hooks whose copies are worker processes share (first in their bases, before the thread hook they
-    derive from, ``thread_hook``): the thread hook on the dry run's stand-ins, the check that the component can
-    travel, the fall-back to the thread hook, the workers stopped at reset, their process ids."""
+class Watcher:
+    """One thread per ``Workers`` that watches a split call's ranks while it is armed (``Workers.watching``): a
+    thread started per call cost a split call of a small model about 2 ms of wall time on a busy host. A check runs
+    under the lock ``disarm`` takes, so once ``disarm`` returns the thread reads no pipe of the call."""
 
-    thread_hook: type
-    workers: Workers | None
-    _module: Any = None  # a weak reference to the component: new workers are given it after a death
-    component: str  # the hook's own (``PlacementHook``, ``CopiesHook``)
-    device: torch.device
-    replica_devices: tuple[torch.device, ...]
-    runtime = "process"  # what starts the workers (``launcher``): "process" or "ray"
-    asked = False  # the runtime was named by the user: a component that cannot travel is an error, no fall-back
-    fallback: str | None = None  # why this hook runs its ranks as threads after all (set on the thread hook)
+    def __init__(self, workers: Workers):
+        self.workers = workers
+        self.cond = threading.Condition()
+        self.armed: tuple[Call, list[BaseException]] | None = None
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name=f"pipemap-{workers.component}-watch", daemon=True)
+        self.thread.start()
 
-    @classmethod
-    def for_placement(cls, p, execution_device: str, ledger, runtime: str = "process", asked: bool = False):
-        """The hook of this mode's placement on workers; the threads' hook on the dry run's stand-ins."""
-        if on_standins(p):
-            return cls.thread_hook(p.component, p.device, execution_device, p.replicas)
-        hook = cast(Any, cls)(p.component, p.device, execution_device, p.replicas)
-        hook.runtime, hook.asked = runtime, asked
-        return hook
+    def arm(self, call: Call, seen: list[BaseException]) -> None:
+        with self.cond:
+            self.armed = (call, seen)
+            self.cond.notify()
 
-    def init_hook(self, module):
-        """The workers brought up for ``module`` (``init_on_workers``, each hook's own), or, where the runtime was
-        chosen by ``ranks="auto"`` and the component cannot travel or the group fails its bring-up check, the
-        thread hook's, with a warning (``RanksFallbackWarning``) that says why."""
-        try:
-            problem = travel_problem(plain_copy(module))
-            if problem is None:
-                return self.init_on_workers(module)
-            if self.asked:
-                raise CannotTravelError(self.component, problem)
-        except RanksSelfTestError as err:
-            if self.asked:
-                raise
-            problem = str(err)
-        warnings.warn(RanksFallbackWarning(self.component, self.runtime, problem), stacklevel=2)
-        thread_hook: Any = self.thread_hook
-        self.__class__ = thread_hook  # its own state is the thread hook's (a subclass adds only the workers')
-        self.fallback = problem
-        return thread_hook.init_hook(self, module)
+    def disarm(self) -> None:
+        with self.cond:
+            self.armed = None
 
-    def init_on_workers(self, module):
-        raise NotImplementedError
+    def close(self) -> None:
+        with self.cond:
+            self.closed, self.armed = True, None
+            self.cond.notify()
 
-    def release(self, module) -> None:
-        """Stop this component's worker processes (``dispatch.reset``)."""
-        stop_workers(module)
-
-    def pids(self) -> list[int]:
-        """The process ids of the workers running now."""
-        return self.workers.pids() if self.workers is not None and self.workers.running else []
-
-    def attach_workers(self, module: torch.nn.Module) -> Workers:
-        """The component's workers (``workers_for``: kept across hooks over it), brought up for this hook."""
-        self._module = weakref.ref(module)
-        workers = self.workers = workers_for(module, self.component, self.device, self.replica_devices,
-                                             self.runtime)
-        try:
-            self.bring_up(module)
-        except BaseException:  # no worker outlives a dispatch that failed (WP3): reset finds no hook to stop them
-            stop_workers(module)
-            self.workers = self._module = None
-            raise
-        return workers
-
-    def bring_up(self, module: torch.nn.Module) -> None:
-        """Give the workers (started anew where none runs) the module: each hook's own (a sync; a split's ranks)."""
-        raise NotImplementedError
-
-    def running_workers(self) -> Workers:
-        """The workers, started anew and brought up where one died since the last call."""
-        module = self._module() if self._module is not None else None
-        if self.workers is None or module is None:
-            raise RuntimeError(f"{self!r} is not attached to its component")
-        if not self.workers.running:
-            self.bring_up(module)
-        return self.workers
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while self.armed is None and not self.closed:
+                    self.cond.wait()
+                if self.closed or self.armed is None:
+                    return
+                call, seen = self.armed
+                found = self.workers._failed(call)
+                if found is not None:
+                    seen.append(found)
+                    self.armed = None
+            if found is not None:
+                self.workers.interrupt()  # outside the lock: it kills the workers, and ``close`` may wait
+            time.sleep(_POLL_S)
 
 
+class Sent:
+    """A call sent to the workers (``Workers.submit``): ``ranks.Pending``. An expected exception a worker met (a
+    share that does not divide) is raised as itself (the workers kept: each met it at the same layer)."""
+
+    def __init__(self, workers: Workers, call: Call, expected: tuple[type, ...]):
+        self.workers, self.call, self.expected = workers, call, expected
+
+    def result(self) -> list:
+        outputs = self.workers.receive(self.call)
+        raised = next((o for o in outputs if isinstance(o, Raised)), None)
+        if raised is not None:
+            raise next((c for c in self.expected if c.__name__ == raised.kind), self.expected[0])(raised.message)
+        return outputs

@@ -1,7 +1,8 @@
 """``pipemap serve --ray``: the same app as a Ray Serve deployment, one replica per copy of the plan.
 
 The driver plans for the machine a replica gets (``--hardware``, or this machine) to size what each replica asks
-Ray for (the whole GPUs that plan uses, ``num_gpus``). A replica plans again for the node it lands on, unless the
+Ray for (``Resources``: the whole GPUs that plan uses, CPUs, and the host RAM it keeps as Ray's ``memory``), so
+Ray places replicas only on nodes where that fits. A replica plans again for the node it lands on, unless the
 user pinned ``--hardware``: its node's ``PIPEMAP_NODE_HARDWARE`` (a node's shape, as its operator states it) or the
 GPUs and RAM it finds there (``GET /v1/replica`` and ``/metrics``' ``pipemap_replica`` say which node and plan).
 Ray routes HTTP requests to replicas, restarts a replica that dies, and with ``autoscale`` adds or removes
@@ -40,10 +41,11 @@ from ..plan import Plan
 from . import ray_proxy
 from .access import is_local
 from .app import create_app
+from .ray_router import ROUTER, SHAPES
 from .server import PROBES
 from .service import MOST_WORKERS, Options, Service, make_plan
 
-__all__ = ["AutoscaleSpecError", "RaySettings", "application", "deploy", "ray_init_options", "run_on_ray"]
+__all__ = ["AutoscaleSpecError", "RaySettings", "Resources", "application", "deploy", "ray_init_options", "run_on_ray"]
 
 NODE_HARDWARE = "PIPEMAP_NODE_HARDWARE"  # a node's shape, as its operator states it ('2x24GiB,cpu=64GiB')
 PROXY_LOCATIONS = ("HeadOnly", "EveryNode", "Disabled")
@@ -87,24 +89,57 @@ def replica_gpus(plan: Plan, here: float | None = None) -> int:
     return 0 if here is not None and here < need else need
 
 
-def actor_options(num_cpus: float, num_gpus: int) -> dict:
-    """A replica's ``ray_actor_options``: its GPUs and CPUs, and how its split denoiser runs its other ranks (the
+def host_bytes(plan: Plan) -> int:
+    """The bytes of host RAM a replica's plan keeps: components computed on the CPU, the host copies of offloaded and
+    streamed ones, the staging buffers pieces read from the disk pass through (``Plan.host``)."""
+    host = plan.host
+    return host.resident + host.offloaded + host.streamed + host.staging
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one replica asks Ray for, from its plan: CPUs, whole GPUs (``replica_gpus``) and the host RAM the plan
+    keeps (``host_bytes``), as Ray's logical ``memory`` resource. Ray places a replica only on a node whose free
+    resources cover all three, so a node too small for the plan gets none (its process's own RAM, the Python and
+    torch runtime, is not counted: Ray's ``memory`` is a reservation, not a limit)."""
+
+    cpus: float
+    gpus: int
+    memory: int
+
+    @classmethod
+    def of(cls, plan: Plan, num_cpus: float, here: float | None = None) -> Resources:
+        return cls(float(num_cpus), replica_gpus(plan, here), host_bytes(plan))
+
+    def bundle(self) -> dict[str, float]:
+        """As a placement group's bundle (Ray's resource names); a resource of none is left out."""
+        named = {"CPU": self.cpus, "GPU": float(self.gpus), "memory": float(self.memory)}
+        return {name: amount for name, amount in named.items() if amount or name == "CPU"}
+
+
+def actor_options(resources: Resources) -> dict:
+    """A replica's ``ray_actor_options``: its resources, and how its split denoiser runs its other ranks (the
     driver's ``PIPEMAP_WORKERS``, which a replica on another node would not see)."""
-    options: dict = {"num_gpus": num_gpus, "num_cpus": num_cpus}
+    options: dict = {"num_gpus": resources.gpus, "num_cpus": resources.cpus}
+    if resources.memory:
+        options["memory"] = resources.memory
     if ENV in os.environ:
         options["runtime_env"] = {"env_vars": {ENV: os.environ[ENV]}}
     return options
 
 
-def worker_bundles(plan: Plan, num_cpus: float, num_gpus: int) -> dict:
+def worker_bundles(plan: Plan, resources: Resources) -> dict:
     """With ``PIPEMAP_WORKERS=ray``, a replica whose plan splits its denoiser is deployed in a placement group of
-    its own (``STRICT_PACK``: one node): bundle 0 the replica's (its CPUs and every GPU of its plan), then a CPU for
-    each worker rank (``hooks/ray_workers.py``: the worker actors take those bundles and share the replica's GPUs)."""
+    its own (``STRICT_PACK``: one node): bundle 0 the replica's (its CPUs, every GPU of its plan and its host RAM),
+    then a CPU for each worker rank (``hooks/ray_workers.py``: the worker actors take those bundles and share the
+    replica's GPUs). Ray Serve makes one such group per replica. One node is inside one GPU domain whatever the
+    cluster (Ray's ``ray.io/gpu-domain`` topology packs a group spanning nodes; a replica's ranks share rank 0's
+    ``CUDA_VISIBLE_DEVICES``, so they never span nodes)."""
     ranks = worker_ranks(plan)
     if workers_mode() != "ray" or not ranks:
         return {}
-    own = {"CPU": float(num_cpus), **({"GPU": float(num_gpus)} if num_gpus else {})}
-    return {"placement_group_bundles": [own, *[{"CPU": 1.0}] * ranks], "placement_group_strategy": "STRICT_PACK"}
+    return {"placement_group_bundles": [resources.bundle(), *[{"CPU": 1.0}] * ranks],
+            "placement_group_strategy": "STRICT_PACK"}
 
 
 def autoscaling(text: str, max_ongoing: int) -> dict:
@@ -119,8 +154,9 @@ def autoscaling(text: str, max_ongoing: int) -> dict:
 
 def deployment_options(options: Options, settings: RaySettings, plan: Plan, gpus_here: float | None = None) -> dict:
     """``serve.deployment``'s arguments for ``options`` on ``plan`` (as a Ray Serve config file's ``deployments:``
-    entry has them): each replica's GPUs (``replica_gpus``) and CPUs, its limits, its grace, its count or scaling."""
-    num_gpus = replica_gpus(plan, gpus_here)
+    entry has them): each replica's resources from ``plan`` (``Resources``), its limits, its grace, its count or
+    scaling."""
+    resources = Resources.of(plan, settings.num_cpus, gpus_here)
     # the app's own limit: its queue and the requests it runs. Ray sends a replica more than that (and the probes'
     # share), so past the queue the app's 429 JSON answers with its Retry-After, never Ray's refusal. Ray's router
     # counts as queued every request not yet assigned, a burst's too (with a limit of 1, two requests at once to
@@ -133,8 +169,10 @@ def deployment_options(options: Options, settings: RaySettings, plan: Plan, gpus
     return {"name": "pipemap", "max_ongoing_requests": takes + PROBES, "max_queued_requests": takes + PROBES,
             "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
             "graceful_shutdown_timeout_s": options.timeout + 5, "health_check_period_s": 2,
-            "health_check_timeout_s": 30, "ray_actor_options": actor_options(settings.num_cpus, num_gpus),
-            **scaling, **spread, **worker_bundles(plan, settings.num_cpus, num_gpus)}
+            "health_check_timeout_s": 30, "ray_actor_options": actor_options(resources),
+            "request_router_config": {"request_router_class": ROUTER,
+                                      "request_router_kwargs": {"busy_at": options.workers or 1}},
+            **scaling, **spread, **worker_bundles(plan, resources)}
 
 
 def node_options(options: Options) -> tuple[Options, str]:
@@ -160,14 +198,18 @@ def landing(plan: Plan, source: str, hardware: str | None) -> dict:
 class RayAnswers:
     """ASGI middleware of a replica's app: Ray's proxy gives every answer an ``X-Request-Id`` (the client's, or its
     own, which the app reads as the client's), so the app's copy is dropped and one is sent; every answer names the
-    node that made it (``X-Pipemap-Node``)."""
+    node that made it (``X-Pipemap-Node``). A request answered 200 whose shape Ray's router knows (its multiplexed
+    model id, ``ray_router``) has been measured here: ``measured`` is told, before the answer goes."""
 
-    def __init__(self, app, node: str):
-        self.app, self.node = app, node
+    def __init__(self, app, node: str, measured=None):
+        self.app, self.node, self.measured = app, node, measured
 
     async def __call__(self, scope, receive, send) -> None:
         async def send_one(message) -> None:
             if message["type"] == "http.response.start":
+                shape = serve.get_multiplexed_model_id() if message["status"] == 200 else ""
+                if shape and self.measured is not None:
+                    await self.measured(shape)
                 message = {**message, "headers": list(message.get("headers", []))}
                 headers = MutableHeaders(scope=message)
                 del headers["x-request-id"]
@@ -218,8 +260,14 @@ class PipemapReplica:
     def __serve_build_asgi_app__(self):
         app = create_app(self.service)
         app.router.routes.append(Route("/v1/replica", self._where, methods=["GET"]))
-        app.add_middleware(RayAnswers, node=self.landing["node_id"])
+        app.add_middleware(RayAnswers, node=self.landing["node_id"], measured=self.measured)
         return app
+
+    @serve.multiplexed(max_num_models_per_replica=SHAPES)
+    async def measured(self, shape: str) -> str:
+        """A request shape this replica has measured (``RayAnswers`` calls it): Ray Serve's multiplexing, used to
+        tell every router the shapes it knows (``ray_router.ShapeRouter``); loading one costs nothing here."""
+        return shape
 
     async def _where(self, request: Request) -> JSONResponse:
         return JSONResponse(self.landing)

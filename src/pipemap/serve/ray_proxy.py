@@ -6,14 +6,19 @@ middleware, loaded into the proxy by Ray's ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPOR
 sets it for a local Ray; a cluster's head node is started with it), answers those as the app answers: a lost replica
 or none is 503 with a Retry-After (the client retries, another replica answers), a timeout 504. The app's own answers
 are JSON and pass untouched.
+
+A second middleware, ``ShapeHeader``, names each generation request's shape for Ray's router (``ray_router``), so
+requests of one shape go to the replicas that have measured it.
 """
 
 from __future__ import annotations
 
 import json
 
-from starlette.datastructures import MutableHeaders
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
+
+from .ray_router import shape_key
 
 ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "pipemap.serve.ray_proxy:middlewares"
@@ -32,7 +37,58 @@ _ANSWERS = {
 
 def middlewares() -> list[Middleware]:
     """What Ray's proxy calls (``CALLBACK``): its middlewares."""
-    return [Middleware(RayErrorsAsJson)]
+    return [Middleware(ShapeHeader), Middleware(RayErrorsAsJson)]  # Ray wraps in this order: the last outermost
+
+
+SHAPE_HEADER = b"serve_multiplexed_model_id"  # what Ray's proxy reads a request's multiplexed model id from
+SHAPED_PATH = "/images/generations"
+MOST_READ = 256 * 1024  # bytes: a generation's JSON is a prompt and a few numbers; a larger body is left unread
+
+
+class ShapeHeader:
+    """ASGI middleware of Ray Serve's proxy: a ``POST .../images/generations`` JSON body is read here and its shape
+    (``ray_router.shape_key``) sent on as Ray's ``serve_multiplexed_model_id`` header; the body is then handed on
+    unchanged. A request that names a model id itself, or whose body is no JSON or past ``MOST_READ``, passes as
+    it came."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if not _shaped(scope):
+            await self.app(scope, receive, send)
+            return
+        read: list[dict] = []
+        size, more = 0, True
+        while more and size <= MOST_READ:
+            message = await receive()
+            read.append(message)
+            size += len(message.get("body", b""))
+            more = message["type"] == "http.request" and message.get("more_body", False)
+        key = None if more else _key(b"".join(m.get("body", b"") for m in read))
+        if key is not None:
+            scope = {**scope, "headers": [*scope["headers"], (SHAPE_HEADER, key.encode())]}
+
+        async def again() -> dict:
+            return read.pop(0) if read else await receive()
+
+        await self.app(scope, again, send)
+
+
+def _shaped(scope) -> bool:
+    """Whether a request is a generation whose shape this proxy should name."""
+    if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith(SHAPED_PATH):
+        return False
+    headers = Headers(scope=scope)
+    named = any(key.lower().replace("-", "_") == SHAPE_HEADER.decode() for key in headers)
+    return not named and headers.get("content-type", "").startswith("application/json")
+
+
+def _key(body: bytes) -> str | None:
+    try:
+        return shape_key(json.loads(body))
+    except ValueError:  # not JSON (UnicodeDecodeError is one too): the app answers it
+        return None
 
 
 class RayErrorsAsJson:
