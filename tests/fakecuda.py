@@ -502,6 +502,9 @@ class FakeCuda:
                                "(a segfault on CUDA) (fake CUDA)")
         if func is aten._to_copy.default:
             return self.to_copy(args[0], kwargs)
+        # inference_mode hands ``to`` over whole (no autograd key decomposed it into ``_to_copy``)
+        if getattr(func, "overloadpacket", None) is aten.to:
+            return self.to_op(func, args, kwargs)
         if func is aten.copy_.default:
             return self.copy_(args[0], args[1], bool(args[2]) if len(args) > 2 else kwargs.get("non_blocking", False))
         flat = tree_flatten((args, kwargs))[0]
@@ -564,6 +567,23 @@ class FakeCuda:
         block = self.allocate(inner, index, f"copy of {tuple(inner.shape)}")
         self.transfer(source, block, index, non_blocking, "to_copy", inner)
         return out
+
+    def to_op(self, func, args, kwargs: dict):
+        """``aten.to`` (any overload) as torch runs it: the input itself where nothing changes and no copy is asked,
+        else ``_to_copy``'s copy to the device and dtype it names (``to.other``: those of the other tensor)."""
+        bound = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+        source, other = bound["self"], bound.get("other")
+        device = torch.device(bound["device"]) if bound.get("device") is not None else (
+            other.device if other is not None else source.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", self.index(device))
+        dtype = bound.get("dtype") or (other.dtype if other is not None else source.dtype)
+        if not bound.get("copy") and device == source.device and dtype == source.dtype:
+            return source
+        options = {"dtype": dtype, "device": device, "non_blocking": bool(bound.get("non_blocking"))}
+        if bound.get("memory_format") is not None:
+            options["memory_format"] = bound["memory_format"]
+        return self.to_copy(source, options)
 
     def copy_(self, destination, source, non_blocking: bool):
         _unwrap(destination).copy_(_unwrap(source))

@@ -21,6 +21,7 @@ import pipemap
 from helpers import plain_pipeline
 from pipemap.cli import main
 from pipemap.hardware import Performance
+from pipemap.modes import POOL_SLACK
 from pipemap.units import parse_bytes
 
 E = pipemap  # the error classes, short
@@ -476,10 +477,10 @@ def test_headroom_strings_read_as_the_api_takes_them(headroom, budget):
 def test_cli_headroom_takes_what_the_api_takes(tiny_folders, capsys):
     assert main(["plan", tiny_folders["sd"], "--hardware", "cuda:0=1GiB,cpu=4GiB", "--headroom", "0.5",
                  "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["devices"]["cuda:0"]["budget"] == 2**29
+    assert json.loads(capsys.readouterr().out)["devices"]["cuda:0"]["budget"] == 2**29 - POOL_SLACK
     assert main(["plan", tiny_folders["sd"], "--hardware", "cuda:0=1GiB,cpu=4GiB", "--headroom",
                  '{"cuda:0": "256MiB"}', "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["devices"]["cuda:0"]["budget"] == 3 * 2**28
+    assert json.loads(capsys.readouterr().out)["devices"]["cuda:0"]["budget"] == 3 * 2**28 - POOL_SLACK
 
 
 @pytest.mark.slow

@@ -145,7 +145,7 @@ BY_WING = {E.UnwaitedCopyError: "runtime.streams", E.BufferReuseError: "runtime.
            E.DeviceMixError: "dryrun.standin", E.StandInError: "dryrun.standin", E.UnknownValueError: "dryrun.known",
            E.RequestError: "serve", E.ModelNotFoundError: "serve.requests", E.AutoscaleSpecError: "serve.deployment",
            E.QueueFullError: "serve", E.DrainingError: "serve", E.WorkDropped: "serve"}
-WARNINGS = {E.PipemapWarning, E.UnsafeTransferWarning, E.RanksFallbackWarning}
+WARNINGS = {E.PipemapWarning, E.UnsafeTransferWarning, E.RanksFallbackWarning, E.DecimalSizeWarning}
 # raised and caught inside pipemap, never seen by a user: no data, no advice
 SIGNALS = {E.Unsplittable, E.BodyTooLarge, E.ClientGone}
 

@@ -68,6 +68,20 @@ def test_parse_cpu_only():
     assert hw.gpus == ()
 
 
+def test_a_size_in_gb_is_read_as_powers_of_1000_with_a_note_of_how_it_was_read():
+    import warnings
+
+    with pytest.warns(pipemap.DecimalSizeWarning, match=r"'16GB' as 16 x 10\^9 bytes = 14.90 GiB.*16GiB") as got:
+        hw = Hardware.parse("2x16GB,cpu=64GiB")
+    assert [d.memory for d in hw.gpus] == [16 * 10**9] * 2
+    assert len(got) == 1  # one note a size written so: "2x16GB" is one size
+    with pytest.warns(pipemap.DecimalSizeWarning, match="'20GB' as 20 x 10\\^9 bytes"):
+        hw.with_max_memory({0: "20GB"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # binary sizes, bytes and figures say nothing
+        Hardware.parse("2x16GiB,cpu=64GiB,host_bw=25GB").with_max_memory({0: "8GiB", "cpu": 2**30})
+
+
 def test_str_lists_every_device():
     assert str(Hardware.parse("2x24GiB,cpu=64GiB")) == "cuda:0=24.00 GiB,cuda:1=24.00 GiB,cpu=64.00 GiB"
 

@@ -155,7 +155,8 @@ def test_a_device_counts_its_largest_onload_and_its_largest_blocks_in_flight():
 @pytest.mark.parametrize("strategy", ["balanced", "balanced_low_memory", "balanced_ultra_low_memory", "parallel"])
 def test_the_planners_figures_are_the_one_rule(strategy):
     inv = inventory(("text_encoder", 30 * MiB), ("unet", 90 * MiB), ("vae", 40 * MiB))
-    hardware = {"balanced": "2x100MiB"}.get(strategy, "cuda:0=100MiB") + ",cpu=1GiB"
+    # GPUs from modes.SLACK_FROM keep an allocator pool's slack (22 MiB) off their budgets, a side pool's more
+    hardware = {"balanced": "2x128MiB"}.get(strategy, "cuda:0=160MiB") + ",cpu=1GiB"
     if strategy == "parallel":  # a denoiser copied on each GPU
         inv, hardware = replica_inventory("StableDiffusionXLPipeline"), "2x16GiB,cpu=64GiB"
     made = plan(inv, hardware, strategy=strategy)

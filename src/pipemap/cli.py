@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 import warnings
@@ -18,6 +17,7 @@ from pathlib import Path
 from .errors import (
     ArgumentConflictError,
     ArgumentTypeError,
+    DecimalSizeWarning,
     FolderNotEmptyError,
     HardwareSpecError,
     HeadroomError,
@@ -28,7 +28,7 @@ from .errors import (
 )
 from .modes import RANKS
 from .quiet import quiet_progress
-from .units import format_bytes, parse_bytes
+from .units import decimal_note, parse_bytes
 
 # the same names as planner.STRATEGIES and "auto" (a test checks they agree); written out so --help imports no torch
 STRATEGY_NAMES = ("balanced", "sequential", "balanced_low_memory", "balanced_ultra_low_memory", "balanced_split",
@@ -83,8 +83,6 @@ def _strategy_name(text: str) -> str:
 
 # the cost model's figures in a hardware spec (hardware._PERF_KEYS but reserve=, a size): speeds and names
 _FIGURES = ("gpu", "flops", "attention", "host_bw", "peer_bw", "mem_bw", "disk_bw")
-_DECIMAL = {"kb": (3, "KiB", 10), "mb": (6, "MiB", 20), "gb": (9, "GiB", 30), "tb": (12, "TiB", 40)}
-_SIZE_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
 
 
 def _hardware_sizes(spec: str) -> None:
@@ -97,20 +95,18 @@ def _hardware_sizes(spec: str) -> None:
         count, times, size = part.partition("x")
         text = (value if has_name else size if times and count.strip().isdigit() else part).strip()
         try:
-            read = parse_bytes(text)
+            parse_bytes(text)
         except ValueError as err:
             raise HardwareSpecError(spec, part, str(err)) from err
-        _decimal_note(text, read)
+        _decimal_note(text)
 
 
-def _decimal_note(text: str, read: int) -> None:
-    match = _SIZE_UNIT.match(text)
-    if match is None or match.group(2).lower() not in _DECIMAL:
-        return
-    number, unit = match.group(1), match.group(2).lower()
-    power, binary, bits = _DECIMAL[unit]
-    print(f"pipemap: note: --hardware read {text!r} as {number} x 10^{power} bytes = {format_bytes(read)} "
-          f"({unit.upper()}: powers of 1000); write {number}{binary} for {number} x 2^{bits} bytes", file=sys.stderr)
+def _decimal_note(text: str) -> None:
+    note = decimal_note(text)
+    if note is not None:
+        print(f"pipemap: note: --hardware {note}", file=sys.stderr)
+        # the note is said here, before torch loads: Hardware.parse's warning of it would say it twice
+        warnings.filterwarnings("ignore", category=DecimalSizeWarning)
 
 
 def _check_source(path: str, command: str) -> None:

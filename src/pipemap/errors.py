@@ -451,6 +451,11 @@ class PipemapWarning(UserWarning):
     """The base of every warning pipemap gives."""
 
 
+class DecimalSizeWarning(PipemapWarning):
+    """A memory size in a hardware spec or ``max_memory`` written in KB/MB/GB/TB, read as powers of 1000 (``16GB`` is
+    14.90 GiB): the message says how it was read and the binary spelling (``16GiB``)."""
+
+
 class UnsafeTransferWarning(PipemapWarning):
     """Direct copies between two devices arrive corrupted; pipemap stages them through CPU memory."""
 

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,9 +18,9 @@ from pathlib import Path
 import torch
 
 from .devices import is_accelerator, real_device
-from .errors import ArgumentTypeError, HardwareSpecError, UnknownDeviceError
+from .errors import ArgumentTypeError, DecimalSizeWarning, HardwareSpecError, UnknownDeviceError
 from .ram import ram_figure
-from .units import format_bytes, parse_bytes
+from .units import decimal_note, format_bytes, parse_bytes
 
 _SHORTHAND = re.compile(r"^(\d+)\s*x\s*(.+)$", re.ASCII)
 MAX_GPUS = 1024  # a spec's COUNT: beyond this it is a typo, and 10**6 devices would take long to plan for
@@ -398,6 +399,8 @@ class Hardware:
         if not isinstance(max_memory, Mapping):
             raise ArgumentTypeError("max_memory", max_memory, "a dict such as {0: '20GiB', 'cpu': '64GiB'}")
         given = {real_device(k): parse_bytes(v) for k, v in max_memory.items()}
+        for value in max_memory.values():
+            _note_decimal(value)
         for name in given:
             if name not in self.names:
                 raise UnknownDeviceError(name, self.names)
@@ -492,7 +495,7 @@ def _seconds(spec: str, key: str, text: str) -> float:
 
 
 def _bandwidth(spec: str, key: str, text: str) -> float:
-    value = float(_size(spec, f"{key}={text}", text))
+    value = float(_size(spec, f"{key}={text}", text, memory=False))
     if value <= 0:
         raise HardwareSpecError(spec, f"{key}={text}", "a bandwidth must be above zero bytes per second")
     return value
@@ -509,11 +512,22 @@ def _flops(spec: str, text: str) -> float:
     return flops
 
 
-def _size(spec: str, part: str, text: str) -> int:
+def _size(spec: str, part: str, text: str, memory: bool = True) -> int:
+    """Bytes of a spec's size; a memory size in KB/MB/GB is noted (``_note_decimal``), a speed's figure not."""
     try:
-        return parse_bytes(text.strip())
+        size = parse_bytes(text.strip())
     except ValueError as err:
         raise HardwareSpecError(spec, part, str(err)) from err
+    if memory:
+        _note_decimal(text)
+    return size
+
+
+def _note_decimal(text: object) -> None:
+    """Say how a size in KB/MB/GB/TB was read (powers of 1000: ``16GB`` is 14.90 GiB), never silently."""
+    note = decimal_note(text) if isinstance(text, str) else None
+    if note is not None:
+        warnings.warn(DecimalSizeWarning(f"pipemap: {note}"), stacklevel=4)
 
 
 def _ordered(memory: Mapping[str, int]) -> tuple[Device, ...]:

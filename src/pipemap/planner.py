@@ -35,7 +35,7 @@ from .experts import EXPERTS
 from .granularity import Block, Pieces, cut
 from .hardware import Hardware
 from .inventory.values import DENOISERS, Component, Inventory
-from .modes import Mode, Peak, device_use, facts, held
+from .modes import Mode, Peak, device_use, facts, held, pool_slack, side_slack
 from .plan import Candidate, DeviceUse, Placement, Plan, with_ranks
 from .tiers import place_tiers
 from .units import format_bytes, parse_bytes
@@ -72,6 +72,8 @@ class Problem:
     # (denoiser, mode) strategy "parallel" may copy it for, the fastest first (``replication.parallel_modes``)
     parallel: tuple[tuple[str, str], ...] = ()
     heads: int = 0  # the denoiser's attention heads (0: unknown): a sequence split runs on GPU counts dividing them
+    # each GPU's allocator slack for a side stream's pool, kept where a moved component runs (``modes.slack``)
+    side_slack: tuple[tuple[str, int], ...] = ()
 
 
 class Place(NamedTuple):
@@ -151,7 +153,9 @@ def _least_moved(request: Problem, mode: str, stay: Strategy = _balanced) -> dic
     need = {n: (dict(request.in_flight).get(n) or s) if streamed else s for n, s in sizes.items()}
     largest = max(need, key=lambda n: (need[n], n))
     if _moving(request, frozenset(sizes), need, mode, stay) is None:
-        raise DoesNotFitError(largest, sizes[largest], max(r for _, r in request.rooms), request.strategy, ())
+        side = dict(request.side_slack)  # the room a moved component has: less its copies' pool slack
+        raise DoesNotFitError(largest, sizes[largest], max(r - side.get(d, 0) for d, r in request.rooms),
+                              request.strategy, ())
     fitting = (p for p in (_moving(request, m, need, mode, stay) for m in _candidates(sizes, calls)) if p is not None)
     if not streamed or not request.trees:
         return next(fitting)
@@ -229,7 +233,7 @@ def _moving(request: Problem, moved: frozenset[str], need: Mapping[str, int], mo
     for name, size in rest:
         _charge(rooms, placed[name], size)
     gpu = _roomiest(rooms)
-    if any(need[n] > rooms[gpu] for n in moved):
+    if any(need[n] + dict(request.side_slack).get(gpu, 0) > rooms[gpu] for n in moved):
         return None
     placed.update({n: Place("cpu", mode, gpu) for n in moved})
     return placed
@@ -341,7 +345,9 @@ MIXED: dict[str, Strategy] = {
 
 
 def budgets(hw: Hardware, headroom=None) -> dict[str, int]:
-    """Each device's budget: its memory less the headroom (a fraction of each GPU, bytes, or a per-device dict).
+    """Each device's budget: its memory less the headroom (a fraction of each GPU, bytes, or a per-device dict), and
+    on a GPU less the caching allocator's slack of its default stream's pool (``modes.pool_slack``; a moved
+    component's side stream keeps as much again on the GPU it runs on: ``_assemble``).
 
     A dict sets the devices it names; the GPUs it leaves out keep the default 10%, the CPU its own default (10%, at
     most 4 GiB, none under 2 GiB: ``_cpu_headroom``), which a number given for the GPUs leaves as it is. A float or
@@ -354,8 +360,9 @@ def budgets(hw: Hardware, headroom=None) -> dict[str, int]:
         if name not in hw.names:
             raise UnknownDeviceError(name, hw.names)
     default = DEFAULT_HEADROOM if headroom is None or given else headroom
-    return {d.name: d.memory - _reserve(d.memory, given.get(d.name, default if is_accelerator(d.name) else
-                                                            _cpu_headroom(d.memory)))
+    return {d.name: max(0, d.memory - _reserve(d.memory, given.get(d.name, default if is_accelerator(d.name) else
+                                                                   _cpu_headroom(d.memory)))
+                        - (pool_slack(d.memory) if is_accelerator(d.name) else 0))
             for d in hw.devices}
 
 
@@ -417,7 +424,8 @@ def plan_inventory(inventory: Inventory, hw: Hardware, strategy: str | dict, bud
         trees = tuple((c.name, c.tree) for c in inventory.models)
         parallel = replication.parallel_modes(inventory, hw.performance, len(gpus), work) if name == "parallel" else ()
         heads = replication.denoiser_heads(inventory)
-        placed = _run(name, Problem(rest, gpus, name, calls, in_flight, blocks, trees, parallel, heads))
+        side = tuple((d.name, pool_slack(d.memory)) for d in hw.gpus)
+        placed = _run(name, Problem(rest, gpus, name, calls, in_flight, blocks, trees, parallel, heads, side))
         if name == "parallel":
             notes += [replication.call_note(inventory, work), *replication.plan_notes(inventory, placed, work)]
     device_map = {**fixed, **placed}
@@ -473,6 +481,8 @@ def _assemble(inventory: Inventory, hw: Hardware, budget: Mapping[str, int], dev
     # what each device holds: a split component's blocks away from its first GPU, a whole copy on each replica
     resident = {d.name: sum(held(p, d.name) for p in placements) for d in hw.devices}
     components = {c.name: c for c in inventory.models}
+    # the side stream of a moved component's copies keeps an allocator pool's slack on the GPU it runs on
+    budget = {d.name: max(0, budget[d.name] - side_slack(placements, d.name, d.memory)) for d in hw.devices}
     placements = _with_rooms(placements, components, budget, resident)
     # RAM is a budget too: what cannot stay in its files must fit it (``tiers``), the rest is read from the disk
     placements, staging = place_tiers(placements, components, budget.get("cpu", 0), label)

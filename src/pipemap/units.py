@@ -33,6 +33,25 @@ def parse_bytes(value: int | str) -> int:
     return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+_DECIMAL = {"kb": (3, "KiB", 10), "mb": (6, "MiB", 20), "gb": (9, "GiB", 30), "tb": (12, "TiB", 40)}
+
+
+def decimal_note(text: str) -> str | None:
+    """How a size written in KB/MB/GB/TB was read (powers of 1000, as parse_bytes reads them) and how to write the
+    binary size instead; None for any other spelling. ``2x16GB`` is two GPUs of 14.90 GiB, not 16:
+
+    >>> decimal_note("16GB")
+    "read '16GB' as 16 x 10^9 bytes = 14.90 GiB (GB: powers of 1000); write 16GiB for 16 x 2^30 bytes"
+    """
+    match = _SIZE.match(text) if isinstance(text, str) else None
+    if match is None or match.group(2).lower() not in _DECIMAL:
+        return None
+    number, unit = match.group(1), match.group(2).lower()
+    power, binary, bits = _DECIMAL[unit]
+    return (f"read {text.strip()!r} as {number} x 10^{power} bytes = {format_bytes(parse_bytes(text))} "
+            f"({unit.upper()}: powers of 1000); write {number}{binary} for {number} x 2^{bits} bytes")
+
+
 ALIGN = 16  # bytes each tensor starts at in a packed buffer: what vectorised kernels and cuBLAS need
 
 
@@ -41,4 +60,4 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-__all__ = ["ALIGN", "aligned", "format_bytes", "parse_bytes"]
+__all__ = ["ALIGN", "aligned", "decimal_note", "format_bytes", "parse_bytes"]

@@ -47,11 +47,12 @@ def child(folder: str) -> None:
 
     import pipemap
     from pipemap.api import memory_for
+    from pipemap.modes import POOL_SLACK
 
     torch.set_num_threads(1)
     total = sum(m.bytes for m in pipemap.inspect(folder).models)
     vae = next(m.bytes for m in pipemap.inspect(folder).models if m.name == "vae")
-    plan = pipemap.plan(folder, hardware=f"cuda:0={total + 8 * MIB},cpu={vae + 4 * MIB}", headroom=0.0)
+    plan = pipemap.plan(folder, hardware=f"cuda:0={total + 8 * MIB + POOL_SLACK},cpu={vae + 4 * MIB}", headroom=0.0)
     pipe = pipemap.load(folder, plan=plan.remap({"cuda:0": "cpu"}), progress=False)
     pipe.set_progress_bar_config(disable=True)
     admission = memory_for(pipe, plan)

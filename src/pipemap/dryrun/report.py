@@ -10,6 +10,7 @@ from html import escape
 
 import torch
 
+from ..modes import slack
 from ..picture import Sample, Timeline
 from ..plan import Plan
 from ..units import format_bytes
@@ -41,6 +42,7 @@ class Overrun:
     phase: str
     component: str
     weights: int
+    slack: int = 0  # what CUDA's caching allocator keeps reserved beside the peak (``modes.slack``)
 
     def advice(self) -> str:
         """What would bring the peak under the memory, from what filled it: the weights, VAE decode, or a call's
@@ -60,8 +62,10 @@ class Overrun:
 
     def __str__(self) -> str:
         by = f" in {self.component!r}" if self.component else ""
-        return (f"{self.device}: peak {format_bytes(self.peak)} is above its memory {format_bytes(self.memory)}, set "
-                f"by {self.phase or 'the call'}{by}; try {self.advice()}")
+        slack = (f" (reserved {format_bytes(self.peak + self.slack)} with the allocator's slack)" if self.slack
+                 else "")
+        return (f"{self.device}: peak {format_bytes(self.peak)}{slack} is above its memory "
+                f"{format_bytes(self.memory)}, set by {self.phase or 'the call'}{by}; try {self.advice()}")
 
 
 @dataclass(frozen=True)
@@ -91,12 +95,24 @@ class SimulationReport:
     disk_bytes: int = 0
 
     @property
-    def overruns(self) -> tuple[Overrun, ...]:
-        """Each device whose peak passed its memory, with what set the peak (the weights as ``weights_held``)."""
+    def reserved_bytes(self) -> dict[str, int]:
+        """Each device's peak as CUDA counts it: the bytes its caching allocator reserves, the peak allocated plus
+        the slack of the stream pools the plan uses there (``modes.slack``: none on the CPU, or on a stand-in
+        GPU under ``modes.SLACK_FROM``)."""
         memory = {d.device: d.memory for d in self.plan.devices}
+        return {device: peak + slack(self.plan.components, device, memory.get(device, 0))
+                for device, peak in self.peak_bytes.items()}
+
+    @property
+    def overruns(self) -> tuple[Overrun, ...]:
+        """Each device whose reserved peak passed its memory, with what set the peak (the weights as
+        ``weights_held``)."""
+        memory = {d.device: d.memory for d in self.plan.devices}
+        reserved = self.reserved_bytes
         return tuple(Overrun(device, peak, memory[device], self.peak_phase.get(device, ""),
-                             self.peak_component.get(device, ""), self.weights_held(device))
-                     for device, peak in self.peak_bytes.items() if device in memory and peak > memory[device])
+                             self.peak_component.get(device, ""), self.weights_held(device), reserved[device] - peak)
+                     for device, peak in self.peak_bytes.items()
+                     if device in memory and reserved[device] > memory[device])
 
     @property
     def fits(self) -> bool:

@@ -21,6 +21,7 @@ its original.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -217,11 +218,15 @@ def follow_component(module: torch.nn.Module, placement: Placement, place: Place
     seen = module.__dict__.get("_pipemap_seen")
     if seen is not None and seen.unchanged():
         return False
-    with quiet():  # pipemap's own placing is no change of the model
+    hook = getattr(module, "_hf_hook", None)
+    # under the component's call lock: a from_pipe copy shares the model, and its call (under a call lock of its
+    # own) may be running it; read and re-hooked under that call, the model looks changed (its weights onloaded)
+    # and its hook would go from under it
+    lock = hook.lock if isinstance(hook, PlacementHook) else contextlib.nullcontext()
+    with lock, quiet():  # pipemap's own placing is no change of the model
         if seen is not None and signature(module) == seen.signature:
             remember(module)  # the counter moved for another model, or a write left it as it was: seen now
             return False
-        hook = getattr(module, "_hf_hook", None)
         if isinstance(hook, PlacementHook) and hook.rehooked_on_change:
             rehook(module, hook, placement, place)
         else:

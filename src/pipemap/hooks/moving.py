@@ -368,5 +368,9 @@ class MovingHook(PlacementHook):
 
 
 def _converting(hook: MovingHook, module: torch.nn.Module, fn, recurse: bool = True):
-    hook.unload()
-    return type(module)._apply(module, fn, recurse)
+    # under the hooks' call lock: a conversion from another thread (diffusers' from_pipe ends in the copy's
+    # ``.to(dtype)`` of every shared model) waits for the running call, so it neither evicts what that call onloads
+    # nor sets the weights' ``.data`` back to their masters under it; a call's own conversion (re-entrant) goes on
+    with hook.lock:
+        hook.unload()
+        return type(module)._apply(module, fn, recurse)
