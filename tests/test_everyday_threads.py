@@ -52,10 +52,6 @@ def _own_copy_call(pipe, out: dict, index: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="intermittent (about 1 run in 3): a copy's call re-hooks a shared model "
-                   "(follow sees it changed after another copy's from_pipe .to(dtype)) while another copy's call "
-                   "enters it unhooked: its weights on the CPU, or an image off by 0.277; each from_pipe copy has a "
-                   "call lock of its own (first.md)")
 def test_three_threads_each_with_its_own_from_pipe_copy_equal_plain(fake_cuda):
     pipe = _dispatched("balanced_low_memory")
     want = images(plain("sd"), "sd")

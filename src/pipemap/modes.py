@@ -283,19 +283,20 @@ def device_use(placements: Iterable[Placed], device: str) -> int:
 # (offload, stream) runs: its copies run on a side stream with a pool of its own (``runtime/streams.py``). A dry run's
 # peak is allocated bytes; ``reserved`` adds the same slack, which is what the device's memory must hold.
 #
-# A GPU figure under ``SLACK_FROM`` cannot be a CUDA device (its context alone takes some 300 MiB): it is a budget
+# A GPU figure of ``SLACK_FROM`` or less cannot be a CUDA device (its context alone takes some 300 MiB): it is a budget
 # stated for a plan (a test's 5 MiB stand-in GPU), taken whole, as ``planner.CPU_HEADROOM_FROM`` does for the CPU.
 
 _MIB = 2**20
 SMALL_SEGMENT = 2 * _MIB  # the small pool's segment, for requests up to 1 MiB (kSmallBuffer)
 LARGE_SEGMENT = 20 * _MIB  # the large pool's segment for requests under 10 MiB (kLargeBuffer)
 POOL_SLACK = SMALL_SEGMENT + LARGE_SEGMENT  # a part-used segment of each size, per stream pool
-SLACK_FROM = 64 * _MIB  # a GPU under this is a stand-in budget: no allocator slack is kept on it
+SLACK_FROM = 64 * _MIB  # a GPU of this or less is a stand-in budget: no allocator slack is kept on it
 
 
 def pool_slack(memory: int) -> int:
-    """The slack one stream pool may hold on a GPU of ``memory`` bytes (none on a stand-in under ``SLACK_FROM``)."""
-    return POOL_SLACK if memory >= SLACK_FROM else 0
+    """The slack one stream pool may hold on a GPU of ``memory`` bytes (none on a stand-in of ``SLACK_FROM`` or less:
+    the tests' 64 MiB GPUs)."""
+    return POOL_SLACK if memory > SLACK_FROM else 0
 
 
 def side_pools(placements: Iterable[Placed], device: str) -> int:

@@ -28,10 +28,11 @@ from .moves import place_component
 from .resetting import owners, reset, take_back
 
 
-def take_over(pipe, plan: Plan) -> None:
-    """Record ``pipe`` as placed by ``plan`` and swap its class for the guarded one."""
+def take_over(pipe, plan: Plan, lock: Any = None) -> None:
+    """Record ``pipe`` as placed by ``plan`` (its calls taking turns by ``lock`` where given, ``runtime.placed.mark``)
+    and swap its class for the guarded one."""
     _watch_copies()
-    mark(pipe, plan)
+    mark(pipe, plan, lock)
     guard(pipe, _AROUND)  # calls from several threads take turns: a call's state lives on the pipeline
 
 
@@ -82,8 +83,11 @@ def place_copy(pipe, made) -> None:
         return
     modules = components(made)
     shared = tuple(p for p in plan.components if modules.get(p.component) is getattr(pipe, p.component, None))
-    take_over(made, dataclasses.replace(plan, components=shared))
     record = placed(pipe)
+    # the copy's calls take turns with the original's, by its lock: their shared models' hooks keep one call's state
+    # (what is onloaded, a change followed); with a lock of its own a copy's call re-hooked a shared model while
+    # another copy's call was entering it (tests/test_everyday_threads.py)
+    take_over(made, dataclasses.replace(plan, components=shared), record.lock if record is not None else None)
     if record is not None:  # reset of either resets both (weakly held)
         record.copies.add(made)
     follow(made)

@@ -49,9 +49,10 @@ def planned(pipe) -> Plan | None:
     return None if record is None else record.plan
 
 
-def mark(pipe, plan: Plan) -> Placed:
-    """Record ``pipe`` as placed by ``plan``: a new record (a new lock, no copies, no ledger)."""
-    return _keep(pipe, Placed(plan))
+def mark(pipe, plan: Plan, lock: Any = None) -> Placed:
+    """Record ``pipe`` as placed by ``plan``: a new record (no copies, no ledger) with a new lock, or ``lock`` (a
+    ``from_pipe`` copy's: the lock of the pipeline whose models it shares)."""
+    return _keep(pipe, Placed(plan) if lock is None else Placed(plan, lock=lock))
 
 
 def replan(pipe, plan: Plan) -> None:
