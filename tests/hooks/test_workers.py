@@ -274,6 +274,7 @@ def test_a_replica_worker_of_a_process_under_the_fake_cuda_runs_its_cuda_branch_
         assert os.environ[SETUP_ENV] == fakecuda.SETUP and workers.hellos[0]["setup"] == [fakecuda.SETUP]
         assert workers.pids()[0] != os.getpid() and workers.sent == [0]  # its copy read from the folder by itself
         assert workers.transport == "gloo" and workers.hellos[0]["gloo"]  # not NCCL: the fake has none
+        assert workers.describe() == "'unet': ranks on cuda:0, cuda:1, exchanging over gloo: this torch has no NCCL"
         assert workers.peaks()["cuda:1"] >= plan.placement("unet").bytes  # its copy sat on its fake GPU
         torch.testing.assert_close(fakecuda.host(got), want, atol=1e-4, rtol=0)
     finally:

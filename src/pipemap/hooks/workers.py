@@ -229,7 +229,8 @@ class Workers:
             return (f"{self.component!r}: ranks on {devices}, two on one GPU: exchanging through host memory over "
                     "gloo (NCCL takes one rank per GPU)")
         if not self.staged:
-            return f"{self.component!r}: ranks on {devices}, exchanging directly"
+            way = "over gloo: this torch has no NCCL" if self.home.type == "cuda" and self.gloo else "directly"
+            return f"{self.component!r}: ranks on {devices}, exchanging {way}"
         how = {"p2p_off": "NCCL with peer-to-peer off for this whole process, as NCCL reads it once per process",
                "gloo": "gloo: this process's NCCL already runs with peer-to-peer on, which NCCL reads once"}.get(
             self.transport, "gloo, through the host anyway")
