@@ -39,6 +39,14 @@ def replica(module: torch.nn.Module, device: torch.device, share: bool = True) -
     copied = copy.deepcopy(module, memo)
     for name in ("_hf_hook", "_old_forward", "forward", "encode", "decode", "tiled_encode", "tiled_decode"):
         copied.__dict__.pop(name, None)  # a hooked module's traces: the copy runs its class's own methods
+    return copied
+
+
+def rank_copy(module: torch.nn.Module, device: torch.device, share: bool = True) -> torch.nn.Module:
+    """A copy that a thread rank runs (``threads.ThreadRanks``): ``replica`` with the diffusers hooks of each of its
+    modules registered anew over it (``own_diffusers_hooks``). Not for a worker's copy, which is pickled without
+    them: re-registering runs each hook's ``initialize_hook`` once more, on weights the copy may share."""
+    copied = replica(module, device, share)
     for sub in copied.modules():
         own_diffusers_hooks(sub)
     return copied
@@ -58,6 +66,17 @@ def own_diffusers_hooks(module: torch.nn.Module) -> None:
     fresh = HookRegistry.check_if_exists_or_initialize(module)
     for name, hook in hooks:
         fresh.register_hook(hook, name)
+
+
+def version_of(x) -> int | None:
+    """A tensor's version counter (moved by every in-place write), or None: not a tensor, or an inference-mode one,
+    which keeps none."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    try:
+        return x._version
+    except RuntimeError:
+        return None
 
 
 def casts_in_place(module: torch.nn.Module) -> bool:

@@ -31,6 +31,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..errors import PipemapError
 from ..runtime.transfer import move
+from .calls import version_of
 from .changes import Signature, signature, unchanged
 from .copies import CopiesHook
 
@@ -49,14 +50,14 @@ class Inputs:
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> Inputs:
         leaves, spec = tree_flatten((args, kwargs))
-        return cls(spec, tuple(leaves), tuple(_version(x) for x in leaves))
+        return cls(spec, tuple(leaves), tuple(version_of(x) for x in leaves))
 
     @classmethod
     def started(cls, spec: TreeSpec, leaves: tuple) -> Inputs:
         """The inputs of a call started ahead: each tensor with its version counter now; a tensor without one
         (``torch.inference_mode``) copied, so that the call and the check of the call that arrives read the values
         it had now, whatever happens to it meanwhile."""
-        versions = tuple(_version(x) for x in leaves)
+        versions = tuple(version_of(x) for x in leaves)
         kept = tuple(x.clone() if isinstance(x, torch.Tensor) and v is None else x for x, v in zip(leaves, versions))
         return cls(spec, kept, versions)
 
@@ -186,7 +187,7 @@ def _alike_kept(x, y, compared: dict | None) -> bool:
     identities stay theirs)."""
     if compared is None or x is y or not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         return alike(x, y)
-    versions = (_version(x), _version(y))
+    versions = (version_of(x), version_of(y))
     if None in versions:
         return alike(x, y)
     key = (id(x), id(y), versions)
@@ -205,7 +206,7 @@ def same(started: Inputs, arriving: Inputs, i: int) -> bool:
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         return alike(x, y)
     if started.versions[i] is not None:  # else ``x`` is a copy of what was read (``Inputs.started``)
-        if _version(x) != started.versions[i]:
+        if version_of(x) != started.versions[i]:
             return False  # changed since it was read
         if x is y:
             return True
@@ -233,12 +234,3 @@ def _equal_tensors(x: torch.Tensor, y: torch.Tensor) -> bool:
         return bool(torch.equal(x, y))
     except Exception:  # values a dry run's fake tensors do not have: not known to be equal
         return False
-
-
-def _version(x) -> int | None:
-    if not isinstance(x, torch.Tensor):
-        return None
-    try:
-        return x._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter
-        return None

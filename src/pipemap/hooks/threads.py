@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import Unsplittable
 from ..runtime.transfer import move_tensor
-from .calls import CallerState, casts_in_place, replica, run_part
+from .calls import CallerState, casts_in_place, rank_copy, run_part, version_of
 from .exchange import Exchange, ThreadGroup, release, thread_groups
 from .ranks import Part, pick
 from .resident import quietly
@@ -70,7 +70,7 @@ class ThreadRanks:
 
     def bring_up(self, module: torch.nn.Module) -> None:
         share = not casts_in_place(module)  # a copy on the module's own device shares its weights where it may
-        self.copies = [replica(module, device, share) for device in self.devices]
+        self.copies = [rank_copy(module, device, share) for device in self.devices]
 
     def split(self, module: torch.nn.Module, halves: tuple[tuple[int, ...], ...] = ()) -> torch.nn.Module | None:
         self._release()
@@ -87,7 +87,7 @@ class ThreadRanks:
                 enable_split(self.copies[rank - 1], group.rank(), group)
         if 0 not in by_rank:
             return None
-        home = replica(module, self.home)  # shares the module's weights
+        home = rank_copy(module, self.home)  # shares the module's weights
         enable_split(home, 0, by_rank[0])
         return home
 
@@ -164,7 +164,7 @@ class ThreadRanks:
         out = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.device != device:
-                version = _version(leaf)
+                version = version_of(leaf)
                 old = kept.get(id(leaf))
                 there = old[2] if old and old[0] is leaf and version is not None and old[1] == version else None
                 if there is None:
@@ -193,9 +193,3 @@ def _aborting(exchange: Exchange | None, call: Callable[[], Any]) -> Callable[[]
 
     return run
 
-
-def _version(x: torch.Tensor) -> int | None:
-    try:
-        return x._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter
-        return None
