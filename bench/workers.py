@@ -140,45 +140,50 @@ def transformer_inputs(pipe, call: dict) -> tuple[tuple, dict]:
     return captured["inputs"]
 
 
-def per_rank(scale: int, calls: int, ranks: str) -> tuple[float, float]:
-    """Host CPU seconds per transformer call (the tiny Flux's, channels x ``scale``) of rank 0 and of the other rank
-    of a sequence split over two ranks on the CPU (``ranks``: "thread" or "process"); of a plain call with "plain".
-    With threads, rank 0 is the calling thread's CPU time and the other rank the rest of the process's (its thread);
-    with processes, rank 0 is the caller's process (gloo's threads included) and the other the worker's. Totals over
-    ``calls`` calls, divided: psutil reads a child's CPU time in 10 ms steps."""
+def _host(model, inputs, kwargs, calls: int, workers: list[psutil.Process]) -> tuple[float, float, float]:
+    """CPU seconds of ``calls`` calls: the calling thread's, the process's, the workers'."""
+    mine, process, theirs = time.thread_time(), time.process_time(), _cpu(workers)
+    for _ in range(calls):
+        model(*inputs, **kwargs)
+    return time.thread_time() - mine, time.process_time() - process, _cpu(workers) - theirs
+
+
+def per_rank(scale: int, calls: int, ranks: str, rounds: int = 5) -> tuple[float, float, float]:
+    """Host CPU seconds per transformer call (the tiny Flux's, channels x ``scale``) of a plain call, and of rank 0
+    and of the other rank of a sequence split over two ranks on the CPU (``ranks``: "thread" or "process"). The
+    plain transformer (a second build, same weights) and the split one run in the same process, in alternating
+    rounds of ``calls`` calls each, so that both see the same machine (a shared one's load moves a plain call's CPU
+    time by 1.5x from one minute to the next). With threads, rank 0 is the calling thread's CPU time and the other
+    rank the rest of the process's (its thread); with processes, rank 0 is the caller's process (gloo's threads
+    included) and the other the worker's. psutil reads a child's CPU time in 10 ms steps: totals, divided."""
     pipe, call, _ = case("flux", scale, 1)
     inputs, kwargs = transformer_inputs(pipe, call)
-    model = pipe.transformer
+    plain, model = case("flux", scale, 1)[0].transformer, pipe.transformer
+    sums = [0.0, 0.0, 0.0]
     try:
         with torch.no_grad():
-            if ranks != "plain":
-                os.environ["PIPEMAP_WORKERS"] = ranks
-                pipemap.dispatch(pipe, with_copy(pipe, "sequence", "transformer").remap(onto("cpu")))
+            os.environ["PIPEMAP_WORKERS"] = ranks
+            pipemap.dispatch(pipe, with_copy(pipe, "sequence", "transformer").remap(onto("cpu")))
             for _ in range(3):
-                model(*inputs, **kwargs)
-            hook = getattr(model, "_hf_hook", None)
-            workers = [psutil.Process(pid) for pid in getattr(hook, "pids", list)()]
-            mine, process, theirs = time.thread_time(), time.process_time(), _cpu(workers)
-            for _ in range(calls):
-                model(*inputs, **kwargs)
-            mine, process = time.thread_time() - mine, time.process_time() - process
-            theirs = _cpu(workers) - theirs
+                model(*inputs, **kwargs), plain(*inputs, **kwargs)
+            workers = [psutil.Process(pid) for pid in getattr(model._hf_hook, "pids", list)()]
+            for _ in range(rounds):
+                sums[0] += _host(plain, inputs, kwargs, calls, [])[0]
+                mine, process, theirs = _host(model, inputs, kwargs, calls, workers)
+                sums[1] += mine if ranks == "thread" else process
+                sums[2] += process - mine if ranks == "thread" else theirs
     finally:
-        if ranks != "plain":
-            pipemap.reset(pipe)
+        pipemap.reset(pipe)
         os.environ.pop("PIPEMAP_WORKERS", None)
-    if ranks == "thread":
-        return mine / calls, (process - mine) / calls
-    return process / calls, theirs / calls
+    return sums[0] / (rounds * calls), sums[1] / (rounds * calls), sums[2] / (rounds * calls)
 
 
 def per_rank_table(scales: tuple[int, ...], calls: int) -> str:
     rows = ["| transformer | ranks | plain call CPU (ms) | rank 0 CPU (ms) | other rank CPU (ms) | rank 0 / plain | "
             "other / plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for scale in scales:
-        plain, _ = per_rank(scale, calls, "plain")
         for ranks in ("thread", "process"):
-            first, other = per_rank(scale, calls, ranks)
+            plain, first, other = per_rank(scale, calls, ranks)
             rows.append(f"| flux x{scale}, sequence over 2 | {ranks} | {plain * 1e3:.2f} | {first * 1e3:.2f} | "
                         f"{other * 1e3:.2f} | {first / plain:.2f} | {other / plain:.2f} |")
             print(rows[-1], flush=True)
