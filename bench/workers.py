@@ -178,6 +178,38 @@ def per_rank(scale: int, calls: int, ranks: str, rounds: int = 5) -> tuple[float
     return sums[0] / (rounds * calls), sums[1] / (rounds * calls), sums[2] / (rounds * calls)
 
 
+def _bare_all_to_all(rank: int, port: int, shape: tuple[int, ...], count: int, found) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    parts = torch.randn(shape)
+    arrived = torch.empty_like(parts)
+    for _ in range(20):
+        torch.distributed.all_to_all_single(arrived, parts)
+    torch.distributed.barrier()
+    cpu = time.process_time()
+    for _ in range(count):
+        torch.distributed.all_to_all_single(arrived, parts)
+    found.put((rank, (time.process_time() - cpu) / count))
+    torch.distributed.destroy_process_group()
+
+
+def collective_cost(shape: tuple[int, ...] = (2, 64, 3, 1, 2, 16), count: int = 1000) -> float:
+    """Process CPU seconds (gloo's threads included) of one bare gloo all-to-all between two processes on loopback,
+    of the tiny Flux's stacked queries, keys and values (``shape``), the mean of the two ranks: the floor a
+    sequence split's collective costs the host here, whatever pipemap does around it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    found = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_bare_all_to_all, args=(port, shape, count, found), nprocs=2, start_method="spawn")
+    return sum(found.get()[1] for _ in range(2)) / 2
+
+
 def per_rank_table(scales: tuple[int, ...], calls: int) -> str:
     rows = ["| transformer | ranks | plain call CPU (ms) | rank 0 CPU (ms) | other rank CPU (ms) | rank 0 / plain | "
             "other / plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -187,6 +219,13 @@ def per_rank_table(scales: tuple[int, ...], calls: int) -> str:
             rows.append(f"| flux x{scale}, sequence over 2 | {ranks} | {plain * 1e3:.2f} | {first * 1e3:.2f} | "
                         f"{other * 1e3:.2f} | {first / plain:.2f} | {other / plain:.2f} |")
             print(rows[-1], flush=True)
+    bare, model = collective_cost(), tiny.build("flux").transformer
+    count = 2 * (len(model.transformer_blocks) + len(model.single_transformer_blocks)) + 1
+    rows += ["", f"gloo alone: one bare all-to-all of the tiny Flux's stacked queries, keys and values costs each of "
+             f"two processes {bare * 1e6:.0f} us of CPU (gloo's threads included); a tiny Flux call's split makes "
+             f"{count} collectives (two per attention layer, one gather): {count * bare * 1e3:.2f} ms a rank, "
+             "before any of pipemap's own work"]
+    print(rows[-1], flush=True)
     return "\n".join(rows)
 
 
