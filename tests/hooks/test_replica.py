@@ -181,12 +181,18 @@ def _worker_children() -> list[psutil.Process]:
             and p.status() != psutil.STATUS_ZOMBIE]
 
 
+
+def _two_loads(folder):
+    """The pipeline in ``folder`` loaded twice (plain and to be placed), progress bars off."""
+    loads = DiffusionPipeline.from_pretrained(folder), DiffusionPipeline.from_pretrained(folder)
+    for each in loads:
+        each.set_progress_bar_config(disable=True)
+    return loads
+
 @pytest.mark.slow
 def test_a_folder_s_unet_on_a_worker_equals_plain_diffusers_follows_a_change_and_stops_at_reset(on_workers, tmp_path):
     folder = tiny.save("sd", tmp_path / "sd", variant_fp16=False)
-    plain, pipe = DiffusionPipeline.from_pretrained(folder), DiffusionPipeline.from_pretrained(folder)
-    for each in (plain, pipe):
-        each.set_progress_bar_config(disable=True)
+    plain, pipe = _two_loads(folder)
     calls = _calls(plain, "sd")
     wanted = [_images(plain, call) for call in calls]
     hook = _dispatched(pipe)
@@ -322,9 +328,7 @@ def test_a_pair_the_copy_check_staged_runs_its_replica_workers_staged_and_equal_
     from pipemap.runtime import transfer
 
     folder = tiny.save("sd", tmp_path / "sd", variant_fp16=False)
-    plain, pipe = DiffusionPipeline.from_pretrained(folder), DiffusionPipeline.from_pretrained(folder)
-    for each in (plain, pipe):
-        each.set_progress_bar_config(disable=True)
+    plain, pipe = _two_loads(folder)
     call = tiny.default_call(plain, "sd")
     want = _images(plain, call)
     planned = plan_bytes(pipe)
