@@ -280,3 +280,37 @@ def test_a_replica_worker_of_a_process_under_the_fake_cuda_runs_its_cuda_branch_
         torch.testing.assert_close(fakecuda.host(got), want, atol=1e-4, rtol=0)
     finally:
         pipemap.reset(pipe)
+
+
+def test_a_worker_that_cannot_take_its_gpu_says_why_and_what_to_do_before_it_says_it_lives():
+    # this CPU build's CUDA refuses ``set_device`` as a forked worker's CUDA does when the forkserver initialised
+    # CUDA before the fork: rank 0 gets the worker's own error, typed, with the way out (a fresh start)
+    from pipemap.errors import WorkerCallError
+    from pipemap.hooks.worker import Source
+    from pipemap.hooks.workers import Workers
+
+    module = torch.nn.Linear(3, 2)
+    workers = Workers("m", torch.device("cpu"), (torch.device("cuda:1"),))
+    try:
+        with pytest.raises(WorkerCallError) as caught:
+            workers.sync(module, Source.of(module))
+    finally:
+        workers.close()
+    assert caught.value.phase == "start" and "set_device" in caught.value.remote_traceback
+    assert "PIPEMAP_WORKER_START=spawn" in caught.value.remote_traceback
+    assert not workers.running
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_a_worker_s_start_checks_cuda_by_nvml_and_leaves_the_caller_s_environment_as_it_was(monkeypatch, before):
+    # the forkserver starts with the first worker and inherits the environment of that moment: torch's NVML check
+    # then answers ``torch.cuda.is_available()`` in a module it imports without initialising CUDA before its forks
+    from pipemap.hooks.launch import NVML_ENV, _nvml_check
+
+    if before is None:
+        monkeypatch.delenv(NVML_ENV, raising=False)
+    else:
+        monkeypatch.setenv(NVML_ENV, before)
+    with _nvml_check():
+        assert os.environ[NVML_ENV] == "1"
+    assert os.environ.get(NVML_ENV) == before

@@ -85,7 +85,7 @@ class _Spawn:
         # the caller's environment as it is now: a forkserver's children inherit the server's, read once at its start
         process = context.Process(target=serve, name=f"pipemap-{component}-rank{start.rank}", daemon=True,
                                   args=(start, theirs, os.getpid(), dict(os.environ)))
-        with _without_main():
+        with _without_main(), _nvml_check():
             process.start()
         theirs.close()
         return _Spawned(process), ours
@@ -143,6 +143,26 @@ def _context(module: str) -> Any:
         # read when the server starts (the first worker of this process): later calls change nothing
         context.set_forkserver_preload([*PRELOAD, module])
     return context
+
+
+NVML_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+@contextlib.contextmanager
+def _nvml_check():
+    """torch's CUDA check by NVML while a worker starts, so that the forkserver, which starts with the first worker
+    and inherits this environment then, answers ``torch.cuda.is_available()`` in a module it imports without
+    initialising CUDA (which a forked worker could not use). The worker itself runs with the caller's environment
+    (``serve``'s ``environ``), and the caller's is as it was after the start."""
+    before = os.environ.get(NVML_ENV)
+    os.environ[NVML_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NVML_ENV, None)
+        else:
+            os.environ[NVML_ENV] = before
 
 
 @contextlib.contextmanager

@@ -117,8 +117,12 @@ def serve(start: Start, pipe, parent: int | None, environ: dict[str, str] | None
         os.environ[P2P_ENV] = "1"
     os.environ.setdefault(NCCL_ERRORS_ENV, "2")  # a watchdog timeout aborts the communicator, not this process
     device = torch.device(start.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    except Exception:  # rank 0 raises it (``WorkerCallError``), with the worker's trace and what to do
+        pipe.send(("error", traceback.format_exc() + CUDA_IN_SERVER, False))
+        return
     hello = {"pid": os.getpid(), "host": socket.gethostname(), "staged": start.staged, "gloo": start.gloo,
              P2P_ENV: os.environ.get(P2P_ENV), "setup": setup}
     pipe.send(("ready", hello))  # alive: the load that follows has a bound of its own (WP7)
@@ -143,6 +147,11 @@ def serve(start: Start, pipe, parent: int | None, environ: dict[str, str] | None
         except Exception as err:
             pipe.send(("error", traceback.format_exc(), isinstance(err, torch.OutOfMemoryError)))
 
+
+CUDA_IN_SERVER = (
+    "\nThis worker could not take its GPU. Where it was forked by pipemap's forkserver, something the server imported "
+    "(the component's model module, or a module of a PIPEMAP_WORKER_SETUP) initialised CUDA before the fork; start "
+    "workers fresh instead: PIPEMAP_WORKER_START=spawn.")
 
 SETUP_ENV = "PIPEMAP_WORKER_SETUP"
 
