@@ -219,6 +219,42 @@ def test_the_hook_by_hand_hits_misses_and_always_returns_the_plain_result():
     assert hook.replicas == [] and not hasattr(module, "_hf_hook") and "forward" not in module.__dict__
 
 
+def test_a_copy_that_misses_every_call_starts_fewer_ahead_says_so_and_starts_each_again_after_a_hit():
+    from pipemap.hooks import ranks_report
+    from pipemap.hooks.guidance import BACKOFF_AFTER, BACKOFF_MOST
+
+    module = Doubler()
+    hook = GuidanceHook.for_placement(Placement("m", "cpu", 0, "guidance", replicas=("cpu",)), "cpu", None)
+    hook_component(module, hook)
+    started: list[int] = []
+    submit = hook.live_ranks().submit
+    hook.live_ranks().submit = lambda *a, **k: started.append(1) or submit(*a, **k)
+    cond, step = torch.ones(2), iter(range(1000))
+
+    def run(steps: int, fresh_second: bool) -> None:  # each step: the first call, then the second
+        for _ in range(steps):
+            i = next(step)
+            latents, second = torch.full((2,), float(i)), torch.full((2,), -1.0 - i if fresh_second else -1.0)
+            for context in (cond, second):
+                torch.testing.assert_close(module(latents, context=context), latents * 2 + context, atol=0, rtol=0)
+
+    with torch.no_grad():
+        run(40, fresh_second=True)  # each second call brings a context never seen before: every start misses
+        assert hook.hits == 0 and BACKOFF_AFTER <= hook.misses <= BACKOFF_AFTER + 40 // BACKOFF_MOST + 2
+        assert len(started) + hook.held_back == 39  # every step but the first predicts its second call
+        run(2 * BACKOFF_MOST + 2, fresh_second=False)  # the second calls repeat: a try hits, then every start
+        misses, held_back, hits = hook.misses, hook.held_back, hook.hits
+        assert hits >= 1
+        run(10, fresh_second=False)
+    assert (hook.hits, hook.misses, hook.held_back) == (hits + 10, misses, held_back)
+    assert hook.hits + hook.misses == len(started)  # each call started ahead was taken or missed
+    report = ranks_report(hook)
+    assert (report["ahead_hits"], report["ahead_misses"], report["ahead_held_back"]) == (hook.hits, hook.misses,
+                                                                                     hook.held_back)
+    assert f"missed {BACKOFF_AFTER} in a row" in report["ahead_note"]
+    unhook_component(module)
+
+
 def test_a_plan_of_guidance_mode_round_trips_and_places_the_copy():
     plan = Plan("parallel", (Placement("transformer", "cuda:0", 10, "guidance", replicas=("cuda:1",)),),
                 (DeviceUse("cuda:0", 100, 100, 10), DeviceUse("cuda:1", 100, 100, 10)), "cuda:0")

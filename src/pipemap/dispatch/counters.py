@@ -12,7 +12,8 @@ from ..hooks import Moved, ledger_of, ranks_report
 def stats(pipe, reset: bool = False) -> dict[str, dict[str, Any]]:
     """What each component's hook counted since dispatch: ``{component: {"calls", "h2d_bytes", "d2h_bytes"}}``;
     for a split component also what runs its other ranks and why (``"ranks"``, ``"ranks_why"``; ``"exchange"``
-    where its ranks exchange through host memory: ``hooks.ranks_report``).
+    where its ranks exchange through host memory; for a guidance copy its calls started ahead: ``ahead_hits``,
+    ``ahead_misses``, ``ahead_held_back`` and a note where it held calls back: ``hooks.ranks_report``).
 
     Bytes are weights moved (inputs and outputs are not counted); ``reset=True`` zeroes the counters after reading.
 

@@ -142,7 +142,7 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
     return make
 
 
-def ranks_report(hook: Any) -> dict[str, str]:
+def ranks_report(hook: Any) -> dict[str, Any]:
     """What runs a split component's other ranks, as ``pipemap.stats`` reports it: ``ranks`` (``"process"``,
     ``"ray"`` or ``"thread"``), ``ranks_why`` and, where the copy check staged a pair of its devices, ``exchange``
     (its ranks exchange through host memory). Empty for a hook that keeps no copies."""
@@ -157,7 +157,10 @@ def ranks_report(hook: Any) -> dict[str, str]:
         why = "asked for (ranks='thread' or PIPEMAP_WORKERS=thread), or the dry run's stand-ins"
     else:
         why = "asked for by name" if hook.asked else "ranks='auto': worker processes wherever a plan splits"
-    report = {"ranks": runtime, "ranks_why": why}
+    report: dict[str, Any] = {"ranks": runtime, "ranks_why": why}
+    ahead = getattr(hook, "ahead_report", None)
+    if ahead is not None:  # a guidance copy: its calls started ahead
+        report |= ahead()
     devices_text = [str(hook.device), *(str(d) for d in devices)]
     staged = transfer.exchange_line(hook.component, devices_text)
     return report | ({"exchange": staged} if staged else {})

@@ -69,18 +69,28 @@ class Branches:
     history: deque = field(default_factory=lambda: deque(maxlen=2))
     ahead: tuple[Inputs, Any] | None = None  # the inputs and the ``ranks.Pending`` of the call started ahead
     compared: dict = field(default_factory=dict)  # two tensors' values compared, by identity and version (``predict``)
+    missed: int = 0  # calls started ahead and missed, in a row
+    rest: int = 0  # predicted calls to let pass before the next start ahead (after ``BACKOFF_AFTER`` misses)
+
+
+BACKOFF_AFTER = 3  # misses in a row after which the copy starts calls ahead only now and then
+BACKOFF_MOST = 8  # the most predicted calls let pass between two tries (at worst a ninth of the steps wasted)
 
 
 class GuidanceHook(CopiesHook):
     """A denoiser on ``device`` with a copy on ``replicas[0]``, which runs each step's second call ahead of time.
 
-    ``hits`` and ``misses`` count the calls started ahead that were used and those that were not.
+    ``hits`` and ``misses`` count the calls started ahead that were used and those that were not. After
+    ``BACKOFF_AFTER`` misses in a row (a pipeline whose second call a step is not what the last step's was), the copy
+    lets 1, 2, 4, ... (at most ``BACKOFF_MOST``) predicted calls pass between two tries, so a copy that misses every
+    call stops computing for nothing; a hit starts every call ahead again. ``held_back`` counts the calls let pass,
+    and ``pipemap.stats`` says so (``ahead_report``).
     """
 
     def __init__(self, component: str, device: str, execution_device: str, replicas: tuple[str, ...],
                  runtime: str = "thread", asked: bool = False):
         super().__init__(component, device, execution_device, replicas, runtime, asked)
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.held_back = 0
         self._threads: dict[int, Branches] = {}
         self._home: torch.nn.Module | None = None
         self._made: Signature | None = None  # the model's signature when the copy was made from it
@@ -118,7 +128,7 @@ class GuidanceHook(CopiesHook):
             upcoming = predict(tuple(branches.history), inputs, branches.compared)
             # asked once a step, before a call starts ahead (a step callback runs between steps, after the call
             # started ahead was taken): a model walked whole, a few ms for a Flux-sized one
-            if upcoming is not None and self.copy_is_current():
+            if upcoming is not None and self._may_start(branches) and self.copy_is_current():
                 branches.ahead = (upcoming, self._start(upcoming))
             result = self.forward_own(*args, **kwargs)
         branches.history.append(inputs)
@@ -133,12 +143,36 @@ class GuidanceHook(CopiesHook):
             try:
                 result = move(pending.result()[0], self.device)  # copied home here, where it is used (G2)
             except Exception:  # the copy failed (its GPU out of memory): the call runs as usual
-                self.misses += 1
-                return _MISSING
-            self.hits += 1
+                return self._missed(branches)
+            self.hits, branches.missed = self.hits + 1, 0
             return result
+        return self._missed(branches)
+
+    def _missed(self, branches: Branches) -> Any:
         self.misses += 1
+        branches.missed += 1
+        if branches.missed >= BACKOFF_AFTER:
+            branches.rest = min(2 ** (branches.missed - BACKOFF_AFTER), BACKOFF_MOST)
         return _MISSING
+
+    def _may_start(self, branches: Branches) -> bool:
+        """Whether a predicted call starts ahead now, or is let pass (after misses in a row)."""
+        if branches.rest:
+            branches.rest -= 1
+            self.held_back += 1
+            return False
+        return True
+
+    def ahead_report(self) -> dict[str, Any]:
+        """The calls started ahead, as ``pipemap.stats`` reports them."""
+        report: dict[str, Any] = {"ahead_hits": self.hits, "ahead_misses": self.misses}
+        if self.held_back:
+            report["ahead_held_back"] = self.held_back
+            report["ahead_note"] = (
+                f"{self.held_back} predicted calls were not started ahead: the copy's calls missed {BACKOFF_AFTER} "
+                "in a row (the second call of a step was not what the step before's was, or none came), so it "
+                f"tries again only after 1, 2, 4, ... (at most {BACKOFF_MOST}) calls, and at every call after a hit")
+        return report
 
     def _start(self, upcoming: Inputs) -> Any:  # a ``ranks.Pending``
         """The call ``upcoming`` started on the copy's rank (a worker that is gone: a miss, the call runs here)."""
