@@ -140,48 +140,92 @@ def transformer_inputs(pipe, call: dict) -> tuple[tuple, dict]:
     return captured["inputs"]
 
 
-def per_rank(scale: int, calls: int, ranks: str) -> tuple[float, float]:
-    """Host CPU seconds per transformer call (the tiny Flux's, channels x ``scale``) of rank 0 and of the other rank
-    of a sequence split over two ranks on the CPU (``ranks``: "thread" or "process"); of a plain call with "plain".
-    With threads, rank 0 is the calling thread's CPU time and the other rank the rest of the process's (its thread);
-    with processes, rank 0 is the caller's process (gloo's threads included) and the other the worker's. Totals over
-    ``calls`` calls, divided: psutil reads a child's CPU time in 10 ms steps."""
+def _host(model, inputs, kwargs, calls: int, workers: list[psutil.Process]) -> tuple[float, float, float]:
+    """CPU seconds of ``calls`` calls: the calling thread's, the process's, the workers'."""
+    mine, process, theirs = time.thread_time(), time.process_time(), _cpu(workers)
+    for _ in range(calls):
+        model(*inputs, **kwargs)
+    return time.thread_time() - mine, time.process_time() - process, _cpu(workers) - theirs
+
+
+def per_rank(scale: int, calls: int, ranks: str, rounds: int = 5) -> tuple[float, float, float]:
+    """Host CPU seconds per transformer call (the tiny Flux's, channels x ``scale``) of a plain call, and of rank 0
+    and of the other rank of a sequence split over two ranks on the CPU (``ranks``: "thread" or "process"). The
+    plain transformer (a second build, same weights) and the split one run in the same process, in alternating
+    rounds of ``calls`` calls each, so that both see the same machine (a shared one's load moves a plain call's CPU
+    time by 1.5x from one minute to the next). With threads, rank 0 is the calling thread's CPU time and the other
+    rank the rest of the process's (its thread); with processes, rank 0 is the caller's process (gloo's threads
+    included) and the other the worker's. psutil reads a child's CPU time in 10 ms steps: totals, divided."""
     pipe, call, _ = case("flux", scale, 1)
     inputs, kwargs = transformer_inputs(pipe, call)
-    model = pipe.transformer
+    plain, model = case("flux", scale, 1)[0].transformer, pipe.transformer
+    sums = [0.0, 0.0, 0.0]
     try:
         with torch.no_grad():
-            if ranks != "plain":
-                os.environ["PIPEMAP_WORKERS"] = ranks
-                pipemap.dispatch(pipe, with_copy(pipe, "sequence", "transformer").remap(onto("cpu")))
+            os.environ["PIPEMAP_WORKERS"] = ranks
+            pipemap.dispatch(pipe, with_copy(pipe, "sequence", "transformer").remap(onto("cpu")))
             for _ in range(3):
-                model(*inputs, **kwargs)
-            hook = getattr(model, "_hf_hook", None)
-            workers = [psutil.Process(pid) for pid in getattr(hook, "pids", list)()]
-            mine, process, theirs = time.thread_time(), time.process_time(), _cpu(workers)
-            for _ in range(calls):
-                model(*inputs, **kwargs)
-            mine, process = time.thread_time() - mine, time.process_time() - process
-            theirs = _cpu(workers) - theirs
+                model(*inputs, **kwargs), plain(*inputs, **kwargs)
+            workers = [psutil.Process(pid) for pid in getattr(model._hf_hook, "pids", list)()]
+            for _ in range(rounds):
+                sums[0] += _host(plain, inputs, kwargs, calls, [])[0]
+                mine, process, theirs = _host(model, inputs, kwargs, calls, workers)
+                sums[1] += mine if ranks == "thread" else process
+                sums[2] += process - mine if ranks == "thread" else theirs
     finally:
-        if ranks != "plain":
-            pipemap.reset(pipe)
+        pipemap.reset(pipe)
         os.environ.pop("PIPEMAP_WORKERS", None)
-    if ranks == "thread":
-        return mine / calls, (process - mine) / calls
-    return process / calls, theirs / calls
+    return sums[0] / (rounds * calls), sums[1] / (rounds * calls), sums[2] / (rounds * calls)
+
+
+def _bare_all_to_all(rank: int, port: int, shape: tuple[int, ...], count: int, found) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    parts = torch.randn(shape)
+    arrived = torch.empty_like(parts)
+    for _ in range(20):
+        torch.distributed.all_to_all_single(arrived, parts)
+    torch.distributed.barrier()
+    cpu = time.process_time()
+    for _ in range(count):
+        torch.distributed.all_to_all_single(arrived, parts)
+    found.put((rank, (time.process_time() - cpu) / count))
+    torch.distributed.destroy_process_group()
+
+
+def collective_cost(shape: tuple[int, ...] = (2, 64, 3, 1, 2, 16), count: int = 1000) -> float:
+    """Process CPU seconds (gloo's threads included) of one bare gloo all-to-all between two processes on loopback,
+    of the tiny Flux's stacked queries, keys and values (``shape``), the mean of the two ranks: the floor a
+    sequence split's collective costs the host here, whatever pipemap does around it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    found = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_bare_all_to_all, args=(port, shape, count, found), nprocs=2, start_method="spawn")
+    return sum(found.get()[1] for _ in range(2)) / 2
 
 
 def per_rank_table(scales: tuple[int, ...], calls: int) -> str:
     rows = ["| transformer | ranks | plain call CPU (ms) | rank 0 CPU (ms) | other rank CPU (ms) | rank 0 / plain | "
             "other / plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for scale in scales:
-        plain, _ = per_rank(scale, calls, "plain")
         for ranks in ("thread", "process"):
-            first, other = per_rank(scale, calls, ranks)
+            plain, first, other = per_rank(scale, calls, ranks)
             rows.append(f"| flux x{scale}, sequence over 2 | {ranks} | {plain * 1e3:.2f} | {first * 1e3:.2f} | "
                         f"{other * 1e3:.2f} | {first / plain:.2f} | {other / plain:.2f} |")
             print(rows[-1], flush=True)
+    bare, model = collective_cost(), tiny.build("flux").transformer
+    count = 2 * (len(model.transformer_blocks) + len(model.single_transformer_blocks)) + 1
+    rows += ["", f"gloo alone: one bare all-to-all of the tiny Flux's stacked queries, keys and values costs each of "
+             f"two processes {bare * 1e6:.0f} us of CPU (gloo's threads included); a tiny Flux call's split makes "
+             f"{count} collectives (two per attention layer, one gather): {count * bare * 1e3:.2f} ms a rank, "
+             "before any of pipemap's own work"]
+    print(rows[-1], flush=True)
     return "\n".join(rows)
 
 

@@ -853,6 +853,8 @@ class HostMode(TorchFunctionMode):
 
     def _call(self, func, args, kwargs):
         first = args[0] if args else None
+        if func in _COLLECTIVES and any(isinstance(t, CudaTensor) for t in tree_flatten(args[:2])[0]):
+            return _COLLECTIVES[func](self, *args, **kwargs)
         if isinstance(first, CudaTensor) and func in _GUARDED:
             return _GUARDED[func](self.fake, *args, **kwargs)
         if func in _KERNELS and any(isinstance(t, CudaTensor) for t in tree_flatten((args, kwargs))[0]):
@@ -894,6 +896,36 @@ def _set_data_host(fake: FakeCuda, func, tensor, value):
 
 def _no_grad(fake: FakeCuda, func, tensor, *args, **kwargs):
     return tensor if isinstance(tensor, CudaTensor) else func(tensor, *args, **kwargs)
+
+
+def _python_group(group) -> bool:
+    """A group whose collectives are Python code (pipemap's thread ranks), not a C++ backend's (gloo, NCCL)."""
+    return type(group).__module__.split(".")[0] != "torch"
+
+
+def _all_to_all(mode: HostMode, output, input, *args, group=None, **kwargs):  # noqa: A002 (torch's name)
+    """torch.distributed's all-to-all on fake GPU tensors. A group of Python ranks runs its own code on them under
+    the fake (its copies and streams checked); a C++ backend between worker processes (gloo: the fake has no NCCL)
+    is handed the host's view, as gloo stages a GPU tensor through host memory, and the result copied back."""
+    if _python_group(group):
+        with mode:
+            return group.all_to_all_single(output, input, [], []).wait()
+    arrived = torch.empty_like(output.inner)
+    torch.distributed.all_to_all_single(arrived, _to_host(mode.fake, input), *args, group=group, **kwargs)
+    with mode:
+        output.copy_(arrived)
+
+
+def _all_gather(mode: HostMode, outputs, input, group=None, **kwargs):  # noqa: A002 (torch's name)
+    """torch.distributed's all-gather into a list, on fake GPU tensors: as ``_all_to_all``."""
+    if _python_group(group):
+        with mode:
+            return group.allgather([outputs], [input]).wait()
+    arrived = [torch.empty_like(o.inner) for o in outputs]
+    torch.distributed.all_gather(arrived, _to_host(mode.fake, input), group=group, **kwargs)
+    with mode:
+        for output, part in zip(outputs, arrived):
+            output.copy_(part)
 
 
 def _to_host(fake: FakeCuda, tensor: CudaTensor) -> torch.Tensor:
@@ -964,6 +996,7 @@ _KERNELS = {torch.nn.functional.scaled_dot_product_attention, torch.quantile, to
 _HOST = {torch.tensor: _tensor, torch.Tensor.to: _to, torch.Tensor.cuda: _to, _SET_DATA: _set_data_host,
          torch.Tensor.requires_grad_: _no_grad, _SET_GRAD_ATTR: _no_grad, torch.where: _where,
          torch.Tensor.pin_memory: lambda fake, func, t: t}
+_COLLECTIVES = {torch.distributed.all_to_all_single: _all_to_all, torch.distributed.all_gather: _all_gather}
 _GUARDED = {
     torch.Tensor.copy_: lambda fake, t, src, non_blocking=False: aten.copy_.default(t, src, non_blocking),
     torch.Tensor.item: lambda fake, t: _to_host(fake, t).item(),

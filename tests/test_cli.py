@@ -85,6 +85,16 @@ def test_run_generates_an_image_with_an_offloading_plan(tiny_folders, tmp_path):
     assert Image.open(output).size == (32, 32)
 
 
+def test_run_with_parallel_plans_for_the_call_it_makes_not_the_default_one(flux_folder, tmp_path):
+    output = tmp_path / "run.png"
+    result = pipemap_cli("run", flux_folder, "--prompt", "a tiny cat", "--hardware", "2x64MiB,cpu=4GiB",
+                         "--strategy", "parallel", "--steps", "2", "--height", "64", "--width", "64", "--ranks",
+                         "thread", "--output", str(output))
+    assert result.returncode == 0, result.stderr
+    assert "chosen for the call 64x64, 2 steps" in " ".join(result.stdout.split())
+    assert Image.open(output).size == (64, 64)
+
+
 def test_serve_flags_become_the_services_options(monkeypatch, tmp_path, capsys):
     pytest.importorskip("uvicorn", reason="pipemap serve needs uvicorn: pip install -e '.[serve]'")
     import pipemap.serve

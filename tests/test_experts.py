@@ -90,16 +90,23 @@ def test_a_tiny_two_expert_wan_placed_runs_as_plain(wan22, strategy):
     pipemap.reset(pipe)
 
 
-def test_a_tiny_two_expert_wan_in_parallel_copies_both_experts_and_runs_as_plain(wan22):
+@pytest.mark.parametrize("ranks", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_tiny_two_expert_wan_in_parallel_copies_both_experts_and_runs_as_plain(wan22, ranks):
     # two GPUs with room for both experts beside the rest: "parallel" gives each expert its guidance copy (each
-    # step's second call on cuda:1, whichever expert the step runs), not the first expert alone
-    folder, call, reference, _ran = wan22
+    # step's second call on cuda:1, whichever expert the step runs), not the first expert alone; on threads and on
+    # worker processes (a worker per expert's copy, each used at the steps of its expert)
+    folder, call, reference, ran = wan22
     inventory = pipemap.inspect(folder)
     room = int(1.05 * sum(c.bytes for c in inventory.models))
     plan = pipemap.plan(folder, hardware=f"2x{room}B,cpu=1GiB", strategy="parallel", headroom=0.0)
     for name in experts.EXPERTS:
         assert (plan.placement(name).mode, plan.placement(name).replicas) == ("guidance", ("cuda:1",))
     assert any("transformer_2, the second expert" in note and "copied the same way" in note for note in plan.notes)
-    pipe = pipemap.load(folder, plan=plan.remap(ON_CPU), progress=False)
+    pipe = pipemap.load(folder, plan=plan.remap(ON_CPU), progress=False, ranks=ranks)
     torch.testing.assert_close(families.output(pipe(**families.fresh(call))), reference, atol=1e-5, rtol=0)
+    hooks = {name: getattr(pipe, name)._hf_hook for name in experts.EXPERTS}
+    for name, hook in hooks.items():
+        # each step's second call from the copy, but the expert's first step's (nothing was started ahead yet)
+        assert hook.runtime == ranks and (hook.hits, hook.misses) == (ran[name] // 2 - 1, 0)
+        assert (len(hook.pids()) == 1) == (ranks == "process")
     pipemap.reset(pipe)

@@ -9,8 +9,9 @@ import torch
 import pipemap
 from helpers import pipeline_state, plain_pipeline, run
 from pipemap import hooks
-from pipemap.hooks import HOOKS, MOVING, Ledger, hook_maker, stream
+from pipemap.hooks import HOOKS, Ledger, hook_maker, stream
 from pipemap.hooks.guidance_sequence import GuidanceSequenceHook
+from pipemap.modes import facts
 from pipemap.plan import MODES, DeviceUse, Placement, Plan
 from pipemap.runtime import streams
 
@@ -33,7 +34,7 @@ PLAN = Plan("balanced", tuple(PLACEMENTS.values()), (DeviceUse("cpu", 1000, 1000
 
 def test_every_mode_has_a_hook_and_every_hook_a_mode():
     assert set(HOOKS) == set(MODES) == set(PLACEMENTS)
-    assert set(MOVING) == {"offload", "stream"}
+    assert {m for m in HOOKS if facts(m).moves_weights} == {"offload", "stream"}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -42,7 +43,7 @@ def test_each_mode_makes_its_own_hook_from_the_placement(mode):
     hook = HOOKS[mode](placement, "cpu", Ledger())
     assert type(hook) is CLASSES[mode] and isinstance(hook, hooks.PlacementHook)
     assert hook.component == placement.component and hook.execution_device == torch.device("cpu")
-    if mode in MOVING:
+    if facts(mode).moves_weights:
         assert hook.room == placement.room
 
 
@@ -51,7 +52,7 @@ def test_hook_maker_gives_the_moving_hooks_one_ledger_and_one_lock():
     made = {p.mode: make(p) for p in PLAN.components}
     offload, streamed = made["offload"], made["stream"]
     assert offload.ledger is streamed.ledger and offload.lock is streamed.lock
-    locks = {id(h.lock) for mode, h in made.items() if mode not in MOVING}
+    locks = {id(h.lock) for mode, h in made.items() if not facts(mode).moves_weights}
     assert len(locks) == len(MODES) - 2 and id(offload.lock) not in locks  # the others each keep a lock of their own
     again = hook_maker(PLAN)(PLACEMENTS["offload"])
     assert again.ledger is not offload.ledger and again.lock is not offload.lock  # one of each per dispatch

@@ -366,7 +366,19 @@ def _run(args) -> int:
     _check_output(Path(args.output))
     options = {k: v for k, v in (("num_inference_steps", args.steps), ("height", args.height),
                                  ("width", args.width)) if v}
-    return generate(_request(args), args.prompt, args.seed, options, Path(args.output))
+    return generate(_for_call(_request(args), {"prompt": args.prompt, **options}), args.prompt, args.seed, options,
+                    Path(args.output))
+
+
+def _for_call(request, call: dict):
+    """``request`` planned for the call ``run`` makes, where the plan depends on a call (a measuring dry run,
+    strategy "auto" or "parallel": its size, steps and guidance), not for the pipeline's default call."""
+    import dataclasses
+
+    from .api import PRICED_FOR_CALL
+
+    return dataclasses.replace(request, call=call) if request.measured or request.strategy in PRICED_FOR_CALL \
+        else request
 
 
 def _serve(args) -> int:

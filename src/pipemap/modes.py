@@ -228,11 +228,6 @@ def as_mode(mode: str) -> str:
         return mode
 
 
-def moves_weights(mode: str) -> bool:
-    """Whether a mode's hook moves weights (offload, stream): those share one ledger and take turns."""
-    return facts(mode).moves_weights
-
-
 # ---- what a placement holds, and a device's peak ------------------------------------------------------------------
 
 

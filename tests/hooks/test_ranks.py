@@ -132,8 +132,8 @@ def test_a_made_up_parallel_mode_runs_on_threads_processes_and_in_the_dry_run_eq
     assert processes_gone(pids)
 
 
-# Wan's planned parallel plan on a worker: tests/hooks/test_guidance_workers.py; guidance_sequence's three workers:
-# tests/hooks/test_guidance_sequence_workers.py (both as a user runs them, with no setting but the timeout's)
+# Wan's planned parallel plan on a worker: tests/hooks/test_guidance.py (its worker section); guidance_sequence's
+# three workers: tests/hooks/test_guidance_sequence.py (both as a user runs them, with no setting but the timeout's)
 @pytest.mark.parametrize("name", [pytest.param("flux", marks=pytest.mark.slow), "qwen_image", "sdxl"])
 def test_a_parallel_plan_remapped_runs_its_ranks_in_worker_processes_with_no_setting_and_equals_plain(unset, name):
     pipe, call = _family(name)

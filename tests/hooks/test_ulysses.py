@@ -50,3 +50,50 @@ def test_a_split_s_ranks_meet_twice_per_attention_and_compute_exactly_what_diffu
     torch.testing.assert_close(counted[0], counted[1], atol=0, rtol=0)
     assert diffusers_slot() is FusedUlyssesAttention  # where diffusers looks its Ulysses attention up
     pipemap.reset(pipe)
+
+
+def _both_ranks(groups, work):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        return list(pool.map(work, groups))
+
+
+def test_real_tensors_take_torch_distributed_s_all_to_all_and_arrive_as_the_functional_one_s_do(monkeypatch):
+    from diffusers.models import attention_dispatch
+
+    from pipemap.hooks import exchange as groups_of
+    from pipemap.hooks.ulysses import exchange
+
+    groups = groups_of.thread_groups(2, "test-exchange")
+    parts = [torch.arange(24.0).reshape(2, 3, 4) + 100 * rank for rank in range(2)]
+    try:
+        functional = _both_ranks(groups, lambda g: attention_dispatch._all_to_all_single(parts[g.rank()], g))
+        taken: list[int] = []
+        monkeypatch.setattr(attention_dispatch, "_all_to_all_single", lambda *a: taken.append(1))
+        direct = _both_ranks(groups, lambda g: exchange(parts[g.rank()], g))
+    finally:
+        groups_of.release(groups)
+    assert not taken  # straight to the group: no functional op, no autograd wrapping, no wait
+    for rank in range(2):
+        torch.testing.assert_close(direct[rank], functional[rank], atol=0, rtol=0)
+        torch.testing.assert_close(direct[rank], torch.stack([parts[0][rank], parts[1][rank]]), atol=0, rtol=0)
+
+
+def test_stand_in_tensors_take_the_functional_all_to_all_whose_fake_tensor_rule_shapes_them(monkeypatch):
+    from diffusers.models import attention_dispatch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipemap.hooks import exchange as groups_of
+    from pipemap.hooks.ulysses import exchange
+
+    groups = groups_of.thread_groups(2, "test-exchange-fake")
+    functional = attention_dispatch._all_to_all_single
+    taken: list[int] = []
+    monkeypatch.setattr(attention_dispatch, "_all_to_all_single", lambda *a: taken.append(1) or functional(*a))
+    try:
+        with FakeTensorMode():
+            out = exchange(torch.empty(2, 3, 4), groups[0])  # one rank alone: a fake collective only shapes
+    finally:
+        groups_of.release(groups)
+    assert taken == [1] and out.shape == (2, 3, 4)

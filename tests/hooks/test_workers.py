@@ -1,6 +1,7 @@
 """The worker machinery (``hooks/workers.py``): its settings, the exact digest, tensors left out of a pickle and
 put back, the first copy loaded from a folder; workers over a plain module (slow: it starts one). The hooks on
-workers run in ``test_replica_workers.py``, ``test_guidance_workers.py``, ``test_sequence_workers.py``."""
+workers run in each mode's test file (``test_replica.py``, ``test_guidance.py``, ``test_sequence.py``,
+``test_guidance_sequence.py``: their sections on worker processes)."""
 
 from __future__ import annotations
 

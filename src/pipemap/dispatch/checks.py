@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import ArgumentTypeError, PipelineMappedError, PlanMismatchError
 from ..hooks import PlacementHook
-from ..modes import moves_weights
+from ..modes import facts
 from ..plan import Plan
 from ..quantized import movable, storage
 from ..runtime.placed import planned
@@ -41,7 +41,7 @@ def check_plan(pipe, plan: Plan, shared: bool = False) -> dict[str, torch.nn.Mod
                                     f"{', '.join(modules)})")
     check_standins(modules, plan)
     for p in plan.components:
-        if moves_weights(p.mode):
+        if facts(p.mode).moves_weights:
             _check_movable(p.component, modules[p.component])
     return modules
 

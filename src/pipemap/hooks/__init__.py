@@ -27,14 +27,14 @@ process (``threads.py``, meeting in ``exchange.py``'s in-process group; always o
 worker process per GPU over ``torch.distributed`` (``workers.py`` rank 0's end, ``worker.py`` a worker's,
 ``groups.py``, ``payload.py``, ``launch.py``; Ray actors: ``ray_workers.py``). ``dispatch`` checks, places and
 undoes; it knows no mode but through ``HOOKS``. Which hook a mode gets is its row of the mode table
-(``pipemap.modes.TABLE``: ``hook``; ``ranks``: whether it runs ranks); ``HOOKS`` and ``MOVING`` are views of it.
+(``pipemap.modes.TABLE``: ``hook``; ``ranks``: whether it runs ranks); ``HOOKS`` is a view of it.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,26 +100,6 @@ def runtime_of(plan: Plan) -> tuple[str, bool]:
 HOOKS: Mapping[str, Callable[[Placement, str, Any], PlacementHook]] = _Hooks()
 
 
-class _Moving(Sequence):
-    """The modes whose hooks move weights (the table's ``moves_weights``): one ledger, and one call at a time among
-    them. A view of the table, so ``mode in MOVING`` also answers for a mode a test registers."""
-
-    def _modes(self) -> tuple[str, ...]:
-        return tuple(m for m, row in TABLE.items() if row.moves_weights)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._modes()[index]
-
-    def __len__(self) -> int:
-        return len(self._modes())
-
-    def __contains__(self, mode: object) -> bool:
-        return isinstance(mode, str) and mode in TABLE and facts(mode).moves_weights
-
-
-MOVING: Sequence[str] = _Moving()
-
-
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = _hook_class(name)
@@ -152,8 +132,8 @@ def hook_maker(plan: Plan, queues: Callable[[torch.device], Queues] = queues_for
         if TABLE[p.mode].ranks:  # its ranks run by the plan's runtime (``copies.CopiesHook``)
             hook = _imported(TABLE[p.mode].hook).for_placement(p, plan.execution_device, None, *runtime_of(plan))
         else:
-            hook = HOOKS[p.mode](p, plan.execution_device, ledger() if p.mode in MOVING else None)
-        if hook.moves_weights:
+            hook = HOOKS[p.mode](p, plan.execution_device, ledger() if facts(p.mode).moves_weights else None)
+        if facts(p.mode).moves_weights:
             if not locks:
                 locks.append(ledger().lock)
             hook.lock = locks[0]
@@ -204,9 +184,9 @@ def kept_bytes() -> dict[str, int]:
 def ledger_of(hook: Any) -> Ledger | None:
     """The ledger of a hook that moves weights, else None. Asked of the hook, not by ``isinstance(..., Ledger)``: a
     pipeline whose plan moves nothing then never imports the moving code (issue 28)."""
-    return hook.ledger if isinstance(hook, PlacementHook) and hook.moves_weights else None
+    return getattr(hook, "ledger", None) if isinstance(hook, PlacementHook) else None  # only a moving hook has one
 
 
-__all__ = ["HOOKS", "MOVING", "CallLock", "GuidanceHook", "Ledger", "Moved", "OffloadHook", "PlacementHook",
+__all__ = ["HOOKS", "CallLock", "GuidanceHook", "Ledger", "Moved", "OffloadHook", "PlacementHook",
            "ReplicaHook", "SequenceHook", "SplitHook", "StreamHook", "give_back_kept", "hook_component", "hook_maker",
            "kept_bytes", "ranks_report", "runtime_of", "unhook_component"]

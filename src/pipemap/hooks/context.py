@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from diffusers.hooks.context_parallel import (
     ContextParallelGatherHook,
@@ -24,7 +25,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 
 from ..errors import PlanMismatchError, Unsplittable
 from ..replication import SEQUENCE_BROKEN
-from .ulysses import FUSED
+from .ulysses import FUSED, symbolic
 from .ulysses import install as install_fused
 
 _HOOK_NAME = "pipemap-sequence---{}"
@@ -134,8 +135,13 @@ def gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     home = x.device
     if home.type != "cpu" and group.name() == "gloo":  # two ranks on one GPU (``workers.shared_gpu``): gloo's
         x = x.cpu()  # all-gather read a GPU tensor as host memory (a segfault on the H200): through the host
-    joined = funcol.wait_tensor(_all_gather(x.contiguous(), 0, group)).to(home)
-    return torch.cat(joined.chunk(group.size(), dim=0), dim=dim) if dim else joined
+    x = x.contiguous()
+    if symbolic(x):  # stand-ins: the functional op
+        joined = funcol.wait_tensor(_all_gather(x, 0, group)).to(home)
+        return torch.cat(joined.chunk(group.size(), dim=0), dim=dim) if dim else joined
+    parts = [torch.empty_like(x) for _ in range(group.size())]  # as ulysses.exchange: no functional wrapping
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim).to(home)
 
 
 def all_gather_op(functional: Any = funcol) -> Any:

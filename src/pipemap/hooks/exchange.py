@@ -121,7 +121,8 @@ class ThreadGroup(dist.ProcessGroup):
         return self._name
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
-        parts = input.split(list(input_split_sizes))
+        sizes = list(input_split_sizes) or [input.shape[0] // self.size()] * self.size()  # none given: even parts
+        parts = input.split(sizes)
         arrived = self.exchange.push(self._rank, output.device, [[p] for p in parts])
         output.copy_(torch.cat([part for part, in arrived]))
         return _done([output])

@@ -247,7 +247,6 @@ class MovingHook(PlacementHook):
     """
 
     rehooked_on_change = True
-    moves_weights = True
 
     def __init__(self, component: str, device: str, execution_device: str, ledger: Ledger, room: int):
         super().__init__(component, device, execution_device)

@@ -66,7 +66,6 @@ class PlacementHook(ModelHook):
     # (``dispatch.change_check``); True when it followed a change (the hook may have been replaced)
     change_check: Callable[[torch.nn.Module], bool] | None = None
     keeps_copies = False  # its calls run on copies of the model too: a change of plain state alone is followed
-    moves_weights = False  # it onloads weights through a ``moving.Ledger`` (its ``ledger``)
 
     def __init__(self, component: str, device: str, execution_device: str):
         self.component = component

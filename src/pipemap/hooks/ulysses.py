@@ -17,7 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from diffusers.models import attention_dispatch
+from torch._subclasses.fake_tensor import FakeTensor
 
 FUSED = "_pipemap_fused"  # set on a ContextParallelConfig whose Ulysses exchanges take the stacked path
 _ORIGINAL: Any = attention_dispatch.TemplatedUlyssesAttention
@@ -55,7 +57,7 @@ def exchanged_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     batch, tokens, heads, dim = query.shape
     stacked = torch.stack((query, key, value))  # (3, B, S, H, D)
     parts = stacked.reshape(3, batch, tokens, ranks, heads // ranks, dim).permute(3, 2, 0, 1, 4, 5).contiguous()
-    arrived = attention_dispatch._all_to_all_single(parts, group)  # (ranks, S, 3, B, H/ranks, D): by sender
+    arrived = exchange(parts, group)  # (ranks, S, 3, B, H/ranks, D): by sender
     joined = arrived.flatten(0, 1).permute(1, 2, 0, 3, 4).contiguous()  # (3, B, ranks x S, H/ranks, D)
     return joined[0], joined[1], joined[2]
 
@@ -64,8 +66,27 @@ def heads_back(out: torch.Tensor, group: Any, ranks: int) -> torch.Tensor:
     """The attention's output (every token, this rank's heads) back to this rank's tokens, every head."""
     batch, tokens, heads, dim = out.shape
     parts = out.reshape(batch, ranks, tokens // ranks, heads, dim).permute(1, 3, 0, 2, 4).contiguous()
-    arrived = attention_dispatch._all_to_all_single(parts, group)  # (ranks, H/ranks, B, S/ranks, D): by sender
+    arrived = exchange(parts, group)  # (ranks, H/ranks, B, S/ranks, D): by sender
     return arrived.flatten(0, 1).permute(1, 2, 0, 3).contiguous()
+
+
+def symbolic(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a stand-in (meta, a fake tensor) or being traced: where only the functional collectives
+    (with their meta kernels and fake-tensor rules) will do."""
+    return t.is_meta or isinstance(t, FakeTensor) or torch.compiler.is_compiling()
+
+
+def exchange(parts: torch.Tensor, group: Any) -> torch.Tensor:
+    """``parts`` (one slice per rank along the first dimension) sent to their ranks, the slices that arrive in its
+    place. Real tensors take torch.distributed's all-to-all straight into a buffer; tracing and stand-in tensors
+    diffusers' functional one (which meta kernels and FakeTensorMode understand). The functional op goes through
+    Python-registered autograd, its async wrapper and a wait, about 60 us of host a collective (profiled on the
+    tiny Flux's ranks, issue 48), for a result the same bytes."""
+    if symbolic(parts):
+        return attention_dispatch._all_to_all_single(parts, group)
+    arrived = torch.empty_like(parts)
+    dist.all_to_all_single(arrived, parts, group=group)
+    return arrived
 
 
 def install() -> None:

@@ -195,44 +195,53 @@ class _Worker:
     def handle(self, message: tuple, pipe) -> None:
         """Answer one message of rank 0 through ``pipe`` (an output's tensors through the group, after it)."""
         kind, *rest = message
-        if kind == "digests":
-            held = named_tensors(self.module) if self.module is not None else {}
-            pipe.send(("digests", {n: (tuple(t.shape), t.dtype, digest(t)) for n, t in held.items()}))
-        elif kind == "held":  # the bytes of the copy's parameters and buffers (what the plan counts on this device)
-            held = named_tensors(self.module) if self.module is not None else {}
-            pipe.send(("held", sum(t.numel() * t.element_size() for t in held.values())))
-        elif kind == "peak":  # the most its allocator held since the last ask: rank 0's cannot see it (WP9)
-            cuda = self.device.type == "cuda"
-            pipe.send(("peak", torch.cuda.max_memory_allocated(self.device) if cuda else 0))
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-        elif kind == "module":
-            self._module(*rest)
-            pipe.send(("synced", os.getpid()))
-        elif kind == "split":
-            from .context import enable_split  # here: only a sequence split's worker loads the context-parallel code
-
-            if self.module is None:
-                raise RuntimeError("no copy of the component was sent to this worker")
-            rank, members, name = rest
-            group = self.group if members is None else self._subgroup(rank, members, name)
-            enable_split(self.module, rank if members is None else members.index(rank), group)
-            pipe.send(("split", os.getpid()))
-        elif kind == "call":
-            data, wanted, names, state, reply, expected = rest
-            try:
-                output = self._call(data, wanted, names, state)
-            except expected as err:  # the same on every rank (a sequence split's tokens that do not divide)
-                output = Raised(type(err).__name__, str(err))
-            if not reply and not isinstance(output, Raised):
-                output = None
-            data, tensors = packed(output)
-            # the header first: rank 0 allocates from it, then receives the tensors
-            pipe.send(("output", (data, metas(tensors), os.getpid())))
-            for work, _tensor in send_tensors(self.group, tensors, 0, self.through):
-                work.wait()
-        else:
+        answer = _ANSWERS.get(kind)
+        if answer is None:
             raise ValueError(f"unknown message {kind!r}")
+        answer(self, pipe, *rest)
+
+    def _digests(self, pipe) -> None:
+        held = named_tensors(self.module) if self.module is not None else {}
+        pipe.send(("digests", {n: (tuple(t.shape), t.dtype, digest(t)) for n, t in held.items()}))
+
+    def _held(self, pipe) -> None:
+        """The bytes of the copy's parameters and buffers (what the plan counts on this device)."""
+        held = named_tensors(self.module) if self.module is not None else {}
+        pipe.send(("held", sum(t.numel() * t.element_size() for t in held.values())))
+
+    def _peak(self, pipe) -> None:
+        """The most its allocator held since the last ask: rank 0's cannot see it (WP9)."""
+        cuda = self.device.type == "cuda"
+        pipe.send(("peak", torch.cuda.max_memory_allocated(self.device) if cuda else 0))
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _synced(self, pipe, data: bytes, wanted: list[Meta]) -> None:
+        self._module(data, wanted)
+        pipe.send(("synced", os.getpid()))
+
+    def _split(self, pipe, rank: int, members: tuple[int, ...] | None, name: str) -> None:
+        from .context import enable_split  # here: only a sequence split's worker loads the context-parallel code
+
+        if self.module is None:
+            raise RuntimeError("no copy of the component was sent to this worker")
+        group = self.group if members is None else self._subgroup(rank, members, name)
+        enable_split(self.module, rank if members is None else members.index(rank), group)
+        pipe.send(("split", os.getpid()))
+
+    def _answer_call(self, pipe, data: bytes, wanted: list[Meta], names: list[str], state: tuple, reply: bool,
+                     expected: tuple[type[BaseException], ...]) -> None:
+        try:
+            output = self._call(data, wanted, names, state)
+        except expected as err:  # the same on every rank (a sequence split's tokens that do not divide)
+            output = Raised(type(err).__name__, str(err))
+        if not reply and not isinstance(output, Raised):
+            output = None
+        data, tensors = packed(output)
+        # the header first: rank 0 allocates from it, then receives the tensors
+        pipe.send(("output", (data, metas(tensors), os.getpid())))
+        for work, _tensor in send_tensors(self.group, tensors, 0, self.through):
+            work.wait()
 
     def _subgroup(self, rank: int, members: tuple[int, ...], name: str) -> Any:
         start = self.start
@@ -256,6 +265,10 @@ class _Worker:
         with entered(state, self.device):
             return self.module(*args, **kwargs)
 
+
+# what a worker answers to each kind of message of rank 0 (``Workers`` sends them)
+_ANSWERS: dict[str, Any] = {"digests": _Worker._digests, "held": _Worker._held, "peak": _Worker._peak,
+                            "module": _Worker._synced, "split": _Worker._split, "call": _Worker._answer_call}
 
 def caller_state() -> tuple:
     """What of the caller's state a worker's call runs under: grad and inference mode, autocast (per thread), and

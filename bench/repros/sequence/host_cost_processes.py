@@ -9,7 +9,7 @@ import psutil, torch, pipemap
 from helpers import with_copy
 from pipemap import tiny
 sys.path.insert(0, os.path.dirname(__file__))
-from seq_host_cost import transformer_inputs
+from host_cost_threads import transformer_inputs
 
 def children_cpu():
     t = 0.0
