@@ -131,6 +131,15 @@ PUBLISHED = [
     ("wan2.2-t2v-a14b", "transformer", "14B", "Wan 2.2 model card: A14B, a 27B MoE of two 14B experts, 14B active"),
     ("wan2.2-t2v-a14b", "transformer_2", "14B", "Wan 2.2 model card: the low-noise expert, 14B"),
     ("wan2.2-ti2v-5b", "transformer", "5.0B", "Wan 2.2 model card: TI2V-5B, a 5B dense model"),
+    ("qwen-image-edit", "transformer", "20B", "Qwen-Image-Edit model card: built on the 20B Qwen-Image"),
+    ("qwen-image-edit-2509", "transformer", "20B", "Qwen-Image-Edit-2509 model card: Qwen-Image-Edit's 20B, retrained"),
+    ("qwen-image-edit", "text_encoder", "8.29B", "Qwen/Qwen2.5-VL-7B-Instruct on the Hub: 8.29B params"),
+    ("flux.2-dev", "transformer", "32B", "FLUX.2 [dev] model card: a 32 billion parameter flow transformer"),
+    ("flux.2-dev", "text_encoder", "24B", "Mistral Small 3.1/3.2 model card: 24B parameters (its vision tower and "
+     "output head included)"),
+    ("hidream-i1-full", "transformer", "17B", "HiDream-I1 model card: an image generative foundation model with 17B "
+     "parameters"),
+    ("hidream-i1-full", "text_encoder_4", "8.03B", "meta-llama/Llama-3.1-8B-Instruct on the Hub: 8.03B params"),
 ]
 
 
@@ -159,18 +168,27 @@ def test_entries_the_published_figures_round_differently():
     assert _rounds_to(catalog.parameter_count("wan2.2-ti2v-5b")["vae"] * 4, "2.82B")
     # SD 2.1: Stability AI's SD 2 release, "the same number of parameters in the U-Net as 1.5": 865M, truncated
     assert 865e6 <= catalog.parameter_count("sd2.1")["unet"] < 866e6
+    # HiDream-I1 Full's transformer in bf16: Comfy-Org/HiDream-I1_ComfyUI's hidream_i1_full_fp16.safetensors, 34.2 GB
+    # (2 bytes a parameter); its CLIP-L: text_encoder/model.safetensors, 495 MB in fp32; its T5: two shards, 4.99 +
+    # 4.53 GB in bf16
+    hidream = catalog.parameter_count("hidream-i1-full")
+    assert _rounds_to(hidream["transformer"] * 2, "34.2B")
+    assert _rounds_to(hidream["text_encoder"] * 4, "495M")
+    assert _rounds_to(hidream["text_encoder_3"] * 2, "9.52B")
 
 
 # ---- names and aliases ---------------------------------------------------------------------------------------
 
 
 def test_names_are_the_published_pipelines_grouped_by_family():
-    assert len(catalog.names()) >= 20
+    assert len(catalog.names()) == 28
     assert catalog.families() == {
         "CogVideoX": ["cogvideox-2b", "cogvideox-5b"],
         "FLUX.1": ["chroma1-hd", "flux.1-dev", "flux.1-kontext-dev", "flux.1-krea-dev", "flux.1-schnell"],
+        "FLUX.2": ["flux.2-dev"], "HiDream": ["hidream-i1-full"],
         "HunyuanVideo": ["hunyuanvideo"], "LTX-Video": ["ltx-video"], "Lumina": ["lumina-image-2.0"],
-        "PixArt": ["pixart-sigma-xl-2-1024-ms"], "Qwen-Image": ["qwen-image"], "SANA": ["sana-1600m-1024px"],
+        "PixArt": ["pixart-sigma-xl-2-1024-ms"], "SANA": ["sana-1600m-1024px"],
+        "Qwen-Image": ["qwen-image", "qwen-image-edit", "qwen-image-edit-2509"],
         "Stable Diffusion": ["sdxl-turbo", "stable-diffusion-1.5", "stable-diffusion-2.1",
                              "stable-diffusion-3.5-large", "stable-diffusion-3.5-large-turbo",
                              "stable-diffusion-3.5-medium", "stable-diffusion-xl-base-1.0"],
@@ -202,6 +220,8 @@ def test_every_entry_plans_for_two_24_gib_gpus():
     ("sd3.5-medium", "stable-diffusion-3.5-medium"), ("THUDM/CogVideoX-5b", "cogvideox-5b"),
     ("Lightricks/LTX-Video", "ltx-video"), ("hunyuanvideo-community/HunyuanVideo", "hunyuanvideo"),
     ("PixArt-Sigma", "pixart-sigma-xl-2-1024-ms"), ("sana", "sana-1600m-1024px"), ("chroma", "chroma1-hd"),
+    ("Qwen/Qwen-Image-Edit", "qwen-image-edit"), ("qwen-image-edit-plus", "qwen-image-edit-2509"),
+    ("black-forest-labs/FLUX.2-dev", "flux.2-dev"), ("flux2", "flux.2-dev"), ("HiDream", "hidream-i1-full"),
 ])
 def test_resolve_accepts_names_aliases_and_repo_ids_in_any_case(alias, name):
     assert catalog.resolve(alias) == name

@@ -84,6 +84,29 @@ def test_the_scheduler_is_the_published_class_and_config():
         (0.012, 1, True)
 
 
+def test_the_stand_in_tokenizer_formats_messages_for_chat_template_pipelines():
+    # FLUX.2 builds its prompt from messages (apply_chat_template) and pads them to 512 tokens
+    messages = [[{"role": "system", "content": [{"type": "text", "text": "You are an artist"}]},
+                 {"role": "user", "content": [{"type": "text", "text": "a cat"}]}]]
+    found = dryrun_catalog.tokenizer(512).apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt", padding="max_length", truncation=True,
+        max_length=512)
+    assert found["input_ids"].shape == (1, 512) and found["attention_mask"].sum() == 6  # one token a word
+
+
+def test_the_vision_processor_repeats_the_image_token_once_per_merged_patch():
+    # Qwen-Image-Edit's prompt holds one <|image_pad|>, which the processor makes one token per 2x2 merge of the
+    # image's 14-pixel patches: a 448x448 image is 32x32 patches, 256 tokens, at the text encoder's id for them
+    from PIL import Image
+
+    processor = dryrun_catalog._vision_processor(catalog.entries()["qwen-image-edit"])
+    found = processor(text=["describe <|vision_start|><|image_pad|><|vision_end|> a red hat"],
+                      images=[Image.new("RGB", (448, 448))], padding=True, return_tensors="pt")
+    image_token = catalog.entries()["qwen-image-edit"].configs["text_encoder"]["image_token_id"]
+    assert found["image_grid_thw"].tolist() == [[1, 32, 32]] and found["pixel_values"].shape[0] == 32 * 32
+    assert (found["input_ids"] == image_token).sum() == 256 and found["input_ids"].shape == (1, 1 + 258 + 3)
+
+
 def test_a_processor_that_cannot_be_built_is_left_out():
     assert dryrun_catalog._other("transformers", "NoSuchProcessor") is None
     assert type(dryrun_catalog._other("transformers", "CLIPImageProcessor")).__name__.startswith("CLIPImageProcessor")
@@ -131,3 +154,16 @@ def test_new_catalog_pipelines_dry_run_at_full_size_on_two_24_gib_gpus(name):
     report = pipemap.simulate(name, plan, steps=1, advice=False)
     assert report.fits, (report.error, report.overruns)
     assert set(report.peak_phase.values()) >= {"prompt encoding", "VAE decode"}
+
+
+@pytest.mark.slow  # two full-size dry runs, the headroom's then the plan's: about a minute
+def test_an_editing_pipeline_dry_runs_at_full_size_with_its_image_to_edit():
+    # Qwen-Image-Edit-2509 gets a blank image to edit (dryrun.run.EDITS): it goes through Qwen2.5-VL's vision tower
+    # (the stand-in VisionProcessor) and the VAE's encoder, and its latents double the transformer's tokens. The
+    # default 10% headroom of a 24 GiB GPU is short of that (the auto plan's dry run peaks at 24.04 GiB on cuda:1);
+    # the headroom a dry run measures fits
+    name = "qwen-image-edit-2509"
+    plan = pipemap.plan(name, hardware="2x24GiB,cpu=64GiB", strategy="auto", headroom="measure", call={"steps": 1})
+    assert any("headroom measured" in n for n in plan.notes)
+    report = pipemap.simulate(name, plan, steps=1, advice=False)
+    assert report.fits, (report.error, report.overruns)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pipemap
+from pipemap.modes import POOL_SLACK
 from pipemap.plan import DeviceUse, Placement, Plan
 from pipemap.runtime.admission import (
     Admission,
@@ -21,6 +22,7 @@ from pipemap.runtime.admission import (
     Ticket,
     call_shape,
     component_call,
+    kept,
     measured_call,
     still_wanted,
     weights_ceiling,
@@ -386,3 +388,21 @@ def test_two_pipelines_admitted_on_one_shared_ledger_never_exceed_the_device_tog
 
     gc.collect()
     assert shared.room("cuda:0") == 10 * MB
+
+
+def test_the_room_keeps_the_allocator_slack_of_each_stream_pool_the_plan_uses():
+    # a 200 MiB GPU holding a 100 MiB unet, a 20 MiB text encoder offloaded onto it: the default stream's pool and
+    # the offload's side pool each keep modes.POOL_SLACK (22 MiB) reserved beside what tensors allocate, as the
+    # planner's budgets do; the CPU keeps none
+    mib = 2**20
+    plan = Plan("balanced_low_memory", (Placement("unet", "cuda:0", 100 * mib),
+                                       Placement("te", "cpu", 20 * mib, "offload", "cuda:0", room=20 * mib)),
+                (DeviceUse("cuda:0", 200 * mib, 200 * mib, 120 * mib), DeviceUse("cpu", 1000 * mib, 1000 * mib,
+                                                                                  20 * mib)), "cuda:0")
+    assert kept(plan) == {"cuda:0": 120 * mib + 2 * POOL_SLACK, "cpu": 20 * mib}
+    book = MemoryLedger.of(plan)
+    assert book.room("cuda:0") == 80 * mib - 2 * POOL_SLACK
+    # a call that fits the bytes left beside the weights alone, but not beside the slack too, is too large
+    assert book.too_large(Needs({"cuda:0": 70 * mib})) == "cuda:0"
+    assert book.too_large(Needs({"cuda:0": 80 * mib - 2 * POOL_SLACK})) is None
+    assert Admission(plan, lambda plan, call: Needs({})).ledger.room("cuda:0") == book.room("cuda:0")

@@ -10,7 +10,9 @@ import copy
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
@@ -27,6 +29,14 @@ from . import standin
 # of the real subword tokenizers (Qwen-Image drops its 34-token prompt template by count), and every id is valid
 # for any text encoder's embedding
 _SPECIAL = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<s>": 3}
+# a chat template for pipelines that build their prompt from messages (FLUX.2's Mistral encoder): each text part in
+# turn, so a message costs its words, as the real templates do give or take their few markers
+_CHAT = ("{% for message in messages %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
+         "{{ part['text'] }} {% endif %}{% endfor %}{% endfor %}")
+# the text encoder config's ids of the vision tokens a Qwen2-VL processor writes into the prompt
+_VISION_TOKENS = {"<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id",
+                  "<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id"}
+_VISION_PROCESSORS = {"Qwen2VLProcessor", "Qwen2_5_VLProcessor"}
 
 
 def pipeline(name: str, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str, str]):
@@ -35,7 +45,7 @@ def pipeline(name: str, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str
     import diffusers
 
     found = entries()[name]
-    parts = {}
+    parts: dict[str, Any] = {}
     for component, library, class_name in found.components():
         if component in found.configs:
             parts[component] = _fake_model(found, component, plan, mode, device_of.get(component, "cpu"))
@@ -44,6 +54,8 @@ def pipeline(name: str, plan: Plan, mode: FakeTensorMode, device_of: Mapping[str
             parts[component] = _scheduler(class_name, found.scheduler_config)
         elif component.startswith("tokenizer"):
             parts[component] = tokenizer(found.tokenizer_max_length.get(component, 77))
+        elif class_name in _VISION_PROCESSORS:
+            parts[component] = _vision_processor(found)
         else:
             parts[component] = _other(library, class_name)
     cls = getattr(diffusers, found.pipeline_class)
@@ -99,18 +111,52 @@ def _other(library: str | None, class_name: str | None):
 
 
 @functools.cache
-def _backend():
+def _backend(special: tuple[tuple[str, int], ...] = ()):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    backend = Tokenizer(models.WordLevel(dict(_SPECIAL), unk_token="<unk>"))
+    backend = Tokenizer(models.WordLevel({**_SPECIAL, **dict(special)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return backend
 
 
-def tokenizer(max_length: int):
+def tokenizer(max_length: int, special: tuple[tuple[str, int], ...] = ()):
     """A stand-in tokenizer: one token per word, padding, truncation and masks as transformers' tokenizers give
-    them, ``model_max_length`` as published."""
+    them, ``model_max_length`` as published, a plain chat template; ``special``: (token, id) pairs it keeps whole
+    (a vision-language encoder's image tokens, at the ids its config gives)."""
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=copy.deepcopy(_backend()), pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>", bos_token="<s>", model_max_length=max_length)
+    return PreTrainedTokenizerFast(tokenizer_object=copy.deepcopy(_backend(special)), pad_token="<pad>",
+                                   eos_token="</s>", unk_token="<unk>", bos_token="<s>", model_max_length=max_length,
+                                   additional_special_tokens=[token for token, _ in special], chat_template=_CHAT)
+
+
+def _vision_processor(found) -> VisionProcessor:
+    from transformers import Qwen2VLImageProcessorPil
+
+    config = found.configs["text_encoder"]
+    special = tuple((token, config[key]) for token, key in _VISION_TOKENS.items())
+    return VisionProcessor(tokenizer(found.tokenizer_max_length.get("tokenizer", 77), special),
+                           Qwen2VLImageProcessorPil(), "<|image_pad|>")
+
+
+class VisionProcessor:
+    """Qwen2-VL's processor as the edit pipelines call it: prompts holding ``<|image_pad|>`` and images in; token
+    ids, mask, pixel values and patch grids out, each image's pad token repeated once per merged patch.
+
+    The published image processor sizes the patches; the tokenizer is a stand-in. transformers' own
+    ``Qwen2VLProcessor`` is not built: it requires a video processor, which requires torchvision.
+    """
+
+    def __init__(self, tokenizer, image_processor, image_token: str):
+        self.tokenizer, self.image_processor, self.image_token = tokenizer, image_processor, image_token
+
+    def __call__(self, text, images=None, padding=True, return_tensors="pt", **kwargs):
+        from transformers import BatchFeature
+
+        texts = [text] if isinstance(text, str) else list(text)
+        pixels = dict(self.image_processor(images=images, return_tensors=return_tensors)) if images else {}
+        merged = self.image_processor.merge_size ** 2
+        counts = iter(int(grid.prod()) // merged for grid in pixels.get("image_grid_thw", ()))
+        texts = [re.sub(re.escape(self.image_token), lambda _: self.image_token * next(counts), t) for t in texts]
+        ids = self.tokenizer(texts, padding=padding, return_tensors=return_tensors, **kwargs)
+        return BatchFeature({**ids, **pixels})

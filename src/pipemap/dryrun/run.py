@@ -210,14 +210,24 @@ def _init_names(pipe) -> set[str]:
     return set(pyinspect.signature(type(pipe).__init__).parameters) - {"self"}
 
 
+# pipelines that cannot run without an image to edit (its size sets the output's): a dry run gives them a blank one
+EDITS = frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"})
+
+
 def dry_call(pipe, steps: int, overrides: Mapping) -> dict:
-    """The pipeline's default call, few steps, decoded to tensors; a ControlNet pipeline gets a blank image."""
+    """The pipeline's default call, few steps, decoded to tensors; a ControlNet pipeline gets a blank control image,
+    an editing pipeline a blank image to edit."""
     call = {"prompt": "a dry run", "num_inference_steps": steps, "output_type": "pt",
             "generator": torch.Generator("cpu").manual_seed(0)}
     parameters = pyinspect.signature(type(pipe).__call__).parameters
-    if "image" in parameters and "controlnet" in pipe.components and "image" not in overrides:
+    if "image" in parameters and "image" not in overrides:
         size = _resolution(pipe, overrides)
-        call["image"] = torch.zeros(1, 3, size[0], size[1])
+        if "controlnet" in pipe.components:
+            call["image"] = torch.zeros(1, 3, size[0], size[1])
+        elif type(pipe).__name__ in EDITS:  # they read the image's PIL size
+            from PIL import Image
+
+            call["image"] = Image.new("RGB", (size[1], size[0]))
     unknown = tuple(k for k in overrides if k not in parameters)  # a pipeline's **kwargs only catch deprecated names
     if unknown:
         raise CallArgumentError(type(pipe).__name__, unknown, tuple(p for p in parameters if p != "self"))

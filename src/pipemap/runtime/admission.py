@@ -7,7 +7,9 @@ figures come from a dry run at its own shape (``Needs``, cached by ``call_shape`
 what the call holds for its whole course (latents, embeddings, what pipeline code allocates between components), and
 ``extra[component]``, what each component's call adds on top while it runs.
 
-The rule (``MemoryLedger``), per device, with ``room`` = memory less the most weight bytes the plan keeps there:
+The rule (``MemoryLedger``), per device, with ``room`` = memory less what the plan keeps there beside activations
+(``kept``: the most weight bytes it holds, and on a GPU the caching allocator's slack of each stream pool the plan
+uses there, ``modes.slack``, as the planner's budgets keep it: activations are allocated in the same segments):
 
 - a request is admitted (its ``rest`` reserved until it ends) when it fits beside what is held now, and when every
   running request's largest ``extra`` would still fit beside all the rests: so the first component call waiting on a
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 from ..errors import CallTooLargeError, DryRunDropped
-from ..modes import Peak, facts, resolve_ranks, splits
+from ..modes import Peak, facts, resolve_ranks, slack, splits
 from ..plan import Plan
 from ..units import format_bytes, parse_bytes
 
@@ -148,6 +150,13 @@ def weights_ceiling(plan: Plan) -> dict[str, int]:
     return out
 
 
+def kept(plan: Plan) -> dict[str, int]:
+    """What the plan keeps on each device beside a call's activations: its most weight bytes (``weights_ceiling``)
+    and the allocator's slack of the stream pools it uses there (``modes.slack``: none on the CPU or a stand-in GPU)."""
+    memory = {d.device: d.memory for d in plan.devices}
+    return {d: b + slack(plan.components, d, memory[d]) for d, b in weights_ceiling(plan).items()}
+
+
 def too_large(ledger: MemoryLedger, needs: Needs, device: str, call: Mapping) -> CallTooLargeError:
     """The error for a call whose needs on ``device`` exceed its room even alone, with what to ask for instead:
     fewer images, a smaller size (activations grow with the pixels), VAE tiling when decoding set the peak."""
@@ -213,9 +222,10 @@ class Admitted:
 
 
 class MemoryLedger:
-    """Each device's memory, the most weight bytes the plan keeps there, and the activation bytes reserved by the
-    requests admitted: the admission rule, with no clock and no thread (``Admission`` blocks threads on it, the dry
-    run's ``simulate_many`` drives it with a clock of its own). ``history`` keeps the latest admissions."""
+    """Each device's memory, what the plan keeps there beside activations (``weights``: ``kept``, its weights and
+    the allocator's slack), and the activation bytes reserved by the requests admitted: the admission rule, with no
+    clock and no thread (``Admission`` blocks threads on it, the dry run's ``simulate_many`` drives it with a clock
+    of its own). ``history`` keeps the latest admissions."""
 
     def __init__(self, memory: Mapping[str, int], weights: Mapping[str, int], history: int = 4096):
         self.memory, self.weights = dict(memory), dict(weights)
@@ -230,7 +240,7 @@ class MemoryLedger:
 
     @classmethod
     def of(cls, plan: Plan) -> MemoryLedger:
-        return cls({d.device: d.memory for d in plan.devices}, weights_ceiling(plan))
+        return cls({d.device: d.memory for d in plan.devices}, kept(plan))
 
     def room(self, device: str) -> int:
         return self.memory.get(device, 0) - self.weights.get(device, 0)
@@ -540,7 +550,7 @@ class Admission:
         self.asked: Plan | None = None  # the plan it was asked for (``api.memory_for``), None: the pipeline's own
         # its own ledger, or one it shares with other pipelines (``shared_ledger``), which it joins
         own = MemoryLedger.of(plan) if ledger is None else ledger
-        self.ledger = own.join(self, {d.device: d.memory for d in plan.devices}, weights_ceiling(plan), alive)
+        self.ledger = own.join(self, {d.device: d.memory for d in plan.devices}, kept(plan), alive)
         self.gate = Gate()
         self.moves: list = []  # ``relief.Relief`` values, oldest first
         self.unmeasured: dict[tuple, str] = {}  # shapes whose dry run failed: why (they run alone)
@@ -691,7 +701,7 @@ class Admission:
             raise error
         with self._changed:
             self.plan, self.running = relief.plan, relief.running
-            self.ledger.reweigh(self, weights_ceiling(relief.plan))
+            self.ledger.reweigh(self, kept(relief.plan))
             self.moves.append(relief)
             self._grant()
         if failure.tried:  # the dry run's figure was short by at least this: later calls of the shape reserve it
