@@ -289,3 +289,21 @@ def test_the_tiny_flux_split_with_a_worker_process_equals_plain_and_runs_whole_w
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the worker outlived reset"
         time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_the_tiny_flux_split_with_a_worker_process_on_two_fake_gpus_equals_plain_with_no_race(fake_cuda):
+    # the worker runs the fake too (PIPEMAP_WORKER_SETUP): both ranks' CUDA branches, the exchange over gloo through
+    # the host (the fake has no NCCL), rank 0's copies and reads checked for order
+    pipe, call = tiny_flux()
+    plain = _run(pipe, call)
+    pipemap.dispatch(pipe, with_copy(pipe, "sequence"), ranks="process")
+    try:
+        hook = pipe.transformer._hf_hook
+        split = _run(pipe, call)
+        workers = hook.ranks
+        assert hook.runtime == "process" and workers.pids()[0] != os.getpid() and workers.transport == "gloo"
+        assert hook.whole == 0  # both fake GPUs computed their half of the tokens
+        torch.testing.assert_close(fakecuda.host(split), plain, **TOLERANCE)
+    finally:
+        pipemap.reset(pipe)
