@@ -229,6 +229,43 @@ def per_rank_table(scales: tuple[int, ...], calls: int) -> str:
     return "\n".join(rows)
 
 
+def exchange_ab(calls: int, rounds: int = 8) -> str:
+    """Rank 0's host CPU per tiny Flux transformer call of the sequence split, its stacked exchange taken straight
+    (``ulysses.exchange``: torch.distributed's all-to-all into a buffer) against diffusers' functional all-to-all
+    (``attention_dispatch._all_to_all_single``), alternating rounds of ``calls`` calls in one process (the wire is
+    the same, so the worker needs no change); thread time of the calling thread and the process's CPU time."""
+    from diffusers.models import attention_dispatch
+
+    from pipemap.hooks import ulysses
+
+    ways = {"straight": ulysses.exchange, "functional": attention_dispatch._all_to_all_single}
+    rows = ["| ranks | exchange | rank 0 calling thread CPU (ms) | rank 0 process CPU (ms) |",
+            "| --- | --- | ---: | ---: |"]
+    for ranks in ("thread", "process"):
+        pipe, call, _ = case("flux", 1, 1)
+        inputs, kwargs = transformer_inputs(pipe, call)
+        model, sums = pipe.transformer, {name: [0.0, 0.0] for name in ways}
+        try:
+            with torch.no_grad():
+                pipemap.dispatch(pipe, with_copy(pipe, "sequence", "transformer").remap(onto("cpu")), ranks=ranks)
+                for _ in range(3):
+                    model(*inputs, **kwargs)
+                for _ in range(rounds):
+                    for name, way in ways.items():
+                        ulysses.exchange = way
+                        mine, process, _theirs = _host(model, inputs, kwargs, calls, [])
+                        sums[name][0] += mine
+                        sums[name][1] += process
+        finally:
+            ulysses.exchange = ways["straight"]
+            pipemap.reset(pipe)
+        for name, (mine, process) in sums.items():
+            rows.append(f"| {ranks} | {name} | {mine / (rounds * calls) * 1e3:.2f} | "
+                        f"{process / (rounds * calls) * 1e3:.2f} |")
+            print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
 def table_rows(name: str, found: dict[str, tuple[float, float, float] | str]) -> list[str]:
     plain = found.get("plain")
     rows = []
@@ -263,7 +300,16 @@ def main() -> None:
                         "per transformer call of the Flux sequence split (x1 and x--scale), over CALLS calls")
     parser.add_argument("--ray", action="store_true", help="also the worker as a Ray actor (PIPEMAP_WORKERS=ray; "
                         "a local Ray of this machine's CPUs is started)")
+    parser.add_argument("--exchange-ab", type=int, metavar="CALLS", help="instead of the table: rank 0's host CPU "
+                        "per tiny Flux call with the stacked exchange straight against diffusers' functional one")
     args = parser.parse_args()
+    if args.exchange_ab:
+        table = exchange_ab(args.exchange_ab)
+        print(table)
+        if not args.no_record:
+            record(f"bench/workers.py --exchange-ab {args.exchange_ab}", table, "- rank 0 of the tiny Flux's "
+                   "sequence split on the CPU (remapped), 8 alternating rounds; the worker's exchange unchanged")
+        return
     if args.per_rank:
         table = per_rank_table((1, args.scale), args.per_rank)
         print(table)
