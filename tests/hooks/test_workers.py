@@ -314,3 +314,45 @@ def test_a_worker_s_start_checks_cuda_by_nvml_and_leaves_the_caller_s_environmen
     with _nvml_check():
         assert os.environ[NVML_ENV] == "1"
     assert os.environ.get(NVML_ENV) == before
+
+
+def test_a_call_s_small_tensors_of_one_dtype_travel_as_one_message_a_large_one_alone():
+    from pipemap.hooks.groups import BATCH_BYTES, messages
+
+    f32, i64 = torch.float32, torch.int64
+    big = (BATCH_BYTES // 4 + 1,)  # one float32 more than a message holds
+    metas = [((1, 64, 16), f32), ((1,), f32), ((0,), f32), ((2,), i64), ((3,), i64), (big, f32), ((4,), f32)]
+    assert messages(metas) == [[0, 1], [3, 4], [5], [6]]  # the empty one in none
+
+
+def test_tensors_batched_into_one_message_arrive_whole_and_in_order_over_gloo():
+    import threading
+
+    from pipemap.hooks.groups import forget, joined, listener, receive_tensors, send_tensors
+    from pipemap.hooks.payload import Meta
+
+    sent = [torch.randn(1, 64, 16), torch.tensor([0.5]), torch.arange(6).reshape(2, 3), torch.empty(0),
+            torch.randn(5)]
+    server = listener("127.0.0.1")
+    port = server.getsockname()[1]
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                                       master_listen_fd=server.detach())
+    cpu, got, groups = torch.device("cpu"), [], []
+
+    def other() -> None:
+        peer = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False)
+        group = joined(peer, 1, 2, cpu, 30, "test-batched-1", True, "127.0.0.1")  # a name each: one registry
+        groups.append(group)
+        got.extend(receive_tensors(group, [Meta(tuple(t.shape), t.dtype) for t in sent], 0, cpu))
+
+    receiver = threading.Thread(target=other)
+    receiver.start()
+    group = joined(store, 0, 2, cpu, 30, "test-batched-0", True, "127.0.0.1")
+    for work, _tensor in send_tensors(group, sent, 1, cpu):
+        work.wait()
+    receiver.join(30)
+    for each in (group, *groups):
+        forget(each)
+    assert len(got) == len(sent)
+    for a, b in zip(got, sent):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
