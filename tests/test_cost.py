@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import pipemap
 from helpers import plain_pipeline, run
-from pipemap import Component, Hardware, Inventory, Placement
+from pipemap import Component, Hardware, Inventory, Placement, catalog
 from pipemap.cost import MEMORY_BYTES_PER_FLOP, Workload, formula_component, predict, seconds_per_image, workload_for
 from pipemap.hooks import PlacementHook, SplitHook
 from pipemap.planner import MIXED, STRATEGIES, TIE
@@ -206,3 +206,22 @@ def test_the_formula_prices_long_video_attention_at_its_backends_rate_and_moves_
     fa2, fa3 = (pipemap.estimate(inventory, plan, hardware=f"1x80GiB,cpu=256GiB,gpu=h100,attention={backend}",
                                  **call).seconds for backend in ("flash", "fa3"))
     assert fa2 > 1.4 * fa3
+
+
+@pytest.mark.parametrize("name", catalog.names())
+def test_each_catalog_pipeline_s_default_call_row_makes_the_denoiser_calls_its_recorded_dry_run_made(name):
+    # the default call's guidance decides whether "parallel" gives a copy to a second branch a step: a class with no
+    # row (the 1024x1024, 50 steps, true CFG fallback) had FLUX.2 and Qwen-Image-Edit copy a branch no call makes
+    from pipemap.cost import PIPELINE_DEFAULTS
+    from pipemap.dryrun.counted import known_counts
+    from pipemap.replication import batches_guidance
+
+    inventory = pipemap.inspect(name)
+    assert inventory.pipeline_class in PIPELINE_DEFAULTS
+    counts = known_counts(name, inventory.dtype)
+    assert counts is not None
+    denoisers = [c for c in counts.components if c.component in ("unet", "transformer", "transformer_2")]
+    calls = sum(c.calls_per_step for c in denoisers)  # Wan 2.2's two experts share the steps
+    work = workload_for(inventory)
+    batched = batches_guidance(inventory.pipeline_class)
+    assert calls == pytest.approx(1 if batched else (2 if work.guidance else 1), abs=0.05), (calls, work)

@@ -142,11 +142,24 @@ PIPELINE_DEFAULTS: dict[str, Workload] = {
     # true CFG only with a negative prompt (true_cfg_scale > 1 and negative_prompt given): without one, 1 call a step
     "QwenImagePipeline": Workload(1024, 1024, 50, False, text_tokens=128),
     "WanPipeline": Workload(480, 832, 50, True, frames=81),
+    # the catalog's other classes (issue 52), from their __call__'s defaults and their catalog entry's sample size
+    "FluxKontextPipeline": Workload(1024, 1024, 28, False, text_tokens=512),  # guidance-distilled, as Flux
+    "Flux2Pipeline": Workload(1024, 1024, 50, False, text_tokens=512),  # guidance-distilled: guidance is an input
+    "QwenImageEditPipeline": Workload(1024, 1024, 50, False, text_tokens=128),  # true CFG with a negative prompt
+    "QwenImageEditPlusPipeline": Workload(1024, 1024, 50, False, text_tokens=128),
+    "HiDreamImagePipeline": Workload(1024, 1024, 50, True, text_tokens=256),  # 128 T5 + 128 Llama; CFG as a batch
+    "LTXPipeline": Workload(512, 704, 50, True, frames=161, text_tokens=128),
+    "CogVideoXPipeline": Workload(480, 720, 50, True, frames=49, text_tokens=226),
+    "SanaPipeline": Workload(1024, 1024, 20, True, text_tokens=300),
+    "PixArtSigmaPipeline": Workload(1024, 1024, 20, True, text_tokens=300),
+    "Lumina2Pipeline": Workload(1024, 1024, 30, True, text_tokens=256),
+    "ChromaPipeline": Workload(1024, 1024, 35, True, text_tokens=512),
 }
 
 
 # pipelines whose true classifier-free guidance runs only with a negative prompt, and their default true_cfg_scale
-TRUE_CFG = {"QwenImagePipeline": 4.0, "FluxPipeline": 1.0}
+TRUE_CFG = {"QwenImagePipeline": 4.0, "FluxPipeline": 1.0, "FluxKontextPipeline": 1.0, "QwenImageEditPipeline": 4.0,
+            "QwenImageEditPlusPipeline": 4.0}
 
 
 def workload_for(inventory: Inventory, call: Mapping | None = None) -> Workload:
