@@ -56,6 +56,17 @@ VLLM_OMNI = ("https://docs.vllm.ai/projects/vllm-omni/en/latest/user_guide/accel
              "65.2 / 39.6 / 30.8 s; two transformer calls a step, as the 1-GPU time says)")
 CACHE_DIT_L20_PAIR = ("https://github.com/vipshop/cache-dit/blob/0a0dc862/docs/benchmark/NVIDIA_GPU.md (L20x2, "
                       "FLUX.1-dev w/o CPU offload, 28 steps, 1024x1024, CP2 Ulysses, no compile: 13.87 s)")
+CACHE_DIT_H100_PAIR = ("https://github.com/vipshop/cache-dit/blob/main/docs/benchmark/NVIDIA_GPU.md (at 49aa56bb: "
+                       "H100, Ulysses 2, `torchrun --nproc_per_node=2 -m cache_dit.generate {flux,qwen_image} "
+                       "--steps 50 --parallel ulysses`: FLUX.1-dev 6.04 s, Qwen-Image 12.81 s; 1 GPU 9.30 / 18.49 s)")
+WAN_README = ("https://github.com/Wan-Video/Wan2.1 (README, 'Computational Efficiency on Different GPUs', "
+              "assets/comp_effic.png, total time: T2V-14B at 720P on H800/H100, A800/A100, H20 and T2V-1.3B at 480P "
+              "on 4090, 1/2/4/8 GPUs; the official repo: 81 frames, 50 steps, two transformer calls a step, "
+              "flash-attn 2, Ulysses over the GPUs with FSDP weights; one GPU with --offload_model True, the 4090's "
+              "with --t5_cpu too)")
+XDIT_HUNYUAN = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/hunyuanvideo.md (1280x720, 129 "
+                "frames, 50 steps, Ulysses over 1/2/4/8 GPUs; H100 and H20: the official HunyuanVideo repo, L20: "
+                "diffusers with flash-attn 2.7.2)")
 ORT = ("https://github.com/microsoft/onnxruntime/pull/22986 (H100 80GB HBM3, 1024x1024, batch 1, BF16, "
        "Torch 2.5.1 eager)")
 FAL = ("https://github.com/fal-ai/stable-diffusion-benchmarks (A100 80G SXM, diffusers 0.21.4, torch 2.1, SDPA, "
@@ -113,9 +124,10 @@ def perf(gpu: str, share: float | None = None, kernel: float | None = None) -> P
     """A GPU's figures at a trial share and kernel overhead (the code's unless given), attention at ``ATTENTION``'s
     published rate."""
     flops, memory, host, peer = GPU_PERFORMANCE[gpu]
-    share = hardware.sustained_share(gpu)[0] if share is None else share
+    memory_share = hardware.sustained_share(gpu)[0] if share is None else share
+    share = hardware.tensor_share(gpu)[0] if share is None else share
     kernel = hardware.launch_default(gpu)[0] if kernel is None else kernel
-    return Performance(flops * share, host, peer, memory_bandwidth=memory * share, kernel_seconds=kernel,
+    return Performance(flops * share, host, peer, memory_bandwidth=memory * memory_share, kernel_seconds=kernel,
                        attention=ATTENTION, attention_flops=hardware.attention_rate(gpu, ATTENTION)[0])
 
 
@@ -269,6 +281,59 @@ def ulysses(name: str, gpu: str, gpus: int, kernel: float | None = None, **call)
                                   counts=counts(name, **call))
 
 
+def as_run(name: str, gpu: str, gpus: int, cpu: tuple[str, ...] = (), **call) -> float:
+    """A catalog pipeline's call as a source's own stack ran it: its transformer's tokens split over ``gpus`` GPUs of a
+    model (Ulysses: pipemap's sequence mode, whether or not pipemap's planner would split that transformer), every
+    other component resident on the first GPU, or computed on the CPU where ``cpu`` names it; priced from the call's
+    counts, each rank a process."""
+    inventory = pipemap.inspect(name)
+    plan = pipemap.plan(inventory, hardware=f"{gpus}x1000GiB,cpu=256GiB,gpu={gpu}", headroom=0.0, ranks="process")
+    replicas = tuple(f"cuda:{i}" for i in range(1, gpus))
+    placements = tuple(
+        replace(p, device="cpu", execution_device="cpu") if p.component in cpu
+        else replace(p, device="cuda:0", execution_device="cuda:0", mode=pipemap.Mode.SEQUENCE, replicas=replicas)
+        if p.component == "transformer" and gpus > 1
+        else replace(p, device="cuda:0", execution_device="cuda:0") for p in plan.components)
+    return cost.seconds_per_image(replace(plan, components=placements), inventory, perf(gpu),
+                                  cost.workload_for(inventory, call), counts=counts(name, **call))
+
+
+WAN_14B, WAN_13B, HUNYUAN = "wan2.1-t2v-14b", "wan2.1-t2v-1.3b", "hunyuanvideo"
+WAN_720 = {"height": 720, "width": 1280, "num_frames": 81, "num_inference_steps": 50}
+WAN_480 = {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50}
+HUNYUAN_720 = {"height": 720, "width": 1280, "num_frames": 129, "num_inference_steps": 50}
+# the Wan 2.1 README's table (total seconds on 1 / 2 / 4 / 8 GPUs) and xDiT's HunyuanVideo table (1 / 2 / 4 / 8)
+WAN_TABLE = (("H100", "h100", WAN_14B, (1837.9, 945.1, 497.0, 287.9)),
+             ("A100", "a100", WAN_14B, (3342.6, 1722.0, 886.1, 469.9)),
+             ("H20", "h20", WAN_14B, (6935.5, 3488.4, 1775.8, 980.5)),
+             ("4090", "4090", WAN_13B, (261.4, 188.5, 120.8)))  # 8 4090s ran ring attention: dropped
+HUNYUAN_TABLE = (("H100", "h100", (1904.08, 925.04, 514.08, 337.58)), ("H20", "h20", (6639.17, 3400.55, 1762.86,
+                                                                                      940.97)),
+                 ("L20", "l20", (6043.88, 3271.44, 2080.05)))
+THIRD = " [added in issue 50's third stop]"
+
+
+def video_rows() -> list[Row]:
+    """The Wan 2.1 README's and xDiT's HunyuanVideo tables, every row pipemap prices as it ran."""
+    rows = []
+    for label, gpu, name, published in WAN_TABLE:
+        model = "Wan 2.1 T2V-14B" if name == WAN_14B else "Wan 2.1 T2V-1.3B"
+        call, size = (WAN_720, "1280x720x81") if name == WAN_14B else (WAN_480, "832x480x81")
+        for gpus, seconds in zip((1, 2, 4, 8), published):
+            cpu = ("text_encoder",) if gpu == "4090" and gpus == 1 else ()
+            how = (f"on {gpus} GPUs, tokens split (Wan's Ulysses-{gpus}; pipemap: sequence)" if gpus > 1 else
+                   "resident" + (", text encoder on the CPU (--t5_cpu)" if cpu else "")
+                   + " (--offload_model's copies not priced)")
+            rows.append(Row(label, f"{model} pipeline {how}, {size}, 50 steps, two calls a step" + THIRD, seconds,
+                            as_run(name, gpu, gpus, cpu, **call), WAN_README))
+    for label, gpu, published in HUNYUAN_TABLE:
+        for gpus, seconds in zip((1, 2, 4, 8), published):
+            how = f"on {gpus} GPUs, tokens split (xDiT Ulysses-{gpus}; pipemap: sequence)" if gpus > 1 else "resident"
+            rows.append(Row(label, f"HunyuanVideo pipeline {how}, 1280x720x129, 50 steps, one call a step" + THIRD,
+                            seconds, as_run(HUNYUAN, gpu, gpus, **HUNYUAN_720), XDIT_HUNYUAN))
+    return rows
+
+
 def model_offload(name: str, p: Performance, mechanism: Mechanism) -> float:
     """diffusers' enable_model_cpu_offload: every model moved in at its call (and back out after)."""
     inventory = pipemap.inspect(name)
@@ -310,19 +375,19 @@ def fit_hopper_launch() -> float:
     return bisect(lambda x: two_gpus(FLUX, "h100", x)[0], 4.38, 1e-6, 1e-4)
 
 
-def fit_rank_imbalance() -> float:
-    """``cost.RANK_IMBALANCE``, the share a rank beyond two adds to the slowest rank's GPU work, fitted on vLLM-Omni's
-    Qwen-Image at 2048x2048 over 8 H800s (the Hopper host's launch and the H100's share held)."""
-    saved = cost.RANK_IMBALANCE
+def fit_straggler_wait() -> float:
+    """``cost.STRAGGLER_WAIT``, the seconds a rank waits for late peers a collective and rank beyond two, fitted on
+    vLLM-Omni's Qwen-Image at 2048x2048 over 8 H800s (the Hopper host's launch and the H100's share held)."""
+    saved = cost.STRAGGLER_WAIT
 
-    def predict(share: float) -> float:
-        cost.RANK_IMBALANCE = share
+    def predict(wait: float) -> float:
+        cost.STRAGGLER_WAIT = wait
         try:
             return ulysses(QWEN, "h800", 8, **QWEN_2048)
         finally:
-            cost.RANK_IMBALANCE = saved
+            cost.STRAGGLER_WAIT = saved
 
-    return bisect(predict, 30.8, 0.0, 1.0)
+    return bisect(predict, 30.8, 0.0, 1e-3)
 
 
 def fit_share(gpu: str, seconds: Callable[[Performance], float], published: float) -> float:
@@ -376,12 +441,12 @@ def fit_rows() -> list[Row]:
     bandwidth = fit_runner_bandwidth()
     pageable = fit_pageable()
     hopper = fit_hopper_launch()
-    imbalance = fit_rank_imbalance()
+    straggler = fit_straggler_wait()
     pair = two_gpus(FLUX, "h100")
     for name, found, used in (*((f"SUSTAINED[{g!r}]", v, hardware.SUSTAINED[g]) for g, v in fitted.items()),
                               ("KERNEL_SECONDS", kernel, hardware.KERNEL_SECONDS),
                               ("HOST_LAUNCH['hopper']", hopper, hardware.HOST_LAUNCH["hopper"]),
-                              ("RANK_IMBALANCE", imbalance, cost.RANK_IMBALANCE),
+                              ("STRAGGLER_WAIT", straggler, cost.STRAGGLER_WAIT),
                               ("RUNNER_HOST_BANDWIDTH", bandwidth, RUNNER_HOST_BANDWIDTH),
                               ("PAGEABLE_SHARE", pageable, cost.PAGEABLE_SHARE)):
         if abs(used / found - 1) > ROUNDING:
@@ -403,7 +468,8 @@ def fit_rows() -> list[Row]:
         Row("H800", "Qwen-Image pipeline on 8 GPUs, 2048x2048, 50 steps, true CFG, tokens split (vLLM-Omni "
             "Ulysses-8; pipemap: sequence) [added in issue 50's second stop]", 30.8,
             ulysses(QWEN, "h800", 8, **QWEN_2048), VLLM_OMNI,
-            f"`cost.RANK_IMBALANCE` = {imbalance:.3f} of a rank's GPU work a rank beyond two"),
+            f"`cost.STRAGGLER_WAIT` = {straggler * 1e6:.0f} us a collective and rank beyond two (it replaced "
+            "`cost.RANK_IMBALANCE`, fitted on the same row)"),
         Row("L40S", "FLUX.1-dev transformer, one forward, group offload leaf_level + stream (0.56 GB)", 1.859,
             leaf_streamed(flux_call, component, runner(), 1, group_offload()), DIFFUSERS,
             f"the runner's host link `RUNNER_HOST_BANDWIDTH` (bench only) = {bandwidth / 1e9:.1f} GB/s, diffusers' "
@@ -438,6 +504,11 @@ def check_rows() -> list[Row]:
             resident(counts(SD35), h100, 50), ORT),
         Row("H100", "Qwen-Image pipeline, 1024x1024, 50 steps, true CFG (negative prompt), resident", 18.49,
             resident(counts(QWEN, negative_prompt=" ", true_cfg_scale=4.0), h100), CACHE_DIT_H100),
+        Row("H100", "FLUX.1-dev pipeline on 2 GPUs, 1024x1024, 50 steps, tokens split (cache-dit Ulysses-2; pipemap: "
+            "sequence)" + THIRD, 6.04, as_run(FLUX, "h100", 2, num_inference_steps=50), CACHE_DIT_H100_PAIR),
+        Row("H100", "Qwen-Image pipeline on 2 GPUs, 1024x1024, 50 steps, true CFG (negative prompt), tokens split "
+            "(cache-dit Ulysses-2; pipemap: sequence)" + THIRD, 12.81,
+            as_run(QWEN, "h100", 2, negative_prompt=" ", true_cfg_scale=4.0), CACHE_DIT_H100_PAIR),
         Row("H100", "FLUX.1-dev pipeline on 4 GPUs, tokens split (xDiT Ulysses-4; pipemap: {}) [added in issue "
             "50]".format(two_gpus(FLUX, "h100", gpus=4)[1]), 4.24, two_gpus(FLUX, "h100", gpus=4)[0], XDIT_FOUR),
         *(Row("H800", f"Qwen-Image pipeline{f' on {n} GPUs' if n > 1 else ''}, 2048x2048, 50 steps, true CFG, "
@@ -456,6 +527,7 @@ def check_rows() -> list[Row]:
             "prefetch limit (8 ahead); text encoders 1 bucket, 4 persistent (~16 GiB reserved)" + AFTER, 24.6,
             pipeline_streamed(FLUX, l20, leaf, {"transformer": 8}, {"transformer": (32, 4), "text_encoder": (4, 1),
                                                                     "text_encoder_2": (4, 1)}), CACHE_DIT),
+        *video_rows(),
     ]
 
 
@@ -465,9 +537,10 @@ def check_rows() -> list[Row]:
 # share it is taken from), the launch constant, the runner's host link, the pageable share
 FIT_GPU = {"hopper": "h100", "ampere": "a100", "ada": "l40s", "turing": "a100"}
 TERMS = ("H100 share", "A100 share", "L40S share", "launch constant", "Hopper host launch", "runner host link",
-         "pageable share", "rank imbalance")
+         "pageable share", "straggler wait")
 ELASTIC = 0.3  # a term sets a row's price when 10% on it moves the row by 3% or more
-MODELS = ("SD 1.5", "SDXL", "SD 3.5 Large", "FLUX.1", "Qwen-Image", "LTX-Video")
+MODELS = ("SD 1.5", "SDXL", "SD 3.5 Large", "FLUX.1", "Qwen-Image", "LTX-Video", "Wan 2.1 T2V-14B",
+          "Wan 2.1 T2V-1.3B", "HunyuanVideo")
 
 
 @contextlib.contextmanager
@@ -475,7 +548,7 @@ def scaled(term: str, factor: float):
     """The fitted constant ``term`` times ``factor`` while the rows are priced."""
     global RUNNER_HOST_BANDWIDTH
     saved = (hardware.sustained_share, hardware.KERNEL_SECONDS, RUNNER_HOST_BANDWIDTH, cost.PAGEABLE_SHARE,
-             cost.RANK_IMBALANCE)
+             cost.STRAGGLER_WAIT)
     hosts = dict(hardware.HOST_LAUNCH)
     if term.endswith(" share") and term != "pageable share":
         fitted = term.split()[0].lower()
@@ -494,13 +567,13 @@ def scaled(term: str, factor: float):
         RUNNER_HOST_BANDWIDTH = saved[2] * factor
     elif term == "pageable share":
         cost.PAGEABLE_SHARE = saved[3] * factor
-    elif term == "rank imbalance":
-        cost.RANK_IMBALANCE = saved[4] * factor
+    elif term == "straggler wait":
+        cost.STRAGGLER_WAIT = saved[4] * factor
     try:
         yield
     finally:
         (hardware.sustained_share, hardware.KERNEL_SECONDS, RUNNER_HOST_BANDWIDTH, cost.PAGEABLE_SHARE,
-         cost.RANK_IMBALANCE) = saved
+         cost.STRAGGLER_WAIT) = saved
         hardware.HOST_LAUNCH.update(hosts)
 
 
@@ -535,7 +608,28 @@ def bands(checks: list[Row]) -> list[str]:
     return lines
 
 
+def by_source(checks: list[Row]) -> list[str]:
+    """The independent rows by the table they come from: a few tables give most of them, and a table's rows share
+    its stack, so the share per source says more than the pooled one."""
+    sources: dict[str, list[float]] = {}
+    for row in checks:
+        if row.label == "independent":
+            sources.setdefault(row.source.split(" (")[0], []).append(row.ratio)
+    lines = ["| source | independent rows | within 0.8-1.25x | lowest | highest |", "|---|---:|---:|---:|---:|"]
+    for source, ratios in sources.items():
+        lines.append(f"| {source} | {len(ratios)} | {sum(0.8 <= x <= 1.25 for x in ratios)} | {min(ratios):.2f} | "
+                     f"{max(ratios):.2f} |")
+    return lines
+
+
 DROPPED = [
+    ("H800/H100, A800/A100, H20", "Wan 2.1 I2V-14B at 720P on 1/2/4/8 GPUs (the Wan 2.1 README's table), and the "
+     "Wan 2.1 official repo's I2V-14B at 480P and 720P on one H200 (LightX2V's benchmark, "
+     "https://github.com/ModelTC/LightX2V docs/EN/source/getting_started/benchmark_source.md: 366 s and 974 s, 40 "
+     "steps)", "the catalog has no image-to-video Wan: its CLIP image encoder, the conditioning video's VAE encoding "
+     "and the image tokens' cross-attention would be priced as the text-to-video pipeline's, which they are not"),
+    ("4090", "Wan 2.1 T2V-1.3B at 480P on 8 GPUs (the Wan 2.1 README's table: 112.3 s)", "run with ring attention "
+     "(--ring_size 8: 12 heads do not divide by 8), which pipemap does not price (its sequence split is Ulysses)"),
     ("L20", "cache-dit layerwise async, 1 bucket (~4 GiB), + 4 persistent (~8 GiB), 4 buckets + 8 persistent "
      "(~14 GiB): 41 s, 33 s, 26 s", "without a prefetch limit cache-dit prefetches as far ahead as its runtime "
      "decides ('may aggressively prefetch many future targets'), over copy lanes sized by an internal cap: the "
@@ -617,14 +711,17 @@ def flops_table() -> list[str]:
 def gpu_table() -> list[str]:
     """Every GPU the cost model knows: its datasheet figures, links, share and host launch default, with where each
     comes from (``hardware``)."""
-    lines = ["| GPU | generation | bf16 dense TFLOP/s | memory TB/s | host link GB/s | peer link GB/s | sustained "
-             "share | host launch us |", "|---|---|---:|---:|---:|---:|---|---|"]
+    lines = ["| GPU | generation | bf16 dense TFLOP/s | vector FP32 TFLOP/s | memory TB/s | host link GB/s | "
+             "peer link GB/s | sustained share (memory) | tensor share | FlashAttention-2 share | host launch us |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for gpu, (flops, memory, host, peer) in hardware.GPU_PERFORMANCE.items():
         share, origin = hardware.sustained_share(gpu)
         launch, launch_origin = hardware.launch_default(gpu)
-        lines.append(f"| {gpu.upper()} | {hardware.GENERATION[gpu]} | {flops / 1e12:g} | {memory / 1e12:.3g} | "
-                     f"{host / 1e9:.3g} | {peer / 1e9:.3g} | {share:.3f} ({origin}) | {launch * 1e6:.1f} "
-                     f"({launch_origin}) |")
+        flash = hardware.attention_rate(gpu, "flash")[0] / flops
+        lines.append(f"| {gpu.upper()} | {hardware.GENERATION[gpu]} | {flops / 1e12:g} | "
+                     f"{hardware.VECTOR_FLOPS[gpu] / 1e12:g} | {memory / 1e12:.3g} | {host / 1e9:.3g} | "
+                     f"{peer / 1e9:.3g} | {share:.3f} ({origin}) | {hardware.tensor_share(gpu)[0]:.3f} | "
+                     f"{flash:.3f} | {launch * 1e6:.1f} ({launch_origin}) |")
     return lines
 
 
@@ -694,6 +791,10 @@ def main() -> None:
         "and counts). The band per label:",
         "",
         *bands(checks),
+        "",
+        "The independent rows by source:",
+        "",
+        *by_source(checks),
         "",
         "How it was made, and what is outside the band:",
         "",

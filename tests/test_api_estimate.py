@@ -242,7 +242,7 @@ def test_qwen_image_at_2048_over_h800s_is_priced_as_vllm_omni_ran_it(gpus, publi
     # vLLM-Omni's parallelism guide: Qwen/Qwen-Image at 2048x2048, 50 steps, NVIDIA H800s, sdpa: diffusers 112.5 s
     # on one, Ulysses-SP over 2 / 4 / 8: 65.2 / 39.6 / 30.8 s (1.73x / 2.84x / 3.65x; two transformer calls a step,
     # as the 1-GPU time says). Priced by the formula, each rank a worker process; the 8-GPU row is the one
-    # RANK_IMBALANCE is fitted on (bench/CALIBRATION.md, with the recorded counts)
+    # STRAGGLER_WAIT is fitted on (bench/CALIBRATION.md, with the recorded counts)
     hardware = f"{gpus}x80GiB,cpu=256GiB,gpu=h800"
     plan = pipemap.plan("qwen-image", hardware=hardware, strategy="parallel" if gpus > 1 else "auto", ranks="process")
     transformer = plan.placement("transformer")
