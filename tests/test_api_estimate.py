@@ -251,6 +251,33 @@ def test_qwen_image_at_2048_over_h800s_is_priced_as_vllm_omni_ran_it(gpus, publi
     assert 0.9 < seconds / published < 1.15
 
 
+WAN_720 = {"height": 720, "width": 1280, "num_frames": 81, "num_inference_steps": 50}
+
+
+@pytest.mark.parametrize(("gpus", "published"), [(1, 1837.9), (2, 945.1), (4, 497.0), (8, 287.9)])
+def test_wan_at_720p_over_h100s_is_priced_as_its_readme_ran_it(gpus, published):
+    # the Wan 2.1 README's table (assets/comp_effic.png): T2V-14B at 1280x720x81, 50 steps, two transformer calls a
+    # step, on 1 / 2 / 4 / 8 H800/H100s: 1837.9 / 945.1 / 497.0 / 287.9 s, both calls of a step over every GPU's
+    # share of the tokens (Ulysses-N). A share of a rank's work per rank beyond two priced 8 GPUs at 1.45x; a wait
+    # per collective (STRAGGLER_WAIT) leaves a long sequence's split near its share. Priced by the formula
+    hardware = H100.format(gpus)
+    plan = pipemap.plan("wan2.1-t2v-14b", hardware=hardware, strategy="parallel" if gpus > 1 else "auto",
+                        call={**WAN_720, "guidance_scale": 1.0}, ranks="process")
+    transformer = plan.placement("transformer")
+    assert len(transformer.replicas) == gpus - 1 and transformer.mode == ("sequence" if gpus > 1 else "resident")
+    seconds = pipemap.estimate("wan2.1-t2v-14b", plan, count=False, **WAN_720).seconds
+    assert 0.8 < seconds / published < 1.25
+
+
+def test_hunyuanvideo_is_priced_at_its_own_default_call():
+    # diffusers' HunyuanVideoPipeline: 1280x720, 129 frames, 50 steps, guidance embedded in the transformer's input
+    # (one call a step; true CFG only with a negative prompt and true_cfg_scale > 1)
+    inventory = pipemap.inspect("hunyuanvideo")
+    work = pipemap.cost.workload_for(inventory)
+    assert (work.width, work.height, work.frames, work.steps, work.calls) == (1280, 720, 129, 50, 50)
+    assert pipemap.cost.workload_for(inventory, {"negative_prompt": "", "true_cfg_scale": 6.0}).calls == 100
+
+
 def test_auto_prices_its_splits_for_the_runtime_that_will_run_them():
     # FLUX.1-dev on two H100s is launch-bound once split: as worker processes each rank launches in parallel and
     # the split wins (xDiT: 1.53x); as threads of one process the two ranks' launches take turns on one interpreter,

@@ -74,7 +74,7 @@ RANK_LATENCY = 10e-6
 # alltoall is grouped send and receive pairs, one a peer), each of which may have drifted behind since the last one
 # (launch timing, clocks, its proxy thread's turn): a wait per collective and rank beyond two (two ranks are what the
 # Hopper host's launch is fitted on), not a share of the work between two collectives, so a long video sequence's
-# layers (Wan 2.1 at 1280x720x81 over 8 H100s: 18 ms of work an exchange) hardly notice it and Qwen-Image at
+# layers (Wan 2.1 at 1280x720x81 over 8 H100s: 15 ms of work an exchange) hardly notice it and Qwen-Image at
 # 2048x2048 over 8 H800s (1.3 ms) does. It waits on the GPU's side: a launch-bound rank's host sets the pace and
 # hides it (xDiT's eager FLUX.1-dev gains a little from 2 to 4 H100s). Fitted on vLLM-Omni's Qwen-Image at 2048x2048
 # over 8 H800s (bench/CALIBRATION.md); it replaced a share of a rank's work per rank beyond two, fitted on the same
