@@ -64,9 +64,9 @@ WAN_README = ("https://github.com/Wan-Video/Wan2.1 (README, 'Computational Effic
               "on 4090, 1/2/4/8 GPUs; the official repo: 81 frames, 50 steps, two transformer calls a step, "
               "flash-attn 2, Ulysses over the GPUs with FSDP weights; one GPU with --offload_model True, the 4090's "
               "with --t5_cpu too)")
-XDIT_HUNYUAN = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/hunyuanvideo.md (1280x720, 129 "
-                "frames, 50 steps, Ulysses over 1/2/4/8 GPUs; H100 and H20: the official HunyuanVideo repo, L20: "
-                "diffusers with flash-attn 2.7.2)")
+XDIT_HUNYUAN = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/hunyuanvideo.md (129 frames, 50 "
+                "steps, Ulysses: 1280x720 over 1/2/4/8 GPUs, 960x960 over 1/2/3/6; H100 and H20: the official "
+                "HunyuanVideo repo, L20: diffusers with flash-attn 2.7.2)")
 XDIT_SANA = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/sana.md (Sana_1600M_4Kpx_BF16_diffusers, "
              "4096x4096, 20 steps, 8xA100 NVLink: 1 GPU 17.551 s, Ulysses-2 10.175 s, CFG-2 8.365 s)")
 PARA_ATTN = ("https://github.com/huggingface/diffusers/blob/main/docs/source/en/optimization/para_attn.md "
