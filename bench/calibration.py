@@ -64,6 +64,11 @@ WAN_README = ("https://github.com/Wan-Video/Wan2.1 (README, 'Computational Effic
               "on 4090, 1/2/4/8 GPUs; the official repo: 81 frames, 50 steps, two transformer calls a step, "
               "flash-attn 2, Ulysses over the GPUs with FSDP weights; one GPU with --offload_model True, the 4090's "
               "with --t5_cpu too)")
+WAN22_README = ("https://github.com/Wan-Video/Wan2.2 (README, 'Computational Efficiency on Different GPUs', "
+                "assets/comp_effic.png, total time after warm-up: T2V-A14B at 480P and 720P on H100/H800, A100/A800, "
+                "H20 and TI2V-5B T2V at 720P (1280x704x121) on 4090, 1/4/8 GPUs; the official repo: 81 frames, 40 "
+                "steps (the 5B: 50), two calls a step, FlashAttention-3 on Hopper; Ulysses with FSDP weights over "
+                "several GPUs; one GPU with --offload_model True --convert_model_dtype, the 5B with --t5_cpu too)")
 XDIT_HUNYUAN = ("https://github.com/xdit-project/xDiT/blob/main/docs/performance/hunyuanvideo.md (129 frames, 50 "
                 "steps, Ulysses: 1280x720 over 1/2/4/8 GPUs, 960x960 over 1/2/3/6; H100 and H20: the official "
                 "HunyuanVideo repo, L20: diffusers with flash-attn 2.7.2)")
@@ -125,15 +130,17 @@ class Row:
 ATTENTION = hardware.DEFAULT_ATTENTION
 
 
-def perf(gpu: str, share: float | None = None, kernel: float | None = None) -> Performance:
-    """A GPU's figures at a trial share and kernel overhead (the code's unless given), attention at ``ATTENTION``'s
-    published rate."""
+def perf(gpu: str, share: float | None = None, kernel: float | None = None, attention: str | None = None
+         ) -> Performance:
+    """A GPU's figures at a trial share and kernel overhead (the code's unless given), attention at the published
+    rate of ``attention`` (``ATTENTION`` unless given: the backend the source's stack ran)."""
+    attention = attention or ATTENTION
     flops, memory, host, peer = GPU_PERFORMANCE[gpu]
     memory_share = hardware.sustained_share(gpu)[0] if share is None else share
     share = hardware.tensor_share(gpu)[0] if share is None else share
     kernel = hardware.launch_default(gpu)[0] if kernel is None else kernel
     return Performance(flops * share, host, peer, memory_bandwidth=memory * memory_share, kernel_seconds=kernel,
-                       attention=ATTENTION, attention_flops=hardware.attention_rate(gpu, ATTENTION)[0])
+                       attention=attention, attention_flops=hardware.attention_rate(gpu, attention)[0])
 
 
 # ---- the work ----------------------------------------------------------------------------------------------------
@@ -286,21 +293,23 @@ def ulysses(name: str, gpu: str, gpus: int, kernel: float | None = None, **call)
                                   counts=counts(name, **call))
 
 
-def as_run(name: str, gpu: str, gpus: int, cpu: tuple[str, ...] = (), mode: str = "sequence", **call) -> float:
-    """A catalog pipeline's call as a source's own stack ran it: its transformer's tokens split over ``gpus`` GPUs of a
-    model (Ulysses: pipemap's sequence mode, whether or not pipemap's planner would split that transformer; or
-    ``mode="replicated"``: a batch of two guidance halves cut across two, xDiT's CFG parallel), every other
-    component resident on the first GPU, or computed on the CPU where ``cpu`` names it; priced from the call's
-    counts, each rank a process."""
+def as_run(name: str, gpu: str, gpus: int, cpu: tuple[str, ...] = (), mode: str = "sequence",
+           attention: str | None = None, **call) -> float:
+    """A catalog pipeline's call as a source's own stack ran it: its transformer's (and a second expert's) tokens split
+    over ``gpus`` GPUs of a model (Ulysses: pipemap's sequence mode, whether or not pipemap's planner would split that
+    transformer; or ``mode="replicated"``: a batch of two guidance halves cut across two, xDiT's CFG parallel), every
+    other component resident on the first GPU, or computed on the CPU where ``cpu`` names it; attention at the rate
+    of the source's backend (``attention``: ``ATTENTION`` unless given); priced from the call's counts, each rank a
+    process."""
     inventory = pipemap.inspect(name)
     plan = pipemap.plan(inventory, hardware=f"{gpus}x1000GiB,cpu=256GiB,gpu={gpu}", headroom=0.0, ranks="process")
     replicas = tuple(f"cuda:{i}" for i in range(1, gpus))
     placements = tuple(
         replace(p, device="cpu", execution_device="cpu") if p.component in cpu
         else replace(p, device="cuda:0", execution_device="cuda:0", mode=pipemap.Mode(mode), replicas=replicas)
-        if p.component == "transformer" and gpus > 1
+        if p.component in cost.PER_STEP and gpus > 1
         else replace(p, device="cuda:0", execution_device="cuda:0") for p in plan.components)
-    return cost.seconds_per_image(replace(plan, components=placements), inventory, perf(gpu),
+    return cost.seconds_per_image(replace(plan, components=placements), inventory, perf(gpu, attention=attention),
                                   cost.workload_for(inventory, call), counts=counts(name, **call))
 
 
@@ -320,6 +329,13 @@ HUNYUAN_TABLE = (("H100", "h100", (1904.08, 925.04, 514.08, 337.58)), ("H20", "h
 HUNYUAN_960 = {"height": 960, "width": 960, "num_frames": 129, "num_inference_steps": 50}
 HUNYUAN_960_TABLE = (("H100", "h100", (1735.01, 934.09, 645.45, 367.02)),
                      ("H20", "h20", (6621.46, 3400.55, 2310.48, 1214.67)), ("L20", "l20", (6039.08, 3260.62, 2284.74)))
+# the Wan 2.2 README's table (total seconds on 1 / 4 / 8 GPUs), each GPU with the attention its stack ran
+WAN22_A14B, WAN22_5B = "wan2.2-t2v-a14b", "wan2.2-ti2v-5b"
+WAN22_TABLE = (("H100", "h100", "fa3", {"480P": (326.9, 91.7, 51.5), "720P": (1041.5, 288.7, 155.1)}),
+               ("A100", "a100", "flash", {"480P": (785.7, 215.2, 119.9), "720P": (2735.7, 725.3, 386.7)}),
+               ("H20", "h20", "fa3", {"480P": (1133.9, 306.6, 170.5), "720P": (4048.7, 1067.8, 564.7)}))
+WAN22_SIZES = {"480P": (480, 832), "720P": (720, 1280)}
+WAN22_5B_720 = {"height": 704, "width": 1280, "num_frames": 121, "num_inference_steps": 50}
 SANA, SANA_4K = "sana-1600m-1024px", {"height": 4096, "width": 4096, "num_inference_steps": 20,
                                       "use_resolution_binning": False}
 THIRD = " [added in issue 50's third stop]"
@@ -346,6 +362,27 @@ def video_rows() -> list[Row]:
                        else "resident")
                 rows.append(Row(label, f"HunyuanVideo pipeline {how}, {size}, 50 steps, one call a step" + THIRD,
                                 seconds, as_run(HUNYUAN, gpu, gpus, **call), XDIT_HUNYUAN))
+    return rows
+
+
+def wan22_rows() -> list[Row]:
+    """The Wan 2.2 README's table: every text-to-video row (its two experts each split as the other is)."""
+    rows = []
+    for label, gpu, attention, tables in WAN22_TABLE:
+        for res, published in tables.items():
+            height, width = WAN22_SIZES[res]
+            call = {"height": height, "width": width, "num_frames": 81, "num_inference_steps": 40}
+            for gpus, seconds in zip((1, 4, 8), published):
+                how = (f"on {gpus} GPUs, tokens split (Wan's Ulysses-{gpus}; pipemap: sequence, both experts)"
+                       if gpus > 1 else "resident (--offload_model's copies not priced)")
+                rows.append(Row(label, f"Wan 2.2 T2V-A14B pipeline {how}, {width}x{height}x81, 40 steps, two calls a "
+                                f"step, {'FlashAttention-3' if attention == 'fa3' else 'FlashAttention-2'}" + THIRD,
+                                seconds, as_run(WAN22_A14B, gpu, gpus, attention=attention, **call), WAN22_README))
+    for gpus, seconds in zip((1, 4, 8), (534.7, 231.3, 157.2)):
+        how = (f"on {gpus} GPUs, tokens split (Wan's Ulysses-{gpus}; pipemap: sequence)" if gpus > 1 else "resident")
+        rows.append(Row("4090", f"Wan 2.2 TI2V-5B pipeline (text to video) {how}, text encoder on the CPU (--t5_cpu), "
+                        "1280x704x121, 50 steps, two calls a step" + THIRD, seconds,
+                        as_run(WAN22_5B, "4090", gpus, ("text_encoder",), **WAN22_5B_720), WAN22_README))
     return rows
 
 
@@ -561,6 +598,7 @@ def check_rows() -> list[Row]:
             pipeline_streamed(FLUX, l20, leaf, {"transformer": 8}, {"transformer": (32, 4), "text_encoder": (4, 1),
                                                                     "text_encoder_2": (4, 1)}), CACHE_DIT),
         *video_rows(),
+        *wan22_rows(),
         *other_rows(),
     ]
 
@@ -574,7 +612,7 @@ TERMS = ("H100 share", "A100 share", "L40S share", "launch constant", "Hopper ho
          "pageable share", "straggler wait")
 ELASTIC = 0.3  # a term sets a row's price when 10% on it moves the row by 3% or more
 MODELS = ("SD 1.5", "SDXL", "SD 3.5 Large", "FLUX.1", "Qwen-Image", "LTX-Video", "Wan 2.1 T2V-14B",
-          "Wan 2.1 T2V-1.3B", "HunyuanVideo", "SANA 1600M")
+          "Wan 2.1 T2V-1.3B", "Wan 2.2 T2V-A14B", "Wan 2.2 TI2V-5B", "HunyuanVideo", "SANA 1600M")
 
 
 @contextlib.contextmanager
@@ -666,6 +704,9 @@ DROPPED = [
      "8 GPUs (CFG-2 with PipeFusion, Ring or Ulysses: 3.991-5.803 s; xDiT's sana.md)", "PipeFusion and ring attention "
      "are not priced (pipemap's splits are Ulysses, guidance branches and batch parts), nor a batch cut in two with "
      "each half's tokens split"),
+    ("H100/H800, A100/A800, H20, 4090", "Wan 2.2 I2V-A14B at 480P and 720P and TI2V-5B I2V at 720P on 1/4/8 GPUs "
+     "(the Wan 2.2 README's table)", "image to video: the catalog has no image-to-video Wan 2.2 pipeline (the I2V "
+     "experts' image conditioning, the 5B's image latents)"),
     ("4090", "Wan 2.1 T2V-1.3B at 480P on 8 GPUs (the Wan 2.1 README's table: 112.3 s)", "run with ring attention "
      "(--ring_size 8: 12 heads do not divide by 8), which pipemap does not price (its sequence split is Ulysses)"),
     ("L20", "cache-dit layerwise async, 1 bucket (~4 GiB), + 4 persistent (~8 GiB), 4 buckets + 8 persistent "
@@ -792,14 +833,14 @@ def main() -> None:
         " bytes and kernel launches, counted by a dry run at the setup's own shapes (`pipemap.dryrun.counter`; the "
         "catalog's record for a default call), priced as the longer of the GPU's time (FLOPs over sustained FLOP/s, "
         "float32 operands at half, fused attention at its backend's published rate (`hardware.ATTENTION_SHARE`: "
-        "FlashAttention-2 here), plus memory-bound bytes over sustained memory bandwidth) and the host's time "
-        "launching the kernels (each GPU launches every kernel of its share of a call cut across GPUs); copies as "
-        "bytes over the link plus a latency each; a streamed component's copies overlapping its compute as its "
-        "streams allow (prefetch depth, buffers). A GPU's sustained figures are its datasheet dense bf16 FLOP/s and "
-        "memory bandwidth (`hardware.GPU_PERFORMANCE`) times its share (`hardware.SUSTAINED`); the links are "
-        "measured figures, not spec sheets (PCIe 4.0 x16 25 GB/s, PCIe 5.0 44 GB/s, NVLink at 0.82 of its line rate "
-        "through NCCL: see the GPU table below). Each setup is priced with the mechanism the source used (pinned or "
-        "pageable copies, overlapped or not, copied back or not, leaf by leaf or by pipemap's pieces).",
+        "FlashAttention-2 unless a row says otherwise), plus memory-bound bytes over sustained memory bandwidth) and "
+        "the host's time launching the kernels (each GPU launches every kernel of its share of a call cut across "
+        "GPUs); copies as bytes over the link plus a latency each; a streamed component's copies overlapping its "
+        "compute as its streams allow (prefetch depth, buffers). A GPU's sustained figures are its datasheet dense "
+        "bf16 FLOP/s and memory bandwidth (`hardware.GPU_PERFORMANCE`) times its share (`hardware.SUSTAINED`); the "
+        "links are measured figures, not spec sheets (PCIe 4.0 x16 25 GB/s, PCIe 5.0 44 GB/s, NVLink at 0.82 of its "
+        "line rate through NCCL: see the GPU table below). Each setup is priced with the mechanism the source used "
+        "(pinned or pageable copies, overlapped or not, copied back or not, leaf by leaf or by pipemap's pieces).",
         "",
         "## Fitted: each constant and the one published figure it is fitted on",
         "",
@@ -941,10 +982,12 @@ def main() -> None:
         " 0.96 of their peaks (their FLUX.1-dev rows: 1.18 -> 1.12 resident, 1.23 -> 1.18 on two). (3) HunyuanVideo "
         "got its diffusers default call (`cost.PIPELINE_DEFAULTS`: 1280x720x129, 50 steps, guidance embedded: one "
         "call a step), which halves its exchanges. Read after these changes and priced once, nothing changed after: "
-        "xDiT's HunyuanVideo table at 960x960 on 1/2/3/6 GPUs, ParaAttention's L20 baselines and xDiT's SANA at "
-        "4096x4096 on A100s (14 of their 15 independent rows within the band). The Wan 2.1 README's image-to-video "
-        "rows and LightX2V's H200 table (the Wan 2.1 official repo's I2V) are dropped (below): no image-to-video Wan "
-        "in the catalog.",
+        "xDiT's HunyuanVideo table at 960x960 on 1/2/3/6 GPUs, ParaAttention's L20 baselines, xDiT's SANA at "
+        "4096x4096 on A100s and the Wan 2.2 README's table (T2V-A14B at 480P and 720P on H100, A100 and H20 over "
+        "1/4/8 GPUs, its two experts each split as the other; FlashAttention-3 on the Hopper GPUs, as the README says"
+        " the runs used; TI2V-5B text-to-video on 4090s): 34 of their 36 independent rows within the band. The Wan "
+        "2.1 and 2.2 READMEs' image-to-video rows and LightX2V's H200 table (the Wan 2.1 official repo's I2V) are "
+        "dropped (below): no image-to-video Wan in the catalog.",
         "- Outside the band after issue 50's third stop, each with its reason as far as it is known. HunyuanVideo on "
         "8 H100s (0.71): the published runs scale 1.00 / 2.06 / 3.70 / 5.64 over 1 / 2 / 4 / 8 GPUs, about 100 s more"
         " at 8 than the model's exchanges and waits; the VAE decode at 1280x720x129 (3,000 TFLOP of 3D convolutions, "
@@ -955,11 +998,16 @@ def main() -> None:
         "constants are fitted on (its 1-GPU FLUX.1-dev is 1.28 of the price, its 2-GPU 1.29), and at 2 ranks the "
         "model is launch-bound (5,434 kernels a call at 30.6 us: 166 ms a call, above the published 128 ms): a host "
         "of about 20 us a launch, which a spec can state (`launch=`), would price it. SANA on 2 A100s with CFG "
-        "parallel (1.27): the published 2-GPU run is 2.1x its 1-GPU run. SD 3.5 Large on an H100 (0.77): as before; "
-        "FlashAttention-2 at head dim 64 runs 0.87 of head dim 128 on an H100 at 4k tokens (321 against 368 TFLOP/s, "
-        "the FlashAttention-3 paper's Figure 5, arXiv:2407.08608), which would put it at 0.80 if the rate followed "
-        "the head dim (not done: the rate would need each component's head dim); sequence length moves "
-        "FlashAttention-2's rate by 2% or less above 2k tokens there, so long video sequences are not priced apart.",
+        "parallel (1.27): the published 2-GPU run is 2.1x its 1-GPU run. Wan 2.2 TI2V-5B on 4 4090s (1.30; 1.23 on "
+        "8): the call's tokens are counted as an 8x VAE and 2x2 patches make them (`Workload.latent_tokens`: 16 "
+        "pixels a token), and the 5B's VAE compresses 16x (32 pixels a token), so its exchanges are priced at 4 times"
+        " their bytes; at a quarter the two rows would be 0.91 and 0.89. The Workload needs the VAE's compression "
+        "(its config's `scale_factor_spatial`), which the inventory does not carry yet. SD 3.5 Large on an H100 "
+        "(0.77): as before; FlashAttention-2 at head dim 64 runs 0.87 of head dim 128 on an H100 at 4k tokens (321 "
+        "against 368 TFLOP/s, the FlashAttention-3 paper's Figure 5, arXiv:2407.08608), which would put it at 0.80 if"
+        " the rate followed the head dim (not done: the rate would need each component's head dim); sequence length "
+        "moves FlashAttention-2's rate by 2% or less above 2k tokens there, so long video sequences are not priced "
+        "apart.",
         "",
         "## The GPU table",
         "",

@@ -269,6 +269,24 @@ def test_wan_at_720p_over_h100s_is_priced_as_its_readme_ran_it(gpus, published):
     assert 0.8 < seconds / published < 1.25
 
 
+WAN22_720 = {"height": 720, "width": 1280, "num_frames": 81, "num_inference_steps": 40}
+
+
+@pytest.mark.parametrize(("gpus", "published"), [(1, 1041.5), (8, 155.1)])
+def test_wan22_experts_over_h100s_are_priced_as_its_readme_ran_them(gpus, published):
+    # the Wan 2.2 README's table (assets/comp_effic.png): T2V-A14B at 1280x720x81, 40 steps, two calls a step,
+    # FlashAttention-3 on Hopper (as the README says), on 1 / 8 H100/H800s: 1041.5 / 155.1 s. Its two experts take
+    # turns by timestep (pipemap.experts), each split over all eight GPUs. Priced by the formula
+    hardware = H100.format(gpus) + ",attention=fa3"
+    plan = pipemap.plan("wan2.2-t2v-a14b", hardware=hardware, strategy="parallel" if gpus > 1 else "auto",
+                        call={**WAN22_720, "guidance_scale": 1.0, "guidance_scale_2": 1.0}, ranks="process")
+    for expert in ("transformer", "transformer_2"):
+        placement = plan.placement(expert)
+        assert placement.mode == ("sequence" if gpus > 1 else "resident") and len(placement.replicas) == gpus - 1
+    seconds = pipemap.estimate("wan2.2-t2v-a14b", plan, count=False, **WAN22_720).seconds
+    assert 0.8 < seconds / published < 1.25
+
+
 def test_hunyuanvideo_is_priced_at_its_own_default_call():
     # diffusers' HunyuanVideoPipeline: 1280x720, 129 frames, 50 steps, guidance embedded in the transformer's input
     # (one call a step; true CFG only with a negative prompt and true_cfg_scale > 1)
