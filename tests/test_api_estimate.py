@@ -242,13 +242,58 @@ def test_qwen_image_at_2048_over_h800s_is_priced_as_vllm_omni_ran_it(gpus, publi
     # vLLM-Omni's parallelism guide: Qwen/Qwen-Image at 2048x2048, 50 steps, NVIDIA H800s, sdpa: diffusers 112.5 s
     # on one, Ulysses-SP over 2 / 4 / 8: 65.2 / 39.6 / 30.8 s (1.73x / 2.84x / 3.65x; two transformer calls a step,
     # as the 1-GPU time says). Priced by the formula, each rank a worker process; the 8-GPU row is the one
-    # RANK_IMBALANCE is fitted on (bench/CALIBRATION.md, with the recorded counts)
+    # STRAGGLER_WAIT is fitted on (bench/CALIBRATION.md, with the recorded counts)
     hardware = f"{gpus}x80GiB,cpu=256GiB,gpu=h800"
     plan = pipemap.plan("qwen-image", hardware=hardware, strategy="parallel" if gpus > 1 else "auto", ranks="process")
     transformer = plan.placement("transformer")
     assert len(transformer.replicas) == gpus - 1 and transformer.mode == ("sequence" if gpus > 1 else "resident")
     seconds = pipemap.estimate("qwen-image", plan, count=False, height=2048, width=2048, **NEGATIVE).seconds
     assert 0.9 < seconds / published < 1.15
+
+
+WAN_720 = {"height": 720, "width": 1280, "num_frames": 81, "num_inference_steps": 50}
+
+
+@pytest.mark.parametrize(("gpus", "published"), [(1, 1837.9), (2, 945.1), (4, 497.0), (8, 287.9)])
+def test_wan_at_720p_over_h100s_is_priced_as_its_readme_ran_it(gpus, published):
+    # the Wan 2.1 README's table (assets/comp_effic.png): T2V-14B at 1280x720x81, 50 steps, two transformer calls a
+    # step, on 1 / 2 / 4 / 8 H800/H100s: 1837.9 / 945.1 / 497.0 / 287.9 s, both calls of a step over every GPU's
+    # share of the tokens (Ulysses-N). A share of a rank's work per rank beyond two priced 8 GPUs at 1.45x; a wait
+    # per collective (STRAGGLER_WAIT) leaves a long sequence's split near its share. Priced by the formula
+    hardware = H100.format(gpus)
+    plan = pipemap.plan("wan2.1-t2v-14b", hardware=hardware, strategy="parallel" if gpus > 1 else "auto",
+                        call={**WAN_720, "guidance_scale": 1.0}, ranks="process")
+    transformer = plan.placement("transformer")
+    assert len(transformer.replicas) == gpus - 1 and transformer.mode == ("sequence" if gpus > 1 else "resident")
+    seconds = pipemap.estimate("wan2.1-t2v-14b", plan, count=False, **WAN_720).seconds
+    assert 0.8 < seconds / published < 1.25
+
+
+WAN22_720 = {"height": 720, "width": 1280, "num_frames": 81, "num_inference_steps": 40}
+
+
+@pytest.mark.parametrize(("gpus", "published"), [(1, 1041.5), (8, 155.1)])
+def test_wan22_experts_over_h100s_are_priced_as_its_readme_ran_them(gpus, published):
+    # the Wan 2.2 README's table (assets/comp_effic.png): T2V-A14B at 1280x720x81, 40 steps, two calls a step,
+    # FlashAttention-3 on Hopper (as the README says), on 1 / 8 H100/H800s: 1041.5 / 155.1 s. Its two experts take
+    # turns by timestep (pipemap.experts), each split over all eight GPUs. Priced by the formula
+    hardware = H100.format(gpus) + ",attention=fa3"
+    plan = pipemap.plan("wan2.2-t2v-a14b", hardware=hardware, strategy="parallel" if gpus > 1 else "auto",
+                        call={**WAN22_720, "guidance_scale": 1.0, "guidance_scale_2": 1.0}, ranks="process")
+    for expert in ("transformer", "transformer_2"):
+        placement = plan.placement(expert)
+        assert placement.mode == ("sequence" if gpus > 1 else "resident") and len(placement.replicas) == gpus - 1
+    seconds = pipemap.estimate("wan2.2-t2v-a14b", plan, count=False, **WAN22_720).seconds
+    assert 0.8 < seconds / published < 1.25
+
+
+def test_hunyuanvideo_is_priced_at_its_own_default_call():
+    # diffusers' HunyuanVideoPipeline: 1280x720, 129 frames, 50 steps, guidance embedded in the transformer's input
+    # (one call a step; true CFG only with a negative prompt and true_cfg_scale > 1)
+    inventory = pipemap.inspect("hunyuanvideo")
+    work = pipemap.cost.workload_for(inventory)
+    assert (work.width, work.height, work.frames, work.steps, work.calls) == (1280, 720, 129, 50, 50)
+    assert pipemap.cost.workload_for(inventory, {"negative_prompt": "", "true_cfg_scale": 6.0}).calls == 100
 
 
 def test_auto_prices_its_splits_for_the_runtime_that_will_run_them():

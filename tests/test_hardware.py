@@ -14,8 +14,10 @@ from pipemap.hardware import (
     SUSTAINED,
     attention_rate,
     gpu_key,
+    moved_share,
     performance_for,
     sustained_share,
+    tensor_share,
 )
 
 GiB = 1024**3
@@ -192,22 +194,38 @@ def test_a_reserve_for_context_and_workspaces_comes_off_each_gpu():
 
 
 def test_an_unfitted_gpu_takes_its_generations_share_and_says_so():
-    # the L20 has no fit of its own: the Ada generation's share, the L40S's; the T4 (Turing, no fit in its
-    # generation) the nearest fitted one's, the A100's; never another GPU's by a median
+    # the L20 has no fit of its own: the Ada generation's share, the L40S's, moved by its tensor and vector rates
+    # for its FLOP/s (its memory keeps the L40S's share); the T4 (Turing, no fit in its generation) the nearest
+    # fitted one's, the A100's; never another GPU's by a median
     l20, l40s = performance_for("NVIDIA L20"), performance_for("NVIDIA L40S")
-    assert l20.flops / GPU_PERFORMANCE["l20"][0] == pytest.approx(l40s.flops / GPU_PERFORMANCE["l40s"][0])
+    assert l20.flops / GPU_PERFORMANCE["l20"][0] == pytest.approx(moved_share(SUSTAINED["l40s"], "l20"))
+    assert l20.memory_bandwidth / GPU_PERFORMANCE["l20"][1] == pytest.approx(
+        l40s.memory_bandwidth / GPU_PERFORMANCE["l40s"][1])
     assert "no L20 fit" in l20.origin and "Ada" in l20.origin and "fitted on the L40S" in l40s.origin
     t4 = performance_for("Tesla T4")
-    assert t4.flops == pytest.approx(GPU_PERFORMANCE["t4"][0] * SUSTAINED["a100"]) and "Turing" in t4.origin
+    assert t4.flops == pytest.approx(GPU_PERFORMANCE["t4"][0] * moved_share(SUSTAINED["a100"], "t4"))
+    assert "Turing" in t4.origin
     assert "as given" in Hardware.parse("1x16GiB,gpu=t4,flops=20T").performance.origin
     assert "generic" in performance_for("some new accelerator").origin
+
+
+def test_a_share_moves_by_the_tensor_cores_peak_against_the_vector_units():
+    # a FLOP's time is one at the tensor peak plus the rest of its kernel on the vector units, in the fitted GPU's
+    # proportion: the H20 (148 tensor TFLOP/s beside 44 vector; the H100 989 beside 67) reaches more of its peak,
+    # the H200 and H800 (the H100's rates) the H100's share; a fitted GPU keeps its own, CDNA 3 Hopper's bound
+    assert tensor_share("h20")[0] == pytest.approx(1 / (1 + (1 / 0.622 - 1) * (148 / 44) / (989 / 67)), rel=1e-3)
+    assert tensor_share("h200")[0] == tensor_share("h800")[0] == SUSTAINED["h100"] == tensor_share("h100")[0]
+    assert tensor_share("mi300x")[0] == SUSTAINED["h100"] and "moved" in tensor_share("h20")[1]
+    # FlashAttention-2's 35% of an H100 is its softmax on the vector units: 0.70 of an H20
+    assert attention_rate("h20", "flash")[0] / GPU_PERFORMANCE["h20"][0] == pytest.approx(0.703, abs=1e-3)
+    assert moved_share(0.5, "h100") == 0.5
 
 
 def test_every_share_is_physical_and_every_gpu_has_a_generation():
     assert set(GENERATION) == set(GPU_PERFORMANCE)
     for gpu in GPU_PERFORMANCE:
         share, _origin = sustained_share(gpu)
-        assert 0 < share <= 1.0, gpu
+        assert 0 < share <= 1.0 and 0 < tensor_share(gpu)[0] <= 1.0, gpu
 
 
 # The GPUs people run today, each by the name its driver reports, and the table key it matches: the longest
@@ -222,7 +240,7 @@ CURRENT_GPUS = {"NVIDIA B200": "b200", "NVIDIA H20": "h20", "NVIDIA H200": "h200
 def test_a_current_gpu_is_known_by_its_drivers_name(name, key):
     assert gpu_key(name) == key
     figures = performance_for(name)
-    assert figures.flops == pytest.approx(GPU_PERFORMANCE[key][0] * sustained_share(key)[0])
+    assert figures.flops == pytest.approx(GPU_PERFORMANCE[key][0] * tensor_share(key)[0])
     assert key.upper() in figures.origin and figures.attention_flops is not None
 
 
@@ -239,9 +257,10 @@ def test_an_unfitted_generation_says_whose_share_it_takes():
     b200, rtx, mi300x = performance_for("b200"), performance_for("RTX 5090"), performance_for("MI300X")
     assert "no Blackwell fit" in b200.origin and "fitted on the H100" in b200.origin
     assert "Ada's" in rtx.origin and "CDNA 3" in mi300x.origin
-    # FlashAttention-3 is Hopper's: a Blackwell GPU runs FlashAttention-2's figure, not FA3's 0.75
+    # FlashAttention-3 is Hopper's: a Blackwell GPU runs FlashAttention-2's figure (moved to it), not FA3's 0.75
     rate, _said = attention_rate("b200", "fa3")
-    assert rate == pytest.approx(GPU_PERFORMANCE["b200"][0] * ATTENTION_SHARE["flash"][0]["hopper"])
+    assert rate == pytest.approx(GPU_PERFORMANCE["b200"][0] * moved_share(ATTENTION_SHARE["flash"][0]["hopper"],
+                                                                          "b200"))
 
 
 @pytest.mark.parametrize("gpu", ["b200", "h20", "5090", "l4", "a800", "mi300x"])

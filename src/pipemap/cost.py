@@ -70,11 +70,16 @@ EXCHANGE_LATENCY = 50e-6
 # point-to-point calls): its latency grows with them, as nccl-tests' alltoall_perf small-message times do from 2 to 8
 # GPUs (approximate, not fitted). The same for a call's broadcast and gather.
 RANK_LATENCY = 10e-6
-# Load imbalance: each collective waits for the slowest rank's GPU work, and the slowest of more ranks is slower:
-# a rank's GPU time grows by this share for every rank beyond two (two ranks are what the Hopper host's launch is
-# fitted on). Fitted on vLLM-Omni's Qwen-Image at 2048x2048 over 8 H800s (bench/CALIBRATION.md: 30.8 s against
-# 24.5 s without it). A launch-bound rank's host sets the pace and hides it (xDiT's eager FLUX.1-dev on 4 H100s).
-RANK_IMBALANCE = 0.114
+# Each collective waits for the slowest rank, and an all-to-all among more ranks waits on more peers (NCCL's
+# alltoall is grouped send and receive pairs, one a peer), each of which may have drifted behind since the last one
+# (launch timing, clocks, its proxy thread's turn): a wait per collective and rank beyond two (two ranks are what the
+# Hopper host's launch is fitted on), not a share of the work between two collectives, so a long video sequence's
+# layers (Wan 2.1 at 1280x720x81 over 8 H100s: 15 ms of work an exchange) hardly notice it and Qwen-Image at
+# 2048x2048 over 8 H800s (1.3 ms) does. It waits on the GPU's side: a launch-bound rank's host sets the pace and
+# hides it (xDiT's eager FLUX.1-dev gains a little from 2 to 4 H100s). Fitted on vLLM-Omni's Qwen-Image at 2048x2048
+# over 8 H800s (bench/CALIBRATION.md); it replaced a share of a rank's work per rank beyond two, fitted on the same
+# row, which priced Wan 2.1's 8-GPU runs (the Wan 2.1 README's table) at 1.45x the published times.
+STRAGGLER_WAIT = 71e-6
 # Around each all-to-all, Ulysses attention permutes its tensors into the layout the exchange sends and back (a
 # contiguous copy each way): 38% of the exchange's time on an H100 (pytorch/pytorch#178066), priced as that share of
 # the exchange's time on top of its bytes over the link
@@ -142,6 +147,9 @@ PIPELINE_DEFAULTS: dict[str, Workload] = {
     # true CFG only with a negative prompt (true_cfg_scale > 1 and negative_prompt given): without one, 1 call a step
     "QwenImagePipeline": Workload(1024, 1024, 50, False, text_tokens=128),
     "WanPipeline": Workload(480, 832, 50, True, frames=81),
+    # guidance embedded in the transformer's input: true CFG only with a negative prompt and true_cfg_scale > 1;
+    # its LLaVA-Llama prompt cut to 256 tokens, attended jointly with the video's
+    "HunyuanVideoPipeline": Workload(720, 1280, 50, False, frames=129, text_tokens=256),
     # the catalog's other classes (issue 52), from their __call__'s defaults and their catalog entry's sample size
     "FluxKontextPipeline": Workload(1024, 1024, 28, False, text_tokens=512),  # guidance-distilled, as Flux
     "Flux2Pipeline": Workload(1024, 1024, 50, False, text_tokens=512),  # guidance-distilled: guidance is an input
@@ -159,7 +167,7 @@ PIPELINE_DEFAULTS: dict[str, Workload] = {
 
 # pipelines whose true classifier-free guidance runs only with a negative prompt, and their default true_cfg_scale
 TRUE_CFG = {"QwenImagePipeline": 4.0, "FluxPipeline": 1.0, "FluxKontextPipeline": 1.0, "QwenImageEditPipeline": 4.0,
-            "QwenImageEditPlusPipeline": 4.0}
+            "QwenImageEditPlusPipeline": 4.0, "HunyuanVideoPipeline": 1.0}
 
 
 def workload_for(inventory: Inventory, call: Mapping | None = None) -> Workload:
@@ -239,15 +247,15 @@ def compute_seconds(work: Tally, perf: Performance, on_gpu: bool = True) -> floa
 
 
 def shared_compute(work: Tally, perf: Performance, on_gpu: bool, gpus: int, ranks: str | None = None,
-                   imbalance: float = 0.0) -> float:
+                   waits: float = 0.0) -> float:
     """Seconds each of ``gpus`` GPUs takes for its share of ``work`` when a call is cut across them (a batch's parts,
     a sequence's tokens): the GPU's time shares, the host's does not: each GPU's process launches every kernel of
     its share (a part of a batch or of the tokens runs the same kernels), so a launch-bound call gains little; ranks
     that are threads of one process (``ranks="thread"``) launch one after the other (``rank_launch_seconds``).
-    ``imbalance``: the share the slowest rank's GPU work adds (a sequence split's ``RANK_IMBALANCE``)."""
+    ``waits``: the seconds each rank's GPU waits for the slowest at the collectives (``straggler_seconds``)."""
     if not on_gpu:
         return work.flops / perf.cpu_flops / gpus
-    return max(gpu_seconds(work, perf) / gpus * (1 + imbalance), rank_launch_seconds(work.kernels, perf, gpus, ranks))
+    return max(gpu_seconds(work, perf) / gpus + waits, rank_launch_seconds(work.kernels, perf, gpus, ranks))
 
 
 def rank_launch_seconds(kernels: float, perf: Performance, gpus: int, ranks: str | None = None) -> float:
@@ -612,13 +620,23 @@ def _sequence_price(x: _Priced) -> Cost:
 
 
 def _split_share(x: _Priced, split: Placement) -> float:
-    """Each rank's seconds for its share of a sequence split's calls: the GPU's work shared (the slowest of more than
-    two ranks slower by ``RANK_IMBALANCE`` a rank), the host launching the plain call's kernels and each exchange's
-    own (``EXCHANGE_LAUNCHES``) on every rank."""
+    """Each rank's seconds for its share of a sequence split's calls: the GPU's work shared, with its waits for the
+    slowest rank at each exchange (``straggler_seconds``), the host launching the plain call's kernels and each
+    exchange's own (``EXCHANGE_LAUNCHES``) on every rank."""
     gpus = 1 + len(split.replicas)
-    exchanges = Tally(kernels=EXCHANGE_LAUNCHES * exchanges_per_image(x.component, x.work))
-    return shared_compute(x.counted.total(x.steps) + exchanges, x.perf, x.on_gpu, gpus, x.ranks,
-                          RANK_IMBALANCE * max(0, gpus - 2))
+    collectives = exchanges_per_image(x.component, x.work)
+    return shared_compute(x.counted.total(x.steps) + Tally(kernels=EXCHANGE_LAUNCHES * collectives), x.perf,
+                          x.on_gpu, gpus, x.ranks, straggler_seconds(collectives, gpus))
+
+
+def straggler_seconds(collectives: float, gpus: int) -> float:
+    """The seconds each of ``gpus`` ranks waits for late peers at ``collectives`` collectives: ``STRAGGLER_WAIT``
+    a collective and rank beyond two.
+
+    >>> round(straggler_seconds(1000, 8) / STRAGGLER_WAIT)   # 1000 collectives, 6 ranks beyond two
+    6000
+    """
+    return collectives * STRAGGLER_WAIT * max(0, gpus - 2)
 
 
 def _thread_floor(x: _Priced, placement: Placement) -> float:

@@ -199,6 +199,17 @@ GPU_PERFORMANCE = {
     "t4": (65e12, 320e9, PCIE3, 10e9), "mi300x": (1307.4e12, 5.3e12, PCIE5, XGMI_PAIR),
     "mi325x": (1307.4e12, 6.0e12, PCIE5, XGMI_PAIR),
 }
+# Each GPU's datasheet FP32 FLOP/s on its CUDA cores (its vector units, without tensor cores; AMD's vector FP32):
+# what runs the part of a kernel outside its matrix products (exponentials, scaling, address arithmetic, the
+# softmax of a fused attention), for ``moved_share``
+VECTOR_FLOPS = {"b200": 75e12, "h200": 67e12, "h100": 67e12, "h800": 67e12, "h20": 44e12, "a100": 19.5e12,
+                "a800": 19.5e12, "l40s": 91.6e12, "l40": 90.5e12, "l20": 59.8e12, "a6000": 38.7e12, "a10": 31.2e12,
+                "5090": 104.8e12, "4090": 82.6e12, "3090": 35.6e12, "4080": 48.7e12, "l4": 30.3e12, "t4": 8.1e12,
+                "mi300x": 163.4e12, "mi325x": 163.4e12}
+# the GPU each generation's shares are fitted on (its sustained share) or taken as (its attention share), which
+# ``moved_share`` moves a GPU of that generation's from; CDNA 3 keeps Hopper's share as its stated upper bound
+SHARE_REFERENCE = {"hopper": "h100", "ampere": "a100", "ada": "l40s", "turing": "a100", "blackwell": "h100",
+                   "blackwell_rtx": "l40s"}
 _PERF_KEYS = {"gpu", "flops", "host_bw", "peer_bw", "mem_bw", "disk_bw", "reserve", "attention", "launch"}
 # Kept off each detected GPU's free memory, beside the activation headroom: cuBLAS/cuDNN workspaces and the
 # allocator's fragmentation (0.3 to 1 GiB); the CUDA context itself is already out of the free figure, since
@@ -214,8 +225,8 @@ def attention_rate(gpu: str, backend: str) -> tuple[float | None, str]:
     shares, origin = ATTENTION_SHARE[backend]
     flash = ATTENTION_SHARE["flash"][0]
     generation = GENERATION[gpu]
-    share = (shares.get(generation) or flash.get(generation)
-             or flash[ATTENTION_FALLBACK.get(generation, "ampere")])
+    share = moved_share(shares.get(generation) or flash.get(generation)
+                        or flash[ATTENTION_FALLBACK.get(generation, "ampere")], gpu)
     return GPU_PERFORMANCE[gpu][0] * share, f"attention {backend} at {share:.2g} of the datasheet ({origin})"
 
 
@@ -237,10 +248,10 @@ def performance_for(gpu_name: str | None, attention: str = DEFAULT_ATTENTION,
         return Performance(disk_bandwidth=disk, disk_origin=disk_origin, kernel_seconds=kernel,
                            kernel_origin=kernel_origin, attention=backend)
     flops, memory, host, peer = GPU_PERFORMANCE[fragment]
-    share, origin = sustained_share(fragment)
+    share, origin = tensor_share(fragment)
     rate, said = attention_rate(fragment, attention)
-    return Performance(flops * share, host, peer, memory_bandwidth=memory * share, disk_bandwidth=disk,
-                       disk_origin=disk_origin, kernel_seconds=kernel, kernel_origin=kernel_origin,
+    return Performance(flops * share, host, peer, memory_bandwidth=memory * sustained_share(fragment)[0],
+                       disk_bandwidth=disk, disk_origin=disk_origin, kernel_seconds=kernel, kernel_origin=kernel_origin,
                        origin=f"{fragment.upper()} datasheet at {share:.3g} of it ({origin}); {said}",
                        attention=attention, attention_flops=rate)
 
@@ -268,6 +279,32 @@ def sustained_share(gpu: str) -> tuple[float, str]:
         return SUSTAINED[gpu], f"fitted on the {gpu.upper()}"
     share, origin = GENERATION_SHARE[GENERATION[gpu]]
     return share, f"no {gpu.upper()} fit: the {GENERATION[gpu].capitalize()} generation's default, {origin}"
+
+
+def tensor_share(gpu: str) -> tuple[float, str]:
+    """The share of a GPU's datasheet dense FLOP/s it sustains (``GPU_PERFORMANCE``'s key): its own fit, else its
+    generation's share moved to it (``moved_share``); its memory keeps ``sustained_share``."""
+    share, origin = sustained_share(gpu)
+    if gpu in SUSTAINED:
+        return share, origin
+    moved = moved_share(share, gpu)
+    return moved, origin if moved == share else f"{origin}, moved to {moved:.3g} by its tensor and vector rates"
+
+
+def moved_share(share: float, gpu: str) -> float:
+    """A share of the datasheet FLOP/s taken on the reference GPU of ``gpu``'s generation (``SHARE_REFERENCE``),
+    moved to ``gpu``: a FLOP's time is one at the tensor cores' peak plus the rest of its kernel on the vector units
+    (``VECTOR_FLOPS``), in the reference's proportion, so a GPU whose tensor cores are slow beside its vector units
+    reaches a larger share of their peak (the H20: 148 tensor TFLOP/s beside 44 vector, the H100's 989 beside 67).
+
+    >>> round(moved_share(0.622, "h20"), 3), moved_share(0.622, "h200")
+    (0.878, 0.622)
+    """
+    reference = SHARE_REFERENCE.get(GENERATION[gpu])
+    if reference is None or reference == gpu:
+        return share
+    ratio = (GPU_PERFORMANCE[gpu][0] / VECTOR_FLOPS[gpu]) / (GPU_PERFORMANCE[reference][0] / VECTOR_FLOPS[reference])
+    return 1 / (1 + (1 / share - 1) * ratio)
 
 
 LAUNCH_FILE = "launch.json"
