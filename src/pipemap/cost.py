@@ -114,6 +114,10 @@ class Workload:
     frames: int = 1
     text_tokens: int = 0  # tokens a joint-attention transformer attends over beside the image's (Flux: 512)
     images: int = 1
+    # the pixels a side of one latent token covers (the VAE's scale times the denoiser's patch: an 8x VAE and 2x2
+    # patches, 16; LTX-Video's and SANA's 32x autoencoders with 1x1 patches, 32) and the frames one covers in time
+    token_pixels: int = 16
+    token_frames: int = 4
 
     @property
     def calls(self) -> int:
@@ -122,9 +126,10 @@ class Workload:
 
     @property
     def latent_tokens(self) -> int:
-        # an 8x VAE, then 2x2 patches (transformers) or the first down-sampling stages (UNets); video: 4x in time
-        frames = 1 if self.frames <= 1 else (self.frames - 1) // 4 + 1
-        return max(1, frames * (self.height // 16) * (self.width // 16))
+        # by default an 8x VAE, then 2x2 patches (transformers) or the first down-sampling stages (UNets); video: 4x
+        # in time (``token_pixels``, ``token_frames``)
+        frames = 1 if self.frames <= 1 else (self.frames - 1) // self.token_frames + 1
+        return max(1, frames * (self.height // self.token_pixels) * (self.width // self.token_pixels))
 
     @property
     def pixels(self) -> int:
@@ -156,9 +161,9 @@ PIPELINE_DEFAULTS: dict[str, Workload] = {
     "QwenImageEditPipeline": Workload(1024, 1024, 50, False, text_tokens=128),  # true CFG with a negative prompt
     "QwenImageEditPlusPipeline": Workload(1024, 1024, 50, False, text_tokens=128),
     "HiDreamImagePipeline": Workload(1024, 1024, 50, True, text_tokens=256),  # 128 T5 + 128 Llama; CFG as a batch
-    "LTXPipeline": Workload(512, 704, 50, True, frames=161, text_tokens=128),
+    "LTXPipeline": Workload(512, 704, 50, True, frames=161, text_tokens=128, token_pixels=32, token_frames=8),
     "CogVideoXPipeline": Workload(480, 720, 50, True, frames=49, text_tokens=226),
-    "SanaPipeline": Workload(1024, 1024, 20, True, text_tokens=300),
+    "SanaPipeline": Workload(1024, 1024, 20, True, text_tokens=300, token_pixels=32),  # DC-AE 32x, 1x1 patches
     "PixArtSigmaPipeline": Workload(1024, 1024, 20, True, text_tokens=300),
     "Lumina2Pipeline": Workload(1024, 1024, 30, True, text_tokens=256),
     "ChromaPipeline": Workload(1024, 1024, 35, True, text_tokens=512),
