@@ -7,6 +7,7 @@ Only the standard library is imported here: each command imports what it needs w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -373,8 +374,6 @@ def _run(args) -> int:
 def _for_call(request, call: dict):
     """``request`` planned for the call ``run`` makes, where the plan depends on a call (a measuring dry run,
     strategy "auto" or "parallel": its size, steps and guidance), not for the pipeline's default call."""
-    import dataclasses
-
     from .api import PRICED_FOR_CALL
 
     return dataclasses.replace(request, call=call) if request.measured or request.strategy in PRICED_FOR_CALL \

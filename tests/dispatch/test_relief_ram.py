@@ -52,7 +52,10 @@ def child(folder: str) -> None:
     torch.set_num_threads(1)
     total = sum(m.bytes for m in pipemap.inspect(folder).models)
     vae = next(m.bytes for m in pipemap.inspect(folder).models if m.name == "vae")
-    plan = pipemap.plan(folder, hardware=f"cuda:0={total + 8 * MIB + POOL_SLACK},cpu={vae + 4 * MIB}", headroom=0.0)
+    # room for the weights, a call, and the allocator's slack of two stream pools: the default one, and the side
+    # one the relief's offloaded VAE adds (``modes.slack``; the admission ledger keeps both)
+    gpu = total + 8 * MIB + 2 * POOL_SLACK
+    plan = pipemap.plan(folder, hardware=f"cuda:0={gpu},cpu={vae + 4 * MIB}", headroom=0.0)
     pipe = pipemap.load(folder, plan=plan.remap({"cuda:0": "cpu"}), progress=False)
     pipe.set_progress_bar_config(disable=True)
     admission = memory_for(pipe, plan)

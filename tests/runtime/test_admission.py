@@ -120,6 +120,41 @@ def test_a_request_that_fits_alone_never_deadlocks_the_ledger():
     assert book.too_large(needs(9 * MB, unet=2 * MB)) == "cuda:0"
 
 
+def test_a_call_the_room_shrank_under_is_stranded_only_when_nothing_can_free_room_for_it():
+    # a relief re-places components and the ledger's room shrinks (an offload's side pool): a call that no longer
+    # fits beside its own request, with nothing else running, would wait forever
+    book = ledger(room=10 * MB)
+    first, second = request(book, "a", needs(3 * MB, unet=6 * MB)), request(book, "b", needs(MB))
+    extra = Ticket(first.lease, "unet", {"cuda:0": 6 * MB})
+    assert first.admitted and second.admitted and book.stranded(extra) is None  # 3 + 1 + 6 <= 10
+    book.reweigh(None, {"cuda:0": 12 * MB})  # room 8 MB now
+    assert book.stranded(extra) is None  # another request running: its end may free room
+    book.release(second)
+    assert book.stranded(extra) == ("cuda:0", 9 * MB)  # 3 + 6 > 8, and nothing else holds anything
+
+
+def test_an_admission_raises_for_a_stranded_call_instead_of_waiting_forever():
+    from pipemap.errors import CallTooLargeError
+
+    admission = Admission(_plan(), lambda plan, call: Needs({"cuda:0": 2 * MB}, {"vae": {"cuda:0": 6 * MB}}))
+    lease = Lease("r", Needs({"cuda:0": 2 * MB}, {"vae": {"cuda:0": 6 * MB}}))
+    admission.ledger.offer(Ticket(lease, None, {"cuda:0": 2 * MB}))
+    admission.ledger.reweigh(admission, {"cuda:0": admission.ledger.memory["cuda:0"] - 4 * MB})  # room 4 MB
+    done: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            admission._wait(Ticket(lease, "vae", {"cuda:0": 6 * MB}))
+        except CallTooLargeError as err:
+            done.append(err)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive() and done and done[0].device == "cuda:0" and done[0].needs == 8 * MB
+    assert admission.ledger.waiting == []
+
+
 def test_call_shape_keeps_what_sets_memory():
     base = {"prompt": "a cat", "height": 64, "width": 64, "num_inference_steps": 30, "guidance_scale": 7.5,
             "generator": torch.Generator().manual_seed(1), "output_type": "pil"}

@@ -25,6 +25,7 @@ from typing import cast
 
 import accelerate
 import torch
+from PIL import Image
 from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm import tqdm
 
@@ -225,8 +226,6 @@ def dry_call(pipe, steps: int, overrides: Mapping) -> dict:
         if "controlnet" in pipe.components:
             call["image"] = torch.zeros(1, 3, size[0], size[1])
         elif type(pipe).__name__ in EDITS:  # they read the image's PIL size
-            from PIL import Image
-
             call["image"] = Image.new("RGB", (size[1], size[0]))
     unknown = tuple(k for k in overrides if k not in parameters)  # a pipeline's **kwargs only catch deprecated names
     if unknown:

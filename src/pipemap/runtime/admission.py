@@ -263,6 +263,16 @@ class MemoryLedger:
         """The first device where ``needs`` do not fit even when the call runs alone, or None."""
         return next((d for d, peak in needs.peak.items() if peak > self.room(d)), None)
 
+    def stranded(self, ticket: Ticket) -> tuple[str, int] | None:
+        """Where a waiting component call can never be admitted, and what it needs there with its request's rest;
+        None while it may be: its request is the only one running, no other call holds anything there, and its
+        bytes do not fit beside its request's rest. Nothing then can free room for it (the room shrank under it: a
+        relief's re-placing, a pipeline joining the shared ledger), and waiting would wait forever."""
+        if ticket.component is None or any(lease is not ticket.lease for lease in self.running):
+            return None
+        return next(((d, self.rest[d] + b) for d, b in ticket.bytes.items()
+                     if b > 0 and self.extra[d] == 0 and self.rest[d] + b > self.room(d)), None)
+
     def offer(self, ticket: Ticket) -> bool:
         """Queue ``ticket`` and admit what the rule lets go; whether ``ticket`` is admitted already."""
         self.waiting.append(ticket)
@@ -411,6 +421,9 @@ class LedgerView(MemoryLedger):
 
     def release(self, ticket: Ticket) -> None:
         self.shared.release(ticket)
+
+    def stranded(self, ticket: Ticket) -> tuple[str, int] | None:
+        return self.shared.stranded(ticket)
 
     def reweigh(self, owner: object, weights: Mapping[str, int]) -> None:
         self.shared.reweigh(owner, weights)
@@ -724,6 +737,13 @@ class Admission:
         with self._changed:
             if not self.ledger.offer(ticket):
                 while not ticket.admitted:
+                    stranded = self.ledger.stranded(ticket)
+                    if stranded is not None:  # nothing can ever admit it: the call fails as too large, not hangs
+                        self.ledger.waiting.remove(ticket)
+                        device, need = stranded
+                        raise CallTooLargeError(device, need, self.ledger.room(device),
+                                                self.ledger.memory.get(device, 0),
+                                                f"{ticket.component!r}'s call beside its request")
                     self._changed.wait()
             self._changed.notify_all()
 
