@@ -105,7 +105,7 @@ class GuardedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:
         self._timer = None
-        self._draining, self._dropped, self._partial = False, 0, False
+        self._draining, self._dropped, self._partial, self._refused = False, 0, False, False
         super().connection_made(transport)
         self.born = self.loop.time()
         if len(self.connections) > self.most and not self._evict():
@@ -128,6 +128,11 @@ class GuardedH11(H11Protocol):
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:  # answered and half-closed (``_write_and_close``): what still comes is read and dropped
+            self._dropped += len(data)
+            if self._dropped > self.limits.drain:
+                self._close()
+            return
         if self._draining:  # the rest of a body answered early, which h11 drops: ``drain`` bytes at most
             self._dropped += len(data)
             if self._dropped > self.limits.drain:
@@ -213,8 +218,17 @@ class GuardedH11(H11Protocol):
     # ---- closing ----
 
     def _write_and_close(self, answer: bytes) -> None:
+        """``answer``, then a lingering close: this side shut for writing (the client reads the answer, then the
+        end), what the client still sends read and dropped (``drain`` bytes, ``linger`` seconds at most), then
+        closed. Closing at once while the client is still sending (the rest of a 100 KiB head after its 431) makes
+        the kernel reset the connection, and a reset can reach the client before the answer it would have read."""
         self.transport.write(answer)
-        self._close()
+        if self.transport.is_closing() or not self.transport.can_write_eof():
+            self._close()
+            return
+        self.transport.write_eof()
+        self._refused, self._dropped = True, 0
+        self._arm(self.limits.linger, self._close, "drain")
 
     def _close(self) -> None:
         self._disarm()
