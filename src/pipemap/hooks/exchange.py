@@ -42,6 +42,7 @@ class Exchange:
         self.barrier = threading.Barrier(ranks)
         self.devices: dict[str, list[torch.device]] = {}  # each rank's device, by device type: where to push parts
         self.streams: dict[tuple[str, str], Any] = {}  # the copies' streams, by (their GPU, the GPU sending)
+        self.held: dict[int, list] = {}  # each rank's parts of its last push, alive until its next push has fenced
 
     def swap(self, rank: int, value, between: Callable[[], None] | None = None) -> list:
         """Every rank's ``value``, in rank order, once all ranks have given theirs (``between`` runs while all are
@@ -60,7 +61,7 @@ class Exchange:
     def renew(self) -> None:
         self.slots = [None] * self.ranks
         self.barrier = threading.Barrier(self.ranks)
-        self.devices = {}
+        self.devices = {}  # ``held`` kept: the parts of a call's last exchange stay fenced by the next call's first
 
     def push(self, rank: int, device: torch.device, parts: list) -> list:
         """Every rank's part for ``rank``, in rank order: each rank copies its parts to the others' devices itself
@@ -90,7 +91,13 @@ class Exchange:
                 compute.wait_stream(inbox)
             compute.wait_stream(out)  # the parts are not overwritten before they left
 
-        return [mine[rank] for mine in self.swap(rank, moved, received)]
+        arrived = [mine[rank] for mine in self.swap(rank, moved, received)]
+        # the parts that arrived are read on this rank's compute stream after this returns; freed then, their memory
+        # (the inbox stream's) could go to a peer's next copy into this GPU before this rank's next push has fenced
+        # its inboxes behind that read (the peer may copy first): a write after the read, unordered. Held until the
+        # next push, after its fence, they cannot be reused sooner (found by the fake CUDA's race check)
+        self.held[rank] = arrived
+        return arrived
 
     def _stream(self, device: torch.device, source: torch.device):
         return self.streams.setdefault((str(device), str(source)), torch.cuda.Stream(device))
