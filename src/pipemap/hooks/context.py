@@ -136,7 +136,7 @@ def gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     if home.type != "cpu" and group.name() == "gloo":  # two ranks on one GPU (``workers.shared_gpu``): gloo's
         x = x.cpu()  # all-gather read a GPU tensor as host memory (a segfault on the H200): through the host
     x = x.contiguous()
-    if symbolic(x):  # stand-ins: the functional op
+    if symbolic(x) or x.requires_grad:  # stand-ins, or a graph to backpropagate through: the functional op
         joined = funcol.wait_tensor(_all_gather(x, 0, group)).to(home)
         return torch.cat(joined.chunk(group.size(), dim=0), dim=dim) if dim else joined
     parts = [torch.empty_like(x) for _ in range(group.size())]  # as ulysses.exchange: no functional wrapping

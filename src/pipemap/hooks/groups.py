@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import math
 import os
 import socket
 from typing import Any, cast
@@ -159,7 +160,7 @@ def messages(metas: list[tuple[tuple[int, ...], torch.dtype]]) -> list[list[int]
     found: list[list[int]] = []
     size = 0
     for i, (shape, dtype) in enumerate(metas):
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             continue
         last = found[-1] if found else None
@@ -170,13 +171,6 @@ def messages(metas: list[tuple[tuple[int, ...], torch.dtype]]) -> list[list[int]
             found.append([i])
             size = nbytes
     return found
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
 
 
 def send_tensors(group: Any, tensors: list[torch.Tensor], peer: int, device: torch.device) -> list:
